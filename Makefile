@@ -1,0 +1,24 @@
+# Two commands on a fresh machine: `make dev` (Dagster UI with the examples) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: dev test install clean
+
+$(BIN)/cmb-dagster: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/cmb-dagster
+
+dev: install
+	$(BIN)/cmb-dagster dev
+
+test: install
+	$(BIN)/pytest -q
+
+clean:
+	-$(BIN)/cmb-dagster db stop
+	rm -rf $(VENV) .cmb

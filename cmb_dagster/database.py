@@ -1,0 +1,172 @@
+"""The cmb database: one URL (or the embedded server), one schema, a connection pool, migrations."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool
+
+from cmb_dagster import migrations
+from cmb_dagster.embedded import embedded_url
+from cmb_dagster.errors import DatabaseUnavailable
+from cmb_dagster.settings import Settings
+
+CONNECT_TIMEOUT_S = 5
+
+
+class Database:
+    """Where cmb tables live: a Postgres URL plus a schema, with a lazily opened connection pool.
+
+    Build it with :meth:`from_settings` (``CMB_DATABASE_URL`` or the embedded server) or from a URL.
+    The first connection checks the server is reachable and applies pending migrations.
+    """
+
+    def __init__(self, url: str, *, schema: str = "cmb", max_pool_size: int = 10, migrate: bool = True) -> None:
+        self.url = url
+        self.schema = Settings(schema_name=schema).schema_name
+        self.max_pool_size = max_pool_size
+        self._migrate = migrate
+        self._ready = False
+        self._pool: ConnectionPool | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None, **kwargs: object) -> Database:
+        """The database the settings name: their URL, or the embedded server under their home."""
+        settings = settings or Settings.from_env()
+        url = settings.database_url or embedded_url(settings.home)
+        return cls(url, schema=settings.schema_name, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def shared(cls, url: str | None = None, schema: str | None = None) -> Database:
+        """One Database per (url, schema) in this process, so ops and sensors reuse one pool."""
+        settings = Settings.from_env(database_url=url, schema_name=schema)
+        key = (settings.database_url, settings.schema_name, str(settings.home))
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls.from_settings(settings)
+            return _SHARED[key]
+
+    # -- connections -------------------------------------------------------------------------
+
+    @property
+    def connect_kwargs(self) -> dict[str, object]:
+        """Keyword arguments for psycopg.connect: cmb schema first on the search_path."""
+        return {"options": f"-c search_path={self.schema},public", "connect_timeout": CONNECT_TIMEOUT_S}
+
+    def connect(self, *, autocommit: bool = False) -> psycopg.Connection:
+        """A new connection of its own (not from the pool); the caller closes it."""
+        self.ensure_ready()
+        return self._raw_connect(autocommit=autocommit)
+
+    @property
+    def pool(self) -> ConnectionPool:
+        """The process-wide connection pool, opened on first use."""
+        self.ensure_ready()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    self.url,
+                    kwargs=self.connect_kwargs,
+                    min_size=1,
+                    max_size=self.max_pool_size,
+                    open=True,
+                    check=ConnectionPool.check_connection,  # survive a server restart
+                    name=f"cmb:{self.schema}",
+                )
+            return self._pool
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """Borrow a pooled connection; the block's work commits on success and rolls back on error."""
+        with self.pool.connection() as conn:
+            yield conn
+
+    def close(self) -> None:
+        """Close the pool (connections in use are closed when returned)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    # -- readiness and migrations -------------------------------------------------------------
+
+    def ensure_ready(self) -> None:
+        """Check the server answers, refuse a schema newer than this package, and migrate if behind."""
+        if self._ready:
+            return
+        with self._raw_connect(autocommit=True) as conn:
+            version = migrations.current_version(conn, self.schema)
+            migrations.check_not_newer(version, self.schema)
+            if self._migrate and version != migrations.latest_version():
+                conn.autocommit = False
+                migrations.upgrade(conn, self.schema)
+        self._ready = True
+
+    def upgrade(self) -> list[migrations.Migration]:
+        """Apply pending migrations now; return those applied."""
+        with self._raw_connect() as conn:
+            applied = migrations.upgrade(conn, self.schema)
+        self._ready = True
+        return applied
+
+    def status(self) -> dict[str, object]:
+        """Server version, schema, applied and expected schema versions."""
+        with self._raw_connect(autocommit=True) as conn:
+            server = conn.execute("SHOW server_version").fetchone()[0]
+            version = migrations.current_version(conn, self.schema)
+        return {
+            "server": self.display_url,
+            "server_version": server,
+            "schema": self.schema,
+            "version": version,
+            "latest": migrations.latest_version(),
+        }
+
+    @property
+    def display_url(self) -> str:
+        """The URL with its password masked."""
+        return mask_password(self.url)
+
+    def _raw_connect(self, *, autocommit: bool = False) -> psycopg.Connection:
+        try:
+            return psycopg.connect(self.url, autocommit=autocommit, **self.connect_kwargs)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(_unreachable_message(self.url, exc)) from None
+
+
+_SHARED: dict[tuple[str | None, str, str], Database] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def mask_password(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def server_address(url: str) -> str:
+    """``host:port`` (or the socket directory) that ``url`` points at."""
+    info = conninfo_to_dict(url)
+    host = info.get("host") or "localhost"
+    port = info.get("port") or "5432"
+    return f"{host}:{port}" if not str(host).startswith("/") else f"socket {host}/.s.PGSQL.{port}"
+
+
+def _unreachable_message(url: str, exc: psycopg.OperationalError) -> str:
+    reason = (str(exc).strip().splitlines() or ["no answer"])[-1].strip()
+    parts = urlsplit(url)
+    if parts.password:
+        reason = reason.replace(parts.password, "***")
+    return (
+        f"cannot connect to Postgres at {server_address(url)} ({reason}); "
+        "check that the server runs and that CMB_DATABASE_URL is right"
+    )

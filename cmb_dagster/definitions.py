@@ -1,0 +1,43 @@
+"""The one factory that assembles a code location's cmb_dagster Definitions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dagster import DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
+
+from cmb_dagster import migrations
+from cmb_dagster.resources import CmbResource
+
+
+@op(description="Record that this code location reached the cmb database, with server and schema versions.")
+def record_health_check(context: OpExecutionContext, cmb: CmbResource) -> None:
+    with cmb.connection() as conn:
+        server = conn.execute("SHOW server_version").fetchone()[0]
+        version = migrations.current_version(conn, cmb.database.schema)
+        row = conn.execute(
+            "INSERT INTO health_checks (source, server_version, schema_version) VALUES (%s, %s, %s) RETURNING id",
+            (f"dagster run {context.run_id}", server, version),
+        ).fetchone()
+    context.log.info(f"health check {row[0]}: Postgres {server}, schema {cmb.database.schema} v{version}")
+
+
+@job(description="Checks the cmb database answers and records it in cmb.health_checks.")
+def cmb_health_check() -> None:
+    record_health_check()
+
+
+cmb_health_check_schedule = ScheduleDefinition(
+    job=cmb_health_check, cron_schedule="*/5 * * * *", default_status=DefaultScheduleStatus.RUNNING
+)
+
+
+def cmb_definitions(*, resource: CmbResource | None = None, **definitions: Any) -> Definitions:
+    """Definitions with the cmb resource (key ``cmb``), the health check, and your own ``jobs``,
+    ``schedules``, ``sensors``, ``assets`` and ``resources`` merged in."""
+    ours = Definitions(
+        jobs=[cmb_health_check],
+        schedules=[cmb_health_check_schedule],
+        resources={"cmb": resource or CmbResource()},
+    )
+    return Definitions.merge(ours, Definitions(**definitions))

@@ -1,0 +1,21 @@
+"""Errors raised by cmb_dagster; every one carries a message fit to print as a single line."""
+
+
+class CmbError(Exception):
+    """Base class of every cmb_dagster error."""
+
+
+class DatabaseUnavailable(CmbError):
+    """Postgres could not be reached (the message names host and port, never the password)."""
+
+
+class EmbeddedServerError(CmbError):
+    """The embedded Postgres server could not be started (the message names its log file)."""
+
+
+class SchemaTooNew(CmbError):
+    """The database schema was migrated by a newer cmb_dagster than this one."""
+
+
+class ConfigError(CmbError):
+    """A setting is invalid."""

@@ -1,0 +1,1 @@
+"""Example code location loaded by workspace.yaml."""

@@ -1,0 +1,84 @@
+"""Dagster shell of the worker runtime: a bounded-time worker job and the sensor that keeps it running."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dagster import (
+    Config,
+    DefaultSensorStatus,
+    DagsterRunStatus,
+    JobDefinition,
+    OpExecutionContext,
+    RunRequest,
+    RunsFilter,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SkipReason,
+    job,
+    op,
+    sensor,
+)
+from pydantic import Field
+
+from cmb_dagster.database import Database
+from cmb_dagster.resources import CmbResource
+from cmb_dagster.workers import WorkerReport
+
+ACTIVE_STATUSES = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
+
+RunWorker = Callable[[Database, float, OpExecutionContext], WorkerReport]
+
+
+class WorkerConfig(Config):
+    """How long one run of a worker job works before it ends and the sensor launches the next."""
+
+    duration_seconds: float = Field(default=300.0, gt=0, description="Seconds this run keeps working.")
+
+
+def worker_job(name: str, run_worker: RunWorker, *, description: str) -> JobDefinition:
+    """A job whose single op runs ``run_worker(database, duration, context)`` and reports what it did."""
+
+    @op(name=f"{name}_op", description=description)
+    def _worker_op(context: OpExecutionContext, config: WorkerConfig, cmb: CmbResource) -> None:
+        report = run_worker(cmb.database, config.duration_seconds, context)
+        context.log.info(
+            f"worker {report.owner} held {sorted(report.held)}: {report.items} items in {report.steps} steps, "
+            f"{report.errors} errors, {report.seconds:.1f}s"
+        )
+        context.add_output_metadata(
+            {"items": report.items, "steps": report.steps, "errors": report.errors, "seconds": report.seconds}
+        )
+
+    @job(name=name, description=description, tags={"cmb/worker": name})
+    def _worker_job() -> None:
+        _worker_op()
+
+    return _worker_job
+
+
+def keep_running_sensor(
+    worker: JobDefinition, *, minimum_interval_seconds: int = 30, default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING
+) -> SensorDefinition:
+    """A sensor that launches ``worker`` whenever none of its runs is queued or in progress."""
+
+    @sensor(
+        name=f"{worker.name}_keeper",
+        job=worker,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        description=f"Keeps one run of {worker.name} going at all times.",
+    )
+    def _keeper(context: SensorEvaluationContext) -> RunRequest | SkipReason:
+        active = context.instance.get_runs(RunsFilter(job_name=worker.name, statuses=ACTIVE_STATUSES), limit=1)
+        if active:
+            return SkipReason(f"run {active[0].run_id} of {worker.name} is {active[0].status.value}")
+        return RunRequest()
+
+    return _keeper

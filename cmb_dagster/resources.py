@@ -1,0 +1,36 @@
+"""The Dagster resource that hands ops, assets and sensors the cmb database."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from cmb_dagster.database import Database
+
+
+class CmbResource(ConfigurableResource):
+    """The cmb database for ops, assets and sensors: a pooled connection in the cmb schema.
+
+    Leave ``database_url`` unset to use ``CMB_DATABASE_URL`` (or, when that is unset too, the embedded
+    server); pass ``EnvVar("MY_URL")`` to read another variable.
+    """
+
+    database_url: str | None = Field(
+        default=None, description="Postgres URL; unset means CMB_DATABASE_URL, or the embedded server."
+    )
+    schema_name: str | None = Field(default=None, description="Schema of cmb tables; unset means CMB_SCHEMA or 'cmb'.")
+
+    @property
+    def database(self) -> Database:
+        """The process-wide :class:`Database` for this URL and schema."""
+        return Database.shared(self.database_url, self.schema_name)
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A pooled connection; its transaction commits when the block succeeds."""
+        with self.database.connection() as conn:
+            yield conn

@@ -1,0 +1,60 @@
+"""Settings read from the environment: where the database is and which schema holds cmb tables."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cmb_dagster.errors import ConfigError
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class Settings(BaseModel):
+    """Database URL (``None`` = the embedded server), schema name and the home of local state."""
+
+    model_config = ConfigDict(frozen=True)
+
+    database_url: str | None = Field(default=None, description="CMB_DATABASE_URL; unset = embedded Postgres.")
+    schema_name: str = Field(default="cmb", description="CMB_SCHEMA: the Postgres schema of cmb tables.")
+    home: Path = Field(default=Path(".cmb"), description="CMB_HOME: embedded server data and Dagster artifacts.")
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema_is_identifier(cls, value: str) -> str:
+        if not _IDENTIFIER.match(value):
+            raise ValueError(f"schema name {value!r} must be a lowercase SQL identifier (a-z, 0-9, _)")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _url_is_postgres(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must start with postgresql:// (a libpq URL)")
+        return value or None
+
+    @field_validator("home")
+    @classmethod
+    def _home_is_absolute(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        """Settings from CMB_DATABASE_URL, CMB_SCHEMA and CMB_HOME; keyword overrides win."""
+        values: dict[str, object] = {
+            "database_url": os.environ.get("CMB_DATABASE_URL") or None,
+            "schema_name": os.environ.get("CMB_SCHEMA") or "cmb",
+            "home": os.environ.get("CMB_HOME") or ".cmb",
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise ConfigError(_one_line(exc)) from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())

@@ -1,0 +1,226 @@
+"""The worker runtime shared by every engine: partitions owned through leases, a loop bounded in time.
+
+A worker of some ``kind`` (``"callbacks.bucket"``, ``"pubsub.consumer"``, ...) is given the partitions it
+may serve. It holds a partition by a row in ``leases`` that it renews every ``ttl / 3`` seconds; a worker
+that dies stops renewing and loses the partition after ``ttl`` seconds, and whoever asks next takes it
+over with a higher fence. The same loop runs inside a Dagster op (relaunched by a sensor) and inside a
+long-running ``cmb-dagster ... worker`` process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import psycopg
+
+from cmb_dagster.database import Database
+from cmb_dagster.errors import CmbError
+
+log = logging.getLogger("cmb_dagster.workers")
+
+_ACQUIRE = """
+INSERT INTO leases AS l (kind, partition, owner, expires_at)
+SELECT %(kind)s, p, %(owner)s, now() + make_interval(secs => %(ttl)s)
+FROM unnest(%(partitions)s::text[]) AS p
+ON CONFLICT (kind, partition) DO UPDATE
+    SET owner = EXCLUDED.owner,
+        expires_at = EXCLUDED.expires_at,
+        fence = l.fence + (l.owner <> EXCLUDED.owner OR l.expires_at <= now())::int,
+        acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > now()
+                           THEN l.acquired_at ELSE now() END
+    WHERE l.owner = EXCLUDED.owner OR l.expires_at <= now()
+RETURNING partition, fence
+"""
+
+_RELEASE = """
+UPDATE leases SET expires_at = '-infinity'
+WHERE kind = %(kind)s AND owner = %(owner)s AND partition = ANY(%(partitions)s::text[])
+"""
+
+_CHECK = """
+SELECT 1 FROM leases
+WHERE kind = %(kind)s AND partition = %(partition)s AND owner = %(owner)s AND fence = %(fence)s
+  AND expires_at > now()
+FOR SHARE
+"""
+
+
+class LeaseLost(CmbError):
+    """A worker found that a partition it worked on is no longer its own."""
+
+
+def default_owner() -> str:
+    """A worker name unique to this process: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A held partition: the fence proves ownership inside a transaction (see :meth:`Leases.check`)."""
+
+    kind: str
+    partition: str
+    owner: str
+    fence: int
+
+
+class Leases:
+    """Acquire, renew, check and release partition leases of one kind for one owner."""
+
+    def __init__(self, db: Database, kind: str, owner: str | None = None, ttl: float = 10.0) -> None:
+        self.db = db
+        self.kind = kind
+        self.owner = owner or default_owner()
+        self.ttl = ttl
+
+    def acquire(self, partitions: Iterable[str]) -> dict[str, Lease]:
+        """Take (or renew) every partition that is free, expired or already ours; return those held."""
+        params = {"kind": self.kind, "owner": self.owner, "ttl": self.ttl, "partitions": list(partitions)}
+        with self.db.connection() as conn:
+            rows = conn.execute(_ACQUIRE, params).fetchall()
+        return {p: Lease(self.kind, p, self.owner, fence) for p, fence in rows}
+
+    def release(self, partitions: Iterable[str]) -> None:
+        """Give partitions up at once, so another worker need not wait for the expiry."""
+        params = {"kind": self.kind, "owner": self.owner, "partitions": list(partitions)}
+        with self.db.connection() as conn:
+            conn.execute(_RELEASE, params)
+
+    @staticmethod
+    def check(conn: psycopg.Connection, lease: Lease) -> None:
+        """Inside ``conn``'s transaction: raise LeaseLost unless ``lease`` is still held and unexpired.
+
+        The row stays share-locked until the transaction ends, so no one can take the partition over
+        between this check and the commit of the work it guards.
+        """
+        params = {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
+        if conn.execute(_CHECK, params).fetchone() is None:
+            raise LeaseLost(f"{lease.kind} partition {lease.partition!r} is no longer held by {lease.owner}")
+
+
+Step = Callable[[Lease], int]
+
+
+@dataclass
+class WorkerReport:
+    """What a worker run did."""
+
+    owner: str
+    steps: int = 0
+    items: int = 0
+    errors: int = 0
+    held: set[str] = field(default_factory=set)
+    seconds: float = 0.0
+
+
+class Worker:
+    """Runs ``step(lease)`` for each partition it holds, again and again, until its time is up.
+
+    ``step`` does one bounded batch for one partition and returns how many items it handled; when
+    no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`). A step
+    that raises is logged and its partition is retried after a growing backoff.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        kind: str,
+        partitions: Sequence[str],
+        step: Step,
+        *,
+        owner: str | None = None,
+        ttl: float = 10.0,
+        idle_sleep: float = 1.0,
+        max_backoff: float = 30.0,
+        on_progress: Callable[[WorkerReport], None] | None = None,
+    ) -> None:
+        if not partitions:
+            raise ValueError("a worker needs at least one partition")
+        self.leases = Leases(db, kind, owner, ttl)
+        self.partitions = list(partitions)
+        self.step = step
+        self.idle_sleep = idle_sleep
+        self.max_backoff = max_backoff
+        self.on_progress = on_progress
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    @property
+    def owner(self) -> str:
+        return self.leases.owner
+
+    def stop(self) -> None:
+        """Ask the loop to finish its current step and return."""
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Cut the current idle sleep short (e.g. on a NOTIFY hint)."""
+        self._wake.set()
+
+    def run(self, duration: float | None = None) -> WorkerReport:
+        """Loop for ``duration`` seconds (None: until :meth:`stop`); release the leases on the way out."""
+        started = time.monotonic()
+        deadline = None if duration is None else started + duration
+        report = WorkerReport(owner=self.owner)
+        held: dict[str, Lease] = {}
+        renew_every = self.leases.ttl / 3
+        next_renew = 0.0
+        retry_at: dict[str, float] = {}
+        failures: dict[str, int] = {}
+        try:
+            while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                now = time.monotonic()
+                if now >= next_renew:
+                    try:
+                        held = dict(self.leases.acquire(self.partitions))
+                    except (psycopg.Error, CmbError) as exc:
+                        log.warning("lease renewal failed (%s); retrying", exc)
+                        held = {}
+                    next_renew = now + renew_every
+                    report.held = set(held)
+                handled = 0
+                for partition, lease in sorted(held.items()):
+                    if self._stop.is_set() or retry_at.get(partition, 0) > time.monotonic():
+                        continue
+                    try:
+                        count = self.step(lease)
+                    except LeaseLost as exc:
+                        log.warning("%s", exc)
+                        next_renew = 0.0
+                        continue
+                    except Exception:  # noqa: BLE001 - one failing partition must not stop the others
+                        failures[partition] = failures.get(partition, 0) + 1
+                        delay = min(self.max_backoff, 0.5 * 2 ** (failures[partition] - 1))
+                        retry_at[partition] = time.monotonic() + delay
+                        report.errors += 1
+                        log.exception("%s partition %r failed; retrying in %.1fs", self.leases.kind, partition, delay)
+                        continue
+                    failures.pop(partition, None)
+                    report.steps += 1
+                    report.items += count
+                    handled += count
+                if self.on_progress is not None:
+                    report.seconds = time.monotonic() - started
+                    self.on_progress(report)
+                if handled == 0:
+                    wait = self.idle_sleep if held else renew_every
+                    if deadline is not None:
+                        wait = max(0.0, min(wait, deadline - time.monotonic()))
+                    self._wake.wait(wait)
+                    self._wake.clear()
+        finally:
+            if held:
+                try:
+                    self.leases.release(held)
+                except (psycopg.Error, CmbError) as exc:
+                    log.warning("could not release leases (%s); they expire in %.0fs", exc, self.leases.ttl)
+            report.seconds = time.monotonic() - started
+        return report

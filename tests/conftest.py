@@ -1,0 +1,89 @@
+"""Test databases: one migrated template per server, copied into a fresh database for each test.
+
+``CMB_TEST_DATABASE_URL`` points the tests at a real server; unset, they use the embedded one
+(under ``CMB_HOME``, default ``./.cmb``), started once and shared with everything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from cmb_dagster import migrations
+from cmb_dagster.database import Database
+from cmb_dagster.embedded import embedded_url
+from cmb_dagster.settings import Settings
+
+
+def with_dbname(url: str, dbname: str) -> str:
+    """``url`` pointing at another database on the same server."""
+    return urlsplit(url)._replace(path=f"/{dbname}").geturl()
+
+
+@pytest.fixture(scope="session")
+def server_url() -> str:
+    """URL of the server the tests use (its maintenance database)."""
+    return os.environ.get("CMB_TEST_DATABASE_URL") or embedded_url(Settings.from_env().home)
+
+
+@pytest.fixture(scope="session")
+def template_db(server_url: str) -> str:
+    """Name of a database migrated to the latest version, to copy from."""
+    digest = hashlib.sha1("".join(m.sql for m in migrations.available()).encode()).hexdigest()[:10]
+    name = f"cmb_test_template_{digest}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute("SELECT pg_advisory_lock(hashtext('cmb_dagster.test_template'))")
+        try:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                Database(with_dbname(server_url, name)).upgrade()
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtext('cmb_dagster.test_template'))")
+    return name
+
+
+def _create_database(server_url: str, template: str | None) -> tuple[str, str]:
+    name = f"cmb_test_{uuid.uuid4().hex[:12]}"
+    query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        query = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template))
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(query)
+    return name, with_dbname(server_url, name)
+
+
+def _drop_database(server_url: str, name: str) -> None:
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def database_url(server_url: str, template_db: str) -> Iterator[str]:
+    """URL of a fresh database, already migrated, dropped after the test."""
+    name, url = _create_database(server_url, template_db)
+    yield url
+    _drop_database(server_url, name)
+
+
+@pytest.fixture
+def empty_database_url(server_url: str) -> Iterator[str]:
+    """URL of a fresh database with nothing in it, dropped after the test."""
+    name, url = _create_database(server_url, None)
+    yield url
+    _drop_database(server_url, name)
+
+
+@pytest.fixture
+def db(database_url: str) -> Iterator[Database]:
+    """A migrated :class:`Database` of its own for this test."""
+    database = Database(database_url)
+    yield database
+    database.close()

@@ -1,0 +1,46 @@
+from pathlib import Path
+
+import pytest
+
+from cmb_dagster import migrations
+from cmb_dagster.database import mask_password, server_address
+from cmb_dagster.errors import ConfigError
+from cmb_dagster.settings import Settings
+
+
+def test_defaults_from_an_empty_environment(monkeypatch):
+    for var in ("CMB_DATABASE_URL", "CMB_SCHEMA", "CMB_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    settings = Settings.from_env()
+    assert settings.database_url is None
+    assert settings.schema_name == "cmb"
+    assert settings.home == Path(".cmb").absolute()
+
+
+def test_environment_is_read(monkeypatch, tmp_path):
+    monkeypatch.setenv("CMB_DATABASE_URL", "postgresql://u@h:1/d")
+    monkeypatch.setenv("CMB_SCHEMA", "cmb_two")
+    monkeypatch.setenv("CMB_HOME", str(tmp_path))
+    settings = Settings.from_env()
+    assert (settings.database_url, settings.schema_name, settings.home) == ("postgresql://u@h:1/d", "cmb_two", tmp_path)
+
+
+@pytest.mark.parametrize("field,value", [("schema_name", "Bad-Schema"), ("database_url", "mysql://x")])
+def test_bad_settings_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        Settings.from_env(**{field: value})
+
+
+def test_password_is_masked():
+    assert mask_password("postgresql://u:s3cret@h:5432/d") == "postgresql://u:***@h:5432/d"
+    assert mask_password("postgresql://u@h/d") == "postgresql://u@h/d"
+
+
+def test_server_address_names_host_and_port():
+    assert server_address("postgresql://u:p@db.example:6543/d") == "db.example:6543"
+    assert server_address("postgresql://u@/d?host=/tmp/sock") == "socket /tmp/sock/.s.PGSQL.5432"
+
+
+def test_migrations_are_numbered_without_gaps():
+    versions = [m.version for m in migrations.available()]
+    assert versions == list(range(1, len(versions) + 1))
