@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def dagster_env(settings: Settings, db: Database) -> dict[str, str]:
     """Variables that dagster.yaml reads: storage on the cmb server, artifacts under CMB_HOME."""
     env = {
         "CMB_HOME": str(settings.home),
+        "CMB_DAGSTER_ARTIFACTS": str(settings.home / "dagster"),
         "CMB_DAGSTER_STORAGE_URL": os.environ.get("CMB_DAGSTER_STORAGE_URL") or dagster_storage_url(db.url),
     }
     if settings.database_url is None:
@@ -63,6 +65,7 @@ def dev(host: str, port: int, workspace: str) -> None:
     click.echo(f"Dagster UI: http://{host}:{port}", err=False)
     sys.stdout.flush()
     dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a shell's background job ignores SIGINT; dagster needs it to stop
     os.execvpe(dagster, [dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)], env)
 
 

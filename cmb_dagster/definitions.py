@@ -1,7 +1,5 @@
 """The one factory that assembles a code location's cmb_dagster Definitions."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from dagster import DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op

@@ -1,7 +1,5 @@
 """Dagster shell of the worker runtime: a bounded-time worker job and the sensor that keeps it running."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 
 from dagster import (

@@ -1,6 +1,5 @@
 """The Dagster resource that hands ops, assets and sensors the cmb database."""
 
-from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager

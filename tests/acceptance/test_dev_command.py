@@ -1,0 +1,121 @@
+"""`cmb-dagster dev` brings up the UI with the examples; a restart keeps runs and cmb rows."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cmb_dagster.embedded import embedded_url
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def graphql(port: int, query: str, variables: dict | None = None) -> dict:
+    body = json.dumps({"query": query, "variables": variables or {}}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["data"]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except OSError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+LOCATIONS = "{ workspaceOrError { ... on Workspace { locationEntries { name locationOrLoadError { __typename } } } } }"
+LAUNCH = """mutation($job: String!) { launchRun(executionParams: {selector: {repositoryLocationName: "cmb_examples",
+  repositoryName: "__repository__", jobName: $job}, runConfigData: {}}) {
+  __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }"""
+RUN = "query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }"
+
+
+class DevServer:
+    def __init__(self, env: dict[str, str], port: int, log: Path):
+        self.port = port
+        self.log = log.open("ab")
+        self.proc = subprocess.Popen([*CLI, "dev", "--port", str(port)], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        wait_until(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2), 120, "the UI")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        finally:
+            self.log.close()
+
+
+@pytest.fixture
+def dev_env(tmp_path, empty_database_url):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CMB_", "DAGSTER_"))}
+    env["CMB_HOME"] = str(tmp_path / "home")
+    if os.environ.get("CMB_TEST_DATABASE_URL"):
+        env["CMB_DATABASE_URL"] = empty_database_url  # the real server: a database of our own
+    yield env
+    if "CMB_DATABASE_URL" not in env:
+        subprocess.run([*CLI, "db", "stop"], env=env, timeout=60)
+
+
+def test_dev_serves_examples_and_restart_keeps_runs_and_rows(dev_env, tmp_path):
+    port = free_port()
+    server = DevServer(dev_env, port, tmp_path / "dev.log")
+    try:
+        entries = graphql(port, LOCATIONS)["workspaceOrError"]["locationEntries"]
+        assert [(e["name"], e["locationOrLoadError"]["__typename"]) for e in entries] == [
+            ("cmb_examples", "RepositoryLocation")
+        ]
+        launched = graphql(port, LAUNCH, {"job": "cmb_health_check"})["launchRun"]
+        assert launched["__typename"] == "LaunchRunSuccess", launched
+        run_id = launched["run"]["runId"]
+        status = wait_until(
+            lambda: graphql(port, RUN, {"id": run_id})["runOrError"]["status"] in ("SUCCESS", "FAILURE")
+            and graphql(port, RUN, {"id": run_id})["runOrError"]["status"], 120, "the run to finish")
+        assert status == "SUCCESS", (tmp_path / "dev.log").read_text()[-3000:]
+    finally:
+        server.stop()
+    if "CMB_DATABASE_URL" not in dev_env:  # embedded: restart the server itself too
+        subprocess.run([*CLI, "db", "stop"], env=dev_env, timeout=60, check=True)
+    server = DevServer(dev_env, port, tmp_path / "dev.log")
+    try:
+        assert graphql(port, RUN, {"id": run_id})["runOrError"]["status"] == "SUCCESS"
+        cmb_url = dev_env.get("CMB_DATABASE_URL") or embedded_url(Path(dev_env["CMB_HOME"]))
+        with psycopg.connect(cmb_url) as conn:
+            assert conn.execute("SELECT count(*) FROM cmb.health_checks WHERE source = %s",
+                                (f"dagster run {run_id}",)).fetchone() == (1,)
+    finally:
+        server.stop()
+
+
+def test_definitions_validate_on_the_workspace():
+    dagster = Path(sys.executable).parent / "dagster"
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
+    result = subprocess.run([str(dagster), "definitions", "validate", "-w", "workspace.yaml"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "All code locations passed validation" in result.stdout + result.stderr

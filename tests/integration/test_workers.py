@@ -1,0 +1,79 @@
+import threading
+import time
+
+import pytest
+
+from cmb_dagster.workers import Leases, LeaseLost, Worker
+
+
+def wait_until(predicate, timeout=10.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def test_a_partition_has_one_owner_until_its_lease_expires(db):
+    a = Leases(db, "test.kind", owner="a", ttl=0.5)
+    b = Leases(db, "test.kind", owner="b", ttl=0.5)
+    held_a = a.acquire(["p1", "p2"])
+    assert set(held_a) == {"p1", "p2"}
+    assert b.acquire(["p1", "p2", "p3"]).keys() == {"p3"}
+    wait_until(lambda: "p1" in b.acquire(["p1"]), timeout=5)
+    assert b.acquire(["p1"])["p1"].fence == held_a["p1"].fence + 1
+    with db.connection() as conn:
+        with pytest.raises(LeaseLost):
+            Leases.check(conn, held_a["p1"])
+
+
+def test_release_hands_over_at_once(db):
+    a = Leases(db, "test.kind", owner="a", ttl=60)
+    b = Leases(db, "test.kind", owner="b", ttl=60)
+    a.acquire(["p"])
+    assert b.acquire(["p"]) == {}
+    a.release(["p"])
+    assert set(b.acquire(["p"])) == {"p"}
+
+
+def test_worker_steps_held_partitions_and_backs_off_a_failing_one(db):
+    calls: dict[str, int] = {"good": 0, "bad": 0}
+
+    def step(lease):
+        calls[lease.partition] += 1
+        if lease.partition == "bad":
+            raise RuntimeError("boom")
+        return 1 if calls["good"] <= 5 else 0
+
+    worker = Worker(db, "test.kind", ["good", "bad"], step, idle_sleep=0.05)
+    report = worker.run(duration=1.5)
+    assert calls["good"] > 5 and report.items == 5
+    assert 1 <= calls["bad"] <= 3  # 0.5 s, then 1 s of backoff: not hammered
+    assert report.errors == calls["bad"] and report.held == {"good", "bad"}
+    assert set(Leases(db, "test.kind", owner="other").acquire(["good", "bad"])) == {"good", "bad"}  # released
+
+
+def test_two_workers_split_nothing_and_a_stopped_one_hands_over(db):
+    seen: list[tuple[str, str]] = []
+
+    def step_for(name):
+        def step(lease):
+            seen.append((name, lease.partition))
+            return 0
+        return step
+
+    first = Worker(db, "test.kind", ["p"], step_for("first"), idle_sleep=0.02)
+    second = Worker(db, "test.kind", ["p"], step_for("second"), ttl=0.6, idle_sleep=0.02)
+    thread = threading.Thread(target=first.run)
+    thread.start()
+    wait_until(lambda: ("first", "p") in seen)
+    second_thread = threading.Thread(target=second.run, kwargs={"duration": 5})
+    second_thread.start()
+    time.sleep(0.3)  # the second worker must stay idle while the first holds the lease
+    assert ("second", "p") not in seen
+    first.stop()
+    thread.join()
+    wait_until(lambda: ("second", "p") in seen, timeout=5)
+    second.stop()
+    second_thread.join()
