@@ -112,9 +112,13 @@ def test_dev_serves_examples_and_restart_keeps_runs_and_rows(dev_env, tmp_path):
         server.stop()
 
 
-def test_definitions_validate_on_the_workspace():
+def test_definitions_validate_on_the_workspace(database_url):
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"} | {"CMB_DATABASE_URL": database_url}
+    exports = subprocess.run([*CLI, "env"], env=env, capture_output=True, text=True, check=True).stdout
+    for line in exports.splitlines():  # what `eval "$(cmb-dagster env)"` does
+        key, value = line.removeprefix("export ").split("=", 1)
+        env[key] = value.strip("'")
     dagster = Path(sys.executable).parent / "dagster"
-    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
     result = subprocess.run([str(dagster), "definitions", "validate", "-w", "workspace.yaml"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
