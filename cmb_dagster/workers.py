@@ -125,14 +125,15 @@ class Worker:
 
     ``step`` does one bounded batch for one partition and returns how many items it handled; when
     no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`). A step
-    that raises is logged and its partition is retried after a growing backoff.
+    that raises is logged and its partition is retried after a growing backoff. ``partitions`` may be
+    a function, asked again at every lease renewal, for partitions that can be added while it runs.
     """
 
     def __init__(
         self,
         db: Database,
         kind: str,
-        partitions: Sequence[str],
+        partitions: Sequence[str] | Callable[[], Sequence[str]],
         step: Step,
         *,
         owner: str | None = None,
@@ -141,10 +142,10 @@ class Worker:
         max_backoff: float = 30.0,
         on_progress: Callable[[WorkerReport], None] | None = None,
     ) -> None:
-        if not partitions:
+        if not callable(partitions) and not partitions:
             raise ValueError("a worker needs at least one partition")
         self.leases = Leases(db, kind, owner, ttl)
-        self.partitions = list(partitions)
+        self.partitions = partitions if callable(partitions) else list(partitions)
         self.step = step
         self.idle_sleep = idle_sleep
         self.max_backoff = max_backoff
@@ -180,7 +181,8 @@ class Worker:
                 now = time.monotonic()
                 if now >= next_renew:
                     try:
-                        held = dict(self.leases.acquire(self.partitions))
+                        wanted = self.partitions() if callable(self.partitions) else self.partitions
+                        held = dict(self.leases.acquire(wanted))
                     except (psycopg.Error, CmbError) as exc:
                         log.warning("lease renewal failed (%s); retrying", exc)
                         held = {}

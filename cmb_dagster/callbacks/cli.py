@@ -1,0 +1,188 @@
+"""``cmb-dagster callbacks``: create, inspect and cancel callbacks, and run a worker outside Dagster."""
+
+import json
+import logging
+import signal
+import threading
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import click
+
+from cmb_dagster.callbacks.client import CallbackClient
+from cmb_dagster.callbacks.errors import CallbackValidationError
+from cmb_dagster.callbacks.models import CallbackSettings
+from cmb_dagster.callbacks.schedules import materialize_schedules
+from cmb_dagster.callbacks.worker import CallbackWorker
+from cmb_dagster.database import Database
+from cmb_dagster.settings import Settings
+
+KEYS = [click.argument("owner_client_id"), click.argument("group_key"), click.argument("event_key")]
+
+
+def _keys(f):  # type: ignore[no-untyped-def]
+    for decorator in reversed(KEYS):
+        f = decorator(f)
+    return f
+
+
+def _client() -> CallbackClient:
+    return CallbackClient(Database.from_settings(Settings.from_env()), buffered=False)
+
+
+def _json(value: str | None, name: str) -> Any:
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise CallbackValidationError(f"{name}: not valid JSON ({exc.msg})") from None
+
+
+def _when(at: str | None, delay: float | None) -> datetime:
+    if (at is None) == (delay is None):
+        raise click.UsageError("give exactly one of --at and --in")
+    if delay is not None:
+        return datetime.now(UTC) + timedelta(seconds=delay)
+    try:
+        when = datetime.fromisoformat(at)  # type: ignore[arg-type]
+    except ValueError:
+        raise CallbackValidationError(f"run_at: {at!r} is not an ISO 8601 time") from None
+    if when.tzinfo is None:
+        raise CallbackValidationError(f"run_at: {at!r} has no timezone (add Z or +HH:MM)")
+    return when
+
+
+@click.group()
+def callbacks() -> None:
+    """Delayed callbacks: call a URL (or launch a Dagster job) at a given time."""
+
+
+@callbacks.command()
+@_keys
+@click.option("--at", "at", help="When to call, ISO 8601 with a timezone (e.g. 2030-01-01T09:00:00Z).")
+@click.option("--in", "delay", type=float, help="When to call, in seconds from now.")
+@click.option("--url", "cb_url", required=True, help="http(s):// URL to POST to, or dagster://<job_name>.")
+@click.option("--context", help="JSON sent along with the call.")
+@click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
+def create(owner_client_id: str, group_key: str, event_key: str, at: str | None, delay: float | None,
+           cb_url: str, context: str | None, retry: str | None) -> None:
+    """Schedule a callback; print its event id."""
+    with _client() as client:
+        event_id = client.create(owner_client_id, group_key, event_key, _when(at, delay), cb_url,
+                                 _json(context, "context"), _json(retry, "retry"))
+    click.echo(event_id)
+
+
+@callbacks.command()
+@_keys
+def show(owner_client_id: str, group_key: str, event_key: str) -> None:
+    """Print an event as JSON."""
+    with _client() as client:
+        event = client.get(owner_client_id, group_key, event_key)
+    click.echo(event.model_dump_json(indent=2))
+
+
+@callbacks.command(name="list")
+@click.option("--owner", "owner_client_id", help="Only this owner's events.")
+@click.option("--group", "group_key", help="Only this group's events.")
+@click.option("--status", help="pending, notified, failed, cancelled or rejected.")
+@click.option("--limit", default=100, show_default=True)
+def list_(owner_client_id: str | None, group_key: str | None, status: str | None, limit: int) -> None:
+    """List events by run_at."""
+    with _client() as client:
+        events = client.list(owner_client_id, group_key, status, limit)
+    for e in events:
+        click.echo(f"{e.event_id}\t{e.status.value}\t{e.run_at.isoformat()}\t{e.owner_client_id}/{e.group_key}/"
+                   f"{e.event_key}\t{e.cb_url}\tattempts={e.attempts}")
+
+
+@callbacks.command()
+@_keys
+def cancel(owner_client_id: str, group_key: str, event_key: str) -> None:
+    """Cancel a pending event."""
+    with _client() as client:
+        client.cancel(owner_client_id, group_key, event_key)
+    click.echo("cancelled")
+
+
+@callbacks.command()
+@_keys
+@click.option("--force", is_flag=True, help="Delete even a pending event due within a minute.")
+def delete(owner_client_id: str, group_key: str, event_key: str, force: bool) -> None:
+    """Delete an event."""
+    with _client() as client:
+        client.delete(owner_client_id, group_key, event_key, force=force)
+    click.echo("deleted")
+
+
+@callbacks.command()
+@click.option("--ttl-days", default=30, show_default=True, help="Remove finished events older than this.")
+def clean(ttl_days: int) -> None:
+    """Remove finished events and change_log entries older than --ttl-days."""
+    with _client() as client:
+        report = client.clean(ttl_days)
+    click.echo(f"removed {report.events} events, {report.change_log} change_log entries")
+
+
+@callbacks.command()
+@click.argument("count", type=int)
+def buckets(count: int) -> None:
+    """Raise the number of buckets to COUNT (existing events keep their bucket)."""
+    with _client() as client:
+        ids = client.set_bucket_count(count)
+    click.echo(f"{len(ids)} buckets")
+
+
+@callbacks.command()
+@click.option("--buckets", "bucket_list", help="Comma-separated bucket ids (default: all, including added ones).")
+@click.option("--duration", type=float, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
+@click.option("--concurrency", type=int, help="Parallel calls.")
+@click.option("--timeout", type=float, help="Seconds one call may take.")
+@click.option("--poll-interval", type=float, help="Seconds between polls of a bucket.")
+@click.option("--materialize/--no-materialize", default=True, show_default=True,
+              help="Also turn cron schedules into events, every 30 s.")
+def worker(bucket_list: str | None, duration: float | None, concurrency: int | None, timeout: float | None,
+           poll_interval: float | None, materialize: bool) -> None:
+    """Call callbacks back, as a long-running process (SIGTERM finishes the calls in flight, then exits)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval}
+    settings = CallbackSettings(**{k: v for k, v in overrides.items() if v is not None})
+    db = Database.from_settings(Settings.from_env())
+    chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None
+    runner = CallbackWorker(db, settings, buckets=chosen)
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: (stopped.set(), runner.stop()))
+    if materialize:
+        def materialize_loop() -> None:
+            while not stopped.is_set():
+                try:
+                    materialize_schedules(db)
+                except Exception:
+                    logging.getLogger("cmb_dagster.callbacks").exception("materializing schedules failed")
+                stopped.wait(30)
+
+        threading.Thread(target=materialize_loop, name="cmb-callback-schedules", daemon=True).start()
+    click.echo(f"callbacks worker {runner.owner} on buckets {bucket_list or 'all'}", err=True)
+    report = runner.run(duration)
+    stopped.set()
+    click.echo(f"delivered {report.items} events in {report.seconds:.1f}s ({report.errors} errors)", err=True)
+
+
+@callbacks.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8765, show_default=True)
+def sink(host: str, port: int) -> None:
+    """Run a local endpoint that prints every callback it receives (try callbacks without a service)."""
+    from cmb_dagster.callbacks.sink import CallbackSink
+
+    server = CallbackSink(host, port, keep=False)
+    server.on_call.append(lambda call: click.echo(f"{datetime.now(UTC).isoformat()} {call.path} {json.dumps(call.body)}"))
+    server.start()
+    click.echo(f"listening on {server.url}; POST callbacks there (Ctrl-C stops)", err=True)
+    done = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: done.set())
+    done.wait()
+    server.stop()

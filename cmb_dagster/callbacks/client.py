@@ -1,0 +1,401 @@
+"""The callbacks API: create, read, change and clean events and schedules."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Self
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue
+
+from cmb_dagster.callbacks import sql
+from cmb_dagster.callbacks.errors import (
+    CallbackConflict,
+    CallbackInvalidState,
+    CallbackNotFound,
+    CallbackValidationError,
+)
+from cmb_dagster.callbacks.models import (
+    CallbackEvent,
+    CallbackSchedule,
+    CallbackSettings,
+    CallbackStatus,
+    NewCallback,
+    NewSchedule,
+    RetryPolicy,
+    check_context,
+    check_url,
+    validated,
+)
+from cmb_dagster.callbacks.schedules import materialize_schedules
+from cmb_dagster.callbacks.worker import bucket_ids
+from cmb_dagster.callbacks.writer import EventWriter, insert_events
+from cmb_dagster.database import Database
+
+CLEAN_BATCH = 10_000
+
+
+@dataclass(frozen=True)
+class CleanReport:
+    """What :meth:`CallbackClient.clean` removed."""
+
+    events: int
+    change_log: int
+    fire_times: int
+
+
+class CallbackClient:
+    """Creates and manages callbacks in the cmb database (a :class:`Database` or a Postgres URL).
+
+    ``create`` calls from many threads are buffered and written together (one multi-row insert per
+    batch); each call returns once its own row is committed.
+    """
+
+    def __init__(
+        self,
+        database: Database | str,
+        settings: CallbackSettings | None = None,
+        *,
+        schema: str = "cmb",
+        buffered: bool = True,
+    ) -> None:
+        self._owns_db = isinstance(database, str)
+        self.db = Database(database, schema=schema) if isinstance(database, str) else database
+        self.settings = settings or CallbackSettings()
+        self._writer = EventWriter(self.db, self.settings) if buffered else None
+
+    def close(self) -> None:
+        """Stop the write buffer (and close the database if this client opened it)."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._owns_db:
+            self.db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def create(
+        self,
+        owner_client_id: str,
+        group_key: str,
+        event_key: str,
+        run_at: datetime,
+        cb_url: str,
+        context: Any = None,
+        retry: RetryPolicy | dict[str, Any] | None = None,
+    ) -> int:
+        """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
+
+        Creating an existing key again with the same payload returns the existing id; with another
+        payload it raises CallbackConflict.
+        """
+        event = self._new(locals())
+        if self._writer is None:
+            return self.create_many([event])[0]
+        return self._writer.write(event)
+
+    def create_many(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
+        """Create several events in one transaction: all of them, or (on any error) none."""
+        rows = [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
+        if not rows:
+            return []
+        with self.db.connection() as conn:
+            results = insert_events(conn, rows)
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+        return results  # type: ignore[return-value]
+
+    def get(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
+        """The event with these keys (CallbackNotFound if there is none)."""
+        with self.db.connection() as conn:
+            row = conn.cursor(row_factory=dict_row).execute(sql.GET_EVENT, _keys(owner_client_id, group_key, event_key)).fetchone()
+        if row is None:
+            raise CallbackNotFound(_missing(owner_client_id, group_key, event_key))
+        return CallbackEvent.model_validate(row)
+
+    def list(
+        self,
+        owner_client_id: str | None = None,
+        group_key: str | None = None,
+        status: CallbackStatus | str | None = None,
+        limit: int = 100,
+    ) -> list[CallbackEvent]:
+        """Events by run_at, filtered by owner, group and status."""
+        if status is not None:
+            status = validated(_StatusFilter, {"status": status}).status.value
+        params = {"owner": owner_client_id, "group": group_key, "status": status, "limit": limit}
+        with self.db.connection() as conn:
+            rows = conn.cursor(row_factory=dict_row).execute(sql.LIST_EVENTS, params).fetchall()
+        return [CallbackEvent.model_validate(r) for r in rows]
+
+    def update(
+        self,
+        owner_client_id: str,
+        group_key: str,
+        event_key: str,
+        *,
+        run_at: datetime | None = None,
+        originally_run_at: datetime | None = None,
+        cb_url: str | None = None,
+        context: Any = None,
+        i_ensure_pending: bool = False,
+    ) -> CallbackEvent:
+        """Change a pending event's run_at, originally_run_at (defaults to the new run_at), cb_url or context.
+
+        A cancelled event can be changed too with ``i_ensure_pending=True``, which makes it pending again.
+        """
+        changes = validated(
+            _Update, {"run_at": run_at, "originally_run_at": originally_run_at, "cb_url": cb_url, "context": context}
+        )
+        if changes.cb_url is not None:
+            check_url(changes.cb_url, self.settings)
+        with self.db.connection() as conn:
+            conn.execute(sql.LOCK_EVENT_IDS)  # before the row lock, in the same order as inserts
+            before = self._lock(conn, owner_client_id, group_key, event_key)
+            allowed = before["status"] == "pending" or (before["status"] == "cancelled" and i_ensure_pending)
+            if not allowed:
+                hint = " (pass i_ensure_pending=True to revive a cancelled one)" if before["status"] == "cancelled" else ""
+                raise CallbackInvalidState(
+                    f"{_name(owner_client_id, group_key, event_key)} is {before['status']}: only pending events can be "
+                    f"updated{hint}"
+                )
+            new_run_at = changes.run_at or before["run_at"]
+            url = changes.cb_url or before["cb_url"]
+            new_context = before["context"] if context is None else changes.context
+            check_context(new_context, self.settings, url)
+            params = {
+                "event_id": before["event_id"],
+                "run_at": new_run_at,
+                "originally_run_at": changes.originally_run_at or changes.run_at or before["originally_run_at"],
+                "cb_url": url,
+                "context": None if new_context is None else json.dumps(new_context),
+            }
+            after = conn.cursor(row_factory=dict_row).execute(sql.UPDATE_EVENT, params).fetchone()
+            _log(conn, "update", before, after)
+        return CallbackEvent.model_validate(after)
+
+    def cancel(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
+        """Cancel a pending event (CallbackInvalidState for any other status)."""
+        with self.db.connection() as conn:
+            before = self._lock(conn, owner_client_id, group_key, event_key)
+            if before["status"] != "pending":
+                raise CallbackInvalidState(
+                    f"{_name(owner_client_id, group_key, event_key)} is {before['status']}: only pending events can be cancelled"
+                )
+            after = conn.cursor(row_factory=dict_row).execute(sql.CANCEL_EVENT, {"event_id": before["event_id"]}).fetchone()
+            _log(conn, "cancel", before, after)
+        return CallbackEvent.model_validate(after)
+
+    def delete(self, owner_client_id: str, group_key: str, event_key: str, *, force: bool = False) -> None:
+        """Delete an event; a pending one due within a minute only with ``force=True``."""
+        with self.db.connection() as conn:
+            before = self._lock(conn, owner_client_id, group_key, event_key)
+            if before["status"] == "pending" and before["due_soon"] and not force:
+                raise CallbackInvalidState(
+                    f"{_name(owner_client_id, group_key, event_key)} is pending and due within 1 minute "
+                    f"(run_at {before['run_at'].isoformat()}): pass force=True to delete it anyway"
+                )
+            conn.execute(sql.DELETE_EVENT, {"event_id": before["event_id"]})
+            _log(conn, "delete", before, None)
+
+    def change_log(self, owner_client_id: str, group_key: str, event_key: str) -> list[dict[str, Any]]:
+        """User changes of this event, oldest first: action, time, and the event before and after."""
+        with self.db.connection() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            return cur.execute(sql.CHANGE_LOG, _keys(owner_client_id, group_key, event_key)).fetchall()
+
+    # -- schedules ---------------------------------------------------------------------------------
+
+    def create_schedule(
+        self,
+        owner_client_id: str,
+        group_key: str,
+        schedule_key: str,
+        cron: str,
+        cb_url: str,
+        *,
+        timezone: str = "UTC",
+        context: Any = None,
+        retry: RetryPolicy | dict[str, Any] | None = None,
+        horizon: float = 3600.0,
+    ) -> CallbackSchedule:
+        """Create a cron schedule: one event per fire time, materialized ``horizon`` seconds ahead.
+
+        The same keys with the same definition return the existing schedule; another definition conflicts.
+        """
+        data = {k: v for k, v in locals().items() if k != "self" and v is not None}
+        new = validated(NewSchedule, data).check(self.settings)
+        params = {
+            "owner": new.owner_client_id,
+            "group": new.group_key,
+            "key": new.schedule_key,
+            "cron": new.cron,
+            "timezone": new.timezone,
+            "cb_url": new.cb_url,
+            "context": None if new.context is None else json.dumps(new.context),
+            "retry": new.retry.model_dump_json(),
+            "horizon": int(new.horizon),
+        }
+        with self.db.connection() as conn:
+            row = conn.cursor(row_factory=dict_row).execute(sql.INSERT_SCHEDULE, params).fetchone()
+        if row is not None:
+            return CallbackSchedule.model_validate(row)
+        existing = self.get_schedule(new.owner_client_id, new.group_key, new.schedule_key)
+        same = (existing.cron, existing.timezone, existing.cb_url, existing.context, existing.retry, existing.horizon) == (
+            new.cron, new.timezone, new.cb_url, new.context, new.retry, float(int(new.horizon)))
+        if not same:
+            raise CallbackConflict(
+                f"schedule {new.owner_client_id}/{new.group_key}/{new.schedule_key} exists with another definition"
+            )
+        return existing
+
+    def get_schedule(self, owner_client_id: str, group_key: str, schedule_key: str) -> CallbackSchedule:
+        """The schedule with these keys (CallbackNotFound if there is none)."""
+        with self.db.connection() as conn:
+            row = conn.cursor(row_factory=dict_row).execute(
+                sql.GET_SCHEDULE, _keys(owner_client_id, group_key, schedule_key)
+            ).fetchone()
+        if row is None:
+            raise CallbackNotFound(f"no schedule {owner_client_id}/{group_key}/{schedule_key}")
+        return CallbackSchedule.model_validate(row)
+
+    def list_schedules(self, owner_client_id: str | None = None) -> list[CallbackSchedule]:
+        """Schedules, optionally of one owner."""
+        with self.db.connection() as conn:
+            rows = conn.cursor(row_factory=dict_row).execute(sql.LIST_SCHEDULES, {"owner": owner_client_id}).fetchall()
+        return [CallbackSchedule.model_validate(r) for r in rows]
+
+    def pause_schedule(self, owner_client_id: str, group_key: str, schedule_key: str) -> None:
+        """Stop a schedule: its future events are removed until it is resumed."""
+        self._change_schedule(owner_client_id, group_key, schedule_key, sql.PAUSE_SCHEDULE)
+
+    def resume_schedule(self, owner_client_id: str, group_key: str, schedule_key: str) -> None:
+        """Restart a paused schedule from now on (fire times missed while paused do not fire)."""
+        self._change_schedule(owner_client_id, group_key, schedule_key, sql.RESUME_SCHEDULE)
+
+    def delete_schedule(self, owner_client_id: str, group_key: str, schedule_key: str) -> None:
+        """Delete a schedule and its future events (events already due or done stay)."""
+        self._change_schedule(owner_client_id, group_key, schedule_key, sql.DELETE_SCHEDULE)
+
+    def materialize_schedules(self) -> int:
+        """Create the events of every active schedule up to its horizon; return how many were created."""
+        return materialize_schedules(self.db)
+
+    # -- buckets and cleanup -----------------------------------------------------------------------
+
+    def bucket_ids(self) -> list[int]:
+        """The buckets events are spread over."""
+        return bucket_ids(self.db)
+
+    def set_bucket_count(self, count: int) -> list[int]:
+        """Raise the number of buckets to ``count`` (existing events keep theirs); return the bucket ids."""
+        with self.db.connection() as conn:
+            conn.execute(sql.LOCK_BUCKETS)
+            current = len([row for row in conn.execute(sql.BUCKET_IDS)])
+            if count < current:
+                raise CallbackValidationError(f"count: buckets can only be raised ({current} now, asked {count})")
+            if count > current:
+                conn.execute(sql.ADD_BUCKETS, {"count": count})
+        return self.bucket_ids()
+
+    def clean(self, ttl_days: int = 30) -> CleanReport:
+        """Delete finished events whose run_at is older than ``ttl_days``, and change_log entries as old."""
+        ttl = validated(_Clean, {"ttl_days": ttl_days}).ttl_days
+        counts = []
+        for statement in (sql.CLEAN_EVENTS, sql.CLEAN_CHANGE_LOG):
+            total = 0
+            while True:
+                with self.db.connection() as conn:
+                    deleted = conn.execute(statement, {"ttl_days": ttl, "limit": CLEAN_BATCH}).rowcount
+                total += deleted
+                if deleted < CLEAN_BATCH:
+                    break
+            counts.append(total)
+        with self.db.connection() as conn:
+            fire_times = conn.execute(sql.CLEAN_SCHEDULED_EVENTS, {"ttl_days": ttl}).rowcount
+        return CleanReport(events=counts[0], change_log=counts[1], fire_times=fire_times)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _new(self, data: dict[str, Any]) -> NewCallback:
+        data = {k: v for k, v in data.items() if k != "self" and not (k == "retry" and v is None)}
+        return validated(NewCallback, data).check(self.settings)
+
+    def _lock(self, conn: psycopg.Connection, owner: str, group: str, key: str) -> dict[str, Any]:
+        row = conn.cursor(row_factory=dict_row).execute(sql.LOCK_EVENT, _keys(owner, group, key)).fetchone()
+        if row is None:
+            raise CallbackNotFound(_missing(owner, group, key))
+        return row
+
+    def _change_schedule(self, owner: str, group: str, key: str, statement: str) -> None:
+        with self.db.connection() as conn:
+            row = conn.execute(sql.LOCK_SCHEDULE, _keys(owner, group, key)).fetchone()
+            if row is None:
+                raise CallbackNotFound(f"no schedule {owner}/{group}/{key}")
+            if statement in (sql.PAUSE_SCHEDULE, sql.DELETE_SCHEDULE):
+                conn.execute(sql.DROP_FUTURE_EVENTS, {"schedule_id": row[0]})
+            conn.execute(statement, {"schedule_id": row[0]})
+
+
+def _log(conn: psycopg.Connection, action: str, before: dict[str, Any], after: dict[str, Any] | None) -> None:
+    def snapshot(row: dict[str, Any] | None) -> Jsonb | None:
+        if row is None:
+            return None
+        return Jsonb(CallbackEvent.model_validate(row).model_dump(mode="json"))
+
+    conn.execute(
+        sql.LOG_CHANGE,
+        {
+            "action": action,
+            "event_id": before["event_id"],
+            "owner": before["owner_client_id"],
+            "group": before["group_key"],
+            "key": before["event_key"],
+            "before": snapshot(before),
+            "after": snapshot(after),
+        },
+    )
+
+
+def _keys(owner: str, group: str, key: str) -> dict[str, str]:
+    return {"owner": owner, "group": group, "key": key}
+
+
+def _name(owner: str, group: str, key: str) -> str:
+    return f"event {owner}/{group}/{key}"
+
+
+def _missing(owner: str, group: str, key: str) -> str:
+    return f"no {_name(owner, group, key)}"
+
+
+class _Update(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_at: AwareDatetime | None
+    originally_run_at: AwareDatetime | None
+    cb_url: str | None = Field(min_length=1, max_length=2048)
+    context: JsonValue = None
+
+    def model_post_init(self, _: Any) -> None:
+        if all(v is None for v in (self.run_at, self.originally_run_at, self.cb_url, self.context)):
+            raise CallbackValidationError("update: give at least one of run_at, originally_run_at, cb_url, context")
+
+
+class _StatusFilter(BaseModel):
+    status: CallbackStatus
+
+
+class _Clean(BaseModel):
+    ttl_days: int = Field(ge=0)

@@ -1,0 +1,179 @@
+"""Dagster shell of the callbacks engine: worker jobs and their keepers, cleanup, the schedules materializer,
+and the launcher that turns ``dagster://<job>`` callbacks into queued runs."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from dagster import (
+    Config,
+    DagsterInstance,
+    DefaultScheduleStatus,
+    DefaultSensorStatus,
+    Definitions,
+    OpExecutionContext,
+    RepositoryDefinition,
+    RunsFilter,
+    ScheduleDefinition,
+    SensorEvaluationContext,
+    SkipReason,
+    job,
+    op,
+    sensor,
+)
+from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
+from dagster._core.run_coordinator import QueuedRunCoordinator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cmb_dagster.callbacks.client import CallbackClient
+from cmb_dagster.callbacks.models import CallbackSettings, NewSchedule
+from cmb_dagster.callbacks.schedules import materialize_schedules
+from cmb_dagster.callbacks.worker import CallbackWorker, bucket_ids
+from cmb_dagster.database import Database
+from cmb_dagster.jobs import keep_running_sensor, worker_job
+from cmb_dagster.resources import CmbResource
+from cmb_dagster.workers import WorkerReport
+
+RUN_KEY_TAG = "cmb/callback_run_key"
+
+
+class CallbackJobs(BaseModel):
+    """What :func:`cmb_definitions(callbacks=...)` adds: worker jobs, cleanup and the schedules materializer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; job i serves buckets with id % workers == i.")
+    settings: CallbackSettings = Field(default_factory=CallbackSettings)
+    cleanup_cron: str = Field(default="0 21 * * *", description="When the cleanup runs (every evening by default).")
+    cleanup_timezone: str = "UTC"
+    ttl_days: int = Field(default=30, ge=0, description="Finished events and change_log older than this are removed.")
+    materialize_interval_seconds: int = Field(default=30, ge=5, description="How often schedules are materialized.")
+
+    @field_validator("cleanup_cron")
+    @classmethod
+    def _cron_is_valid(cls, value: str) -> str:
+        NewSchedule.model_validate({"owner_client_id": "x", "group_key": "x", "schedule_key": "x", "cron": value,
+                                    "cb_url": "http://x"})
+        return value
+
+    def worker_job_name(self, index: int) -> str:
+        """Name of worker job ``index``."""
+        return "callbacks_worker" if self.workers == 1 else f"callbacks_worker_{index}_of_{self.workers}"
+
+
+class DagsterRunLauncher:
+    """Launches ``dagster://<job>`` callbacks as runs of a job in the same code location, queued for the daemon.
+
+    A run is tagged with the event's run key; launching the same key again returns the run launched before.
+    """
+
+    def __init__(
+        self,
+        instance: DagsterInstance,
+        repository: RepositoryDefinition,
+        remote_origin: RemoteRepositoryOrigin,
+        python_origin: RepositoryPythonOrigin,
+    ) -> None:
+        self.instance = instance
+        self.repository = repository
+        self.remote_origin = remote_origin
+        self.python_origin = python_origin
+
+    @classmethod
+    def from_context(cls, context: OpExecutionContext) -> "DagsterRunLauncher | None":
+        """The launcher for the code location of the run ``context`` belongs to (None when run in process)."""
+        run = context.dagster_run
+        if run.remote_job_origin is None or run.job_code_origin is None:
+            return None
+        return cls(
+            context.instance,
+            context.repository_def,
+            run.remote_job_origin.repository_origin,
+            run.job_code_origin.repository_origin,
+        )
+
+    def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        """Queue a run of ``job_name``; return its run id."""
+        existing = self.instance.get_run_ids(RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1)
+        if existing:
+            return existing[0]
+        if not self.repository.has_job(job_name):
+            raise LookupError(f"code location has no job {job_name!r}")
+        if not isinstance(self.instance.run_coordinator, QueuedRunCoordinator):
+            raise RuntimeError("dagster:// callbacks need the QueuedRunCoordinator (see dagster.yaml)")
+        run = self.instance.create_run_for_job(
+            job_def=self.repository.get_job(job_name),
+            run_config=dict(run_config),
+            tags={**tags, RUN_KEY_TAG: run_key},
+            remote_job_origin=RemoteJobOrigin(repository_origin=self.remote_origin, job_name=job_name),
+            job_code_origin=JobPythonOrigin(job_name, self.python_origin),
+        )
+        self.instance.submit_run(run.run_id, workspace=None)  # type: ignore[arg-type]
+        return run.run_id
+
+
+def _run_worker(options: CallbackJobs, index: int):  # type: ignore[no-untyped-def]
+    def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
+        def buckets() -> list[int]:  # asked at each lease renewal: raised bucket counts are picked up
+            return [b for b in bucket_ids(database) if b % options.workers == index]
+
+        worker = CallbackWorker(
+            database, options.settings, buckets=buckets, launcher=DagsterRunLauncher.from_context(context)
+        )
+        return worker.run(duration)
+
+    return run
+
+
+class CleanupConfig(Config):
+    """How old finished events and change_log entries must be to be removed."""
+
+    ttl_days: int = Field(default=30, ge=0)
+
+
+def callback_definitions(options: CallbackJobs | None = None) -> Definitions:
+    """The callbacks engine's jobs, schedules and sensors, for :func:`cmb_definitions(callbacks=...)`."""
+    options = options or CallbackJobs()
+    workers = [
+        worker_job(
+            options.worker_job_name(i),
+            _run_worker(options, i),
+            description=f"Calls callbacks back: polls buckets with id % {options.workers} == {i} for a bounded time.",
+        )
+        for i in range(options.workers)
+    ]
+
+    @op(name="callbacks_clean_op", description="Deletes finished callback events and change_log older than ttl_days.")
+    def clean_op(context: OpExecutionContext, config: CleanupConfig, cmb: CmbResource) -> None:
+        report = CallbackClient(cmb.database, options.settings, buffered=False).clean(config.ttl_days)
+        context.log.info(f"removed {report.events} events, {report.change_log} change_log entries")
+        context.add_output_metadata({"events": report.events, "change_log": report.change_log})
+
+    @job(name="callbacks_cleanup", description="Removes old finished callback events and change_log entries.")
+    def cleanup_job() -> None:
+        clean_op()
+
+    cleanup_schedule = ScheduleDefinition(
+        name="callbacks_cleanup_schedule",
+        job=cleanup_job,
+        cron_schedule=options.cleanup_cron,
+        execution_timezone=options.cleanup_timezone,
+        run_config={"ops": {"callbacks_clean_op": {"config": {"ttl_days": options.ttl_days}}}},
+        default_status=DefaultScheduleStatus.RUNNING,
+    )
+
+    @sensor(
+        name="callbacks_schedules_materializer",
+        minimum_interval_seconds=options.materialize_interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Turns callback cron schedules into events up to their horizon.",
+    )
+    def materializer(context: SensorEvaluationContext, cmb: CmbResource) -> SkipReason:
+        created = materialize_schedules(cmb.database)
+        return SkipReason(f"created {created} scheduled callback events")
+
+    return Definitions(
+        jobs=[*workers, cleanup_job],
+        schedules=[cleanup_schedule],
+        sensors=[*(keep_running_sensor(w) for w in workers), materializer],
+    )

@@ -1,0 +1,23 @@
+"""Typed errors of the callbacks engine; each message names the event (or field) and what went wrong."""
+
+from cmb_dagster.errors import CmbError
+
+
+class CallbackError(CmbError):
+    """Base class of callbacks errors."""
+
+
+class CallbackNotFound(CallbackError):
+    """No event (or schedule) has these keys."""
+
+
+class CallbackInvalidState(CallbackError):
+    """The event's status forbids this change (e.g. cancelling a notified event)."""
+
+
+class CallbackConflict(CallbackError):
+    """An event with these keys exists with a different payload."""
+
+
+class CallbackValidationError(CallbackError, ValueError):
+    """Bad input: the message names the field; nothing was written."""

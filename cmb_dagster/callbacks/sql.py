@@ -1,0 +1,278 @@
+"""Every SQL statement of the callbacks engine (tables: migrations/0004_callbacks.sql)."""
+
+EVENT_COLUMNS = """
+    event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
+    context, retry, attempts, main_retries, last_error, schedule_id, created_at, updated_at, finished_at
+"""
+
+# -- creating events ------------------------------------------------------------------------------
+
+# Taken before any statement that draws event ids, and held to commit: ids then grow in commit order,
+# which the poller's query 2 relies on to find events inserted with a run_at already behind it.
+LOCK_EVENT_IDS = "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))"
+
+INSERT_EVENTS = """
+INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
+                                  run_at, originally_run_at, cb_url, context, retry, schedule_id)
+SELECT nextval('callback_event_ids'),
+       (hashtextextended(n.owner || chr(1) || n.grp || chr(1) || n.key, 0) & 9223372036854775807) %% b.buckets,
+       n.owner, n.grp, n.key, n.run_at, n.run_at, n.url, n.context::jsonb, n.retry::jsonb, n.schedule_id
+FROM unnest(%(owners)s::text[], %(groups)s::text[], %(keys)s::text[], %(run_ats)s::timestamptz[],
+            %(urls)s::text[], %(contexts)s::text[], %(retries)s::text[], %(schedule_ids)s::bigint[])
+     WITH ORDINALITY AS n(owner, grp, key, run_at, url, context, retry, schedule_id, ord)
+CROSS JOIN (SELECT count(*) AS buckets FROM callback_buckets) AS b
+ORDER BY n.ord
+ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
+RETURNING event_id, owner_client_id, group_key, event_key
+"""
+
+SELECT_EXISTING = f"""
+SELECT {EVENT_COLUMNS} FROM callback_events
+WHERE (owner_client_id, group_key, event_key) IN (
+    SELECT * FROM unnest(%(owners)s::text[], %(groups)s::text[], %(keys)s::text[]))
+"""
+
+# -- reading and changing events ------------------------------------------------------------------
+
+GET_EVENT = f"""
+SELECT {EVENT_COLUMNS} FROM callback_events
+WHERE owner_client_id = %(owner)s AND group_key = %(group)s AND event_key = %(key)s
+"""
+
+LOCK_EVENT = f"""
+SELECT {EVENT_COLUMNS}, run_at - now() < interval '1 minute' AS due_soon FROM callback_events
+WHERE owner_client_id = %(owner)s AND group_key = %(group)s AND event_key = %(key)s
+FOR UPDATE
+"""
+
+LIST_EVENTS = f"""
+SELECT {EVENT_COLUMNS} FROM callback_events
+WHERE (%(owner)s::text IS NULL OR owner_client_id = %(owner)s)
+  AND (%(group)s::text IS NULL OR group_key = %(group)s)
+  AND (%(status)s::text IS NULL OR status = %(status)s)
+ORDER BY run_at, event_id
+LIMIT %(limit)s
+"""
+
+# A changed event gets a new id (drawn under LOCK_EVENT_IDS), so the poller sees it as freshly inserted
+# wherever its new run_at falls, and a delivery of its old version in flight cannot mark it done.
+UPDATE_EVENT = f"""
+UPDATE callback_events
+SET event_id = nextval('callback_event_ids'), status = 'pending', run_at = %(run_at)s,
+    originally_run_at = %(originally_run_at)s, cb_url = %(cb_url)s, context = %(context)s::jsonb,
+    main_retries = 0, finished_at = NULL, updated_at = now()
+WHERE event_id = %(event_id)s
+RETURNING {EVENT_COLUMNS}
+"""
+
+CANCEL_EVENT = f"""
+UPDATE callback_events SET status = 'cancelled', finished_at = now(), updated_at = now()
+WHERE event_id = %(event_id)s
+RETURNING {EVENT_COLUMNS}
+"""
+
+DELETE_EVENT = "DELETE FROM callback_events WHERE event_id = %(event_id)s"
+
+LOG_CHANGE = """
+INSERT INTO callback_change_log (action, event_id, owner_client_id, group_key, event_key, before, after)
+VALUES (%(action)s, %(event_id)s, %(owner)s, %(group)s, %(key)s, %(before)s, %(after)s)
+"""
+
+CHANGE_LOG = """
+SELECT change_id, at, action, event_id, before, after FROM callback_change_log
+WHERE owner_client_id = %(owner)s AND group_key = %(group)s AND event_key = %(key)s
+ORDER BY change_id
+"""
+
+# -- the poller (one bucket; due-ness judged by the database clock) --------------------------------
+
+POLL_COLUMNS = """
+    event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context, retry,
+    attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in
+"""
+
+# Highest event id visible now: every id at or below it was committed already (ids grow in commit order).
+VISIBLE_EVENT_ID = "SELECT coalesce(max(event_id), 0) FROM callback_events"
+
+# Query 1: events planned ahead, in (run_at, event_id) order past the cursor, due within the lookahead.
+POLL_AHEAD = f"""
+SELECT {POLL_COLUMNS} FROM callback_events
+WHERE bucket_id = %(bucket)s AND status = 'pending'
+  AND (run_at, event_id) > (%(run_at)s, %(event_id)s)
+  AND run_at <= now() + make_interval(secs => %(lookahead)s)
+ORDER BY run_at, event_id
+LIMIT %(limit)s
+"""
+
+# Query 2: events inserted after the cursor had passed their run_at (ids above the seen horizon).
+POLL_LATE = f"""
+SELECT {POLL_COLUMNS} FROM callback_events
+WHERE bucket_id = %(bucket)s AND status = 'pending'
+  AND run_at <= %(run_at)s
+  AND event_id > %(max_event_id)s
+ORDER BY event_id
+LIMIT %(limit)s
+"""
+
+LEASE_REMAINING = """
+SELECT extract(epoch FROM expires_at - clock_timestamp())::float8 FROM leases
+WHERE kind = %(kind)s AND partition = %(partition)s AND owner = %(owner)s AND fence = %(fence)s
+"""
+
+LOAD_WATERMARK = "SELECT max_run_at, cursor_event_id, max_event_id FROM callback_buckets WHERE bucket_id = %(bucket)s"
+
+SAVE_WATERMARK = """
+UPDATE callback_buckets SET max_run_at = %(run_at)s, cursor_event_id = %(event_id)s, max_event_id = %(max_event_id)s
+WHERE bucket_id = %(bucket)s
+"""
+
+# Outcomes of calls, in one statement. 'retry' moves run_at (never to or before the cursor's run_at, so
+# query 1 finds it again) unless stop_after_delay has passed since originally_run_at: then 'failed'.
+FINISH_EVENTS = """
+WITH u AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[], %(tries)s::int[], %(errors)s::text[],
+                         %(delays)s::float8[]) AS u(event_id, outcome, tries, error, delay)
+), d AS (
+    SELECT u.*, e.originally_run_at + make_interval(secs => (e.retry ->> 'stop_after_delay')::float8) AS deadline
+    FROM u JOIN callback_events e USING (event_id)
+    WHERE e.status = 'pending'
+), s AS (
+    SELECT d.*, CASE WHEN d.outcome <> 'retry' THEN d.outcome
+                     WHEN now() >= d.deadline THEN 'failed'
+                     ELSE 'pending' END AS new_status
+    FROM d
+)
+UPDATE callback_events e
+SET status = s.new_status,
+    run_at = CASE WHEN s.new_status = 'pending'
+                  THEN greatest(least(now() + make_interval(secs => s.delay), s.deadline),
+                                %(cursor_run_at)s::timestamptz + interval '1 microsecond')
+                  ELSE e.run_at END,
+    main_retries = e.main_retries + (s.new_status = 'pending')::int,
+    attempts = e.attempts + s.tries,
+    last_error = coalesce(s.error, e.last_error),
+    finished_at = CASE WHEN s.new_status <> 'pending' THEN now() END,
+    updated_at = now()
+FROM s
+WHERE e.event_id = s.event_id AND e.status = 'pending'
+"""
+
+# -- buckets --------------------------------------------------------------------------------------
+
+BUCKET_IDS = "SELECT bucket_id FROM callback_buckets ORDER BY bucket_id"
+
+LOCK_BUCKETS = "LOCK TABLE callback_buckets IN SHARE ROW EXCLUSIVE MODE"
+
+ADD_BUCKETS = """
+INSERT INTO callback_buckets (bucket_id)
+SELECT generate_series((SELECT count(*) FROM callback_buckets), %(count)s - 1)
+"""
+
+BUCKET_STATS = """
+SELECT b.bucket_id, b.max_run_at, b.max_event_id, count(e.event_id) AS pending
+FROM callback_buckets b LEFT JOIN callback_events e ON e.bucket_id = b.bucket_id AND e.status = 'pending'
+GROUP BY b.bucket_id ORDER BY b.bucket_id
+"""
+
+# -- schedules ------------------------------------------------------------------------------------
+
+SCHEDULE_COLUMNS = """
+    schedule_id, owner_client_id, group_key, schedule_key, cron, timezone, cb_url, context, retry,
+    horizon_seconds AS horizon, paused, materialized_until, created_at
+"""
+
+INSERT_SCHEDULE = f"""
+INSERT INTO callback_schedules (owner_client_id, group_key, schedule_key, cron, timezone, cb_url, context, retry,
+                                horizon_seconds, materialized_until)
+VALUES (%(owner)s, %(group)s, %(key)s, %(cron)s, %(timezone)s, %(cb_url)s, %(context)s::jsonb, %(retry)s::jsonb,
+        %(horizon)s, now())
+ON CONFLICT (owner_client_id, group_key, schedule_key) DO NOTHING
+RETURNING {SCHEDULE_COLUMNS}
+"""
+
+GET_SCHEDULE = f"""
+SELECT {SCHEDULE_COLUMNS} FROM callback_schedules
+WHERE owner_client_id = %(owner)s AND group_key = %(group)s AND schedule_key = %(key)s
+"""
+
+LIST_SCHEDULES = f"""
+SELECT {SCHEDULE_COLUMNS} FROM callback_schedules
+WHERE (%(owner)s::text IS NULL OR owner_client_id = %(owner)s)
+ORDER BY schedule_id
+"""
+
+# One materializer per schedule at a time; others skip it.
+CLAIM_SCHEDULES = f"""
+SELECT {SCHEDULE_COLUMNS}, now() AS db_now FROM callback_schedules
+WHERE NOT paused AND materialized_until < now() + make_interval(secs => horizon_seconds)
+ORDER BY schedule_id
+FOR UPDATE SKIP LOCKED
+"""
+
+# Fire times that already have an event are skipped: never two events for one (schedule, fire time).
+CLAIM_FIRE_TIMES = """
+INSERT INTO callback_scheduled_events (schedule_id, fire_at, event_id)
+SELECT %(schedule_id)s, f, NULL FROM unnest(%(fire_ats)s::timestamptz[]) AS f
+ON CONFLICT DO NOTHING
+RETURNING fire_at
+"""
+
+LINK_FIRE_TIMES = """
+UPDATE callback_scheduled_events s SET event_id = u.event_id
+FROM unnest(%(fire_ats)s::timestamptz[], %(event_ids)s::bigint[]) AS u(fire_at, event_id)
+WHERE s.schedule_id = %(schedule_id)s AND s.fire_at = u.fire_at
+"""
+
+SET_MATERIALIZED = "UPDATE callback_schedules SET materialized_until = %(until)s WHERE schedule_id = %(schedule_id)s"
+
+LOCK_SCHEDULE = f"""
+SELECT {SCHEDULE_COLUMNS} FROM callback_schedules
+WHERE owner_client_id = %(owner)s AND group_key = %(group)s AND schedule_key = %(key)s
+FOR UPDATE
+"""
+
+# Pausing or deleting drops the schedule's future events and their fire times, so resuming re-creates them.
+DROP_FUTURE_EVENTS = """
+WITH gone AS (
+    DELETE FROM callback_events
+    WHERE schedule_id = %(schedule_id)s AND status = 'pending' AND originally_run_at > now()
+    RETURNING originally_run_at
+)
+DELETE FROM callback_scheduled_events
+WHERE schedule_id = %(schedule_id)s AND (fire_at > now() OR fire_at IN (SELECT originally_run_at FROM gone))
+"""
+
+PAUSE_SCHEDULE = """
+UPDATE callback_schedules SET paused = true, materialized_until = least(materialized_until, now()), updated_at = now()
+WHERE schedule_id = %(schedule_id)s
+"""
+
+RESUME_SCHEDULE = """
+UPDATE callback_schedules SET paused = false, materialized_until = greatest(materialized_until, now()),
+       updated_at = now()
+WHERE schedule_id = %(schedule_id)s
+"""
+
+DELETE_SCHEDULE = "DELETE FROM callback_schedules WHERE schedule_id = %(schedule_id)s"
+
+# -- cleanup --------------------------------------------------------------------------------------
+
+CLEAN_EVENTS = """
+WITH doomed AS (
+    SELECT event_id FROM callback_events
+    WHERE status <> 'pending' AND run_at < now() - make_interval(days => %(ttl_days)s)
+    LIMIT %(limit)s
+)
+DELETE FROM callback_events e USING doomed WHERE e.event_id = doomed.event_id
+"""
+
+CLEAN_CHANGE_LOG = """
+WITH doomed AS (
+    SELECT change_id FROM callback_change_log WHERE at < now() - make_interval(days => %(ttl_days)s) LIMIT %(limit)s
+)
+DELETE FROM callback_change_log c USING doomed WHERE c.change_id = doomed.change_id
+"""
+
+CLEAN_SCHEDULED_EVENTS = """
+DELETE FROM callback_scheduled_events WHERE fire_at < now() - make_interval(days => %(ttl_days)s)
+"""

@@ -1,0 +1,282 @@
+"""The callbacks worker: polls its buckets by the seed's two queries and calls due events back.
+
+Per bucket it keeps, in memory, a cursor ``(run_at, event_id)`` for query 1 and the highest event id seen
+for query 2 (event ids grow in commit order: see ``sql.LOCK_EVENT_IDS``). In Postgres it keeps a
+conservative copy of both, written in the same transaction as the outcomes of calls: a cursor that stops
+before any event still in flight. A worker that takes a bucket over starts from that copy, so an event is
+lost by no crash; only events in flight at a crash are called again (at least once).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from cmb_dagster.callbacks import sql
+from cmb_dagster.callbacks.delivery import ABANDONED, Delivery, DeliveryPool, JobLauncher
+from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy
+from cmb_dagster.database import Database
+from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport
+
+log = logging.getLogger("cmb_dagster.callbacks")
+
+LEASE_KIND = "callbacks.bucket"
+COMMIT_EVERY = 0.1  # seconds: outcomes of calls wait at most this long (or for a full batch) to be written
+COMMIT_BATCH = 500
+
+
+Position = tuple[datetime, int]
+
+
+@dataclass
+class BucketState:
+    """What a worker knows about one bucket it holds."""
+
+    bucket_id: int
+    fence: int
+    cursor: Position  # query 1 continues after this (run_at, event_id)
+    seen_event_id: int  # query 2: every event id up to this was visible to a poll
+    in_flight: dict[int, Position] = field(default_factory=dict)  # polled, outcome not yet written
+    done: list[Delivery] = field(default_factory=list)  # outcome known, not yet written
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next_poll: float = 0.0
+    last_commit: float = field(default_factory=time.monotonic)
+    lease_deadline: float = 0.0  # monotonic; calls that could outlast it are not started
+
+    def saved_cursor(self) -> Position:
+        """The cursor to persist: never past an event still in flight."""
+        if not self.in_flight:
+            return self.cursor
+        run_at, event_id = min(self.in_flight.values())
+        return min(self.cursor, (run_at, event_id - 1))
+
+
+class CallbackWorker:
+    """Serves buckets: polls due events, calls them through a :class:`DeliveryPool`, writes outcomes.
+
+    Run it with :meth:`run` (bounded or until :meth:`stop`); several workers (threads, processes, hosts)
+    may run on the same buckets, and each bucket is served by one of them at a time.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        settings: CallbackSettings | None = None,
+        *,
+        buckets: Sequence[int] | Callable[[], Sequence[int]] | None = None,
+        launcher: JobLauncher | None = None,
+        owner: str | None = None,
+    ) -> None:
+        self.db = db
+        self.settings = settings or CallbackSettings()
+        self.buckets = buckets
+        self.launcher = launcher
+        self._states: dict[int, BucketState] = {}
+        self._pool: DeliveryPool | None = None
+        self._worker = Worker(
+            db,
+            LEASE_KIND,
+            self._partitions,
+            self.step,
+            owner=owner,
+            ttl=self.settings.lease_ttl,
+            idle_sleep=min(COMMIT_EVERY, self.settings.poll_interval),
+        )
+        self._draining = threading.Event()
+        self.delivered = 0
+
+    @property
+    def owner(self) -> str:
+        return self._worker.owner
+
+    def run(self, duration: float | None = None) -> WorkerReport:
+        """Work for ``duration`` seconds (None: until :meth:`stop`), then finish the calls in flight."""
+        self._pool = DeliveryPool(self.settings, self.launcher)
+        self._draining.clear()
+        timer = None
+        if duration is not None:
+            timer = threading.Timer(duration, self.stop)
+            timer.daemon = True
+            timer.start()
+        try:
+            report = self._worker.run()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._pool.close(timeout=self._longest_call())
+        report.items = self.delivered
+        return report
+
+    def stop(self) -> None:
+        """Stop polling, let calls in flight end and write their outcomes, then return from :meth:`run`."""
+        if self._draining.is_set():
+            return
+        self._draining.set()
+        if self._pool is not None:
+            self._pool.abandon_waiting()
+        self._worker.wake()
+        threading.Thread(target=self._stop_when_drained, name="cmb-callback-drain", daemon=True).start()
+
+    def _stop_when_drained(self) -> None:
+        deadline = time.monotonic() + self._longest_call()
+        while time.monotonic() < deadline:
+            if (self._pool is None or self._pool.busy == 0) and not any(s.done for s in self._states.values()):
+                break
+            self._worker.wake()
+            time.sleep(0.02)
+        self._worker.stop()
+
+    def _partitions(self) -> list[str]:
+        if self.buckets is None:
+            ids = bucket_ids(self.db)
+        else:
+            ids = list(self.buckets() if callable(self.buckets) else self.buckets)
+        return [str(b) for b in ids]
+
+    def _longest_call(self) -> float:
+        # no call starts once the lease could lapse before it ends, and no poll extends it while draining
+        return self.settings.lease_ttl + self.settings.timeout + 1
+
+    # -- one step for one bucket ---------------------------------------------------------------------
+
+    def step(self, lease: Lease) -> int:
+        """Write finished outcomes, then poll when due; return how many events this handled."""
+        state = self._state(lease)
+        now = time.monotonic()
+        handled = 0
+        with state.lock:
+            ready = len(state.done) >= COMMIT_BATCH or (state.done and now - state.last_commit >= COMMIT_EVERY)
+        if ready or (self._draining.is_set() and state.done):
+            handled += self._commit(lease, state)
+        if not self._draining.is_set() and now >= state.next_poll:
+            handled += self._poll(lease, state)
+        return handled
+
+    def _state(self, lease: Lease) -> BucketState:
+        bucket_id = int(lease.partition)
+        state = self._states.get(bucket_id)
+        if state is not None and state.fence == lease.fence:
+            return state
+        with self.db.connection() as conn:
+            run_at, cursor_id, seen = conn.execute(sql.LOAD_WATERMARK, {"bucket": bucket_id}).fetchone()
+        fresh = BucketState(bucket_id, lease.fence, (run_at, cursor_id), seen)
+        if state is not None:  # the lease changed hands meanwhile: keep what is still ours to finish
+            fresh.in_flight, fresh.done = state.in_flight, state.done
+        self._states[bucket_id] = fresh
+        return fresh
+
+    def _poll(self, lease: Lease, state: BucketState) -> int:
+        busy = self._pool.busy if self._pool is not None else 0
+        room = min(self.settings.poll_batch_size, self.settings.max_in_flight - busy)
+        if room <= 0:
+            return 0
+        params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
+        with self.db.connection() as conn:
+            asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
+            remaining = conn.execute(sql.LEASE_REMAINING, _lease_params(lease)).fetchone()
+            if remaining is None:
+                raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
+            state.lease_deadline = asked_at + remaining[0]
+            visible = conn.execute(sql.VISIBLE_EVENT_ID).fetchone()[0]
+            with state.lock:
+                cursor, seen = state.cursor, state.seen_event_id
+            ahead = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]}).fetchall()
+            answered_at = time.monotonic()  # after it is read: due times err late, never early
+            if ahead:
+                cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
+            late = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen}).fetchall()
+        full = len(ahead) == room or len(late) == room
+        new_seen = late[-1][0] if len(late) == room else max(seen, visible)
+        fresh = []
+        with state.lock:
+            state.cursor = max(state.cursor, cursor)
+            state.seen_event_id = max(state.seen_event_id, new_seen)
+            for row in ahead + late:
+                if row[0] not in state.in_flight:
+                    state.in_flight[row[0]] = (row[1], row[0])
+                    fresh.append(row)
+        deadline = lambda: state.lease_deadline
+        for row in fresh:
+            (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
+            self._pool.submit(
+                Delivery(
+                    bucket_id=state.bucket_id,
+                    event_id=event_id,
+                    run_at=run_at,
+                    originally_run_at=originally,
+                    owner_client_id=owner,
+                    group_key=group,
+                    event_key=key,
+                    cb_url=url,
+                    context=context,
+                    retry=RetryPolicy.model_validate(retry),
+                    attempts=attempts,
+                    main_retries=main_retries,
+                    due=answered_at + max(0.0, due_in),
+                    lease_deadline=deadline,
+                    on_done=lambda d, s=state: self._on_done(s, d),
+                )
+            )
+        state.next_poll = 0.0 if full else time.monotonic() + self.settings.poll_interval
+        return len(fresh)
+
+    def _on_done(self, state: BucketState, delivery: Delivery) -> None:
+        with state.lock:
+            state.done.append(delivery)
+            many = len(state.done) >= COMMIT_BATCH
+        if many:
+            self._worker.wake()
+
+    def _commit(self, lease: Lease, state: BucketState) -> int:
+        with state.lock:
+            batch, state.done = state.done, []
+        finished = [d for d in batch if d.outcome != ABANDONED]
+        try:
+            with self.db.connection() as conn:
+                Leases.check(conn, lease)
+                with state.lock:
+                    for d in batch:
+                        state.in_flight.pop(d.event_id, None)
+                    for d in batch:  # never called: let query 1 find it again
+                        if d.outcome == ABANDONED:
+                            state.cursor = min(state.cursor, (d.run_at, d.event_id - 1))
+                    cursor, saved, seen = state.cursor, state.saved_cursor(), state.seen_event_id
+                if finished:
+                    conn.execute(
+                        sql.FINISH_EVENTS,
+                        {
+                            "ids": [d.event_id for d in finished],
+                            "outcomes": [d.outcome for d in finished],
+                            "tries": [d.tries for d in finished],
+                            "errors": [d.error for d in finished],
+                            "delays": [d.retry_delay for d in finished],
+                            "cursor_run_at": cursor[0],
+                        },
+                    )
+                conn.execute(
+                    sql.SAVE_WATERMARK,
+                    {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
+                )
+        except BaseException:
+            with state.lock:  # not written: keep them (and their places) for the next try
+                for d in batch:
+                    state.in_flight.setdefault(d.event_id, d.position)
+                state.done[:0] = batch
+            raise
+        state.last_commit = time.monotonic()
+        self.delivered += sum(1 for d in finished if d.outcome != "retry")
+        return len(batch)
+
+
+def bucket_ids(db: Database) -> list[int]:
+    """The ids of every bucket, ascending."""
+    with db.connection() as conn:
+        return [row[0] for row in conn.execute(sql.BUCKET_IDS)]
+
+
+def _lease_params(lease: Lease) -> dict[str, object]:
+    return {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}

@@ -1,0 +1,141 @@
+"""Writing new events: one multi-row insert per batch, under the lock that orders event ids."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from cmb_dagster.callbacks import sql
+from cmb_dagster.callbacks.errors import CallbackConflict
+from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy
+from cmb_dagster.database import Database
+
+
+class EventWriter:
+    """Buffers creates from many threads and writes each batch as one multi-row insert.
+
+    A batch is written when ``write_batch_size`` creates are waiting, or when ``write_linger`` seconds
+    passed since the first (0, the default, is group commit: write at once, and let creates that arrive
+    meanwhile form the next batch). Each caller gets its id only after its batch committed.
+    """
+
+    def __init__(self, db: Database, settings: CallbackSettings) -> None:
+        self.db = db
+        self.settings = settings
+        self._queue: queue.SimpleQueue[tuple[NewCallback, Future[int]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def write(self, event: NewCallback) -> int:
+        """Queue ``event`` and wait until it is committed; return its id (or raise its error)."""
+        future: Future[int] = Future()
+        self._ensure_started()
+        self._queue.put((event, future))
+        return future.result()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread."""
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="cmb-callback-writer", daemon=True)
+                    self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            deadline = time.monotonic() + self.settings.write_linger
+            while len(batch) < self.settings.write_batch_size:
+                try:
+                    wait = deadline - time.monotonic()
+                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._flush(batch)
+            if stop:
+                return
+
+    def _flush(self, batch: list[tuple[NewCallback, Future[int]]]) -> None:
+        try:
+            with self.db.connection() as conn:
+                results = insert_events(conn, [event for event, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the error
+            for _, future in batch:
+                future.set_exception(exc)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+def insert_events(
+    conn: psycopg.Connection, events: Sequence[NewCallback], schedule_id: int | None = None
+) -> list[int | Exception]:
+    """Insert ``events`` in ``conn``'s transaction under the event-id lock; per event, its id or a conflict."""
+    conn.execute(sql.LOCK_EVENT_IDS)
+    params = {
+        "owners": [e.owner_client_id for e in events],
+        "groups": [e.group_key for e in events],
+        "keys": [e.event_key for e in events],
+        "run_ats": [e.run_at for e in events],
+        "urls": [e.cb_url for e in events],
+        "contexts": [None if e.context is None else json.dumps(e.context) for e in events],
+        "retries": [e.retry.model_dump_json() for e in events],
+        "schedule_ids": [schedule_id] * len(events),
+    }
+    inserted = {(o, g, k): i for i, o, g, k in conn.execute(sql.INSERT_EVENTS, params)}
+    missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
+    existing: dict[tuple[str, str, str], dict[str, Any]] = {}
+    if missing:
+        keys = {
+            "owners": [e.owner_client_id for e in missing],
+            "groups": [e.group_key for e in missing],
+            "keys": [e.event_key for e in missing],
+        }
+        for row in conn.cursor(row_factory=dict_row).execute(sql.SELECT_EXISTING, keys):
+            existing[(row["owner_client_id"], row["group_key"], row["event_key"])] = row
+    results: list[int | Exception] = []
+    for event in events:
+        key = (event.owner_client_id, event.group_key, event.event_key)
+        row = existing.get(key)
+        if row is None:
+            results.append(inserted[key])
+        elif _same_payload(event, row):
+            results.append(row["event_id"])
+        else:
+            results.append(CallbackConflict(f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"))
+    return results
+
+
+def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:
+    return (
+        row["originally_run_at"] == event.run_at
+        and row["cb_url"] == event.cb_url
+        and row["context"] == event.context
+        and RetryPolicy.model_validate(row["retry"]) == event.retry
+    )

@@ -1,0 +1,101 @@
+import sys
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from cmb_dagster.callbacks import CallbackSettings, CallbackValidationError, NewCallback, RetryPolicy
+from cmb_dagster.callbacks.models import NewSchedule, validated
+from cmb_dagster.callbacks.schedules import fire_times
+
+NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def new(**overrides):
+    data = {"owner_client_id": "o", "group_key": "g", "event_key": "k", "run_at": NOW, "cb_url": "https://api.example.com/cb"}
+    return validated(NewCallback, {**data, **overrides}).check(CallbackSettings())
+
+
+def test_constant_and_exponential_main_retries():
+    assert [RetryPolicy().main_retry_delay(n) for n in range(3)] == [60.0, 60.0, 60.0]
+    policy = RetryPolicy.exponential(first_delay=timedelta(minutes=1), factor=2, max_delay=300)
+    assert [policy.main_retry_delay(n) for n in range(5)] == [60, 120, 240, 300, 300]
+    assert RetryPolicy.constant(10, fast_retries=0).fast_retries == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"run_at": datetime(2030, 1, 1)}, "run_at"),  # naive
+        ({"cb_url": "ftp://example.com/x"}, "cb_url"),
+        ({"cb_url": "http:///nohost"}, "cb_url"),
+        ({"cb_url": "dagster://not a job"}, "cb_url"),
+        ({"event_key": "k" * 257}, "event_key"),
+        ({"owner_client_id": ""}, "owner_client_id"),
+        ({"group_key": "g" * 129}, "group_key"),
+        ({"context": {"blob": "x" * 70_000}}, "context"),
+        ({"cb_url": "dagster://my_job", "context": {"unknown": 1}}, "context"),
+        ({"retry": {"fast_retries": -1}}, "retry.fast_retries"),
+        ({"retry": {"backoff": "fibonacci"}}, "retry.backoff"),
+    ],
+)
+def test_bad_input_names_the_field(overrides, field):
+    with pytest.raises(CallbackValidationError, match=rf"^{field}(\.|:)"):
+        new(**overrides)
+
+
+def test_context_limit_is_configurable():
+    small = CallbackSettings(max_context_bytes=10)
+    event = validated(NewCallback, {"owner_client_id": "o", "group_key": "g", "event_key": "k", "run_at": NOW,
+                                    "cb_url": "http://x.example", "context": {"a": "0123456789"}})
+    with pytest.raises(CallbackValidationError, match="over the limit of 10"):
+        event.check(small)
+
+
+def test_allowlist_of_hosts_blocks_internal_addresses():
+    settings = CallbackSettings(allowed_hosts=["api.example.com", "*.hooks.example.org", "10.1.0.0/16"])
+    assert settings.host_allowed("api.example.com")
+    assert settings.host_allowed("a.hooks.example.org")
+    assert settings.host_allowed("10.1.2.3")
+    assert not settings.host_allowed("hooks.example.org.evil.com")
+    assert not settings.host_allowed("169.254.169.254")
+    assert not settings.host_allowed("localhost")
+    event = validated(NewCallback, {"owner_client_id": "o", "group_key": "g", "event_key": "k", "run_at": NOW,
+                                    "cb_url": "http://169.254.169.254/latest/meta-data"})
+    with pytest.raises(CallbackValidationError, match="not in the allowed hosts"):
+        event.check(settings)
+
+
+def test_dagster_targets_take_run_config_and_tags():
+    event = new(cb_url="dagster://nightly_report", context={"run_config": {"ops": {}}, "tags": {"team": "data"}})
+    assert event.cb_url == "dagster://nightly_report"
+
+
+def test_settings_keep_a_call_shorter_than_the_lease():
+    with pytest.raises(ValueError, match="lease_ttl"):
+        CallbackSettings(timeout=20, lease_ttl=15)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"cron": "61 * * * *"}, "cron"), ({"timezone": "Mars/Olympus"}, "timezone"), ({"horizon": 5}, "horizon")],
+)
+def test_bad_schedules_name_the_field(overrides, message):
+    data = {"owner_client_id": "o", "group_key": "g", "schedule_key": "s", "cron": "*/5 * * * *", "cb_url": "http://x.example"}
+    with pytest.raises(CallbackValidationError, match=rf"^{message}:"):
+        validated(NewSchedule, {**data, **overrides})
+
+
+def test_fire_times_follow_the_timezone_across_dst():
+    # 02:30 local does not exist on 2030-03-31 in Europe/Berlin; 09:00 local is 08:00Z in winter, 07:00Z in summer
+    after = datetime(2030, 3, 29, 12, tzinfo=UTC)
+    times = fire_times("0 9 * * *", "Europe/Berlin", after, after + timedelta(days=3))
+    assert times == [datetime(2030, 3, 30, 8, tzinfo=UTC), datetime(2030, 3, 31, 7, tzinfo=UTC),
+                     datetime(2030, 4, 1, 7, tzinfo=UTC)]
+
+
+def test_the_engine_imports_no_dagster():
+    import subprocess
+
+    code = "import sys, cmb_dagster.callbacks, cmb_dagster.callbacks.sink; print(any(m.startswith('dagster') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
