@@ -123,6 +123,11 @@ def stop() -> None:
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
 
 
+from cmb_dagster.callbacks.cli import callbacks  # noqa: E402
+
+main.add_command(callbacks)
+
+
 def run() -> None:
     """Console-script entry point: CmbErrors become one line on stderr and exit code 1."""
     try:

@@ -5,6 +5,7 @@ from typing import Any
 from dagster import DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
 
 from cmb_dagster import migrations
+from cmb_dagster.callbacks.dagster_defs import CallbackJobs, callback_definitions
 from cmb_dagster.resources import CmbResource
 
 
@@ -30,12 +31,24 @@ cmb_health_check_schedule = ScheduleDefinition(
 )
 
 
-def cmb_definitions(*, resource: CmbResource | None = None, **definitions: Any) -> Definitions:
+def cmb_definitions(
+    *,
+    resource: CmbResource | None = None,
+    callbacks: CallbackJobs | bool = False,
+    **definitions: Any,
+) -> Definitions:
     """Definitions with the cmb resource (key ``cmb``), the health check, and your own ``jobs``,
-    ``schedules``, ``sensors``, ``assets`` and ``resources`` merged in."""
+    ``schedules``, ``sensors``, ``assets`` and ``resources`` merged in.
+
+    ``callbacks``: ``True`` (or a ``CallbackJobs``) adds the callbacks worker jobs and their keepers,
+    the evening cleanup schedule and the schedules materializer.
+    """
     ours = Definitions(
         jobs=[cmb_health_check],
         schedules=[cmb_health_check_schedule],
         resources={"cmb": resource or CmbResource()},
     )
-    return Definitions.merge(ours, Definitions(**definitions))
+    parts = [ours, Definitions(**definitions)]
+    if callbacks:
+        parts.append(callback_definitions(None if callbacks is True else callbacks))
+    return Definitions.merge(*parts)
