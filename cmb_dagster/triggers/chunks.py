@@ -18,8 +18,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cmb_dagster.triggers.durations import parse_duration
 
 MINUTES_PER_DAY = 24 * 60
-CALENDAR_SCALES = ("day", "week", "month", "quarter", "year")
-_ALIASES = {"minute": "1min", "hour": "hour", "d": "day", "w": "week", "1w": "week"}
+_ALIASES = {"minute": "1min", "hour": "1h"}
+_SUB_DAY_EXAMPLES = "5min, 10min, 15min, 20min, 30min, hour, 2h, 3h, 4h, 6h, 8h, 12h"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,18 +65,11 @@ _CALENDAR: dict[str, ChunkScale] = {
 }
 
 
-def _divisors_hint() -> str:
-    minutes = [m for m in (5, 10, 15, 20, 30) if MINUTES_PER_DAY % m == 0]
-    hours = [h for h in (2, 3, 4, 6, 8, 12)]
-    return ", ".join([f"{m}min" for m in minutes] + ["hour"] + [f"{h}h" for h in hours])
-
-
 @cache
 def parse_scale(value: str) -> ChunkScale:
     """Parse a chunk scale such as ``'30min'``, ``'hour'``, ``'6h'``, ``'day'``, ``'week'``, ``'month'``."""
-    if not isinstance(value, str):
-        raise ValueError(f"chunk scale must be a string such as '30min', 'day' or 'month', got {value!r}")
-    text = _ALIASES.get(value.strip().lower(), value.strip().lower())
+    text = value.strip().lower()
+    text = _ALIASES.get(text, text)
     if text in _CALENDAR:
         return _CALENDAR[text]
     try:
@@ -84,7 +77,7 @@ def parse_scale(value: str) -> ChunkScale:
     except ValueError:
         raise ValueError(
             f"unknown chunk scale {value!r}; use minutes or hours dividing a day "
-            f"({_divisors_hint()}) or one of {', '.join(CALENDAR_SCALES)}"
+            f"({_SUB_DAY_EXAMPLES}) or one of {', '.join(_CALENDAR)}"
         ) from None
     if size == timedelta(days=1):
         return _CALENDAR["day"]
@@ -93,12 +86,12 @@ def parse_scale(value: str) -> ChunkScale:
     if size <= timedelta() or size % timedelta(minutes=1) or size > timedelta(days=1):
         raise ValueError(
             f"chunk scale {value!r} must be whole minutes or hours up to a day, "
-            f"or one of {', '.join(CALENDAR_SCALES)}"
+            f"or one of {', '.join(_CALENDAR)}"
         )
     minutes = size // timedelta(minutes=1)
     if MINUTES_PER_DAY % minutes:
         raise ValueError(
-            f"chunk scale {value!r} does not divide a day evenly; use one of {_divisors_hint()}"
+            f"chunk scale {value!r} does not divide a day evenly; use one of {_SUB_DAY_EXAMPLES}"
         )
     return _minutes_scale(_canonical_minutes(minutes), minutes)
 
@@ -114,15 +107,16 @@ def get_zone(name: str) -> ZoneInfo:
     """The ``ZoneInfo`` for an IANA name such as ``'Europe/Moscow'``; ``ValueError`` if unknown."""
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a tzdata folder such as "Europe"
         raise ValueError(f"unknown time zone {name!r}; use an IANA name such as 'UTC' or 'Europe/Moscow'") from None
 
 
-def chunk_of(moment: datetime, scale: ChunkScale, zone: ZoneInfo) -> tuple[int, str]:
-    """Index and label of the chunk holding the aware ``moment``; indices never decrease as time passes.
+def chunk_of(moment: datetime, scale: ChunkScale, zone: ZoneInfo) -> tuple[int, datetime]:
+    """Index of the chunk holding the aware ``moment``, and a local time in it (for ``scale.label_of``).
 
-    When clocks go back (DST end), the repeated wall-clock hour stays in the last chunk
-    reached before the change until the wall clock catches up with it.
+    Indices never decrease as time passes: when clocks go back (DST end), the repeated
+    wall-clock interval stays in the last chunk reached before the change until the wall
+    clock catches up with it.
     """
     local = moment.astimezone(zone)
     index = scale.index_of(local)
@@ -130,8 +124,8 @@ def chunk_of(moment: datetime, scale: ChunkScale, zone: ZoneInfo) -> tuple[int, 
         before = _last_second_before_clocks_went_back(local, zone)
         before_index = scale.index_of(before)
         if before_index > index:
-            return before_index, scale.label_of(before)
-    return index, scale.label_of(local)
+            return before_index, before
+    return index, local
 
 
 def _last_second_before_clocks_went_back(local: datetime, zone: ZoneInfo) -> datetime:

@@ -15,16 +15,18 @@ _UNITS: dict[str, timedelta] = {
 _TERM = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]+)\s*")
 _WHOLE = re.compile(r"(?:\d+(?:\.\d+)?\s*[a-z]+\s*)+")
 
+_ZERO = timedelta()
 DURATION_EXAMPLES = "'45s', '30min', '2h', '2d', '1w', '1h30min' or a timedelta"
 
 
 def parse_duration(value: timedelta | str) -> timedelta:
-    """Turn ``'2h'``, ``'1d12h'`` or a ``timedelta`` into a ``timedelta``; raise ``ValueError`` otherwise."""
+    """Turn ``'2h'``, ``'1d12h'``, ``'-30min'`` or a ``timedelta`` into a ``timedelta``; ``ValueError`` otherwise."""
     if isinstance(value, timedelta):
         return value
     if not isinstance(value, str):
         raise ValueError(f"expected a duration such as {DURATION_EXAMPLES}, got {value!r}")
     text = value.strip().lower()
+    sign, text = (-1, text[1:].lstrip()) if text.startswith("-") else (1, text)
     if not _WHOLE.fullmatch(text):
         raise ValueError(f"cannot read duration {value!r}; use e.g. {DURATION_EXAMPLES}")
     total = timedelta()
@@ -34,12 +36,12 @@ def parse_duration(value: timedelta | str) -> timedelta:
                 f"unknown duration unit {unit!r} in {value!r}; known units: s, min, h, d, w"
             )
         total += float(number) * _UNITS[unit] if "." in number else int(number) * _UNITS[unit]
-    return total
+    return sign * total
 
 
 def compact_duration(value: timedelta) -> str:
     """Shortest string ``parse_duration`` reads back to ``value``, e.g. ``'1d23h36min17s'``."""
-    sign = "-" if value < timedelta() else ""
+    sign = "-" if value < _ZERO else ""
     micros = abs(value) // timedelta(microseconds=1)
     seconds, micros = divmod(micros, 1_000_000)
     minutes, seconds = divmod(seconds, 60)
@@ -55,7 +57,7 @@ def compact_duration(value: timedelta) -> str:
 
 def human_duration(value: timedelta) -> str:
     """Readable form for explanations: ``'2 days'``, ``'1 day, 23:36:17'``, ``'0:23:43'``."""
-    if value < timedelta():
+    if value < _ZERO:
         return "-" + human_duration(-value)
     text = str(value)
     return text.removesuffix(", 0:00:00")

@@ -1,0 +1,59 @@
+"""Static facts about triggers: which parameters they read, whether they read the last run's state, and advice."""
+
+from __future__ import annotations
+
+from cmb_dagster.triggers.models import (
+    AggregateBase,
+    All,
+    ChunkRefDelay,
+    CtlTriggerBase,
+    ParameterKey,
+    RefDelay,
+    Trigger,
+)
+
+
+def _ctl_triggers(trigger: Trigger) -> tuple[CtlTriggerBase, ...]:
+    return trigger.triggers if isinstance(trigger, AggregateBase) else (trigger,)
+
+
+def parameters(trigger: Trigger) -> set[ParameterKey]:
+    """Every ``(entity, parameter)`` the trigger reads, references included.
+
+    >>> sorted(parameters(RefDelay("mart", "loaded_until", "sales", "loaded_until", "1h")))
+    [('mart', 'loaded_until'), ('sales', 'loaded_until')]
+    """
+    keys: set[ParameterKey] = set()
+    for ctl in _ctl_triggers(trigger):
+        keys.add(ctl.key)
+        if isinstance(ctl, RefDelay | ChunkRefDelay):
+            keys.add(ctl.ref_key)
+    return keys
+
+
+def uses_last(trigger: Trigger) -> bool:
+    """Whether the trigger reads the values seen by the task's last run (contains a Delta or ChunkDelta)."""
+    return any(ctl.reads_last for ctl in _ctl_triggers(trigger))
+
+
+def check(trigger: Trigger) -> list[str]:
+    """Warnings for triggers that can fire regardless of the last run, i.e. rerun the task continuously.
+
+    Every way the trigger can fire should involve a Delta-type trigger (Delta or ChunkDelta):
+    a single CTL trigger must be one, ``All`` needs at least one, ``Any`` needs all children to be.
+    """
+    continuous = "it does not depend on the last run, so the task will rerun as soon as each run ends"
+    if isinstance(trigger, CtlTriggerBase):
+        if trigger.reads_last:
+            return []
+        return [f"{trigger!r}: {continuous}; use Delta or ChunkDelta, or combine it with one in All(...)"]
+    if isinstance(trigger, All):
+        if uses_last(trigger):
+            return []
+        return [f"{trigger!r}: none of its triggers is Delta-type, {continuous}; add a Delta or ChunkDelta"]
+    return [
+        f"{trigger!r}: child {child!r} is not Delta-type and can fire alone, {continuous}; "
+        "make every child of Any a Delta or ChunkDelta"
+        for child in trigger.triggers
+        if not child.reads_last
+    ]

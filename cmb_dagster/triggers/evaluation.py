@@ -1,0 +1,346 @@
+"""Evaluating a trigger against the current time, current CTL values and the values seen by the last run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from cmb_dagster.triggers.chunks import chunk_of, get_zone, parse_scale
+from cmb_dagster.triggers.durations import human_duration
+from cmb_dagster.triggers.models import (
+    AggregateBase,
+    All,
+    Any,
+    ChunkDelay,
+    ChunkDelta,
+    ChunkRefDelay,
+    CtlTriggerBase,
+    Delay,
+    Delta,
+    ParameterKey,
+    RefDelay,
+    Trigger,
+    display_key,
+)
+
+CtlValues = Mapping[ParameterKey, datetime]
+_NO_TIME = timedelta()
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerResult:
+    """Outcome of evaluating ``trigger``: whether it fired, why, and the current values it read.
+
+    ``used`` maps ``(entity, parameter)`` to the current values the trigger read; on a
+    successful run they become the task's last-seen values. ``children`` holds the results
+    of an aggregate's triggers. ``explanation`` is rendered by ``render`` on access, so
+    evaluation itself builds no text.
+    """
+
+    trigger: Trigger
+    fired: bool
+    used: dict[ParameterKey, datetime]
+    render: Callable[[], str] = field(repr=False, compare=False)
+    children: tuple[TriggerResult, ...] = ()
+
+    @property
+    def explanation(self) -> str:
+        """Which condition was checked, on which values, and by how much it held or missed."""
+        return self.render()
+
+
+class _Inputs:
+    """Evaluation inputs; CTL values are checked only when a trigger reads them."""
+
+    __slots__ = ("now", "now_utc", "current", "last", "timezone")
+
+    def __init__(self, now: datetime, current: CtlValues, last: CtlValues, timezone: str) -> None:
+        self.now = now
+        self.now_utc = _utc(_require_aware(now, "now"))
+        self.current = current
+        self.last = last
+        self.timezone = timezone
+
+    def current_of(self, key: ParameterKey) -> datetime | None:
+        value = self.current.get(key)
+        return None if value is None else _require_aware(value, f"current[{key!r}]")
+
+    def last_of(self, key: ParameterKey) -> datetime | None:
+        value = self.last.get(key)
+        return None if value is None else _require_aware(value, f"last[{key!r}]")
+
+
+def _require_aware(value: datetime, name: str) -> datetime:
+    if not isinstance(value, datetime):
+        raise TypeError(f"{name} must be a timezone-aware datetime, got {value!r}")
+    if value.utcoffset() is None:
+        raise ValueError(f"{name} is a naive datetime ({value}); pass timezone-aware datetimes")
+    return value
+
+
+def _utc(value: datetime) -> datetime:
+    """``value`` in UTC: aware datetimes sharing a ``ZoneInfo`` subtract by wall clock, UTC ones do not."""
+    return value if value.tzinfo is UTC else value.astimezone(UTC)
+
+
+def evaluate(
+    trigger: Trigger,
+    *,
+    now: datetime,
+    current: CtlValues,
+    last: CtlValues,
+    timezone: str | None = None,
+) -> TriggerResult:
+    """Decide whether ``trigger`` fires at ``now`` and explain why.
+
+    ``current`` and ``last`` map ``(entity, parameter)`` to aware datetimes (a missing key is
+    a missing value); ``timezone`` is the task's IANA zone for chunk triggers without their
+    own (default UTC).
+    """
+    if timezone is not None:
+        try:
+            get_zone(timezone)
+        except ValueError as error:
+            raise ValueError(f"timezone: {error}") from None
+    return _evaluate(trigger, _Inputs(now, current, last, timezone or "UTC"))
+
+
+def _evaluate(trigger: Trigger, inputs: _Inputs) -> TriggerResult:
+    try:
+        evaluator = _EVALUATORS[type(trigger)]
+    except KeyError:
+        raise TypeError(f"evaluate expects a trigger (Delta, Delay, ..., All, Any), got {trigger!r}") from None
+    return evaluator(trigger, inputs)
+
+
+def _label(trigger: CtlTriggerBase, task_timezone: str) -> str:
+    """``'ChunkDelta(sales/loaded_until, day in Europe/Moscow)'``: the trigger's kind and what it watches."""
+    watched = display_key(trigger.key)
+    if isinstance(trigger, RefDelay | ChunkRefDelay):
+        watched += f" behind {display_key(trigger.ref_key)}"
+    if isinstance(trigger, ChunkDelta | ChunkDelay | ChunkRefDelay):
+        watched += f", {trigger.scale} in {trigger.timezone or task_timezone}"
+    return f"{trigger.kind}({watched})"
+
+
+def _waiting_to_appear(trigger: CtlTriggerBase, task_timezone: str, key: ParameterKey, used: dict) -> TriggerResult:
+    return TriggerResult(
+        trigger,
+        False,
+        used,
+        lambda: (
+            f"{_label(trigger, task_timezone)} waits: {display_key(key)} has no current value yet "
+            "(waiting for it to appear)"
+        ),
+    )
+
+
+def _first_time(trigger: Delta | ChunkDelta, task_timezone: str, current: datetime) -> TriggerResult:
+    return TriggerResult(
+        trigger,
+        True,
+        {trigger.key: current},
+        lambda: (
+            f"{_label(trigger, task_timezone)} fires: no last value of {display_key(trigger.key)} "
+            f"(first run, or the parameter is new to the trigger); current = {current}"
+        ),
+    )
+
+
+def _moved_back(moved_back: bool) -> str:
+    return "; current is before last: the parameter moved back, reset the task's last state" if moved_back else ""
+
+
+def _delta(trigger: Delta, inputs: _Inputs) -> TriggerResult:
+    key, task_timezone = trigger.key, inputs.timezone
+    current = inputs.current_of(key)
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, {})
+    last = inputs.last_of(key)
+    if last is None:
+        return _first_time(trigger, task_timezone, current)
+    difference = _utc(current) - _utc(last)
+    fired = difference >= trigger.min_delta
+
+    def render() -> str:
+        verdict = "fires" if fired else "waits"
+        shown = f"{_label(trigger, task_timezone)} {verdict}: current − last = {current} − {last} = "
+        compared = f"{shown}{human_duration(difference)}"
+        minimum = human_duration(trigger.min_delta)
+        if fired:
+            return f"{compared} >= {minimum}"
+        short_by = human_duration(trigger.min_delta - difference)
+        return f"{compared} < {minimum} (short by {short_by}){_moved_back(difference < _NO_TIME)}"
+
+    return TriggerResult(trigger, fired, {key: current}, render)
+
+
+def _delay(trigger: Delay, inputs: _Inputs) -> TriggerResult:
+    key, task_timezone, now = trigger.key, inputs.timezone, inputs.now
+    current = inputs.current_of(key)
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, {})
+    lag = inputs.now_utc - _utc(current)
+    return TriggerResult(
+        trigger,
+        lag <= trigger.max_delay,
+        {key: current},
+        lambda: _lag_text(_label(trigger, task_timezone), f"now − current = {now} − {current}", lag, trigger.max_delay),
+    )
+
+
+def _ref_delay(trigger: RefDelay, inputs: _Inputs) -> TriggerResult:
+    key, ref_key, task_timezone = trigger.key, trigger.ref_key, inputs.timezone
+    current = inputs.current_of(key)
+    reference = inputs.current_of(ref_key)
+    used = {k: v for k, v in ((key, current), (ref_key, reference)) if v is not None}
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, used)
+    if reference is None:
+        return _waiting_to_appear(trigger, task_timezone, ref_key, used)
+    lag = _utc(reference) - _utc(current)
+    return TriggerResult(
+        trigger,
+        lag <= trigger.max_delay,
+        used,
+        lambda: _lag_text(
+            _label(trigger, task_timezone), f"reference − current = {reference} − {current}", lag, trigger.max_delay
+        ),
+    )
+
+
+def _lag_text(label: str, shown: str, lag: timedelta, limit: timedelta) -> str:
+    if lag <= limit:
+        return f"{label} fires: {shown} = {human_duration(lag)} <= {human_duration(limit)}"
+    return (
+        f"{label} waits: {shown} = {human_duration(lag)} > {human_duration(limit)} "
+        f"(over by {human_duration(lag - limit)})"
+    )
+
+
+def _chunks(count: int) -> str:
+    return f"{count} chunk" if count in (1, -1) else f"{count} chunks"
+
+
+def _chunk_delta(trigger: ChunkDelta, inputs: _Inputs) -> TriggerResult:
+    key, task_timezone = trigger.key, inputs.timezone
+    current = inputs.current_of(key)
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, {})
+    last = inputs.last_of(key)
+    if last is None:
+        return _first_time(trigger, task_timezone, current)
+    scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
+    current_index, current_local = chunk_of(current, scale, zone)
+    last_index, last_local = chunk_of(last, scale, zone)
+    advanced = current_index - last_index
+    needed = trigger.min_delta or 1
+    fired = advanced >= needed
+
+    def render() -> str:
+        shown = (
+            f"{_label(trigger, task_timezone)} {'fires' if fired else 'waits'}: "
+            f"current {current} is in chunk {scale.label_of(current_local)}, "
+            f"last {last} in chunk {scale.label_of(last_local)}: {_chunks(advanced)} apart"
+        )
+        if fired:
+            return f"{shown} >= {needed}"
+        return f"{shown} < {needed} (short by {_chunks(needed - advanced)}){_moved_back(advanced < 0)}"
+
+    return TriggerResult(trigger, fired, {key: current}, render)
+
+
+def _chunk_delay(trigger: ChunkDelay, inputs: _Inputs) -> TriggerResult:
+    key, task_timezone, now = trigger.key, inputs.timezone, inputs.now
+    current = inputs.current_of(key)
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, {})
+    scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
+    now_index, now_local = chunk_of(inputs.now_utc, scale, zone)
+    current_index, current_local = chunk_of(current, scale, zone)
+    lag = now_index - current_index
+    allowed = trigger.max_delay or 0
+    return TriggerResult(
+        trigger,
+        lag <= allowed,
+        {key: current},
+        lambda: _chunk_lag_text(
+            _label(trigger, task_timezone),
+            f"current {current} is in chunk {scale.label_of(current_local)}, "
+            f"now {now} in chunk {scale.label_of(now_local)}",
+            lag,
+            allowed,
+        ),
+    )
+
+
+def _chunk_ref_delay(trigger: ChunkRefDelay, inputs: _Inputs) -> TriggerResult:
+    key, ref_key, task_timezone = trigger.key, trigger.ref_key, inputs.timezone
+    current = inputs.current_of(key)
+    reference = inputs.current_of(ref_key)
+    used = {k: v for k, v in ((key, current), (ref_key, reference)) if v is not None}
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, used)
+    if reference is None:
+        return _waiting_to_appear(trigger, task_timezone, ref_key, used)
+    scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
+    reference_index, reference_local = chunk_of(reference, scale, zone)
+    current_index, current_local = chunk_of(current, scale, zone)
+    lag = reference_index - current_index
+    allowed = trigger.max_delay or 0
+    return TriggerResult(
+        trigger,
+        lag <= allowed,
+        used,
+        lambda: _chunk_lag_text(
+            _label(trigger, task_timezone),
+            f"current {current} is in chunk {scale.label_of(current_local)}, "
+            f"reference {reference} in chunk {scale.label_of(reference_local)}",
+            lag,
+            allowed,
+        ),
+    )
+
+
+def _chunk_lag_text(label: str, shown: str, lag: int, allowed: int) -> str:
+    if lag <= allowed:
+        return f"{label} fires: {shown}: {_chunks(lag)} behind <= {allowed}"
+    return f"{label} waits: {shown}: {_chunks(lag)} behind > {allowed} (over by {_chunks(lag - allowed)})"
+
+
+def _aggregate(trigger: AggregateBase, inputs: _Inputs, fired_when: Callable[[int, int], bool]) -> TriggerResult:
+    children = tuple([_evaluate(child, inputs) for child in trigger.triggers])
+    used: dict[ParameterKey, datetime] = {}
+    fired_count = 0
+    for child in children:
+        used.update(child.used)
+        fired_count += child.fired
+    fired = fired_when(fired_count, len(children))
+
+    def render() -> str:
+        verdict = "fires" if fired else "waits"
+        header = f"{trigger.kind} {verdict}: {fired_count} of {len(children)} triggers fired"
+        return "\n".join([header, *(f"  - {child.explanation}" for child in children)])
+
+    return TriggerResult(trigger, fired, used, render, children)
+
+
+def _all(trigger: All, inputs: _Inputs) -> TriggerResult:
+    return _aggregate(trigger, inputs, lambda fired, total: fired == total)
+
+
+def _any(trigger: Any, inputs: _Inputs) -> TriggerResult:
+    return _aggregate(trigger, inputs, lambda fired, total: fired > 0)
+
+
+_EVALUATORS: dict[type, Callable[[Trigger, _Inputs], TriggerResult]] = {
+    Delta: _delta,
+    Delay: _delay,
+    RefDelay: _ref_delay,
+    ChunkDelta: _chunk_delta,
+    ChunkDelay: _chunk_delay,
+    ChunkRefDelay: _chunk_ref_delay,
+    All: _all,
+    Any: _any,
+}
