@@ -86,7 +86,7 @@ class Delivery:
                 "run_at": self.run_at.isoformat(),
                 "originally_run_at": self.originally_run_at.isoformat(),
                 "context": self.context,
-                "attempt": self.attempts + self.tries + 1,
+                "attempt": self.attempts + self.tries,  # this call, counted from 1
             },
             separators=(",", ":"),
         ).encode()

@@ -63,11 +63,22 @@ class CallbackSink:
 
     def stop(self) -> None:
         """Close the server and its connections."""
-        if self._server is not None:
-            self._loop.call_soon_threadsafe(self._server.close)
+
+        async def shutdown() -> None:
+            if self._server is not None:
+                self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+
+        if self._thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(5)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread is not None:
-            self._thread.join(5)
+        self._thread.join(5)
+        self._loop.close()
+        self._thread = None
 
     def __enter__(self) -> CallbackSink:
         return self.start()
@@ -104,7 +115,7 @@ class CallbackSink:
                     callback(call)
                 writer.write(f"HTTP/1.1 {status}\r\nContent-Length: 0\r\n{extra}\r\n".encode())
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
             pass
         finally:
             writer.close()

@@ -1,0 +1,230 @@
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from cmb_dagster.callbacks import (
+    CallbackClient,
+    CallbackConflict,
+    CallbackInvalidState,
+    CallbackNotFound,
+    CallbackSettings,
+    CallbackStatus,
+    CallbackValidationError,
+    RetryPolicy,
+)
+from cmb_dagster.callbacks.schedules import materialize_schedules
+
+URL = "http://127.0.0.1:9/cb"
+
+
+@pytest.fixture
+def client(db):
+    with CallbackClient(db) as c:
+        yield c
+
+
+def later(seconds: float = 3600) -> datetime:
+    return datetime.now(UTC) + timedelta(seconds=seconds)
+
+
+def count(db, table: str = "callback_events") -> int:
+    with db.connection() as conn:
+        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def test_create_get_and_idempotent_create(client):
+    at = later()
+    event_id = client.create("shop", "orders", "o-1", at, URL, {"order": 1}, RetryPolicy.exponential(10, max_delay=60))
+    event = client.get("shop", "orders", "o-1")
+    assert (event.event_id, event.status, event.run_at, event.originally_run_at) == (event_id, "pending", at, at)
+    assert event.context == {"order": 1} and event.retry.backoff == "exponential" and event.attempts == 0
+    assert client.create("shop", "orders", "o-1", at, URL, {"order": 1}, RetryPolicy.exponential(10, max_delay=60)) == event_id
+    with pytest.raises(CallbackConflict, match="shop/orders/o-1"):
+        client.create("shop", "orders", "o-1", at, URL, {"order": 2})
+    with pytest.raises(CallbackNotFound, match="no event shop/orders/nope"):
+        client.get("shop", "orders", "nope")
+
+
+def test_create_many_is_all_or_nothing(client, db):
+    at = later()
+    client.create("a", "g", "taken", at, URL)
+    rows = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at, "cb_url": URL} for i in range(3)]
+    assert len(client.create_many(rows)) == 3
+    clash = [{**rows[0], "event_key": "new"}, {**rows[0], "event_key": "taken", "context": "other"}]
+    with pytest.raises(CallbackConflict):
+        client.create_many(clash)
+    assert count(db) == 4
+
+
+def test_bad_input_writes_nothing(client, db):
+    with pytest.raises(CallbackValidationError, match="^run_at:"):
+        client.create("a", "g", "k", datetime(2030, 1, 1), URL)
+    with pytest.raises(CallbackValidationError, match="^cb_url:"):
+        client.create("a", "g", "k", later(), "javascript:alert(1)")
+    with pytest.raises(CallbackValidationError, match="^status:"):
+        client.list(status="done")
+    assert count(db) == 0
+
+
+def test_allowlisted_client_refuses_internal_hosts(db):
+    with CallbackClient(db, CallbackSettings(allowed_hosts=["hooks.example.com"])) as client:
+        with pytest.raises(CallbackValidationError, match="169.254.169.254"):
+            client.create("a", "g", "k", later(), "http://169.254.169.254/")
+        client.create("a", "g", "k", later(), "https://hooks.example.com/x")
+    assert count(db) == 1
+
+
+def test_cancel_update_delete_follow_the_seed_rules(client, db):
+    client.create("a", "g", "k", later(), URL, {"v": 1})
+    moved = later(7200)
+    old_id = client.get("a", "g", "k").event_id
+    updated = client.update("a", "g", "k", run_at=moved, context={"v": 2})
+    assert (updated.run_at, updated.originally_run_at, updated.context) == (moved, moved, {"v": 2})
+    assert updated.event_id > old_id  # re-sequenced: the poller sees it as new wherever run_at now falls
+
+    client.cancel("a", "g", "k")
+    with pytest.raises(CallbackInvalidState, match="only pending events can be cancelled"):
+        client.cancel("a", "g", "k")
+    with pytest.raises(CallbackInvalidState, match="i_ensure_pending"):
+        client.update("a", "g", "k", cb_url="http://127.0.0.1:9/other")
+    revived = client.update("a", "g", "k", cb_url="http://127.0.0.1:9/other", i_ensure_pending=True)
+    assert revived.status == CallbackStatus.PENDING and revived.cb_url.endswith("/other")
+
+    with pytest.raises(CallbackValidationError, match="at least one"):
+        client.update("a", "g", "k")
+    with pytest.raises(CallbackValidationError, match="^run_at:"):
+        client.update("a", "g", "k", run_at=datetime(2030, 1, 1))
+
+    client.create("a", "g", "soon", later(30), URL)
+    with pytest.raises(CallbackInvalidState, match="due within 1 minute"):
+        client.delete("a", "g", "soon")
+    client.delete("a", "g", "soon", force=True)
+    client.delete("a", "g", "k")  # due in two hours: allowed
+    with pytest.raises(CallbackNotFound):
+        client.delete("a", "g", "k")
+    assert count(db) == 0
+
+    actions = [c["action"] for c in client.change_log("a", "g", "k")]
+    assert actions == ["update", "cancel", "update", "delete"]
+    last = client.change_log("a", "g", "k")[-1]
+    assert last["before"]["cb_url"].endswith("/other") and last["after"] is None
+
+
+def test_notified_events_cannot_change(client, db):
+    client.create("a", "g", "k", later(), URL)
+    with db.connection() as conn:
+        conn.execute("UPDATE callback_events SET status = 'notified'")
+    for change in (lambda: client.cancel("a", "g", "k"),
+                   lambda: client.update("a", "g", "k", context=1, i_ensure_pending=True)):
+        with pytest.raises(CallbackInvalidState, match="is notified"):
+            change()
+    assert count(db, "callback_change_log") == 0
+
+
+def test_buffered_creates_from_many_threads_batch_and_ids_follow_commit_order(db):
+    with CallbackClient(db, CallbackSettings(write_linger=0.02)) as client, ThreadPoolExecutor(16) as pool:
+        ids = list(pool.map(lambda i: client.create("a", "g", f"k{i}", later(), URL), range(400)))
+    assert len(set(ids)) == 400
+    with db.connection() as conn:
+        batches = conn.execute("SELECT count(DISTINCT xmin::text) FROM callback_events").fetchone()[0]
+        in_xid_order = conn.execute(
+            "SELECT bool_and(ok) FROM (SELECT event_id >= lag(event_id, 1, 0::bigint) OVER (ORDER BY xmin::text::bigint, event_id)"
+            " AS ok FROM callback_events) s"
+        ).fetchone()[0]
+    assert batches < 100, batches  # 400 creates in far fewer transactions
+    assert in_xid_order
+
+
+def test_buckets_spread_events_and_can_only_be_raised(client, db):
+    assert client.bucket_ids() == [0, 1, 2, 3]
+    client.create_many(
+        [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": later(), "cb_url": URL} for i in range(200)]
+    )
+    assert client.set_bucket_count(6) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(CallbackValidationError, match="only be raised"):
+        client.set_bucket_count(2)
+    client.create_many(
+        [{"owner_client_id": "b", "group_key": "g", "event_key": f"k{i}", "run_at": later(), "cb_url": URL} for i in range(200)]
+    )
+    with db.connection() as conn:
+        used = dict(conn.execute("SELECT bucket_id, count(*) FROM callback_events GROUP BY 1").fetchall())
+    assert set(used) == {0, 1, 2, 3, 4, 5}
+
+
+def test_clean_removes_only_old_finished_events_and_change_log(client, db):
+    for key in ("old-done", "old-pending", "new-done"):
+        client.create("a", "g", key, later(), URL)
+    client.cancel("a", "g", "old-done")
+    client.cancel("a", "g", "new-done")
+    with db.connection() as conn:
+        conn.execute("UPDATE callback_events SET run_at = now() - interval '40 days' WHERE event_key LIKE 'old-%'")
+        conn.execute("UPDATE callback_change_log SET at = now() - interval '40 days' WHERE event_key = 'old-done'")
+    report = client.clean(ttl_days=30)
+    assert (report.events, report.change_log) == (1, 1)
+    assert sorted(e.event_key for e in client.list()) == ["new-done", "old-pending"]
+    with pytest.raises(CallbackValidationError, match="ttl_days"):
+        client.clean(ttl_days=-1)
+
+
+def test_schedules_materialize_once_per_fire_time_even_concurrently(client, db):
+    schedule = client.create_schedule("a", "g", "every-minute", "* * * * *", URL, horizon=600, context={"s": 1})
+    assert client.create_schedule("a", "g", "every-minute", "* * * * *", URL, horizon=600, context={"s": 1}) == schedule
+    with pytest.raises(CallbackConflict):
+        client.create_schedule("a", "g", "every-minute", "*/2 * * * *", URL, horizon=600)
+    with pytest.raises(CallbackValidationError, match="^timezone:"):
+        client.create_schedule("a", "g", "bad", "* * * * *", URL, timezone="Nowhere/Land")
+
+    barrier = threading.Barrier(4)
+
+    def materialize() -> int:
+        barrier.wait()
+        return materialize_schedules(db)
+
+    with ThreadPoolExecutor(4) as pool:
+        created = sum(pool.map(lambda _: materialize(), range(4)))
+    assert created in (10, 11)  # one per minute over the 10-minute horizon
+    assert materialize_schedules(db) == 0
+    with db.connection() as conn:
+        dupes = conn.execute(
+            "SELECT count(*) - count(DISTINCT originally_run_at) FROM callback_events WHERE schedule_id IS NOT NULL"
+        ).fetchone()[0]
+        linked = conn.execute("SELECT count(*) FROM callback_scheduled_events WHERE event_id IS NOT NULL").fetchone()[0]
+    assert dupes == 0 and linked == created
+    assert all(e.context == {"s": 1} and e.event_key.startswith("every-minute@") for e in client.list())
+
+    client.pause_schedule("a", "g", "every-minute")
+    assert client.list() == [] and materialize_schedules(db) == 0
+    client.resume_schedule("a", "g", "every-minute")
+    assert materialize_schedules(db) in (9, 10, 11)
+    client.delete_schedule("a", "g", "every-minute")
+    assert client.list() == [] and client.list_schedules() == []
+    with pytest.raises(CallbackNotFound):
+        client.pause_schedule("a", "g", "every-minute")
+
+
+def test_poller_queries_use_the_partial_index_at_one_million_pending_events(db):
+    with db.connection() as conn:
+        conn.execute("SET LOCAL synchronous_commit = off")
+        conn.execute(
+            """
+            INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at,
+                                         originally_run_at, cb_url, retry)
+            SELECT i, i % 4, 'o', 'g', i::text, CASE WHEN i % 10 = 0 THEN 'notified' ELSE 'pending' END, t, t,
+                   'http://x', '{}'
+            FROM generate_series(1, 1000000) AS i,
+                 LATERAL (SELECT now() + make_interval(secs => i % 86400)) AS r(t)
+            """
+        )
+    with psycopg.connect(db.url, autocommit=True, **db.connect_kwargs) as conn:
+        conn.execute("ANALYZE callback_events")
+        from cmb_dagster.callbacks import sql
+
+        params = {"bucket": 1, "run_at": datetime.now(UTC), "event_id": 0, "max_event_id": 500000,
+                  "lookahead": 2.0, "limit": 1000}
+        for query in (sql.POLL_AHEAD, sql.POLL_LATE):
+            plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query, params))
+            assert "callback_events_pending" in plan, plan
+            assert "Seq Scan" not in plan, plan

@@ -1,0 +1,173 @@
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
+from cmb_dagster.callbacks.sink import CallbackSink
+
+FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 15.0, every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(every)
+
+
+class Running:
+    """A CallbackWorker on a thread, stopped (gracefully) by the test's teardown."""
+
+    def __init__(self, db, settings=FAST, **kwargs):
+        self.worker = CallbackWorker(db, settings, **kwargs)
+        self.report = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        self.report = self.worker.run()
+
+    def stop(self):
+        self.worker.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def sink():
+    with CallbackSink() as s:
+        yield s
+
+
+@pytest.fixture
+def client(db):
+    with CallbackClient(db, FAST) as c:
+        yield c
+
+
+@pytest.fixture
+def workers(db):
+    started: list[Running] = []
+
+    def start(**kwargs) -> Running:
+        started.append(Running(db, **kwargs))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
+
+
+def statuses(client) -> dict[str, int]:
+    found: dict[str, int] = defaultdict(int)
+    for event in client.list(limit=100_000):
+        found[event.status.value] += 1
+    return dict(found)
+
+
+def keys_received(sink) -> set[str]:
+    return {c.body["event_key"] for c in sink.received}
+
+
+def test_events_are_called_at_their_time_never_before(client, sink, workers):
+    now = datetime.now(UTC)
+    run_ats = {f"k{i}": now + timedelta(seconds=random.uniform(-5, 2.5)) for i in range(40)}
+    for key, at in run_ats.items():
+        client.create("shop", "orders", key, at, f"{sink.url}/cb", {"key": key})
+    workers()
+    wait_until(lambda: statuses(client) == {"notified": 40})
+    assert keys_received(sink) == set(run_ats)
+    for call in sink.received:
+        assert call.started >= run_ats[call.body["event_key"]].timestamp(), call
+        assert call.body["context"] == {"key": call.body["event_key"]} and call.body["attempt"] == 1
+    future = [c for c in sink.received if run_ats[c.body["event_key"]] > now + timedelta(seconds=1)]
+    assert future and max(c.started - run_ats[c.body["event_key"]].timestamp() for c in future) < 1.0
+    assert all(e.attempts == 1 and e.finished_at is not None for e in client.list())
+
+
+def test_reject_header_rejects_and_errors_retry_then_fail(client, sink, workers):
+    now = datetime.now(UTC)
+    client.create("a", "g", "rejected", now, f"{sink.url}/reject")
+    client.create("a", "g", "retried", now, f"{sink.url}/fail", retry=RetryPolicy.constant(0.3, fast_retries=2))
+    client.create("a", "g", "expires", now, f"{sink.url}/fail",
+                  retry=RetryPolicy.constant(0.2, fast_retries=0, stop_after_delay=1.5))
+    workers()
+    wait_until(lambda: client.get("a", "g", "rejected").status == "rejected")
+    wait_until(lambda: client.get("a", "g", "retried").main_retries >= 2)
+    retried = client.get("a", "g", "retried")
+    assert retried.status == "pending" and retried.originally_run_at == now and retried.run_at > now
+    assert retried.attempts >= 6 and retried.last_error == "HTTP 500 Internal Server Error"
+    wait_until(lambda: client.get("a", "g", "expires").status == "failed")
+    expired = client.get("a", "g", "expires")
+    assert expired.finished_at >= now + timedelta(seconds=1.5)
+    assert [c.body["attempt"] for c in sink.received if c.body["event_key"] == "retried"][:4] == [1, 2, 3, 4]
+
+
+def test_twenty_writers_with_past_and_present_run_at_all_fire(db, client, sink, workers):
+    workers()
+    same_moment = datetime.now(UTC) + timedelta(seconds=1)
+
+    def writer(n: int) -> None:
+        with CallbackClient(db, FAST) as own:  # its own buffer: 20 concurrent batch writers
+            for i in range(25):
+                if i % 5 == 0:
+                    at = same_moment  # equal run_at values across writers
+                else:
+                    at = datetime.now(UTC) - timedelta(seconds=random.uniform(0, 3))  # already due: query 2
+                own.create(f"w{n}", "g", f"e{i}", at, f"{sink.url}/cb")
+
+    with ThreadPoolExecutor(20) as pool:
+        list(pool.map(writer, range(20)))
+    wait_until(lambda: statuses(client) == {"notified": 500}, timeout=30)
+    assert len(keys_received(sink) | {f"{c.body['owner_client_id']}/{c.body['event_key']}" for c in sink.received}) >= 500
+    assert len({(c.body["owner_client_id"], c.body["event_key"]) for c in sink.received}) == 500
+
+
+def test_two_workers_never_call_one_event_at_the_same_time(client, sink, workers):
+    now = datetime.now(UTC)
+    client.create_many(
+        [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now + timedelta(milliseconds=10 * i),
+          "cb_url": f"{sink.url}/slow?ms=30"} for i in range(300)]
+    )
+    pair = [workers(), workers()]
+    wait_until(lambda: len(client.list(status="notified", limit=1000)) >= 100, timeout=30)
+    holder = max(pair, key=lambda r: r.worker.delivered)
+    other = pair[1 - pair.index(holder)]
+    holder.stop()  # the other takes its buckets over
+    wait_until(lambda: statuses(client) == {"notified": 300}, timeout=30)
+    calls = defaultdict(list)
+    for c in sink.received:
+        calls[c.body["event_id"]].append((c.started, c.ended))
+    assert len(calls) == 300
+    for spans in calls.values():
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), spans
+    assert holder.report.items > 0 and other.worker.delivered > 0
+
+
+def test_raised_buckets_are_served_without_restarting_workers(client, sink, workers):
+    workers()
+    client.set_bucket_count(12)
+    now = datetime.now(UTC)
+    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now,
+                         "cb_url": f"{sink.url}/cb"} for i in range(120)])
+    assert len({e.bucket_id for e in client.list(limit=200)}) > 4
+    wait_until(lambda: statuses(client) == {"notified": 120}, timeout=20)
+    assert len(sink.received) == 120
+
+
+def test_an_event_moved_behind_the_cursor_still_fires(client, sink, workers):
+    client.create("a", "g", "moved", datetime.now(UTC) + timedelta(hours=1), f"{sink.url}/cb")
+    client.create("a", "g", "marker", datetime.now(UTC), f"{sink.url}/cb")
+    workers()
+    wait_until(lambda: "marker" in keys_received(sink))
+    client.update("a", "g", "moved", run_at=datetime.now(UTC) - timedelta(minutes=5))
+    wait_until(lambda: client.get("a", "g", "moved").status == "notified")
+    assert [c.body["event_key"] for c in sink.received].count("moved") == 1
