@@ -1,0 +1,151 @@
+"""One reactive scheduler tick: time and database round trips, against the number of changes and of tasks.
+
+Each scenario gets its own schema: N tasks over P CTL parameters (each task reads two:
+``All(ChunkDelta(a, 'hour'), Delay(b, '30d'))``), brought to a steady state (every task launched once,
+its run succeeded, its values committed). Then C parameters move one hour forward and one tick is
+measured: reading the changes, evaluating the affected tasks, launching those that fire. Runs are
+looked up through a stand-in that reports every run as succeeded (the Dagster run-storage query is
+one bulk query and not part of this figure). Round trips are counted at psycopg's wait().
+
+Run: ``flock /tmp/cmb-bench.lock python benchmarks/bench_reactive.py`` (CMB_BENCH_DATABASE_URL or
+CMB_TEST_DATABASE_URL picks the server; default: the embedded one). JSON object on the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psycopg
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from cmb_dagster.ctl.scheduler import RunInfo, RunState, SchedulerSettings, TaskScheduler, TaskSpec  # noqa: E402
+from cmb_dagster.ctl.store import CtlStore  # noqa: E402
+from cmb_dagster.database import Database  # noqa: E402
+from cmb_dagster.embedded import embedded_url  # noqa: E402
+from cmb_dagster.settings import Settings  # noqa: E402
+from cmb_dagster.triggers import All, ChunkDelta, Delay  # noqa: E402
+
+BASE = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(days=1)
+ROUND_TRIPS = 0
+_wait = psycopg.Connection.wait
+
+
+def _counting_wait(self, gen, *args, **kwargs):  # type: ignore[no-untyped-def]
+    global ROUND_TRIPS
+    ROUND_TRIPS += 1
+    return _wait(self, gen, *args, **kwargs)
+
+
+psycopg.Connection.wait = _counting_wait  # type: ignore[method-assign]
+
+
+def all_succeeded(scheduler: str, run_keys):  # type: ignore[no-untyped-def]
+    return {key: RunInfo(f"run-{key}", RunState.SUCCESS) for key in run_keys}
+
+
+def key(i: int) -> tuple[str, str]:
+    return (f"entity{i:05d}", "loaded_until")
+
+
+def measured_tick(engine: TaskScheduler) -> dict[str, float]:
+    global ROUND_TRIPS
+    ROUND_TRIPS = 0
+    started = time.perf_counter()
+    report = engine.tick(all_succeeded)
+    seconds = time.perf_counter() - started
+    assert report.complete, report.summary()
+    return {
+        "seconds": round(seconds, 4),
+        "round_trips": ROUND_TRIPS,
+        "changes": report.changes,
+        "evaluated": report.evaluated,
+        "launched": len(report.launches),
+    }
+
+
+def scenario(url: str, tasks: int, parameters: int, changes: int) -> dict[str, object]:
+    db = Database(url, schema=f"bench_{uuid.uuid4().hex[:8]}", max_pool_size=4)
+    try:
+        store = CtlStore(db, actor="bench")
+        store.set_many({key(i): BASE for i in range(parameters)})
+        specs = [
+            TaskSpec(
+                name=f"task{i:06d}",
+                trigger=All(ChunkDelta(*key(i % parameters), "hour"), Delay(*key((i * 7 + 3) % parameters), "30d")),
+                priority=i % 10,
+            )
+            for i in range(tasks)
+        ]
+        engine = TaskScheduler(db, "bench", specs, SchedulerSettings(max_concurrent_runs=10 * tasks, tick_seconds=50))
+        setup_started = time.perf_counter()
+        first = measured_tick(engine)  # new definitions: every task evaluated and launched
+        measured_tick(engine)  # every run succeeded: values committed, tasks evaluated again
+        idle = measured_tick(engine)
+        setup = time.perf_counter() - setup_started
+        store.set_many({key(i * (parameters // changes)): BASE + timedelta(hours=1) for i in range(changes)})
+        tick = measured_tick(engine)
+        follow_up = measured_tick(engine)  # those runs succeeded
+        return {
+            "tasks": tasks, "parameters": parameters, "changes": changes, "tick": tick, "follow_up_tick": follow_up,
+            "idle_tick": idle, "first_tick": first, "setup_seconds": round(setup, 2),
+        }
+    finally:
+        with db.connect(autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(db.schema)))
+        db.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller curves")
+    quick = parser.parse_args().quick
+    server = os.environ.get("CMB_BENCH_DATABASE_URL") or os.environ.get("CMB_TEST_DATABASE_URL") \
+        or embedded_url(Settings.from_env().home)
+    name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = urlsplit(server)._replace(path=f"/{name}").geturl()
+    try:
+        headline = scenario(url, 10_000, 2_000, 100)
+        by_changes = [scenario(url, 10_000, 2_000, c) for c in ((10, 1000) if quick else (10, 300, 1000))]
+        # same number of tasks per parameter (5 x 2 reads), so 100 changes touch ~1,000 tasks each time
+        by_tasks = [scenario(url, n, n // 5, 100) for n in ((1_000, 20_000) if quick else (1_000, 3_000, 30_000))]
+    finally:
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+    def row(r: dict) -> str:
+        t = r["tick"]
+        return (f"{r['tasks']:>7,} tasks {r['parameters']:>6,} params {r['changes']:>5,} changed: "
+                f"tick {t['seconds'] * 1000:7.1f} ms, {t['round_trips']:3d} round trips, "
+                f"{t['evaluated']:6,} evaluated, {t['launched']:6,} launched; "
+                f"follow-up {r['follow_up_tick']['seconds'] * 1000:6.1f} ms; idle {r['idle_tick']['seconds'] * 1000:5.1f} ms")
+
+    print("headline (target < 1 s):")
+    print("  " + row(headline))
+    print(f"  first tick (all {headline['tasks']:,} tasks new): {headline['first_tick']['seconds']:.2f} s")
+    print("vs number of changes (10,000 tasks):")
+    for r in sorted([headline, *by_changes], key=lambda r: r["changes"]):
+        print("  " + row(r))
+    print("vs number of tasks (100 changes, 5 tasks per parameter):")
+    for r in sorted([headline, *by_tasks], key=lambda r: r["tasks"]):
+        print("  " + row(r))
+    print(json.dumps({
+        "headline": headline,
+        "by_changes": [{"changes": r["changes"], **r["tick"]} for r in sorted([headline, *by_changes], key=lambda r: r["changes"])],
+        "by_tasks": [{"tasks": r["tasks"], **r["tick"]} for r in sorted([headline, *by_tasks], key=lambda r: r["tasks"])],
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,590 @@
+"""The reactive scheduler's engine: which reactive tasks to launch now, and why (no Dagster here).
+
+One tick, all state in Postgres (table ``reactive_tasks``), time-boxed and resumable:
+
+1. Definitions: tasks new to the code location, or whose trigger changed, are marked for evaluation.
+2. Changes: CTL changes since the scheduler's watermark are read from the pub/sub stream; a
+   parameter -> tasks index marks the tasks that use them (the watermark commits with the marks).
+3. Runs: the runs in flight are looked up in bulk. On success the values a run was launched on become
+   the task's last-seen values and the task is evaluated again; on failure the trigger stays armed and
+   the task waits a backoff; when the backoff ends it is evaluated again.
+4. Evaluation: only marked tasks, in batches, highest priority first. A task with a run queued or in
+   progress is neither evaluated nor launched.
+5. Launch: ready tasks by priority while fewer than ``max_concurrent_runs`` reactive runs are queued or
+   running; each is re-evaluated first (a Delay may have decayed while it waited for a slot).
+
+Time alone never turns a trigger from false to true (Delay-type conditions only decay), so tasks whose
+inputs did not change need no evaluation: there is no periodic full scan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Annotated, Any
+
+import psycopg
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cmb_dagster import pubsub
+from cmb_dagster.ctl import sql
+from cmb_dagster.ctl.errors import InvalidReactiveTask
+from cmb_dagster.ctl.store import CTL_BRANCH_ID, ParameterKey, values_from_json, values_to_json
+from cmb_dagster.database import Database
+from cmb_dagster.triggers import Trigger, evaluate, parameters
+from cmb_dagster.triggers.chunks import get_zone
+from cmb_dagster.workers import Lease, Leases
+
+log = logging.getLogger("cmb_dagster.reactive")
+
+LEASE_KIND = "reactive.scheduler"
+_TASK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
+_SCHEDULER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,49}$")  # part of a pub/sub consumer id
+TaskName = Annotated[str, Field(pattern=_TASK_NAME.pattern)]
+
+
+class TaskSpec(BaseModel):
+    """What the engine needs to know of a reactive task: its name, trigger, priority and time zone."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: TaskName
+    trigger: Trigger
+    priority: int = 0
+    timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str) -> str:
+        get_zone(value)
+        return value
+
+    @property
+    def trigger_json(self) -> str:
+        return self.trigger.model_dump_json()
+
+    @property
+    def trigger_hash(self) -> str:
+        """Changes when the trigger or the time zone changes (the seed's release rules apply)."""
+        return hashlib.sha256(f"{self.trigger_json}\n{self.timezone}".encode()).hexdigest()[:16]
+
+
+class SchedulerSettings(BaseModel):
+    """How a reactive scheduler paces itself."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_concurrent_runs: int = Field(default=10, ge=1, description="Cap of reactive runs queued or running.")
+    tick_seconds: float = Field(default=20.0, gt=0, description="Time box of one tick; the next resumes.")
+    batch_size: int = Field(default=2000, ge=1, description="Tasks evaluated per transaction.")
+    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0))
+    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0))
+    launch_grace: timedelta = Field(
+        default=timedelta(minutes=2), gt=timedelta(0), description="Re-request a launch whose run never appeared."
+    )
+
+    def backoff(self, failures_before: int) -> timedelta:
+        """Wait after the ``failures_before + 1``-th consecutive failure."""
+        return min(self.max_retry_backoff, self.retry_backoff * 2 ** min(failures_before, 30))
+
+
+class RunState(StrEnum):
+    """Where a launched run is."""
+
+    ACTIVE = "active"  # queued, starting, running or canceling
+    SUCCESS = "success"
+    FAILURE = "failure"  # failed or canceled
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    run_id: str
+    state: RunState
+
+
+RunLookup = Callable[[str, Sequence[str]], Mapping[str, RunInfo]]
+"""``lookup(scheduler, run_keys)`` -> the runs found, by run_key (keys without a run yet are left out)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A run to request: the task, its run_key and the CTL values it runs on (its trigger's inputs)."""
+
+    task: str
+    run_key: str
+    attempt: int
+    values: dict[ParameterKey, datetime]
+    reason: str
+    relaunch: bool = False
+
+
+@dataclass(frozen=True)
+class TaskEvent:
+    """What the tick did with one task, and why."""
+
+    task: str
+    action: str  # launched, relaunched, ready, waiting, error, in progress, succeeded, failed, capped
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.task}: {self.action} - {self.detail}"
+
+
+@dataclass
+class TickReport:
+    """Everything one tick did, for the sensor's log and skip reason."""
+
+    scheduler: str
+    launches: list[Launch] = field(default_factory=list)
+    events: list[TaskEvent] = field(default_factory=list)
+    changes: int = 0
+    evaluated: int = 0
+    complete: bool = True
+    busy: str | None = None
+    definitions_synced: bool = False
+    seconds: float = 0.0
+
+    def note(self, task: str, action: str, detail: str) -> None:
+        self.events.append(TaskEvent(task, action, detail))
+
+    def summary(self) -> str:
+        """One line: what was read, evaluated, launched and skipped."""
+        if self.busy:
+            return self.busy
+        counts: dict[str, int] = defaultdict(int)
+        for event in self.events:
+            counts[event.action] += 1
+        parts = [f"{self.changes} CTL change(s) read", f"{self.evaluated} task(s) evaluated"]
+        parts += [f"{n} {action}" for action, n in sorted(counts.items()) if action != "launched"]
+        parts.append(f"{len(self.launches)} launched")
+        if self.definitions_synced:
+            parts.append("task definitions synced")
+        if not self.complete:
+            parts.append("time box reached, the next tick resumes")
+        return f"{self.scheduler}: " + ", ".join(parts) + f" in {self.seconds:.2f}s"
+
+
+@dataclass(frozen=True)
+class _Evaluation:
+    name: str
+    status: str  # ready, waiting, error
+    explanation: str
+    values: dict[ParameterKey, datetime]
+
+
+def values_hash(values: Mapping[ParameterKey, datetime]) -> str:
+    """A short stable digest of CTL values (part of a run_key)."""
+    text = json.dumps(values_to_json({k: v.astimezone(UTC) for k, v in values.items()}), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class TaskScheduler:
+    """Decides, tick after tick, which reactive tasks of one code location to launch.
+
+    ``name`` identifies the code location's scheduler: task state is kept per (scheduler, task).
+    """
+
+    def __init__(
+        self,
+        database: Database,
+        name: str,
+        tasks: Sequence[TaskSpec],
+        settings: SchedulerSettings | None = None,
+        *,
+        owner: str | None = None,
+    ) -> None:
+        if not _SCHEDULER_NAME.match(name):
+            raise InvalidReactiveTask(f"scheduler name {name!r} must be 1-50 of A-Z a-z 0-9 _ . - (not starting with . or -)")
+        seen: set[str] = set()
+        for task in tasks:
+            if task.name in seen:
+                raise InvalidReactiveTask(f"two reactive tasks are named {task.name!r} in scheduler {name!r}")
+            seen.add(task.name)
+        self.database = database
+        self.name = name
+        self.settings = settings or SchedulerSettings()
+        self.tasks = {task.name: task for task in tasks}
+        self.index: dict[ParameterKey, list[str]] = defaultdict(list)
+        for task in tasks:
+            for key in sorted(parameters(task.trigger)):
+                self.index[key].append(task.name)
+        self.definitions_hash = hashlib.sha256(
+            json.dumps(sorted((t.name, t.trigger_hash, t.priority) for t in tasks)).encode()
+        ).hexdigest()[:16]
+        self.leases = Leases(database, LEASE_KIND, owner, ttl=self.settings.tick_seconds + 30)
+        def mark_changed(conn: psycopg.Connection, events: list[pubsub.Event]) -> None:
+            self._mark_changed(conn, events)  # a closure: not registered as an importable handler
+
+        self.consumer = pubsub.Consumer(database, f"reactive.{name}", CTL_BRANCH_ID, mark_changed)
+        self._lease: Lease | None = None
+        self._report: TickReport | None = None
+
+    # -- the tick -----------------------------------------------------------------------------
+
+    def tick(self, runs: RunLookup, *, now: datetime | None = None) -> TickReport:
+        """Run one time-boxed tick; return what it did. ``runs`` looks launched runs up by run_key."""
+        started = time.monotonic()
+        deadline = started + self.settings.tick_seconds
+        now = now or datetime.now(UTC)
+        report = TickReport(self.name)
+        lease = self.leases.acquire([self.name]).get(self.name)
+        if lease is None:
+            report.busy = f"{self.name}: another process is running this scheduler's tick; skipped"
+            return report
+        self._lease, self._report = lease, report
+        try:
+            with self.database.connection() as conn:  # one connection for the tick, one transaction per step
+                self._sync_definitions(conn, lease, report)
+                self._read_changes(deadline, report)
+                in_flight = self._follow_runs(conn, lease, runs, now, report)
+                fresh = self._evaluate_marked(conn, lease, now, deadline, report)
+                self._launch_ready(conn, lease, now, in_flight, fresh, report)
+        finally:
+            self._lease, self._report = None, None
+            self.leases.release([self.name])
+            report.seconds = time.monotonic() - started
+        return report
+
+    def _sync_definitions(self, conn: psycopg.Connection, lease: Lease, report: TickReport) -> None:
+        params = {"scheduler": self.name}
+        with conn.transaction():
+            row = conn.execute(sql.DEFINITIONS_HASH, params).fetchone()
+            if row is not None and row[0] == self.definitions_hash:
+                return
+            Leases.check(conn, lease)
+            conn.execute(sql.SAVE_DEFINITIONS_HASH, {**params, "hash": self.definitions_hash})
+            specs = sorted(self.tasks.values(), key=lambda t: t.name)
+            conn.execute(
+                sql.UPSERT_TASKS,
+                {
+                    **params,
+                    "names": [t.name for t in specs],
+                    "triggers": [t.trigger_json for t in specs],
+                    "hashes": [t.trigger_hash for t in specs],
+                    "priorities": [t.priority for t in specs],
+                    "timezones": [t.timezone for t in specs],
+                },
+            )
+            conn.execute(sql.UNDEFINE_MISSING_TASKS, {**params, "names": [t.name for t in specs]})
+        report.definitions_synced = True
+
+    def _read_changes(self, deadline: float, report: TickReport) -> None:
+        while self.consumer.run_once():  # at least one batch per tick, so every tick makes progress
+            if time.monotonic() >= deadline:
+                report.complete = False
+                return
+
+    def _mark_changed(self, conn: psycopg.Connection, events: Sequence[pubsub.Event]) -> None:
+        """Pub/sub handler, inside the consumer's transaction: mark the tasks that use changed parameters."""
+        assert self._lease is not None and self._report is not None, "CTL changes are read inside a tick"
+        Leases.check(conn, self._lease)
+        affected: set[str] = set()
+        notes: dict[str, str] = {}
+        changes = [change for event in events for change in event.payload["changes"]]
+        for payload in changes:
+            key = (payload["entity"], payload["parameter"])
+            names = self.index.get(key, ())
+            affected.update(names)
+            if payload.get("backwards") and names:
+                note = (
+                    f"{key[0]}/{key[1]} moved backwards from {payload['old']} to {payload['new']} "
+                    f"(by {payload.get('by')}); Delta triggers on it wait until it passes the last-seen value "
+                    f"(or forget it: cmb-dagster reactive forget {self.name} TASK)"
+                )
+                notes.update(dict.fromkeys(names, note))
+        params = {"scheduler": self.name}
+        if affected:
+            conn.execute(sql.MARK_DIRTY, {**params, "names": sorted(affected)})
+        if notes:
+            conn.execute(sql.NOTE_BACKWARDS, {**params, "names": list(notes), "notes": list(notes.values())})
+        self._report.changes += len(changes)
+
+    def _follow_runs(
+        self, conn: psycopg.Connection, lease: Lease, runs: RunLookup, now: datetime, report: TickReport
+    ) -> int:
+        """Handle finished runs; re-request lost launches; end backoffs. Return how many runs are in flight."""
+        params: dict[str, Any] = {"scheduler": self.name, "now": now}
+        with conn.transaction():
+            launched = conn.execute(sql.LAUNCHED_TASKS, params).fetchall()
+            found = runs(self.name, [row[1] for row in launched]) if launched else {}
+            finished: list[tuple[str, str, str, bool, datetime | None]] = []
+            seen: list[tuple[str, str]] = []
+            for name, run_key, run_id, launched_at, attempts, ready_values, explanation in launched:
+                run = found.get(run_key)
+                if run is None:
+                    if launched_at <= now - self.settings.launch_grace:
+                        values = values_from_json(ready_values)
+                        attempt = int(run_key.rsplit(":", 1)[1])
+                        report.launches.append(Launch(name, run_key, attempt, values, explanation or "", relaunch=True))
+                        report.note(name, "relaunched", f"no run with run_key {run_key} appeared; requested again")
+                    else:
+                        report.note(name, "in progress", f"run {run_key} requested at {launched_at}, not yet created")
+                elif run.state is RunState.ACTIVE:
+                    if run.run_id != run_id:
+                        seen.append((name, run.run_id))
+                    report.note(name, "in progress", f"run {run.run_id} ({run_key}) is queued or running")
+                elif run.state is RunState.SUCCESS:
+                    finished.append((name, run_key, run.run_id, True, None))
+                    report.note(name, "succeeded", f"run {run.run_id} succeeded: its CTL values are now last-seen")
+                else:
+                    backoff = self.settings.backoff(attempts)
+                    finished.append((name, run_key, run.run_id, False, now + backoff))
+                    report.note(
+                        name, "failed",
+                        f"run {run.run_id} failed (failure {attempts + 1} in a row); trigger stays armed, "
+                        f"retry after {backoff} at {now + backoff}",
+                    )
+            if seen or finished:
+                Leases.check(conn, lease)
+            if seen:
+                conn.execute(sql.NOTE_RUN_IDS, {**params, "names": [s[0] for s in seen], "run_ids": [s[1] for s in seen]})
+            if finished:
+                columns = list(zip(*finished, strict=True))
+                conn.execute(
+                    sql.FINISH_RUNS,
+                    {
+                        **params,
+                        "names": list(columns[0]),
+                        "run_keys": list(columns[1]),
+                        "run_ids": list(columns[2]),
+                        "successes": list(columns[3]),
+                        "backoff_until": list(columns[4]),
+                    },
+                )
+            conn.execute(sql.END_BACKOFFS, params)
+        return len(launched) - len(finished)
+
+    def _evaluate_marked(
+        self, conn: psycopg.Connection, lease: Lease, now: datetime, deadline: float, report: TickReport
+    ) -> dict[str, _Evaluation]:
+        """Evaluate the marked tasks in batches until none is left or the time box ends; return the ready ones."""
+        params: dict[str, Any] = {"scheduler": self.name, "now": now, "limit": self.settings.batch_size}
+        ready: dict[str, _Evaluation] = {}
+        while True:
+            with conn.transaction():
+                rows = conn.execute(sql.DIRTY_TASKS, params).fetchall()
+                if not rows:
+                    return ready
+                evaluations = self._evaluate(conn, [(r[0], r[1], r[2]) for r in rows], now)
+                Leases.check(conn, lease)
+                self._save(conn, params, evaluations)
+            report.evaluated += len(evaluations)
+            for e in evaluations:
+                report.note(e.name, e.status, e.explanation)
+                if e.status == "ready":
+                    ready[e.name] = e
+            if len(rows) < self.settings.batch_size:
+                return ready
+            if time.monotonic() >= deadline:
+                report.complete = False
+                return ready
+
+    def _launch_ready(
+        self,
+        conn: psycopg.Connection,
+        lease: Lease,
+        now: datetime,
+        in_flight: int,
+        fresh: Mapping[str, _Evaluation],
+        report: TickReport,
+    ) -> None:
+        """Launch ready tasks by priority under the cap; those not evaluated in this tick are evaluated again."""
+        cap = self.settings.max_concurrent_runs
+        params: dict[str, Any] = {"scheduler": self.name, "now": now}
+        while in_flight < cap:
+            with conn.transaction():
+                rows = conn.execute(sql.READY_TASKS, {**params, "limit": cap - in_flight}).fetchall()
+                if not rows:
+                    return
+                attempts_so_far = {r[0]: r[3] for r in rows}
+                stale = [(r[0], r[1], r[2]) for r in rows if r[0] not in fresh]
+                evaluations = self._evaluate(conn, stale, now) if stale else []
+                ready = [fresh[r[0]] for r in rows if r[0] in fresh] + [e for e in evaluations if e.status == "ready"]
+                ready.sort(key=lambda e: (-self.tasks[e.name].priority, e.name))
+                self._save(conn, params, [e for e in evaluations if e.status != "ready"])
+                for e in evaluations:
+                    if e.status != "ready":
+                        report.note(e.name, e.status, "no longer fires now that a slot is free: " + e.explanation)
+                launches = self._launch(conn, lease, params, ready, attempts_so_far)
+            report.launches.extend(launches)
+            for launch in launches:
+                report.note(launch.task, "launched", f"run_key {launch.run_key}: {launch.reason}")
+            in_flight += len(launches)
+        with conn.transaction():
+            shown = conn.execute(sql.READY_TASKS, {**params, "limit": 20}).fetchall()
+            waiting = conn.execute(sql.COUNT_READY, params).fetchone()[0] if len(shown) == 20 else len(shown)
+        for row in shown:
+            report.note(row[0], "capped", f"ready, waits for a slot: {in_flight}/{cap} reactive runs queued or running")
+        if waiting > len(shown):
+            report.note("...", "capped", f"{waiting - len(shown)} more ready task(s) wait for a slot")
+
+    def _launch(
+        self,
+        conn: psycopg.Connection,
+        lease: Lease,
+        params: dict[str, Any],
+        ready: list[_Evaluation],
+        attempts_so_far: Mapping[str, int],
+    ) -> list[Launch]:
+        if not ready:
+            return []
+        hashes = {e.name: values_hash(e.values) for e in ready}
+        previous = {
+            (task, digest): count
+            for task, digest, count in conn.execute(
+                sql.PREVIOUS_ATTEMPTS,
+                {**params, "names": list(hashes), "hashes": list(hashes.values())},
+            ).fetchall()
+        }
+        planned = []
+        for e in ready:
+            attempt = previous.get((e.name, hashes[e.name]), 0) + 1
+            reason = e.explanation
+            if attempts_so_far.get(e.name):
+                reason = f"retry after {attempts_so_far[e.name]} failed run(s); " + reason
+            planned.append(Launch(e.name, f"{e.name}:{hashes[e.name]}:{attempt}", attempt, e.values, reason))
+        Leases.check(conn, lease)
+        launched = {
+            row[0]
+            for row in conn.execute(
+                sql.MARK_LAUNCHED,
+                {
+                    **params,
+                    "names": [p.task for p in planned],
+                    "run_keys": [p.run_key for p in planned],
+                    "values": [json.dumps(values_to_json(p.values)) for p in planned],
+                    "hashes": [hashes[p.task] for p in planned],
+                    "attempts": [p.attempt for p in planned],
+                    "reasons": [p.reason for p in planned],
+                },
+            ).fetchall()
+        }
+        return [p for p in planned if p.task in launched]
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _evaluate(
+        self, conn: psycopg.Connection, rows: Sequence[tuple[str, dict | None, str | None]], now: datetime
+    ) -> list[_Evaluation]:
+        keys = sorted({key for name, _, _ in rows if name in self.tasks for key in parameters(self.tasks[name].trigger)})
+        current: dict[ParameterKey, datetime] = {}
+        if keys:
+            found = conn.execute(
+                sql.GET_VALUES, {"entities": [k[0] for k in keys], "parameters": [k[1] for k in keys]}
+            ).fetchall()
+            current = {(entity, parameter): value for entity, parameter, value in found}
+        return [self._evaluate_one(name, values_from_json(last), note, current, now) for name, last, note in rows]
+
+    def _evaluate_one(
+        self,
+        name: str,
+        last: dict[ParameterKey, datetime],
+        backwards_note: str | None,
+        current: Mapping[ParameterKey, datetime],
+        now: datetime,
+    ) -> _Evaluation:
+        spec = self.tasks.get(name)
+        if spec is None:
+            return _Evaluation(name, "error", "not defined in this process's code (another version synced it)", {})
+        try:
+            result = evaluate(spec.trigger, now=now, current=current, last=last, timezone=spec.timezone)
+            explanation = result.explanation
+        except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
+            log.warning("reactive task %s: evaluating %r raised %r", name, spec.trigger, exc)
+            return _Evaluation(name, "error", f"evaluating the trigger raised {type(exc).__name__}: {exc}", {})
+        if backwards_note:
+            explanation += f"\nnote: {backwards_note}"
+        if not result.fired:
+            return _Evaluation(name, "waiting", explanation, {})
+        if all(last.get(key) == value for key, value in result.used.items()):
+            return _Evaluation(
+                name, "waiting",
+                explanation + "\nbut its last successful run already saw exactly these values: waiting for a change",
+                {},
+            )
+        return _Evaluation(name, "ready", explanation, dict(result.used))
+
+    def _save(self, conn: psycopg.Connection, params: dict[str, Any], evaluations: Sequence[_Evaluation]) -> None:
+        if not evaluations:
+            return
+        conn.execute(
+            sql.SAVE_EVALUATIONS,
+            {
+                **params,
+                "names": [e.name for e in evaluations],
+                "statuses": [e.status for e in evaluations],
+                "ready_values": [json.dumps(values_to_json(e.values)) if e.values else None for e in evaluations],
+                "explanations": [e.explanation for e in evaluations],
+            },
+        )
+
+
+# -- inspection and manual fixes -----------------------------------------------------------------
+
+
+class TaskState(BaseModel):
+    """A reactive task's state as stored: status, last-seen values, run in flight, last explanation."""
+
+    scheduler: str
+    name: str
+    status: str
+    defined: bool
+    dirty: bool
+    priority: int
+    timezone: str
+    trigger: dict[str, Any]
+    last_values: dict[str, dict[str, str]]
+    ready_values: dict[str, dict[str, str]] | None
+    run_key: str | None
+    run_id: str | None
+    launched_at: datetime | None
+    attempts: int
+    backoff_until: datetime | None
+    explanation: str | None
+    evaluated_at: datetime | None
+    backwards_note: str | None
+    last_success_at: datetime | None
+
+
+def task_states(database: Database, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:
+    """Stored state of reactive tasks (all, one scheduler's, or one task's)."""
+    with database.connection() as conn:
+        cursor = conn.execute(sql.TASK_STATUS, {"scheduler": scheduler, "name": name})
+        columns = [c.name for c in cursor.description or ()]
+        return [TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
+
+
+def forget_last_values(database: Database, scheduler: str, name: str, parameter: ParameterKey | None = None) -> bool:
+    """Forget what a task's last run saw (all, or one parameter), e.g. after a CTL value moved backwards.
+
+    The task is evaluated again on the next tick; a Delta-type trigger then fires as on a first release.
+    """
+    path = list(parameter) if parameter else None
+    with database.connection() as conn:
+        row = conn.execute(sql.FORGET_LAST_VALUES, {"scheduler": scheduler, "name": name, "parameter": path}).fetchone()
+    return row is not None
+
+
+__all__ = [
+    "Launch",
+    "RunInfo",
+    "RunLookup",
+    "RunState",
+    "SchedulerSettings",
+    "TaskEvent",
+    "TaskScheduler",
+    "TaskSpec",
+    "TaskState",
+    "TickReport",
+    "forget_last_values",
+    "task_states",
+    "values_hash",
+]

@@ -1,0 +1,272 @@
+"""The CTL store: (entity, parameter) -> timestamptz, with the history of every change.
+
+Every change is recorded (old value, new value, when, by whom) and published to the pub/sub change
+stream in the same transaction, so a consumer (the reactive scheduler) never misses one. Moving a
+value backwards is allowed, but the change is flagged: tasks with Delta triggers on that parameter
+stop firing until it passes their last-seen value again.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated
+
+import psycopg
+from pydantic import AwareDatetime, BaseModel, ConfigDict, StringConstraints, TypeAdapter, ValidationError
+
+from cmb_dagster import pubsub
+from cmb_dagster.ctl import sql
+from cmb_dagster.ctl.errors import InvalidCtlInput
+from cmb_dagster.database import Database
+
+log = logging.getLogger("cmb_dagster.ctl")
+
+CTL_BRANCH_ID = 4
+"""The pub/sub branch that carries CTL changes: one event per transaction, ``{"changes": [...]}``."""
+CTL_TOPIC = "cmb.ctl"
+
+ParameterKey = tuple[str, str]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+class CtlKey(BaseModel):
+    """A CTL parameter: ``(entity, parameter)``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    entity: Name
+    parameter: Name
+
+
+class CtlValue(CtlKey):
+    """A value to write: an aware datetime for one parameter."""
+
+    value: AwareDatetime
+
+
+class CtlChange(BaseModel):
+    """One recorded change of a CTL value; ``old_value`` is None for a parameter's first value."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    entity: str
+    parameter: str
+    old_value: datetime | None
+    new_value: datetime
+    backwards: bool
+    changed_at: datetime
+    changed_by: str
+
+    @property
+    def key(self) -> ParameterKey:
+        return (self.entity, self.parameter)
+
+    def payload(self) -> dict[str, object]:
+        """The change as it appears in a CTL event's ``changes`` on the pub/sub stream."""
+        return {
+            "history_id": self.id,
+            "entity": self.entity,
+            "parameter": self.parameter,
+            "old": self.old_value.isoformat() if self.old_value else None,
+            "new": self.new_value.isoformat(),
+            "backwards": self.backwards,
+            "by": self.changed_by,
+        }
+
+
+@dataclass(frozen=True)
+class FeedItem:
+    """One item of a CTL feed: its position in the feed and the values it sets (possibly none)."""
+
+    position: int
+    values: Mapping[ParameterKey, datetime]
+    by: str
+
+
+_KEYS = TypeAdapter(list[CtlKey])
+
+
+def default_actor() -> str:
+    """Who writes when no ``by`` is given: ``user@host``."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _one_line(exc: ValidationError, what: str) -> str:
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"])
+        problems.append(f"{where}: {error['msg']} (got {error.get('input')!r})")
+    return f"invalid {what}: " + "; ".join(problems)
+
+
+class CtlStore:
+    """CTL values over the cmb database.
+
+    Each method takes an optional ``conn``: pass the connection your data is written with (from
+    ``Database.connection()`` / ``CmbResource.connection()``) to commit the CTL change together
+    with the data; without it the store uses a pooled connection and commits at once.
+    """
+
+    def __init__(self, database: Database, *, actor: str | None = None) -> None:
+        self.database = database
+        self.actor = actor or default_actor()
+
+    @contextmanager
+    def _connection(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
+        if conn is not None:
+            yield conn
+        else:
+            with self.database.connection() as own:
+                yield own
+
+    def set(
+        self, entity: str, parameter: str, value: datetime, *, by: str | None = None, conn: psycopg.Connection | None = None
+    ) -> CtlChange | None:
+        """Set one value; return the recorded change, or None when the value was already that."""
+        changes = self.set_many({(entity, parameter): value}, by=by, conn=conn)
+        return changes[0] if changes else None
+
+    def set_many(
+        self,
+        values: Mapping[ParameterKey, datetime],
+        *,
+        by: str | None = None,
+        conn: psycopg.Connection | None = None,
+    ) -> list[CtlChange]:
+        """Set several values atomically; return the changes recorded (unchanged values are skipped)."""
+        rows = _validate_values(values)
+        if not rows:
+            return []
+        params = {
+            "entities": [r.entity for r in rows],
+            "parameters": [r.parameter for r in rows],
+            "values": [r.value for r in rows],
+            "by": by or self.actor,
+        }
+        with self._connection(conn) as c:
+            with c.transaction():
+                changes = [CtlChange(**row) for row in _dict_rows(c.execute(sql.SET_VALUES, params))]
+                if changes:
+                    payload = {"changes": [change.payload() for change in changes]}
+                    pubsub.publish(c, CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema)
+        for change in changes:
+            if change.backwards:
+                log.warning(
+                    "CTL %s/%s moved backwards from %s to %s (by %s): tasks with Delta triggers on it "
+                    "wait until it passes their last-seen value",
+                    change.entity, change.parameter, change.old_value, change.new_value, change.changed_by,
+                )
+        return changes
+
+    def get(self, entity: str, parameter: str, *, conn: psycopg.Connection | None = None) -> datetime | None:
+        """The current value, or None when the parameter has none yet."""
+        return self.get_many([(entity, parameter)], conn=conn).get((entity, parameter))
+
+    def get_many(
+        self, pairs: Iterable[ParameterKey], *, conn: psycopg.Connection | None = None
+    ) -> dict[ParameterKey, datetime]:
+        """Current values of ``pairs`` in one query; parameters without a value are left out."""
+        keys = _validate_keys(pairs)
+        if not keys:
+            return {}
+        params = {"entities": [k.entity for k in keys], "parameters": [k.parameter for k in keys]}
+        with self._connection(conn) as c:
+            rows = c.execute(sql.GET_VALUES, params).fetchall()
+        return {(entity, parameter): value for entity, parameter, value in rows}
+
+    def history(
+        self,
+        entity: str | None = None,
+        parameter: str | None = None,
+        *,
+        limit: int = 100,
+        backwards_only: bool = False,
+    ) -> list[CtlChange]:
+        """Recorded changes, newest first, optionally of one entity / parameter or backwards moves only."""
+        params = {"entity": entity, "parameter": parameter, "limit": limit, "backwards_only": backwards_only}
+        with self.database.connection() as conn:
+            return [CtlChange(**row) for row in _dict_rows(conn.execute(sql.HISTORY, params))]
+
+    def ingest(self, feed: str, read: Callable[[int], Sequence[FeedItem]]) -> list[CtlChange] | None:
+        """Apply the next items of a feed exactly once; None when another process is applying it.
+
+        ``read(position)`` returns the items after ``position`` in order. Their values and the new
+        position commit together, so a crash re-reads nothing twice and skips nothing.
+        """
+        with self.database.connection() as conn:
+            conn.execute(sql.ENSURE_FEED, {"name": feed})
+            conn.commit()
+            row = conn.execute(sql.LOCK_FEED, {"name": feed}).fetchone()
+            if row is None:
+                return None
+            items = read(row[0])
+            changes = []
+            for item in items:
+                try:
+                    changes.extend(self.set_many(item.values, by=item.by, conn=conn))
+                except InvalidCtlInput as exc:
+                    log.warning("CTL feed %s: item %s skipped: %s", feed, item.position, exc)
+            if items:
+                conn.execute(sql.MOVE_FEED, {"name": feed, "position": items[-1].position})
+        return changes
+
+    def values(self, entity: str | None = None) -> list[dict[str, object]]:
+        """Every current value (of one entity), with version and last writer."""
+        with self.database.connection() as conn:
+            return _dict_rows(conn.execute(sql.LIST_VALUES, {"entity": entity}))
+
+
+def _validate_values(values: Mapping[ParameterKey, datetime]) -> list[CtlValue]:
+    if not isinstance(values, Mapping):
+        raise InvalidCtlInput(f"CTL values must be a mapping {{(entity, parameter): datetime}}, got {values!r}")
+    rows = []
+    for key, value in values.items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise InvalidCtlInput(f"invalid CTL key {key!r}: expected an (entity, parameter) pair; nothing was written")
+        try:
+            rows.append(CtlValue(entity=key[0], parameter=key[1], value=value))
+        except ValidationError as exc:
+            raise InvalidCtlInput(_one_line(exc, f"CTL value for {key[0]!r}/{key[1]!r}") + "; nothing was written") from None
+    return rows
+
+
+def _validate_keys(pairs: Iterable[ParameterKey]) -> list[CtlKey]:
+    try:
+        return _KEYS.validate_python([{"entity": e, "parameter": p} for e, p in pairs])
+    except ValidationError as exc:
+        raise InvalidCtlInput(_one_line(exc, "CTL key")) from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidCtlInput(f"invalid CTL key: expected (entity, parameter) pairs ({exc})") from None
+
+
+def _dict_rows(cursor: psycopg.Cursor) -> list[dict[str, object]]:
+    names = [column.name for column in cursor.description or ()]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+
+def values_to_json(values: Mapping[ParameterKey, datetime]) -> dict[str, dict[str, str]]:
+    """``{(entity, parameter): value}`` as ``{entity: {parameter: iso}}`` (how values are stored and tagged)."""
+    nested: dict[str, dict[str, str]] = {}
+    for (entity, parameter), value in sorted(values.items()):
+        nested.setdefault(entity, {})[parameter] = value.isoformat()
+    return nested
+
+
+def values_from_json(nested: Mapping[str, Mapping[str, str]] | None) -> dict[ParameterKey, datetime]:
+    """The inverse of :func:`values_to_json`."""
+    return {
+        (entity, parameter): datetime.fromisoformat(value)
+        for entity, parameters in (nested or {}).items()
+        for parameter, value in parameters.items()
+    }

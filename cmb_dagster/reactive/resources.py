@@ -1,0 +1,87 @@
+"""Writing CTL from Dagster: the ``ctl`` resource for ops and assets, and the ``cmb/ctl`` metadata entry."""
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from dagster import ConfigurableResource, InitResourceContext, MetadataValue
+from pydantic import AwareDatetime, PrivateAttr, TypeAdapter, ValidationError
+
+from cmb_dagster.ctl.errors import InvalidCtlInput
+from cmb_dagster.ctl.store import CtlChange, CtlStore, ParameterKey
+from cmb_dagster.resources import CmbResource
+
+CTL_METADATA_KEY = "cmb/ctl"
+"""Materialization metadata entry ``{parameter: aware ISO datetime}``: CTL values of the asset's entity."""
+
+_METADATA_VALUES = TypeAdapter(dict[str, AwareDatetime])
+
+
+class CtlResource(ConfigurableResource):
+    """CTL values for ops and assets: ``ctl.set("sales.orders", "loaded_until", moment)``.
+
+    Pass ``conn=`` (e.g. from ``cmb.connection()``) to commit the CTL change in the same transaction
+    as the data it describes. Changes are recorded as made by ``dagster run <run_id>``.
+    """
+
+    cmb: CmbResource
+    _actor: str | None = PrivateAttr(default=None)
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        run = context.dagster_run
+        self._actor = f"dagster run {run.run_id} ({run.job_name})" if run else None
+
+    @property
+    def store(self) -> CtlStore:
+        """The underlying :class:`CtlStore`."""
+        return CtlStore(self.cmb.database, actor=self._actor)
+
+    def set(
+        self, entity: str, parameter: str, value: datetime, *, conn: psycopg.Connection | None = None
+    ) -> CtlChange | None:
+        """Set one CTL value; return the recorded change (None when it already had that value)."""
+        return self.store.set(entity, parameter, value, conn=conn)
+
+    def set_many(
+        self, values: Mapping[ParameterKey, datetime], *, conn: psycopg.Connection | None = None
+    ) -> list[CtlChange]:
+        """Set several CTL values atomically."""
+        return self.store.set_many(values, conn=conn)
+
+    def get(self, entity: str, parameter: str) -> datetime | None:
+        """The current value, or None."""
+        return self.store.get(entity, parameter)
+
+    def get_many(self, pairs: Iterable[ParameterKey]) -> dict[ParameterKey, datetime]:
+        """Current values of several parameters (missing ones left out)."""
+        return self.store.get_many(pairs)
+
+
+def ctl_metadata(**values: datetime) -> dict[str, MetadataValue]:
+    """Materialization metadata that sets CTL values of the asset's entity (its key, e.g. ``'shop/orders'``).
+
+    >>> MaterializeResult(metadata={**ctl_metadata(loaded_until=moment), "rows": 42})  # doctest: +SKIP
+    """
+    try:
+        checked = _METADATA_VALUES.validate_python(values)
+    except ValidationError as exc:
+        raise InvalidCtlInput(metadata_error(exc)) from None
+    return {CTL_METADATA_KEY: MetadataValue.json({p: v.isoformat() for p, v in checked.items()})}
+
+
+def ctl_values_from_metadata(entity: str, value: Any) -> dict[ParameterKey, datetime]:
+    """The CTL values a ``cmb/ctl`` metadata entry sets; InvalidCtlInput naming the bad field otherwise."""
+    data = getattr(value, "data", value)
+    try:
+        checked = _METADATA_VALUES.validate_python(data)
+    except ValidationError as exc:
+        raise InvalidCtlInput(metadata_error(exc)) from None
+    return {(entity, parameter): moment for parameter, moment in checked.items()}
+
+
+def metadata_error(exc: ValidationError) -> str:
+    problems = [
+        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
+    ]
+    return f"invalid {CTL_METADATA_KEY} metadata, expected {{parameter: aware ISO datetime}}: " + "; ".join(problems)
