@@ -14,14 +14,14 @@ INSERT INTO pubsub_clock (system_identifier) SELECT system_identifier FROM pg_co
 
 -- The producing transaction's txid on the stream's clock.
 CREATE FUNCTION pubsub_txid() RETURNS xid8
-LANGUAGE sql VOLATILE SET search_path FROM CURRENT
+LANGUAGE sql VOLATILE SET search_path FROM CURRENT SET jit = off  -- planned anew per call: JIT would cost ~200 ms
 AS $$ SELECT (pg_current_xact_id()::text::numeric + shift)::text::xid8 FROM pubsub_clock $$;
 
 -- pg_current_snapshot() on the stream's clock, with this transaction's own txid counted as running
 -- (Postgres counts it as visible once a later txid has completed), so that events this transaction
 -- writes are delivered after it commits rather than taken for already delivered.
 CREATE FUNCTION pubsub_snapshot() RETURNS pg_snapshot
-LANGUAGE sql VOLATILE SET search_path FROM CURRENT
+LANGUAGE sql VOLATILE SET search_path FROM CURRENT SET jit = off  -- planned anew per call: JIT would cost ~200 ms
 AS $$
     WITH now AS (
         SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me, c.shift
@@ -41,7 +41,7 @@ $$;
 
 -- Why txids recorded with `stored` cannot be trusted here (a restore into another cluster), or NULL.
 CREATE FUNCTION pubsub_restore_problem(stored pg_snapshot) RETURNS text
-LANGUAGE sql VOLATILE SET search_path FROM CURRENT
+LANGUAGE sql VOLATILE SET search_path FROM CURRENT SET jit = off  -- planned anew per call: JIT would cost ~200 ms
 AS $$
     SELECT CASE
         WHEN c.system_identifier <> s.system_identifier THEN

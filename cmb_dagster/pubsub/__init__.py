@@ -1,0 +1,73 @@
+"""Pub/sub change stream: any table's changes as an ordered stream that consumers never skip.
+
+Producers write events in their own transaction: :func:`install_capture` puts statement-level
+triggers on a table, :func:`publish` writes one event (transactional outbox). Each event records its
+producing transaction's txid (``pg_current_xact_id()``). A :class:`Consumer` reads one branch and
+hands batches to ``handler(conn, events)`` inside the transaction that moves its watermark, so
+results written through ``conn`` and progress commit together: exactly once.
+
+Why not "id > last id": ids are taken at insert time, transactions commit in another order, so a
+reader can pass id 11 while the transaction holding id 10 is still open, and never come back.
+
+Design choice: snapshot differences (PgQ's ``batch_event_sql``), not the seed's out-of-order table.
+The seed reads only events below the reading snapshot's xmin, so a single transaction left open
+anywhere (a long report, an idle session) stalls every consumer; its fix, delivering newer events
+and remembering them in an ``out_of_order`` table, writes a row per early event, needs those rows
+joined into every read and cleaned up later, and splits the delivery order in two. Instead each
+watermark stores the snapshot up to which it has delivered (``pg_snapshot``). The next batch is
+exactly the events whose txid the new snapshot shows committed and the stored one does not: a txid
+the stored snapshot listed as running, or one at or above its xmax. Two index range scans on
+``(branch_id, txid, id)``; an open transaction only stays in the snapshot's running list until it
+ends, and delays nobody else. Each committed event belongs to exactly one such difference, so none
+is skipped or repeated. A difference larger than the batch size goes out in several batches: the
+watermark keeps the new snapshot as ``target`` plus the position (txid, id) reached within it.
+
+Order: batches follow snapshot order; within one, events go by (txid, id), and a transaction's
+events stay together in id order. A transaction that committed before another took its txid is
+always delivered first. Events on different branches are independent streams.
+
+pg_dump/pg_restore: txids belong to a cluster. Restored into another one, stored txids and snapshots
+compare against unrelated txids, and new events could look delivered already. Each batch checks the
+cluster's system identifier (recorded by the migration) and that the stored snapshot is not ahead of
+the current one, and refuses with :class:`StreamRestored`, naming ``cmb-dagster pubsub reset``.
+Refusing only when a stored txid is at or above ``pg_snapshot_xmax(pg_current_snapshot())``
+misses restores into a cluster whose txids have already passed the stored ones yet whose running
+transactions still fall inside a stored snapshot's range (their events would be skipped), and it
+misfires on an idle server when compared with a stored snapshot's xmax, which may equal the
+current one. The reset does not rewrite events: the stream's txid clock is ``pg_current_xact_id() +
+shift``, and the reset raises the shift so new txids sort after every stored one; old events and
+watermarks keep their meaning and every consumer resumes exactly where it stopped.
+
+Retention: :func:`trim` deletes events below every registered consumer's snapshot xmin, per branch.
+"""
+
+from cmb_dagster.pubsub.admin import consumer_lag, drop_consumer, reset, trim
+from cmb_dagster.pubsub.capture import install_capture, publish, remove_capture
+from cmb_dagster.pubsub.consumer import Consumer, lock_watermark, read_batch, save_watermark
+from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, InvalidInput, PubSubError, StreamRestored
+from cmb_dagster.pubsub.models import CaptureSpec, ConsumerSpec, Event, Handler, Lag, Watermark
+
+__all__ = [
+    "CaptureSpec",
+    "Consumer",
+    "ConsumerBusy",
+    "ConsumerSpec",
+    "Event",
+    "Handler",
+    "HandlerFailed",
+    "InvalidInput",
+    "Lag",
+    "PubSubError",
+    "StreamRestored",
+    "Watermark",
+    "consumer_lag",
+    "drop_consumer",
+    "install_capture",
+    "lock_watermark",
+    "publish",
+    "read_batch",
+    "remove_capture",
+    "reset",
+    "save_watermark",
+    "trim",
+]

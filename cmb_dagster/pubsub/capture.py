@@ -1,0 +1,154 @@
+"""Producing events: capture triggers on any table, and publish() for the transactional outbox."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import psycopg
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+from cmb_dagster.pubsub import sql as q
+from cmb_dagster.pubsub.errors import InvalidInput
+from cmb_dagster.pubsub.models import CaptureSpec, validated
+
+_TRANSITION = {"insert": "NEW", "update": "NEW", "delete": "OLD"}
+
+
+def install_capture(
+    conn: psycopg.Connection,
+    table: str,
+    branch: str = "0",
+    *,
+    key: Sequence[str] | None = None,
+    columns: Sequence[str] | None = None,
+    topic: str | None = None,
+    ops: Sequence[Literal["insert", "update", "delete"]] = ("insert", "update"),
+    schema: str | None = None,
+) -> CaptureSpec:
+    """Make every insert/update (and, if asked, delete) of ``table`` an event, in the writer's transaction.
+
+    ``branch`` is an SQL expression over the row's columns (and ``TG_OP``) giving the event's branch id;
+    when it is NULL the row makes no event. Installing again replaces the previous capture.
+    ``schema`` is the cmb schema (default: the one on ``conn``'s search_path).
+    """
+    spec = validated(
+        CaptureSpec, table=table, branch=branch, key=None if key is None else tuple(key),
+        columns=None if columns is None else tuple(columns), topic=topic, ops=tuple(ops),
+    )
+    cmb = sql.Identifier(cmb_schema(conn, schema))
+    with conn.transaction():
+        info = conn.execute(q.TABLE_INFO, {"table": spec.table}).fetchone()
+        if info is None or info[2] not in ("r", "p"):
+            raise InvalidInput(f"table: no table named {spec.table!r} on the search_path")
+        table_schema, table_name, _ = info
+        qualified = sql.Identifier(table_schema, table_name)
+        existing = [row[0] for row in conn.execute(q.TABLE_COLUMNS, {"table": spec.table})]
+        key_columns = spec.key if spec.key is not None else tuple(
+            row[0] for row in conn.execute(q.PRIMARY_KEY_COLUMNS, {"table": spec.table})
+        )
+        for field, names in (("key", key_columns), ("columns", spec.columns or ())):
+            missing = [name for name in names if name not in existing]
+            if missing:
+                raise InvalidInput(f"{field}: no column {missing[0]!r} in table {table_schema}.{table_name}")
+        branch_sql = sql.SQL(spec.branch)
+        try:
+            with conn.transaction():
+                conn.execute(q.CHECK_BRANCH.format(branch=branch_sql, table=qualified))
+        except psycopg.Error as exc:
+            reason = (exc.diag.message_primary or str(exc)).strip()
+            raise InvalidInput(f"branch: {spec.branch!r} is not a bigint expression over {table_name}'s columns ({reason})") from None
+        function = sql.Identifier(_function_name(table_schema, table_name))
+        conn.execute(
+            q.CAPTURE_FUNCTION.format(
+                cmb=cmb, function=function, table_schema=sql.Identifier(table_schema),
+                topic=sql.Literal(spec.topic or f"{table_schema}.{table_name}"), branch=branch_sql,
+                key=_json_object(key_columns), payload=_json_object(spec.columns) if spec.columns else sql.SQL("to_jsonb(captured_row)"),
+            )
+        )
+        for op in ("insert", "update", "delete"):
+            trigger = sql.Identifier(f"cmb_pubsub_{op}")
+            conn.execute(q.DROP_TRIGGER.format(trigger=trigger, table=qualified))
+            if op in spec.ops:
+                conn.execute(
+                    q.CAPTURE_TRIGGER.format(
+                        trigger=trigger, op=sql.SQL(op.upper()), table=qualified,
+                        transition=sql.SQL(_TRANSITION[op]), cmb=cmb, function=function,
+                    )
+                )
+    return spec
+
+
+def remove_capture(conn: psycopg.Connection, table: str, *, schema: str | None = None) -> None:
+    """Remove what :func:`install_capture` installed on ``table`` (its past events stay on the stream)."""
+    cmb = sql.Identifier(cmb_schema(conn, schema))
+    with conn.transaction():
+        info = conn.execute(q.TABLE_INFO, {"table": table}).fetchone()
+        if info is None:
+            raise InvalidInput(f"table: no table named {table!r} on the search_path")
+        qualified = sql.Identifier(info[0], info[1])
+        for op in ("insert", "update", "delete"):
+            conn.execute(q.DROP_TRIGGER.format(trigger=sql.Identifier(f"cmb_pubsub_{op}"), table=qualified))
+        conn.execute(q.DROP_CAPTURE_FUNCTION.format(cmb=cmb, function=sql.Identifier(_function_name(info[0], info[1]))))
+
+
+def publish(
+    conn: psycopg.Connection,
+    branch_id: int,
+    payload: Any,
+    *,
+    topic: str = "default",
+    key: dict[str, Any] | None = None,
+    schema: str | None = None,
+) -> int:
+    """Write one event in ``conn``'s current transaction (it exists only if that commits); return its id.
+
+    ``schema`` is the cmb schema (default: the search_path finds ``pubsub_events``)."""
+    if isinstance(branch_id, bool) or not isinstance(branch_id, int):
+        raise InvalidInput(f"branch_id: must be an integer, not {branch_id!r}")
+    if not isinstance(topic, str) or not topic:
+        raise InvalidInput("topic: must be a non-empty string")
+    for field, value in (("payload", payload), ("key", key)):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"{field}: not JSON-serializable ({exc})") from None
+    events = sql.Identifier("pubsub_events") if schema is None else sql.Identifier(schema, "pubsub_events")
+    params = {"branch_id": branch_id, "topic": topic, "key": None if key is None else Jsonb(key), "payload": Jsonb(payload)}
+    try:
+        return conn.execute(q.PUBLISH.format(events=events), params).fetchone()[0]
+    except psycopg.errors.UndefinedTable:
+        raise InvalidInput(
+            "schema: no pubsub_events table on this connection's search_path; "
+            "pass schema= or use a cmb Database connection"
+        ) from None
+
+
+def cmb_schema(conn: psycopg.Connection, schema: str | None = None) -> str:
+    """``schema``, or the schema of the ``pubsub_events`` table on ``conn``'s search_path."""
+    if schema is not None:
+        return schema
+    row = conn.execute(q.EVENTS_TABLE).fetchone()
+    if row is None:
+        raise InvalidInput(
+            "schema: no pubsub_events table on this connection's search_path; "
+            "pass schema= or use a cmb Database connection"
+        )
+    return row[0]
+
+
+def _json_object(columns: Sequence[str]) -> sql.Composable:
+    if not columns:
+        return sql.SQL("NULL::jsonb")
+    pairs = sql.SQL(", ").join(
+        sql.SQL("{}, captured_row.{}").format(sql.Literal(name), sql.Identifier(name)) for name in columns
+    )
+    return sql.SQL("jsonb_build_object({})").format(pairs)
+
+
+def _function_name(table_schema: str, table_name: str) -> str:
+    digest = hashlib.sha1(f"{table_schema}.{table_name}".encode()).hexdigest()[:8]
+    return f"pubsub_capture_{table_name[:36]}_{digest}"

@@ -1,0 +1,91 @@
+"""``cmb-dagster pubsub``: run a consumer, show lag, trim delivered events, re-base after a restore."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import click
+
+from cmb_dagster.database import Database
+from cmb_dagster.pubsub import sql as q
+from cmb_dagster.pubsub.admin import consumer_lag, drop_consumer, reset, trim
+from cmb_dagster.pubsub.consumer import Consumer
+from cmb_dagster.pubsub.errors import InvalidInput
+from cmb_dagster.settings import Settings
+
+
+def _database() -> Database:
+    return Database.from_settings(Settings.from_env())
+
+
+@click.group()
+def pubsub() -> None:
+    """Pub/sub change stream: consumers, lag, retention, restore."""
+
+
+@pubsub.command()
+@click.argument("consumer_id")
+@click.option("--branch", "branch_id", default=0, show_default=True, help="Branch the consumer reads.")
+@click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
+@click.option("--duration", type=float, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
+@click.option("--batch-size", default=1000, show_default=True, help="Most events per handler call.")
+def consume(consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int) -> None:
+    """Run a registered consumer outside Dagster; identical consumers elsewhere stand by."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    db = _database()
+    if handler is None:
+        with db.connection() as conn:
+            row = conn.execute(q.REGISTERED_HANDLER, {"consumer_id": consumer_id, "branch_id": branch_id}).fetchone()
+        if row is None or row[0] is None:
+            raise InvalidInput(
+                f"handler: consumer {consumer_id!r} of branch {branch_id} has no registered handler; pass --handler module:function"
+            )
+        handler = row[0]
+    consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size)
+    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
+    try:
+        report = consumer.run(duration)
+    except KeyboardInterrupt:
+        consumer.stop()
+        return
+    click.echo(f"consumer {consumer_id} (branch {branch_id}): {report.items} events in {report.steps} batches, "
+               f"{report.errors} errors, {report.seconds:.1f}s")
+
+
+@pubsub.command()
+def status() -> None:
+    """Every registered consumer: delivered events and lag."""
+    with _database().connection() as conn:
+        lags = consumer_lag(conn)
+    if not lags:
+        click.echo("no consumers registered")
+    for lag in lags:
+        click.echo(f"{lag.consumer_id}  branch {lag.branch_id}  delivered {lag.delivered}  behind {lag.events} "
+                   f"({lag.seconds:.1f}s)  handler {lag.handler or '-'}")
+
+
+@pubsub.command("trim")
+@click.option("--batch-size", default=10_000, show_default=True, help="Events deleted per transaction and branch.")
+def trim_command(batch_size: int) -> None:
+    """Delete the events every registered consumer of their branch has delivered."""
+    with _database().connect(autocommit=True) as conn:
+        click.echo(f"deleted {trim(conn, batch_size=batch_size)} delivered events")
+
+
+@pubsub.command("reset")
+def reset_command() -> None:
+    """After pg_dump/pg_restore into another cluster: re-base the stream's txids (one transaction)."""
+    with _database().connect(autocommit=True) as conn:
+        old, new = reset(conn)
+    click.echo(f"txid clock shift {old} -> {new}: consumers resume where they stopped")
+
+
+@pubsub.command("drop")
+@click.argument("consumer_id")
+@click.option("--branch", "branch_id", default=0, show_default=True)
+def drop_command(consumer_id: str, branch_id: int) -> None:
+    """Forget a consumer, so it no longer holds events back from trim."""
+    with _database().connection() as conn:
+        dropped = drop_consumer(conn, consumer_id, branch_id)
+    click.echo(f"dropped consumer {consumer_id} (branch {branch_id})" if dropped else "no such consumer")

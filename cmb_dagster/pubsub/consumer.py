@@ -1,0 +1,271 @@
+"""Consuming the stream: watermarks locked for the consumer's transaction, batches read between snapshots."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+from psycopg.rows import tuple_row
+from psycopg_pool import ConnectionPool
+
+from cmb_dagster.database import Database
+from cmb_dagster.pubsub import sql as q
+from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
+from cmb_dagster.pubsub.models import (
+    ConsumerSpec,
+    Event,
+    Handler,
+    Watermark,
+    handler_path,
+    load_handler,
+    validated,
+)
+from cmb_dagster.workers import Lease, Leases, Worker, WorkerReport
+
+log = logging.getLogger("cmb_dagster.pubsub")
+
+LEASE_KIND = "pubsub.consumer"
+
+RESET_HINT = (
+    "the database looks restored with pg_dump/pg_restore, so its txids are not this server's; "
+    "stop the producers and run `cmb-dagster pubsub reset` once, then start again"
+)
+
+
+def lock_watermark(conn: psycopg.Connection, consumer_id: str, branch_id: int, *, wait: bool = True) -> Watermark:
+    """Lock (creating it at zero on first use) the watermark of ``consumer_id`` on ``branch_id`` until
+    ``conn``'s transaction ends, and return it.
+
+    Another transaction locking the same watermark waits for this one, or, with ``wait=False``, gets
+    :class:`ConsumerBusy` (creating a new watermark still waits for a concurrent creation of the same
+    one). Raises :class:`StreamRestored` when the stored txids come from another cluster.
+    """
+    spec = validated(ConsumerSpec, consumer_id=consumer_id, branch_id=branch_id, handler="unused:unused")
+    params = {"consumer_id": spec.consumer_id, "branch_id": spec.branch_id}
+    query = q.LOCK_WATERMARK if wait else q.LOCK_WATERMARK_OR_SKIP
+    for _ in range(2):
+        row = conn.cursor(row_factory=tuple_row).execute(query, params).fetchone()
+        if row is not None:
+            break
+        if not wait and conn.execute(q.WATERMARK_EXISTS, params).fetchone():
+            raise ConsumerBusy(f"consumer {spec.consumer_id!r} of branch {spec.branch_id} is busy in another transaction")
+        conn.execute(q.CREATE_WATERMARK, params)
+    else:  # pragma: no cover - the row was created and deleted between our two statements
+        raise ConsumerBusy(f"consumer {spec.consumer_id!r} of branch {spec.branch_id} was dropped while locking it")
+    consumer, branch, snapshot, target, txid, event_id, delivered, handler, problem = row
+    if problem:
+        raise StreamRestored(f"consumer {consumer!r} of branch {branch}: {problem}; {RESET_HINT}")
+    return Watermark(
+        consumer_id=consumer, branch_id=branch, snapshot=snapshot, target=target,
+        txid=int(txid), event_id=event_id, delivered=delivered, handler=handler,
+    )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events read after a watermark, and the watermark to store once they are handled."""
+
+    events: list[Event]
+    after: Watermark
+    changed: bool  # False: nothing new, nothing to store
+
+
+def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int) -> Batch:
+    """The next ``limit`` events after ``watermark`` (a consistent cut; see the package docstring)."""
+    target = watermark.target
+    if target is None:
+        target = conn.execute(q.CURRENT_SNAPSHOT).fetchone()[0]
+        txid, event_id = 0, 0
+    else:
+        txid, event_id = watermark.txid, watermark.event_id
+    params = {
+        "branch_id": watermark.branch_id, "snapshot": watermark.snapshot, "target": target,
+        "txid": str(txid), "event_id": event_id, "limit": limit + 1,
+    }
+    rows = conn.cursor(row_factory=tuple_row).execute(q.READ_BATCH, params).fetchall()
+    events = [
+        Event.model_construct(
+            id=r[0], txid=int(r[1]), branch_id=r[2], topic=r[3], op=r[4], key=r[5], payload=r[6], created_at=r[7]
+        )
+        for r in rows[:limit]
+    ]
+    more = len(rows) > limit
+    last = events[-1] if events else None
+    after = watermark.model_copy(
+        update={
+            "snapshot": watermark.snapshot if more else target,
+            "target": target if more else None,
+            "txid": last.txid if last else watermark.txid,
+            "event_id": last.id if last else watermark.event_id,
+            "delivered": watermark.delivered + len(events),
+        }
+    )
+    return Batch(events=events, after=after, changed=bool(events) or watermark.target is not None)
+
+
+def refuse_if_restored(conn: psycopg.Connection, watermark: Watermark) -> None:
+    """Raise :class:`StreamRestored` if ``watermark``'s txids come from another cluster."""
+    problem = conn.execute(q.RESTORE_PROBLEM, {"snapshot": watermark.target or watermark.snapshot}).fetchone()[0]
+    if problem:
+        raise StreamRestored(f"consumer {watermark.consumer_id!r} of branch {watermark.branch_id}: {problem}; {RESET_HINT}")
+
+
+def save_watermark(conn: psycopg.Connection, before: Watermark, after: Watermark) -> None:
+    """Store ``after`` as the watermark (in the transaction that locked ``before``)."""
+    conn.execute(
+        q.SAVE_WATERMARK,
+        {
+            "consumer_id": after.consumer_id, "branch_id": after.branch_id, "snapshot": after.snapshot,
+            "target": after.target, "txid": str(after.txid), "event_id": after.event_id,
+            "count": after.delivered - before.delivered,
+        },
+    )
+
+
+class Consumer:
+    """Delivers the events of one branch to ``handler(conn, events)``, in order, batch after batch.
+
+    The handler runs inside the transaction that advances the watermark: what it writes through
+    ``conn`` commits together with the progress, so each event is applied exactly once across crashes,
+    restarts and competing consumers with the same id. Effects outside this database (HTTP, other
+    databases) happen at least once: make them idempotent, e.g. keyed by ``event.id``.
+    """
+
+    def __init__(
+        self,
+        database: Database | ConnectionPool,
+        consumer_id: str,
+        branch_id: int,
+        handler: Handler | str,
+        *,
+        batch_size: int = 1000,
+        idle_sleep: float = 0.1,
+        wait: bool = True,
+        lease_ttl: float = 10.0,
+        schema: str = "cmb",
+    ) -> None:
+        path = handler if isinstance(handler, str) else handler_path(handler)
+        self.spec = validated(
+            ConsumerSpec, consumer_id=consumer_id, branch_id=branch_id, handler=path or "unnamed:handler",
+            batch_size=batch_size, idle_sleep=idle_sleep,
+        )
+        self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
+        self.handler_path = path
+        self.wait = wait
+        self.lease_ttl = lease_ttl
+        if isinstance(database, Database):
+            self.database = database
+            self._pool: ConnectionPool | None = None
+        else:
+            self.database = Database(database.conninfo, schema=schema, max_pool_size=2)
+            self._pool = database
+        self._registered = False
+        self._one_at_a_time = 0  # after a failed batch, deliver its events singly to name the failing one
+        self._worker: Worker | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_spec(cls, database: Database | ConnectionPool, spec: ConsumerSpec) -> Consumer:
+        """The consumer a :class:`ConsumerSpec` describes."""
+        return cls(database, spec.consumer_id, spec.branch_id, spec.handler, batch_size=spec.batch_size,
+                   idle_sleep=spec.idle_sleep)
+
+    @property
+    def consumer_id(self) -> str:
+        return self.spec.consumer_id
+
+    @property
+    def branch_id(self) -> int:
+        return self.spec.branch_id
+
+    @property
+    def partition(self) -> str:
+        """This consumer's partition in the worker runtime's leases (kind ``pubsub.consumer``)."""
+        return f"{self.consumer_id}@{self.branch_id}"
+
+    def run_once(self) -> int:
+        """Handle one batch; return how many events it held (0: nothing new)."""
+        return self._batch(None)
+
+    def run(self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
+        """Handle batches for ``duration`` seconds (None: until :meth:`stop`), holding this consumer's
+        lease so identical consumers elsewhere stand by; a failing batch is retried with backoff."""
+        self.check()
+        worker = Worker(
+            self.database, LEASE_KIND, [self.partition], self._batch, ttl=self.lease_ttl,
+            idle_sleep=self.spec.idle_sleep, on_progress=on_progress,
+        )
+        with self._lock:
+            self._worker = worker
+        return worker.run(duration)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the current batch."""
+        with self._lock:
+            if self._worker is not None:
+                self._worker.stop()
+
+    def check(self) -> Watermark:
+        """Register this consumer (watermark at zero, handler path) and return its watermark; raises
+        :class:`StreamRestored` after a restore. Waits while another transaction holds the watermark."""
+        with self._connection() as conn:
+            if not self._registered and self.handler_path is not None:
+                params = {"consumer_id": self.consumer_id, "branch_id": self.branch_id}
+                registered = conn.execute(q.REGISTERED_HANDLER, params).fetchone()
+                if registered is None or registered[0] != self.handler_path:
+                    conn.execute(q.REGISTER_CONSUMER, {**params, "handler": self.handler_path})
+                    conn.commit()
+            self._registered = True
+            return lock_watermark(conn, self.consumer_id, self.branch_id)
+
+    def _batch(self, lease: Lease | None) -> int:
+        if not self._registered:
+            self.check()
+        limit = 1 if self._one_at_a_time else self.spec.batch_size
+        with self._connection() as conn:
+            if lease is not None:
+                Leases.check(conn, lease)
+            before = lock_watermark(conn, self.consumer_id, self.branch_id, wait=self.wait)
+            batch = read_batch(conn, before, limit)
+            if batch.events:
+                try:
+                    self.handler(conn, batch.events)
+                except Exception as exc:
+                    raise self._failed(batch.events, exc) from exc
+            if batch.changed:
+                save_watermark(conn, before, batch.after)
+        self._one_at_a_time = max(0, self._one_at_a_time - len(batch.events))
+        return len(batch.events)
+
+    def _failed(self, events: list[Event], exc: Exception) -> HandlerFailed:
+        where = f"consumer {self.consumer_id!r} of branch {self.branch_id}"
+        if len(events) == 1:
+            return HandlerFailed(f"{where}: handler failed on event {events[0].id}: {type(exc).__name__}: {exc}")
+        self._one_at_a_time = len(events)
+        return HandlerFailed(
+            f"{where}: handler failed on a batch of {len(events)} events (ids {events[0].id}..{events[-1].id}): "
+            f"{type(exc).__name__}: {exc}; retrying them one at a time"
+        )
+
+    def _connection(self):  # type: ignore[no-untyped-def]
+        """A pooled connection whose block is one transaction, with the cmb schema first on the search_path."""
+        if self._pool is None:
+            return self.database.connection()
+        return _with_schema(self._pool, self.database.schema)
+
+
+class _with_schema:
+    def __init__(self, pool: ConnectionPool, schema: str) -> None:
+        self._context = pool.connection()
+        self._schema = schema
+
+    def __enter__(self) -> psycopg.Connection:
+        conn = self._context.__enter__()
+        conn.execute("SELECT set_config('search_path', %s || ', ' || current_setting('search_path'), true)", (self._schema,))
+        return conn
+
+    def __exit__(self, *exc: object) -> None:
+        self._context.__exit__(*exc)

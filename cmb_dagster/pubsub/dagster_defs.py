@@ -1,0 +1,187 @@
+"""Dagster shell of the pub/sub engine: consumer jobs kept running, a RunRequest sensor, trim schedule.
+
+Consumer lag shows in the UI as asset observations: each consumer (and each pub/sub sensor) has an
+external asset ``pubsub/<consumer_id>/branch_<id>`` whose ``lag_events``, ``lag_seconds`` and
+``delivered`` metadata the asset page plots over time.
+"""
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dagster import (
+    AssetKey,
+    AssetObservation,
+    AssetSpec,
+    DefaultScheduleStatus,
+    DefaultSensorStatus,
+    Definitions,
+    JobDefinition,
+    OpExecutionContext,
+    RunRequest,
+    ScheduleDefinition,
+    SensorDefinition,
+    SensorEvaluationContext,
+    SensorResult,
+    job,
+    op,
+    sensor,
+)
+
+from cmb_dagster.database import Database
+from cmb_dagster.jobs import keep_running_sensor, worker_job
+from cmb_dagster.pubsub import sql as q
+from cmb_dagster.pubsub.admin import consumer_lag, trim
+from cmb_dagster.pubsub.consumer import Consumer, read_batch, refuse_if_restored
+from cmb_dagster.pubsub.errors import InvalidInput
+from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, Lag, Watermark, validated
+from cmb_dagster.resources import CmbResource
+from cmb_dagster.workers import WorkerReport
+
+PROGRESS_EVERY_SECONDS = 10.0
+
+
+def lag_asset_key(consumer_id: str, branch_id: int) -> AssetKey:
+    """The external asset whose observations carry a consumer's lag."""
+    return AssetKey(["pubsub", _name(consumer_id), f"branch_{branch_id}"])
+
+
+def lag_observation(lag: Lag) -> AssetObservation:
+    """An observation of ``lag`` on the consumer's lag asset."""
+    return AssetObservation(
+        asset_key=lag_asset_key(lag.consumer_id, lag.branch_id),
+        metadata={"lag_events": lag.events, "lag_seconds": round(lag.seconds, 3), "delivered": lag.delivered},
+    )
+
+
+def consumer_job(spec: ConsumerSpec) -> JobDefinition:
+    """A job that runs the consumer ``spec`` describes for a bounded time, logging progress and lag."""
+
+    def run_consumer(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
+        consumer = Consumer.from_spec(database, spec)
+        next_report = time.monotonic() + PROGRESS_EVERY_SECONDS
+
+        def observe() -> None:
+            with database.connection() as conn:
+                for lag in consumer_lag(conn, spec.consumer_id, spec.branch_id):
+                    context.log_event(lag_observation(lag))
+                    context.log.info(
+                        f"consumer {lag.consumer_id} (branch {lag.branch_id}): {lag.delivered} delivered, "
+                        f"{lag.events} behind ({lag.seconds:.1f}s)"
+                    )
+
+        def on_progress(report: WorkerReport) -> None:
+            nonlocal next_report
+            if time.monotonic() >= next_report:
+                next_report = time.monotonic() + PROGRESS_EVERY_SECONDS
+                observe()
+
+        report = consumer.run(duration, on_progress=on_progress)
+        observe()
+        return report
+
+    return worker_job(
+        f"pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}",
+        run_consumer,
+        description=f"Runs pub/sub consumer {spec.consumer_id!r} of branch {spec.branch_id} ({spec.handler}).",
+    )
+
+
+def pubsub_sensor(
+    job: JobDefinition,
+    *,
+    branch_id: int = 0,
+    name: str | None = None,
+    batch_size: int = 100,
+    run_config: Callable[[Event], dict[str, Any]] | None = None,
+    minimum_interval_seconds: int = 30,
+    default_status: DefaultSensorStatus = DefaultSensorStatus.STOPPED,
+) -> SensorDefinition:
+    """A sensor that requests one run of ``job`` per event of ``branch_id``: run key = event id,
+    cursor = the watermark (registered as consumer ``sensor.<name>``, so trim keeps what it has not read)."""
+    sensor_name = name or f"{job.name}_pubsub_branch_{branch_id}"
+    consumer_id = f"sensor.{sensor_name}"
+    if not re.match(CONSUMER_ID_PATTERN, consumer_id):
+        raise InvalidInput(f"name: sensor name {sensor_name!r} must be at most 56 of A-Z a-z 0-9 _ . -")
+
+    @sensor(
+        name=sensor_name,
+        job=job,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        description=f"One run of {job.name} per pub/sub event of branch {branch_id}.",
+    )
+    def _pubsub_sensor(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult:
+        state = (
+            Watermark.model_validate_json(context.cursor) if context.cursor
+            else Watermark(consumer_id=consumer_id, branch_id=branch_id)
+        )
+        with cmb.connection() as conn:
+            refuse_if_restored(conn, state)
+            conn.execute(q.RECORD_WATERMARK, {
+                "consumer_id": consumer_id, "branch_id": branch_id, "snapshot": state.snapshot, "target": state.target,
+                "txid": str(state.txid), "event_id": state.event_id, "delivered": state.delivered,
+            })
+            batch = read_batch(conn, state, batch_size)
+            lags = consumer_lag(conn, consumer_id, branch_id)
+        requests = [
+            RunRequest(
+                run_key=str(event.id),
+                run_config=run_config(event) if run_config else {},
+                tags={"cmb/pubsub_event": str(event.id), "cmb/pubsub_topic": event.topic[:63], "cmb/pubsub_op": event.op},
+            )
+            for event in batch.events
+        ]
+        return SensorResult(
+            run_requests=requests,
+            cursor=batch.after.model_dump_json() if batch.changed else context.cursor,
+            asset_events=[lag_observation(lag) for lag in lags],
+        )
+
+    return _pubsub_sensor
+
+
+@op(description="Deletes the pub/sub events every registered consumer of their branch has delivered.")
+def pubsub_trim_op(context: OpExecutionContext, cmb: CmbResource) -> None:
+    with cmb.database.connect(autocommit=True) as conn:
+        deleted = trim(conn)
+    context.log.info(f"trimmed {deleted} delivered events")
+    context.add_output_metadata({"deleted": deleted})
+
+
+@job(description="Deletes the pub/sub events every registered consumer of their branch has delivered.")
+def pubsub_trim() -> None:
+    pubsub_trim_op()
+
+
+pubsub_trim_schedule = ScheduleDefinition(
+    job=pubsub_trim, cron_schedule="17 * * * *", default_status=DefaultScheduleStatus.RUNNING
+)
+
+
+def pubsub_definitions(consumers: Sequence[ConsumerSpec | dict[str, Any]]) -> Definitions:
+    """Per consumer: a job, the sensor keeping one run of it going, its lag asset; plus hourly trim."""
+    specs = [c if isinstance(c, ConsumerSpec) else validated(ConsumerSpec, **c) for c in consumers]
+    jobs = [consumer_job(spec) for spec in specs]
+    names = [j.name for j in jobs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise InvalidInput(f"consumers: two consumers map to the job name {duplicates[0]!r}; rename one")
+    return Definitions(
+        jobs=[*jobs, pubsub_trim],
+        sensors=[keep_running_sensor(j) for j in jobs],
+        schedules=[pubsub_trim_schedule],
+        assets=[
+            AssetSpec(
+                lag_asset_key(s.consumer_id, s.branch_id),
+                description=f"Lag of pub/sub consumer {s.consumer_id!r} on branch {s.branch_id}.",
+                group_name="cmb_pubsub",
+            )
+            for s in specs
+        ],
+    )
+
+
+def _name(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", value)

@@ -1,0 +1,136 @@
+"""The pub/sub engine's models: events, watermarks, lag, and the validated inputs of its API."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Literal, TypeVar
+
+import psycopg
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cmb_dagster.pubsub.errors import InvalidInput
+
+CONSUMER_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$"
+HANDLER_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+ZERO_SNAPSHOT = "1:1:"  # shows no txid committed: a new consumer starts from the first event
+
+
+class Event(BaseModel):
+    """One change on the stream: a captured row (op insert/update/delete) or a published payload."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    txid: int = Field(description="The producing transaction, on the stream's txid clock.")
+    branch_id: int
+    topic: str = Field(description="'schema.table' for captured rows; the publisher's topic otherwise.")
+    op: Literal["insert", "update", "delete", "publish"]
+    key: dict[str, Any] | None = Field(description="The captured row's key columns.")
+    payload: Any
+    created_at: datetime
+
+
+Handler = Callable[[psycopg.Connection, list[Event]], None]
+
+
+class Watermark(BaseModel):
+    """How far one consumer of one branch has read: every event its ``snapshot`` shows committed, and,
+    while ``target`` is set, the events of ``target`` up to (``txid``, ``event_id``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    consumer_id: str
+    branch_id: int
+    snapshot: str = ZERO_SNAPSHOT
+    target: str | None = None
+    txid: int = 0
+    event_id: int = 0
+    delivered: int = 0
+    handler: str | None = None
+
+
+class Lag(BaseModel):
+    """How far a consumer is behind: events committed and not yet delivered, and the oldest one's age."""
+
+    model_config = ConfigDict(frozen=True)
+
+    consumer_id: str
+    branch_id: int
+    events: int
+    seconds: float
+    delivered: int
+    handler: str | None
+    updated_at: datetime
+
+
+class ConsumerSpec(BaseModel):
+    """A consumer as configuration: its id, its branch, and its handler as ``'module:function'``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    consumer_id: str = Field(pattern=CONSUMER_ID_PATTERN, description="Up to 63 of A-Z a-z 0-9 _ . -")
+    branch_id: int = Field(default=0, description="The branch whose events it reads.")
+    handler: str = Field(description="'module:function' called as handler(conn, events).")
+    batch_size: int = Field(default=1000, ge=1, le=100_000, description="Most events per handler call.")
+    idle_sleep: float = Field(default=0.1, gt=0, le=60, description="Seconds to wait when no event is ready.")
+
+    @field_validator("handler")
+    @classmethod
+    def _handler_is_a_path(cls, value: str) -> str:
+        if not HANDLER_PATH.match(value):
+            raise ValueError("must be 'module:function', e.g. 'myproject.handlers:on_change'")
+        return value
+
+
+class CaptureSpec(BaseModel):
+    """What :func:`install_capture` installs on one table."""
+
+    model_config = ConfigDict(frozen=True)
+
+    table: str = Field(min_length=1, description="The table, optionally schema-qualified.")
+    branch: str = Field(default="0", min_length=1, description="SQL over the row's columns (and TG_OP); NULL skips the row.")
+    key: tuple[str, ...] | None = Field(default=None, description="Key columns; default: the primary key.")
+    columns: tuple[str, ...] | None = Field(default=None, description="Payload columns; default: the whole row.")
+    topic: str | None = Field(default=None, description="Default: 'schema.table'.")
+    ops: tuple[Literal["insert", "update", "delete"], ...] = Field(default=("insert", "update"), min_length=1)
+
+
+def handler_path(handler: Handler) -> str | None:
+    """``'module:function'`` when ``handler`` can be imported back by that name, else None."""
+    module = getattr(handler, "__module__", None)
+    name = getattr(handler, "__qualname__", None)
+    if not module or not name or "<" in name or module == "__main__":
+        return None
+    return f"{module}:{name}"
+
+
+def load_handler(path: str) -> Handler:
+    """The function a ``'module:function'`` path names."""
+    if not HANDLER_PATH.match(path):
+        raise InvalidInput(f"handler: {path!r} must be 'module:function'")
+    module_name, _, name = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in name.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidInput(f"handler: cannot import {path!r} ({exc})") from None
+    if not callable(target):
+        raise InvalidInput(f"handler: {path!r} is not callable")
+    return target
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validated(model: type[Model], **values: Any) -> Model:
+    """``model(**values)``, with a validation error turned into one InvalidInput naming the fields."""
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        raise InvalidInput(
+            "; ".join(f"{'.'.join(map(str, e['loc'])) or model.__name__}: {e['msg']}" for e in exc.errors())
+        ) from None

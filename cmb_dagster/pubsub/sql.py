@@ -1,0 +1,224 @@
+"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql).
+
+Statements run on connections whose search_path starts with the cmb schema; the capture DDL, which
+lives next to a user's table, names cmb objects through ``{cmb}`` (a psycopg.sql.Identifier).
+"""
+
+from psycopg import sql
+
+# -- watermarks ----------------------------------------------------------------------------------
+
+_WATERMARK_COLUMNS = """
+    consumer_id, branch_id, snapshot::text, target::text, txid::text, event_id, delivered, handler,
+    pubsub_restore_problem(coalesce(target, snapshot)) AS restore_problem
+"""
+
+LOCK_WATERMARK = f"""
+SELECT {_WATERMARK_COLUMNS} FROM pubsub_watermarks
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
+FOR NO KEY UPDATE
+"""
+
+LOCK_WATERMARK_OR_SKIP = LOCK_WATERMARK + " SKIP LOCKED"
+
+WATERMARK_EXISTS = "SELECT 1 FROM pubsub_watermarks WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s"
+
+CREATE_WATERMARK = """
+INSERT INTO pubsub_watermarks (consumer_id, branch_id) VALUES (%(consumer_id)s, %(branch_id)s)
+ON CONFLICT DO NOTHING
+"""
+
+REGISTERED_HANDLER = """
+SELECT handler FROM pubsub_watermarks WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
+"""
+
+REGISTER_CONSUMER = """
+INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler) VALUES (%(consumer_id)s, %(branch_id)s, %(handler)s)
+ON CONFLICT (consumer_id, branch_id) DO UPDATE SET handler = EXCLUDED.handler, updated_at = now()
+"""
+
+DROP_CONSUMER = "DELETE FROM pubsub_watermarks WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s"
+
+SAVE_WATERMARK = """
+UPDATE pubsub_watermarks
+SET snapshot = %(snapshot)s::pg_snapshot, target = %(target)s::pg_snapshot, txid = %(txid)s::xid8,
+    event_id = %(event_id)s, delivered = delivered + %(count)s, updated_at = now()
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
+"""
+
+# -- reading ------------------------------------------------------------------------------------
+
+CURRENT_SNAPSHOT = "SELECT pubsub_snapshot()::text"
+
+RESTORE_PROBLEM = "SELECT pubsub_restore_problem(%(snapshot)s::pg_snapshot)"
+
+_EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.created_at"
+
+# The events of a branch that %(target)s shows committed and %(snapshot)s does not, after the position
+# (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as running, or
+# one at or above its xmax: two index range scans, neither of which revisits delivered events.
+READ_BATCH = f"""
+SELECT id, txid::text, branch_id, topic, op, key, payload, created_at FROM (
+    (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
+     WHERE e.branch_id = %(branch_id)s
+       AND e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
+                               WHERE pg_visible_in_snapshot(x, %(target)s::pg_snapshot)))
+       AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+     ORDER BY e.txid, e.id LIMIT %(limit)s)
+    UNION ALL
+    (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
+     WHERE e.branch_id = %(branch_id)s
+       AND e.txid >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
+       AND e.txid < pg_snapshot_xmax(%(target)s::pg_snapshot)
+       AND pg_visible_in_snapshot(e.txid, %(target)s::pg_snapshot)
+       AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+     ORDER BY e.txid, e.id LIMIT %(limit)s)
+) AS batch
+ORDER BY txid, id
+LIMIT %(limit)s
+"""
+
+# -- producing ----------------------------------------------------------------------------------
+
+EVENTS_TABLE = "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('pubsub_events')"
+
+PUBLISH = sql.SQL("""
+INSERT INTO {events} (branch_id, topic, op, key, payload)
+VALUES (%(branch_id)s, %(topic)s, 'publish', %(key)s, %(payload)s)
+RETURNING id
+""")
+
+TABLE_INFO = """
+SELECT n.nspname, c.relname, c.relkind
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(%(table)s)
+"""
+
+TABLE_COLUMNS = """
+SELECT attname FROM pg_attribute
+WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
+ORDER BY attnum
+"""
+
+PRIMARY_KEY_COLUMNS = """
+SELECT a.attname FROM pg_index i
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+WHERE i.indrelid = to_regclass(%(table)s) AND i.indisprimary
+ORDER BY array_position(i.indkey::int2[], a.attnum)
+"""
+
+# Compiles the branch expression against the table without reading a row.
+CHECK_BRANCH = sql.SQL("SELECT ({branch})::bigint FROM {table} AS captured_row, (SELECT 'INSERT'::text AS tg_op) AS tg LIMIT 0")
+
+# One statement-level trigger function per captured table; its triggers pass the transition table
+# as ``changed_rows``. The explicit lock on the events table comes before reading the clock, so that
+# `pubsub reset` (which locks the events table first) never races a producer's txid.
+CAPTURE_FUNCTION = sql.SQL("""
+CREATE OR REPLACE FUNCTION {cmb}.{function}() RETURNS trigger
+LANGUAGE plpgsql SET search_path = {table_schema}, public AS $body$
+#variable_conflict use_column
+DECLARE
+    cmb_txid xid8;
+BEGIN
+    LOCK TABLE {cmb}.pubsub_events IN ROW EXCLUSIVE MODE;
+    cmb_txid := {cmb}.pubsub_txid();
+    INSERT INTO {cmb}.pubsub_events (txid, branch_id, topic, op, key, payload)
+    SELECT cmb_txid, captured.branch_id, {topic}, lower(TG_OP), captured.key, captured.payload
+    FROM (SELECT ({branch})::bigint AS branch_id, {key} AS key, {payload} AS payload
+          FROM changed_rows AS captured_row) AS captured
+    WHERE captured.branch_id IS NOT NULL;
+    RETURN NULL;
+END
+$body$
+""")
+
+CAPTURE_TRIGGER = sql.SQL("""
+CREATE TRIGGER {trigger} AFTER {op} ON {table}
+REFERENCING {transition} TABLE AS changed_rows
+FOR EACH STATEMENT EXECUTE FUNCTION {cmb}.{function}()
+""")
+
+DROP_TRIGGER = sql.SQL("DROP TRIGGER IF EXISTS {trigger} ON {table}")
+
+DROP_CAPTURE_FUNCTION = sql.SQL("DROP FUNCTION IF EXISTS {cmb}.{function}()")
+
+# -- operations ---------------------------------------------------------------------------------
+
+# Per watermark: events committed now and not yet delivered, and the age of the oldest of them.
+LAG = """
+SELECT w.consumer_id, w.branch_id, w.delivered, w.handler, w.updated_at, behind.events, behind.seconds
+FROM pubsub_watermarks w, pubsub_snapshot() AS now,
+LATERAL (
+    SELECT count(*) AS events,
+           coalesce(extract(epoch FROM clock_timestamp() - min(e.created_at)), 0)::float8 AS seconds
+    FROM pubsub_events e
+    WHERE e.branch_id = w.branch_id
+      AND e.txid >= pg_snapshot_xmin(w.snapshot)
+      AND pg_visible_in_snapshot(e.txid, now)
+      AND NOT pg_visible_in_snapshot(e.txid, w.snapshot)
+      AND NOT (w.target IS NOT NULL AND pg_visible_in_snapshot(e.txid, w.target)
+               AND (e.txid, e.id) <= (w.txid, w.event_id))
+) AS behind
+WHERE (%(consumer_id)s::text IS NULL OR w.consumer_id = %(consumer_id)s)
+  AND (%(branch_id)s::bigint IS NULL OR w.branch_id = %(branch_id)s)
+ORDER BY w.consumer_id, w.branch_id
+"""
+
+# Consumers keep their watermark rows while trim decides; a consumer registered meanwhile waits.
+LOCK_WATERMARKS_FOR_TRIM = "LOCK TABLE pubsub_watermarks IN SHARE MODE"
+
+# Deletes up to %(limit)s events per branch that every consumer of that branch has delivered:
+# their txid is below the xmin of each consumer's delivered snapshot.
+TRIM = """
+WITH floor AS (
+    SELECT branch_id, min(pg_snapshot_xmin(snapshot)) AS xmin FROM pubsub_watermarks GROUP BY branch_id
+), doomed AS (
+    SELECT d.branch_id, d.txid, d.id FROM floor f
+    CROSS JOIN LATERAL (
+        SELECT branch_id, txid, id FROM pubsub_events
+        WHERE branch_id = f.branch_id AND txid < f.xmin
+        ORDER BY txid, id LIMIT %(limit)s
+    ) AS d
+)
+DELETE FROM pubsub_events e USING doomed d
+WHERE e.branch_id = d.branch_id AND e.txid = d.txid AND e.id = d.id
+"""
+
+# `pubsub reset`: wait out every transaction writing events, stop the clock, then raise its shift so
+# that every txid from now on sorts after every txid and snapshot the stream stored.
+RESET_LOCKS = (
+    "LOCK TABLE pubsub_events IN SHARE ROW EXCLUSIVE MODE",
+    "LOCK TABLE pubsub_clock IN ACCESS EXCLUSIVE MODE",
+    "LOCK TABLE pubsub_watermarks IN SHARE MODE",
+)
+
+RESET = """
+WITH stored AS (
+    SELECT greatest(
+        (SELECT max(txid)::text::numeric + 1 FROM pubsub_events),
+        (SELECT max(greatest(pg_snapshot_xmax(snapshot), coalesce(pg_snapshot_xmax(target), '0'))::text::numeric)
+         FROM pubsub_watermarks),
+        pg_snapshot_xmax(pubsub_snapshot())::text::numeric
+    ) AS above
+), raw AS (
+    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::numeric AS xmin
+), old AS (
+    SELECT shift FROM pubsub_clock
+)
+UPDATE pubsub_clock c
+SET shift = greatest(old.shift, stored.above - raw.xmin)::bigint,
+    system_identifier = (SELECT system_identifier FROM pg_control_system()),
+    reset_at = now()
+FROM stored, raw, old
+RETURNING old.shift, c.shift
+"""
+
+# A sensor's watermark row mirrors the cursor Dagster last stored, so trim keeps what it has not read.
+RECORD_WATERMARK = """
+INSERT INTO pubsub_watermarks AS w (consumer_id, branch_id, snapshot, target, txid, event_id, delivered)
+VALUES (%(consumer_id)s, %(branch_id)s, %(snapshot)s::pg_snapshot, %(target)s::pg_snapshot, %(txid)s::xid8,
+        %(event_id)s, %(delivered)s)
+ON CONFLICT (consumer_id, branch_id) DO UPDATE
+SET snapshot = EXCLUDED.snapshot, target = EXCLUDED.target, txid = EXCLUDED.txid, event_id = EXCLUDED.event_id,
+    delivered = EXCLUDED.delivered, updated_at = now()
+"""
