@@ -11,7 +11,7 @@ import click
 
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackValidationError
-from cmb_dagster.callbacks.models import CallbackSettings
+from cmb_dagster.callbacks.models import CallbackSettings, validated
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
 from cmb_dagster.database import Database
@@ -140,14 +140,15 @@ def buckets(count: int) -> None:
 @click.option("--concurrency", type=int, help="Parallel calls.")
 @click.option("--timeout", type=float, help="Seconds one call may take.")
 @click.option("--poll-interval", type=float, help="Seconds between polls of a bucket.")
+@click.option("--lease-ttl", type=float, help="Seconds after which a dead worker's buckets are taken over.")
 @click.option("--materialize/--no-materialize", default=True, show_default=True,
               help="Also turn cron schedules into events, every 30 s.")
 def worker(bucket_list: str | None, duration: float | None, concurrency: int | None, timeout: float | None,
-           poll_interval: float | None, materialize: bool) -> None:
+           poll_interval: float | None, lease_ttl: float | None, materialize: bool) -> None:
     """Call callbacks back, as a long-running process (SIGTERM finishes the calls in flight, then exits)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval}
-    settings = CallbackSettings(**{k: v for k, v in overrides.items() if v is not None})
+    overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval, "lease_ttl": lease_ttl}
+    settings = validated(CallbackSettings, {k: v for k, v in overrides.items() if v is not None})
     db = Database.from_settings(Settings.from_env())
     chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None
     runner = CallbackWorker(db, settings, buckets=chosen)

@@ -1,5 +1,11 @@
 """The example code location: what ``cmb-dagster dev`` shows a new user."""
 
-from cmb_dagster.definitions import cmb_definitions
+from dagster import Definitions
 
-defs = cmb_definitions()
+from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster.examples import callbacks as callbacks_example
+
+defs = cmb_definitions(
+    callbacks=True,
+)
+defs = Definitions.merge(defs, callbacks_example.definitions)

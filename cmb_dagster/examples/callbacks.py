@@ -1,0 +1,58 @@
+"""Callbacks example: a job that schedules a demo HTTP callback and a one-off delayed Dagster run.
+
+Run ``cmb-dagster callbacks sink`` in a terminal to watch the HTTP callbacks arrive.
+"""
+
+from datetime import UTC, datetime, timedelta
+
+from dagster import Config, DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
+
+from cmb_dagster.callbacks import CallbackClient, RetryPolicy
+from cmb_dagster.resources import CmbResource
+
+DEMO_SINK = "http://127.0.0.1:8765"  # where `cmb-dagster callbacks sink` listens
+
+
+class DemoConfig(Config):
+    delay_seconds: float = 30.0
+
+
+@op(description="Schedules an HTTP callback to the local sink and a delayed run of callbacks_demo_target.")
+def schedule_demo_callbacks(context: OpExecutionContext, config: DemoConfig, cmb: CmbResource) -> None:
+    client = CallbackClient(cmb.database, buffered=False)
+    at = datetime.now(UTC) + timedelta(seconds=config.delay_seconds)
+    key = context.run_id[:8]
+    client.create("examples", "demo", f"http-{key}", at, f"{DEMO_SINK}/demo", {"hello": "from cmb_dagster"},
+                  RetryPolicy.constant(10, stop_after_delay=300))
+    message = f"launched by a callback scheduled in run {key}"
+    client.create("examples", "demo", f"dagster-{key}", at + timedelta(seconds=30), "dagster://callbacks_demo_target",
+                  {"run_config": {"ops": {"say_hello": {"config": {"message": message}}}}, "tags": {"cmb/demo": key}})
+    client.create_schedule("examples", "demo", "every-5-minutes", "*/5 * * * *", f"{DEMO_SINK}/every-5-minutes")
+    context.log.info(f"callbacks scheduled for {at.isoformat()} (HTTP) and 30 s later (Dagster run)")
+
+
+@job(description="Schedules demo callbacks: an HTTP call to the local sink and a one-off delayed Dagster run.")
+def callbacks_demo() -> None:
+    schedule_demo_callbacks()
+
+
+class HelloConfig(Config):
+    message: str = "hello"
+
+
+@op
+def say_hello(context: OpExecutionContext, config: HelloConfig) -> None:
+    context.log.info(config.message)
+
+
+@job(description="Launched by a dagster:// callback at the time it was scheduled for.")
+def callbacks_demo_target() -> None:
+    say_hello()
+
+
+definitions = Definitions(
+    jobs=[callbacks_demo, callbacks_demo_target],
+    schedules=[
+        ScheduleDefinition(job=callbacks_demo, cron_schedule="0 * * * *", default_status=DefaultScheduleStatus.RUNNING)
+    ],
+)

@@ -1,0 +1,170 @@
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from dagster import (
+    Config,
+    DagsterRunStatus,
+    Definitions,
+    RunsFilter,
+    SkipReason,
+    build_sensor_context,
+    instance_for_test,
+    job,
+    op,
+)
+from dagster._core.code_pointer import CodePointer
+from dagster._core.origin import RepositoryPythonOrigin
+from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
+from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker
+from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG, CallbackJobs, DagsterRunLauncher
+from cmb_dagster.callbacks.sink import CallbackSink
+from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster.resources import CmbResource
+
+FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.05)
+
+
+class ReportConfig(Config):
+    day: str
+
+
+@op
+def build_report(config: ReportConfig) -> str:
+    return config.day
+
+
+@job
+def nightly_report() -> None:
+    build_report()
+
+
+def defs(database_url: str, **options) -> Definitions:
+    return cmb_definitions(
+        resource=CmbResource(database_url=database_url),
+        callbacks=CallbackJobs(settings=FAST, **options),
+        jobs=[nightly_report],
+    )
+
+
+def test_definitions_hold_worker_jobs_keepers_cleanup_and_materializer(database_url):
+    d = defs(database_url, workers=2, cleanup_cron="30 19 * * *")
+    repo = d.get_repository_def()
+    assert {"callbacks_worker_0_of_2", "callbacks_worker_1_of_2", "callbacks_cleanup"} <= set(repo.job_names)
+    sensors = {s.name for s in repo.sensor_defs}
+    assert {
+        "callbacks_worker_0_of_2_keeper",
+        "callbacks_worker_1_of_2_keeper",
+        "callbacks_schedules_materializer",
+    } <= sensors
+    assert repo.get_schedule_def("callbacks_cleanup_schedule").cron_schedule == "30 19 * * *"
+    assert repo.get_job("callbacks_worker_0_of_2").tags["cmb/worker"] == "callbacks_worker_0_of_2"
+    with pytest.raises(ValueError, match="cron"):
+        CallbackJobs(cleanup_cron="every evening")
+
+
+def test_worker_job_calls_events_back_in_process(db, database_url):
+    with CallbackSink() as sink, CallbackClient(db, FAST) as client:
+        now = datetime.now(UTC)
+        for i in range(30):
+            client.create("a", "g", f"k{i}", now - timedelta(seconds=i % 3), f"{sink.url}/cb")
+        job_def = defs(database_url).get_job_def("callbacks_worker")
+        with instance_for_test() as instance:
+            result = job_def.execute_in_process(
+                instance=instance, run_config={"ops": {"callbacks_worker_op": {"config": {"duration_seconds": 2.0}}}}
+            )
+        assert result.success
+        assert {e.status for e in client.list()} == {"notified"}
+        assert len(sink.received) == 30
+
+
+def test_materializer_sensor_and_cleanup_job(db, database_url):
+    d = defs(database_url)
+    with CallbackClient(db, FAST) as client:
+        client.create_schedule("a", "g", "hourly", "0 * * * *", "http://127.0.0.1:9/cb", horizon=3 * 3600)
+        sensor = d.get_sensor_def("callbacks_schedules_materializer")
+        with build_sensor_context(resources={"cmb": CmbResource(database_url=database_url)}) as context:
+            result = sensor(context)
+        assert isinstance(result, SkipReason) and "created 3" in result.skip_message
+        assert len(client.list()) == 3
+
+        client.cancel("a", "g", client.list()[0].event_key)
+        with db.connection() as conn:
+            conn.execute("UPDATE callback_events SET run_at = now() - interval '3 days' WHERE status = 'cancelled'")
+        cleanup = d.get_job_def("callbacks_cleanup")
+        with instance_for_test() as instance:
+            run = cleanup.execute_in_process(
+                instance=instance, run_config={"ops": {"callbacks_clean_op": {"config": {"ttl_days": 2}}}}
+            )
+        assert run.success
+        assert len(client.list()) == 2
+
+
+@pytest.fixture
+def queued_instance():
+    overrides = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
+    with instance_for_test(overrides=overrides) as instance:
+        yield instance
+
+
+def launcher_for(instance, repository) -> DagsterRunLauncher:
+    """The launcher a worker op builds from its run's origins, for a code location loaded from this file."""
+    target = LoadableTargetOrigin(executable_path=sys.executable, python_file=__file__, attribute="location")
+    remote = RemoteRepositoryOrigin(InProcessCodeLocationOrigin(target, location_name="test"), "__repository__")
+    python = RepositoryPythonOrigin(sys.executable, CodePointer.from_python_file(__file__, "location", None))
+    return DagsterRunLauncher(instance, repository, remote, python)
+
+
+def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instance):
+    repository = defs(database_url).get_repository_def()
+    launcher = launcher_for(queued_instance, repository)
+    with CallbackClient(db, FAST) as client:
+        client.create(
+            "a",
+            "g",
+            "report",
+            datetime.now(UTC) + timedelta(milliseconds=300),
+            "dagster://nightly_report",
+            {"run_config": {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}, "tags": {"team": "data"}},
+        )
+        client.create("a", "g", "typo", datetime.now(UTC), "dagster://nightly_reprot")
+        worker = CallbackWorker(db, FAST, launcher=launcher)
+
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        try:
+            wait_until(
+                lambda: {e.event_key: e.status for e in client.list()} == {"report": "notified", "typo": "failed"}
+            )
+        finally:
+            worker.stop()
+            thread.join(30)
+        event = client.get("a", "g", "report")
+        assert "nightly_reprot" in client.get("a", "g", "typo").last_error
+
+    runs = queued_instance.get_runs(RunsFilter(job_name="nightly_report"))
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.status == DagsterRunStatus.QUEUED
+    assert run.tags["team"] == "data" and run.tags["cmb/callback"] == "a/g/report"
+    assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
+    # a second call for the same event (say, after a crash before its outcome was written) starts no second run
+    again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})
+    assert again == run.run_id and event.status == "notified"
+    assert len(queued_instance.get_runs(RunsFilter(job_name="nightly_report"))) == 1
+
+
+location = Definitions(jobs=[nightly_report])
