@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import re
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -219,13 +220,15 @@ class TaskScheduler:
         self.definitions_hash = hashlib.sha256(
             json.dumps(sorted((t.name, t.trigger_hash, t.priority) for t in tasks)).encode()
         ).hexdigest()[:16]
-        self.leases = Leases(database, LEASE_KIND, owner, ttl=self.settings.tick_seconds + 30)
+        self.leases = Leases(database, LEASE_KIND, owner, ttl=self.settings.tick_seconds + 10)
+
         def mark_changed(conn: psycopg.Connection, events: list[pubsub.Event]) -> None:
             self._mark_changed(conn, events)  # a closure: not registered as an importable handler
 
         self.consumer = pubsub.Consumer(database, f"reactive.{name}", CTL_BRANCH_ID, mark_changed)
         self._lease: Lease | None = None
         self._report: TickReport | None = None
+        self._ticking = threading.Lock()  # the lease is per owner: keep this process's ticks apart too
 
     # -- the tick -----------------------------------------------------------------------------
 
@@ -235,21 +238,27 @@ class TaskScheduler:
         deadline = started + self.settings.tick_seconds
         now = now or datetime.now(UTC)
         report = TickReport(self.name)
-        lease = self.leases.acquire([self.name]).get(self.name)
-        if lease is None:
-            report.busy = f"{self.name}: another process is running this scheduler's tick; skipped"
+        if not self._ticking.acquire(blocking=False):
+            report.busy = f"{self.name}: a tick is already running in this process; skipped"
             return report
-        self._lease, self._report = lease, report
         try:
-            with self.database.connection() as conn:  # one connection for the tick, one transaction per step
-                self._sync_definitions(conn, lease, report)
-                self._read_changes(deadline, report)
-                in_flight = self._follow_runs(conn, lease, runs, now, report)
-                fresh = self._evaluate_marked(conn, lease, now, deadline, report)
-                self._launch_ready(conn, lease, now, in_flight, fresh, report)
+            lease = self.leases.acquire([self.name]).get(self.name)
+            if lease is None:
+                report.busy = f"{self.name}: another process is running this scheduler's tick; skipped"
+                return report
+            self._lease, self._report = lease, report
+            try:
+                with self.database.connection() as conn:  # one connection for the tick, one transaction per step
+                    self._sync_definitions(conn, lease, report)
+                    self._read_changes(deadline, report)
+                    in_flight = self._follow_runs(conn, lease, runs, now, report)
+                    fresh = self._evaluate_marked(conn, lease, now, deadline, report)
+                    self._launch_ready(conn, lease, now, in_flight, fresh, report)
+            finally:
+                self._lease, self._report = None, None
+                self.leases.release([self.name])
         finally:
-            self._lease, self._report = None, None
-            self.leases.release([self.name])
+            self._ticking.release()
             report.seconds = time.monotonic() - started
         return report
 
