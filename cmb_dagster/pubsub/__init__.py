@@ -38,7 +38,7 @@ current one. The reset does not rewrite events: the stream's txid clock is ``pg_
 shift``, and the reset raises the shift so new txids sort after every stored one; old events and
 watermarks keep their meaning and every consumer resumes exactly where it stopped.
 
-Retention: :func:`trim` deletes events below every registered consumer's snapshot xmin, per branch.
+Retention: :func:`trim` deletes the events every registered consumer's snapshot shows committed.
 """
 
 from cmb_dagster.pubsub.admin import consumer_lag, drop_consumer, reset, trim

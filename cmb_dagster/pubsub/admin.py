@@ -43,10 +43,10 @@ def drop_consumer(conn: psycopg.Connection, consumer_id: str, branch_id: int) ->
 def reset(conn: psycopg.Connection) -> tuple[int, int]:
     """After pg_dump/pg_restore into another cluster, re-base the stream's txids; return (old, new) shift.
 
-    One transaction: waits for transactions writing events, then raises the clock's shift so that
-    every txid from now on sorts after every txid and snapshot the stream stored. Stored events and
-    watermarks keep their meaning, so every consumer resumes exactly where it stopped. Safe to run
-    again; ``conn`` must be idle, not in a transaction.
+    One transaction: waits for transactions writing events; then, if the stored txids come from
+    another cluster, raises the clock's shift so that every txid from now on sorts after every txid
+    and snapshot the stream stored. Stored events and watermarks keep their meaning, so every consumer
+    resumes exactly where it stopped. Does nothing when nothing needs it; ``conn`` must be idle.
     """
     with conn.transaction():
         for statement in q.RESET_LOCKS:

@@ -78,7 +78,10 @@ def reset_command() -> None:
     """After pg_dump/pg_restore into another cluster: re-base the stream's txids (one transaction)."""
     with _database().connect(autocommit=True) as conn:
         old, new = reset(conn)
-    click.echo(f"txid clock shift {old} -> {new}: consumers resume where they stopped")
+    if old == new:
+        click.echo(f"the stream's txids are this server's: nothing to re-base (shift {new})")
+    else:
+        click.echo(f"re-based the stream's txids (shift {old} -> {new}): consumers resume where they stopped")
 
 
 @pubsub.command("drop")

@@ -167,25 +167,28 @@ ORDER BY w.consumer_id, w.branch_id
 # Consumers keep their watermark rows while trim decides; a consumer registered meanwhile waits.
 LOCK_WATERMARKS_FOR_TRIM = "LOCK TABLE pubsub_watermarks IN SHARE MODE"
 
-# Deletes up to %(limit)s events per branch that every consumer of that branch has delivered:
-# their txid is below the xmin of each consumer's delivered snapshot.
+# Deletes up to %(limit)s events per branch that every consumer of that branch has delivered: their
+# txid shows committed in each consumer's delivered snapshot (so it is below the smallest xmax).
 TRIM = """
-WITH floor AS (
-    SELECT branch_id, min(pg_snapshot_xmin(snapshot)) AS xmin FROM pubsub_watermarks GROUP BY branch_id
+WITH branches AS (
+    SELECT branch_id, array_agg(snapshot) AS snapshots, min(pg_snapshot_xmax(snapshot)) AS xmax
+    FROM pubsub_watermarks GROUP BY branch_id
 ), doomed AS (
-    SELECT d.branch_id, d.txid, d.id FROM floor f
+    SELECT d.branch_id, d.txid, d.id FROM branches b
     CROSS JOIN LATERAL (
-        SELECT branch_id, txid, id FROM pubsub_events
-        WHERE branch_id = f.branch_id AND txid < f.xmin
-        ORDER BY txid, id LIMIT %(limit)s
+        SELECT e.branch_id, e.txid, e.id FROM pubsub_events e
+        WHERE e.branch_id = b.branch_id AND e.txid < b.xmax
+          AND NOT EXISTS (SELECT 1 FROM unnest(b.snapshots) AS s WHERE NOT pg_visible_in_snapshot(e.txid, s))
+        ORDER BY e.txid, e.id LIMIT %(limit)s
     ) AS d
 )
 DELETE FROM pubsub_events e USING doomed d
 WHERE e.branch_id = d.branch_id AND e.txid = d.txid AND e.id = d.id
 """
 
-# `pubsub reset`: wait out every transaction writing events, stop the clock, then raise its shift so
-# that every txid from now on sorts after every txid and snapshot the stream stored.
+# `pubsub reset`: wait out every transaction writing events and stop the clock. If the stream's txids
+# come from another cluster (other system identifier, or stored values ahead of the current txid),
+# raise the shift so every txid from now on sorts after every stored txid and snapshot.
 RESET_LOCKS = (
     "LOCK TABLE pubsub_events IN SHARE ROW EXCLUSIVE MODE",
     "LOCK TABLE pubsub_clock IN ACCESS EXCLUSIVE MODE",
@@ -198,27 +201,21 @@ WITH stored AS (
         (SELECT max(txid)::text::numeric + 1 FROM pubsub_events),
         (SELECT max(greatest(pg_snapshot_xmax(snapshot), coalesce(pg_snapshot_xmax(target), '0'))::text::numeric)
          FROM pubsub_watermarks),
-        pg_snapshot_xmax(pubsub_snapshot())::text::numeric
+        0
     ) AS above
 ), raw AS (
-    SELECT pg_snapshot_xmin(pg_current_snapshot())::text::numeric AS xmin
-), old AS (
-    SELECT shift FROM pubsub_clock
+    SELECT pg_snapshot_xmin(s)::text::numeric AS xmin, pg_snapshot_xmax(s)::text::numeric AS xmax
+    FROM pg_current_snapshot() AS s
+), clock AS (
+    SELECT shift, system_identifier <> (SELECT system_identifier FROM pg_control_system()) AS moved
+    FROM pubsub_clock
 )
 UPDATE pubsub_clock c
-SET shift = greatest(old.shift, stored.above - raw.xmin)::bigint,
+SET shift = CASE WHEN clock.moved OR stored.above > raw.xmax + clock.shift
+                 THEN greatest(clock.shift, greatest(stored.above, raw.xmax + clock.shift) - raw.xmin)
+                 ELSE clock.shift END::bigint,
     system_identifier = (SELECT system_identifier FROM pg_control_system()),
     reset_at = now()
-FROM stored, raw, old
-RETURNING old.shift, c.shift
-"""
-
-# A sensor's watermark row mirrors the cursor Dagster last stored, so trim keeps what it has not read.
-RECORD_WATERMARK = """
-INSERT INTO pubsub_watermarks AS w (consumer_id, branch_id, snapshot, target, txid, event_id, delivered)
-VALUES (%(consumer_id)s, %(branch_id)s, %(snapshot)s::pg_snapshot, %(target)s::pg_snapshot, %(txid)s::xid8,
-        %(event_id)s, %(delivered)s)
-ON CONFLICT (consumer_id, branch_id) DO UPDATE
-SET snapshot = EXCLUDED.snapshot, target = EXCLUDED.target, txid = EXCLUDED.txid, event_id = EXCLUDED.event_id,
-    delivered = EXCLUDED.delivered, updated_at = now()
+FROM stored, raw, clock
+RETURNING clock.shift, c.shift
 """

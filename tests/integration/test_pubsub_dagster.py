@@ -1,0 +1,103 @@
+import subprocess
+import sys
+
+import pytest
+from dagster import (
+    AssetKey,
+    DagsterEventType,
+    EventRecordsFilter,
+    RunRequest,
+    build_sensor_context,
+    instance_for_test,
+    job,
+    op,
+)
+
+from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster.examples import pubsub as demo
+from cmb_dagster.pubsub import InvalidInput, publish
+from cmb_dagster.pubsub.dagster_defs import pubsub_sensor
+from cmb_dagster.resources import CmbResource
+
+
+@op
+def handle_event() -> None:
+    pass
+
+
+@job
+def per_change() -> None:
+    handle_event()
+
+
+def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, database_url):
+    defs = cmb_definitions(
+        resource=CmbResource(database_url=database_url), jobs=[demo.pubsub_demo_place_orders], consumers=[demo.consumer]
+    )
+    consumer_job = defs.get_job_def("pubsub_consumer_demo_order_totals_branch_100")
+    assert consumer_job.tags["cmb/worker"] == consumer_job.name  # one run per consumer (dagster.yaml limit)
+    with instance_for_test() as instance:
+        assert defs.get_job_def("pubsub_demo_place_orders").execute_in_process(instance=instance).success
+        result = consumer_job.execute_in_process(
+            instance=instance,
+            run_config={"ops": {f"{consumer_job.name}_op": {"config": {"duration_seconds": 1.0}}}},
+        )
+        assert result.success
+        records = instance.get_event_records(
+            EventRecordsFilter(DagsterEventType.ASSET_OBSERVATION, asset_key=AssetKey(["pubsub", "demo_order_totals", "branch_100"]))
+        )
+        metadata = records[0].event_log_entry.asset_observation.metadata
+        assert metadata["lag_events"].value == 0 and metadata["delivered"].value == 100
+        keeper = defs.get_sensor_def(f"{consumer_job.name}_keeper")
+        assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
+    with db.connection() as conn:
+        assert conn.execute("SELECT sum(orders), sum(amount) FROM public.pubsub_demo_totals").fetchone() == conn.execute(
+            "SELECT count(*), sum(amount) FROM public.pubsub_demo_orders").fetchone()
+    assert defs.get_schedule_def("pubsub_trim_schedule").cron_schedule == "17 * * * *"
+    with instance_for_test() as instance:
+        assert defs.get_job_def("pubsub_trim").execute_in_process(instance=instance).success
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM pubsub_events WHERE branch_id = 100").fetchone() == (0,)
+
+
+def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, database_url):
+    sensor = pubsub_sensor(per_change, branch_id=3, batch_size=2, run_config=lambda e: {"tags": {"n": str(e.payload["n"])}})
+    resources = {"cmb": CmbResource(database_url=database_url)}
+    with db.connection() as conn:
+        ids = [publish(conn, 3, {"n": n}) for n in range(3)]
+        publish(conn, 0, {"n": "other branch"})
+    cursor = None
+    requested = []
+    with instance_for_test() as instance:
+        for _ in range(4):
+            result = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
+            requested += [r.run_key for r in result.run_requests]
+            cursor = result.cursor
+        assert requested == [str(i) for i in ids]
+        assert result.asset_events[0].metadata["lag_events"].value == 0
+        with db.connection() as conn:
+            late = publish(conn, 3, {"n": 3})
+            row = conn.execute(
+                "SELECT delivered FROM pubsub_watermarks WHERE consumer_id = 'sensor.per_change_pubsub_branch_3'"
+            ).fetchone()
+        assert row == (3,)  # the trailing watermark that trim honours
+        result = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
+        assert [(r.run_key, r.tags["cmb/pubsub_event"]) for r in result.run_requests] == [(str(late), str(late))]
+        again = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
+        assert [r.run_key for r in again.run_requests] == [str(late)]  # re-evaluated: same run key, deduplicated
+
+
+def test_engine_modules_do_not_import_dagster():
+    code = (
+        "import sys, cmb_dagster.pubsub, cmb_dagster.pubsub.cli; "
+        "print(sorted(m for m in sys.modules if m == 'dagster' or m.startswith('dagster.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_definitions_refuse_consumers_whose_job_names_collide():
+    with pytest.raises(InvalidInput, match="job name"):
+        cmb_definitions(consumers=[{"consumer_id": "a.b", "handler": "m:f"}, {"consumer_id": "a_b", "handler": "m:f"}])
+    with pytest.raises(InvalidInput, match="consumer_id"):
+        cmb_definitions(consumers=[{"consumer_id": "", "handler": "m:f"}])
