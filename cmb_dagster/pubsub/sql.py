@@ -46,6 +46,16 @@ SET snapshot = %(snapshot)s::pg_snapshot, target = %(target)s::pg_snapshot, txid
 WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 """
 
+# A sensor's watermark row mirrors the cursor Dagster last stored, so trim keeps what it has not read.
+RECORD_WATERMARK = """
+INSERT INTO pubsub_watermarks AS w (consumer_id, branch_id, snapshot, target, txid, event_id, delivered)
+VALUES (%(consumer_id)s, %(branch_id)s, %(snapshot)s::pg_snapshot, %(target)s::pg_snapshot, %(txid)s::xid8,
+        %(event_id)s, %(delivered)s)
+ON CONFLICT (consumer_id, branch_id) DO UPDATE
+SET snapshot = EXCLUDED.snapshot, target = EXCLUDED.target, txid = EXCLUDED.txid, event_id = EXCLUDED.event_id,
+    delivered = EXCLUDED.delivered, updated_at = now()
+"""
+
 # -- reading ------------------------------------------------------------------------------------
 
 CURRENT_SNAPSHOT = "SELECT pubsub_snapshot()::text"
