@@ -123,6 +123,10 @@ def stop() -> None:
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
 
 
+from cmb_dagster.pubsub.cli import pubsub  # noqa: E402
+
+main.add_command(pubsub)
+
 from cmb_dagster.callbacks.cli import callbacks  # noqa: E402
 
 main.add_command(callbacks)

@@ -1,10 +1,13 @@
 """The one factory that assembles a code location's cmb_dagster Definitions."""
 
+from collections.abc import Sequence
 from typing import Any
 
 from dagster import DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
 
 from cmb_dagster import migrations
+from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
+from cmb_dagster.pubsub.models import ConsumerSpec
 from cmb_dagster.callbacks.dagster_defs import CallbackJobs, callback_definitions
 from cmb_dagster.resources import CmbResource
 
@@ -34,11 +37,15 @@ cmb_health_check_schedule = ScheduleDefinition(
 def cmb_definitions(
     *,
     resource: CmbResource | None = None,
+    consumers: Sequence[ConsumerSpec | dict[str, Any]] = (),
     callbacks: CallbackJobs | bool = False,
     **definitions: Any,
 ) -> Definitions:
     """Definitions with the cmb resource (key ``cmb``), the health check, and your own ``jobs``,
     ``schedules``, ``sensors``, ``assets`` and ``resources`` merged in.
+
+    ``consumers``: pub/sub ``ConsumerSpec``s (or dicts); each gets a consumer job kept running and a
+    lag asset, plus the hourly ``pubsub_trim`` schedule.
 
     ``callbacks``: ``True`` (or a ``CallbackJobs``) adds the callbacks worker jobs and their keepers,
     the evening cleanup schedule and the schedules materializer.
@@ -49,6 +56,8 @@ def cmb_definitions(
         resources={"cmb": resource or CmbResource()},
     )
     parts = [ours, Definitions(**definitions)]
+    if consumers:
+        parts.append(pubsub_definitions(consumers))
     if callbacks:
         parts.append(callback_definitions(None if callbacks is True else callbacks))
     return Definitions.merge(*parts)

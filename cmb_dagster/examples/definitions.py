@@ -4,8 +4,11 @@ from dagster import Definitions
 
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
+from cmb_dagster.examples import pubsub as pubsub_example
 
 defs = cmb_definitions(
+    jobs=[pubsub_example.pubsub_demo_place_orders],
+    consumers=[pubsub_example.consumer],
     callbacks=True,
 )
 defs = Definitions.merge(defs, callbacks_example.definitions)
