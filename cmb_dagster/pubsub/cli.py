@@ -30,7 +30,10 @@ def pubsub() -> None:
 @click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
 @click.option("--duration", type=float, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
 @click.option("--batch-size", default=1000, show_default=True, help="Most events per handler call.")
-def consume(consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int) -> None:
+@click.option("--lease-ttl", default=10.0, show_default=True, help="Seconds a standby waits after this one dies.")
+def consume(
+    consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int, lease_ttl: float
+) -> None:
     """Run a registered consumer outside Dagster; identical consumers elsewhere stand by."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     db = _database()
@@ -42,7 +45,7 @@ def consume(consumer_id: str, branch_id: int, handler: str | None, duration: flo
                 f"handler: consumer {consumer_id!r} of branch {branch_id} has no registered handler; pass --handler module:function"
             )
         handler = row[0]
-    consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size)
+    consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size, lease_ttl=lease_ttl)
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
     try:
         report = consumer.run(duration)

@@ -1,0 +1,121 @@
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+from cmb_dagster.database import Database
+from cmb_dagster.pubsub import install_capture, publish
+
+CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
+HERE = Path(__file__).parent
+
+
+def wait_until(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def record(conn, events):
+    """The crash test's handler: one result row per event, written in the consumer's transaction."""
+    conn.execute("INSERT INTO public.results (event_id) SELECT unnest(%s::bigint[])", ([e.id for e in events],))
+
+
+def env_for(database_url):
+    return {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": str(HERE)}
+
+
+def cli(database_url, *args):
+    return subprocess.run([*CLI, "pubsub", *args], env=env_for(database_url), capture_output=True, text=True, timeout=120)
+
+
+def results(database_url):
+    with psycopg.connect(database_url) as conn:
+        return conn.execute("SELECT count(*), count(DISTINCT event_id) FROM public.results").fetchone()
+
+
+def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_once(database_url):
+    db = Database(database_url)
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")  # no unique key: duplicates would show
+        conn.execute("CREATE TABLE public.orders (id bigint PRIMARY KEY, amount int NOT NULL)")
+        install_capture(conn, "public.orders")
+        conn.execute("INSERT INTO public.orders SELECT g, g % 100 FROM generate_series(1, 50000) g")
+
+    def produce():  # the second half arrives while the consumer crashes and restarts
+        with db.connect() as conn:
+            for start in range(50001, 100001, 1000):
+                conn.execute("INSERT INTO public.orders SELECT g, 1 FROM generate_series(%s, %s) g", (start, start + 999))
+                conn.commit()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    command = [*CLI, "pubsub", "consume", "crash", "--handler", "test_pubsub_cli:record", "--batch-size", "500",
+               "--lease-ttl", "1"]
+    rng = random.Random(9)
+    kills = 0
+    for _ in range(6):
+        proc = subprocess.Popen(command, env=env_for(database_url), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        before = results(database_url)[0]
+        wait_until(lambda: results(database_url)[0] > before, timeout=30)  # it is consuming
+        time.sleep(rng.uniform(0, 0.5))  # a random point of its work
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        kills += 1
+        if results(database_url)[0] >= 100_000:
+            break
+    producer.join(60)
+    final = subprocess.Popen(command, env=env_for(database_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: results(database_url)[0] >= 100_000, timeout=90)
+    finally:
+        final.send_signal(signal.SIGTERM)
+        out, err = final.communicate(timeout=30)
+    assert final.returncode == 0, err
+    assert kills >= 3
+    assert results(database_url) == (100_000, 100_000)
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM public.orders o JOIN cmb.pubsub_events e ON (e.key->>'id')::bigint = o.id"
+                            " JOIN public.results r ON r.event_id = e.id").fetchone() == (100_000,)
+    db.close()
+
+
+def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
+    db = Database(database_url)
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
+        for n in range(3):
+            publish(conn, 0, {"n": n})
+    first = cli(database_url, "consume", "reporter", "--handler", "test_pubsub_cli:record", "--duration", "1")
+    assert first.returncode == 0, first.stderr
+    assert "consumer reporter (branch 0): 3 events" in first.stdout
+    again = cli(database_url, "consume", "reporter", "--duration", "0.5")  # the registered handler
+    assert again.returncode == 0 and "0 events" in again.stdout, again.stderr
+    status = cli(database_url, "status")
+    assert "reporter  branch 0  delivered 3  behind 0 (0.0s)  handler test_pubsub_cli:record" in status.stdout
+    assert cli(database_url, "trim").stdout.strip() == "deleted 3 delivered events"
+    assert "nothing to re-base" in cli(database_url, "reset").stdout
+    with db.connection() as conn:  # what a pg_restore into a younger cluster looks like
+        conn.execute("UPDATE pubsub_clock SET system_identifier = 42")
+        conn.execute("UPDATE pubsub_watermarks SET snapshot = '5000000:5000000:'")
+    refused = cli(database_url, "consume", "reporter", "--duration", "1")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "cluster 42" in refused.stderr and "cmb-dagster pubsub reset" in refused.stderr
+    assert "re-based the stream's txids" in cli(database_url, "reset").stdout
+    with db.connection() as conn:
+        publish(conn, 0, {"n": "after"})
+    resumed = cli(database_url, "consume", "reporter", "--duration", "1")
+    assert "1 events" in resumed.stdout, resumed.stderr
+    assert "dropped consumer reporter" in cli(database_url, "drop", "reporter").stdout
+    unknown = cli(database_url, "consume", "nobody", "--duration", "1")
+    assert unknown.returncode == 1 and "has no registered handler" in unknown.stderr
+    db.close()

@@ -1,0 +1,67 @@
+import threading
+import time
+
+import psycopg
+
+from cmb_dagster.pubsub import Consumer, publish
+
+HOLD_SECONDS = 60
+
+
+def wait_until(predicate, timeout=10.0, interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def test_a_transaction_open_60s_elsewhere_delays_nothing_committed_meanwhile(db):
+    received: dict[int, float] = {}
+    duplicates: list[int] = []
+
+    def handler(conn, events):
+        now = time.monotonic()
+        for e in events:
+            if e.id in received:
+                duplicates.append(e.id)
+            received[e.id] = now
+
+    consumer = Consumer(db, "patient", 0, handler, idle_sleep=0.05)
+    consumer_thread = threading.Thread(target=consumer.run)
+    consumer_thread.start()
+    long_writer = db.connect()  # holds a txid and an uncommitted event for 60 s
+    held = publish(long_writer, 0, {"from": "the long transaction"})
+    report = db.connect()  # a long report: holds back xmin without a txid of its own
+    report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    report.execute("SELECT count(*) FROM pubsub_events")
+
+    committed: dict[int, float] = {}
+    below_xmin = 0
+    with db.connect(autocommit=True) as producer:
+        started = time.monotonic()
+        while time.monotonic() - started < HOLD_SECONDS:
+            event_id = publish(producer, 0, {"at": time.monotonic() - started})
+            committed[event_id] = time.monotonic()
+            time.sleep(0.1)  # a steady producer: 10 events/s
+        below_xmin = producer.execute(
+            "SELECT count(*) FROM pubsub_events WHERE txid < pg_snapshot_xmin(pubsub_snapshot())"
+        ).fetchone()[0]
+    wait_until(lambda: all(i in received for i in committed), timeout=5)
+    assert held not in received
+    long_writer.commit()
+    report.rollback()
+    wait_until(lambda: held in received, timeout=5)
+    consumer.stop()
+    consumer_thread.join(10)
+    long_writer.close()
+    report.close()
+
+    delays = sorted(received[i] - committed[i] for i in committed)
+    print(f"delivery delay over {len(delays)} events: p50 {delays[len(delays) // 2]:.3f}s, max {delays[-1]:.3f}s")
+    assert delays[-1] < 3.0, f"p50 {delays[len(delays) // 2]:.3f}s, max {delays[-1]:.3f}s"
+    assert not duplicates and set(received) == set(committed) | {held}
+    assert below_xmin == 0  # the seed's reader (txid below xmin) would have delivered none of them yet
+    with psycopg.connect(db.url) as conn:
+        assert conn.execute("SELECT delivered FROM cmb.pubsub_watermarks").fetchone() == (len(committed) + 1,)
