@@ -1,0 +1,332 @@
+"""The reactive scheduler sensor against real Postgres and a temporary Dagster instance."""
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from dagster import (
+    DagsterEvent,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    Definitions,
+    MaterializeResult,
+    OpExecutionContext,
+    RunRequest,
+    asset,
+    build_sensor_context,
+    instance_for_test,
+    job,
+    materialize,
+    op,
+)
+
+from cmb_dagster.ctl import CtlStore
+from cmb_dagster.ctl.scheduler import task_states
+from cmb_dagster.database import Database
+from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster.reactive import CtlResource, ReactiveScheduler, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster.resources import CmbResource
+from cmb_dagster.triggers import Any, ChunkDelay, ChunkDelta, Delay, Delta
+
+NOW = datetime.now(UTC).replace(microsecond=0)
+
+
+@op
+def work(context: OpExecutionContext) -> None:
+    if context.run.tags.get("test/fail"):
+        raise RuntimeError("the task failed")
+
+
+@job
+def target() -> None:
+    work()
+
+
+@pytest.fixture
+def instance() -> Iterator[DagsterInstance]:
+    with instance_for_test() as dagster_instance:
+        yield dagster_instance
+
+
+@pytest.fixture
+def resource(db: Database) -> Iterator[CmbResource]:
+    yield CmbResource(database_url=db.url)
+    Database.shared(db.url).close()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            assert value, "condition not reached before the deadline"
+            return value
+        time.sleep(0.05)
+
+
+class Harness:
+    """One code location's reactive scheduler, ticked by hand like the Dagster daemon would."""
+
+    def __init__(self, db: Database, instance: DagsterInstance, resource: CmbResource, tasks, **options) -> None:
+        self.db, self.instance, self.resource = db, instance, resource
+        self.store = CtlStore(db, actor="test")
+        options = {"name": "test", "retry_backoff": timedelta(0), **options}
+        self.defs: Definitions = cmb_definitions(
+            resource=resource, reactive_tasks=ReactiveScheduler(tasks=tasks, **options)
+        )
+        self.sensor = self.defs.get_repository_def().get_sensor_def("reactive_scheduler")
+        self.logs: list[str] = []
+
+    def tick(self):
+        context = build_sensor_context(instance=self.instance, resources={"cmb": self.resource}, definitions=self.defs)
+        result = self.sensor.evaluate_tick(context)
+        return result
+
+    def requests(self) -> list[RunRequest]:
+        return list(self.tick().run_requests or [])
+
+    def start(self, request: RunRequest):
+        return self.instance.create_run_for_job(target, tags=request.tags, status=DagsterRunStatus.STARTED)
+
+    def finish(self, run, *, success: bool) -> None:
+        if success:
+            event = DagsterEvent(DagsterEventType.RUN_SUCCESS.value, job_name=run.job_name)
+            self.instance.report_dagster_event(event, run_id=run.run_id)
+        else:
+            self.instance.report_run_failed(run)
+
+    def execute(self, request: RunRequest, *, fail: bool = False) -> None:
+        tags = {**request.tags, **({"test/fail": "1"} if fail else {})}
+        target.execute_in_process(instance=self.instance, tags=tags, raise_on_error=False)
+
+    def state(self, name: str):
+        return {s.name: s for s in task_states(self.db, "test")}[name]
+
+
+def test_a_ctl_change_launches_the_task_with_its_values_as_tags(db, instance, resource):
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
+    first = h.tick()
+    assert not first.run_requests and "sales/loaded_until has no current value yet" in first.skip_message
+
+    h.store.set("sales", "loaded_until", NOW)
+    [request] = h.requests()
+    assert request.job_name == "target"
+    assert request.tags["cmb/reactive/task"] == "mart"
+    assert launched_values(request.tags) == {("sales", "loaded_until"): NOW}
+    assert "first run" in request.tags["cmb/reactive/reason"]
+    assert request.run_key == request.tags["cmb/reactive/run_key"]
+
+
+def test_no_relaunch_while_a_run_is_queued_or_running(db, instance, resource):
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
+    h.store.set("sales", "loaded_until", NOW)
+    [request] = h.requests()
+    assert h.requests() == []  # requested, run not created yet: not requested again
+    run = h.start(request)
+    h.store.set("sales", "loaded_until", NOW + timedelta(hours=5))
+    result = h.tick()
+    assert not result.run_requests
+    assert f"run {run.run_id}" in result.skip_message and "queued or running" in result.skip_message
+    assert h.state("mart").status == "launched" and h.state("mart").run_id == run.run_id
+
+
+def test_success_commits_the_values_as_last_seen(db, instance, resource):
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
+    h.store.set("sales", "loaded_until", NOW)
+    [request] = h.requests()
+    h.execute(request)
+    result = h.tick()
+    assert not result.run_requests
+    state = h.state("mart")
+    assert state.status == "waiting" and state.last_values == {"sales": {"loaded_until": NOW.isoformat()}}
+    assert "short by" in state.explanation
+
+    h.store.set("sales", "loaded_until", NOW + timedelta(minutes=30))
+    assert h.requests() == []  # 30 min < 1 h since the last run's value
+    h.store.set("sales", "loaded_until", NOW + timedelta(hours=1))
+    [second] = h.requests()
+    assert launched_values(second.tags) == {("sales", "loaded_until"): NOW + timedelta(hours=1)}
+    assert second.run_key != request.run_key
+
+
+def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resource):
+    h = Harness(
+        db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))],
+        retry_backoff=timedelta(seconds=1),
+    )
+    h.store.set("sales", "loaded_until", NOW)
+    [first] = h.requests()
+    h.execute(first, fail=True)
+    result = h.tick()
+    assert not result.run_requests and "failed (failure 1 in a row)" in result.skip_message
+    assert h.state("mart").status == "backoff"
+    assert h.requests() == []  # still backing off
+    [retry] = wait_until(h.requests, timeout=10)
+    assert retry.run_key != first.run_key
+    assert launched_values(retry.tags) == launched_values(first.tags)  # same values, next attempt
+    assert retry.tags["cmb/reactive/attempt"] == "2" and "retry after 1 failed run" in retry.tags["cmb/reactive/reason"]
+    h.execute(retry)
+    h.tick()
+    assert h.state("mart").attempts == 0 and h.state("mart").last_values
+
+
+def test_cap_launches_highest_priority_first_and_a_freed_slot_launches_the_next(db, instance, resource):
+    tasks = [ReactiveTask(f"t{p}", target, Delta("sales", "loaded_until", "1h"), priority=p) for p in range(5)]
+    h = Harness(db, instance, resource, tasks, max_concurrent_runs=2)
+    h.store.set("sales", "loaded_until", NOW)
+    requests = h.requests()
+    assert [r.tags["cmb/reactive/task"] for r in requests] == ["t4", "t3"]
+    runs = [h.start(r) for r in requests]
+    result = h.tick()
+    assert not result.run_requests and "ready, waits for a slot: 2/2" in result.skip_message
+    h.finish(runs[1], success=True)
+    assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["t2"]
+
+
+def test_a_bad_task_does_not_break_the_tick_for_the_others(db, instance, resource):
+    broken = ChunkDelay.model_construct(  # slipped past validation: evaluating it raises
+        kind="ChunkDelay", entity="sales", parameter="loaded_until", scale="fortnight", max_delay=None, timezone=None
+    )
+    tasks = [
+        ReactiveTask("good", target, Delta("sales", "loaded_until", "1h")),
+        ReactiveTask.model_construct(name="broken", target=target, trigger=broken, priority=5, timezone="UTC"),
+        ReactiveTask("patient", target, Delta("not_yet", "loaded_until", "1h")),
+    ]
+    h = Harness(db, instance, resource, tasks)
+    h.store.set("sales", "loaded_until", NOW)
+    result = h.tick()
+    assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
+    assert h.state("broken").status == "error" and "raised ValueError" in h.state("broken").explanation
+    assert "not_yet/loaded_until has no current value yet" in h.state("patient").explanation
+
+
+def test_only_tasks_whose_inputs_changed_are_evaluated(db, instance, resource):
+    tasks = [ReactiveTask(f"t{i}", target, Delta(f"e{i}", "loaded_until", "1h")) for i in range(30)]
+    h = Harness(db, instance, resource, tasks)
+    h.tick()  # first tick: every task is new to the code location
+    h.store.set("e7", "loaded_until", NOW)
+    h.store.set("unrelated", "loaded_until", NOW)
+    before = {s.name: s.evaluated_at for s in task_states(db, "test")}
+    [request] = h.requests()
+    after = {s.name: s.evaluated_at for s in task_states(db, "test")}
+    assert request.tags["cmb/reactive/task"] == "t7"
+    assert [name for name in before if before[name] != after[name]] == ["t7"]
+
+
+def test_a_changed_definition_is_evaluated_again_with_the_seeds_release_rules(db, instance, resource):
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
+    h.store.set_many({("sales", "loaded_until"): NOW, ("prices", "loaded_until"): NOW})
+    [request] = h.requests()
+    h.execute(request)
+    assert h.requests() == []  # success: nothing new
+    # next release: the trigger also reads prices, a parameter its last run did not see -> fires at once,
+    # while the parameter it kept (sales) is evaluated against the last run's value as usual
+    changed = Any(Delta("sales", "loaded_until", "1h"), ChunkDelta("prices", "loaded_until", "day"))
+    h2 = Harness(db, instance, resource, [ReactiveTask("mart", target, changed)])
+    [again] = h2.requests()
+    reason = again.tags["cmb/reactive/reason"]
+    assert "Delta(sales/loaded_until) waits" in reason and "the parameter is new to the trigger" in reason
+    assert h2.state("mart").last_values == {"sales": {"loaded_until": NOW.isoformat()}}
+    # an unchanged definition in a new process is not evaluated again
+    h3 = Harness(db, instance, resource, [ReactiveTask("mart", target, changed)])
+    assert "definitions synced" not in h3.tick().skip_message
+
+
+def test_a_time_boxed_tick_resumes_where_it_stopped(db, instance, resource):
+    tasks = [ReactiveTask(f"t{i:02d}", target, Delta("sales", "loaded_until", "1h")) for i in range(12)]
+    h = Harness(db, instance, resource, tasks, tick_seconds=0.001, batch_size=5, max_concurrent_runs=100)
+    h.store.set("sales", "loaded_until", NOW)
+    ticks = [h.tick() for _ in range(4)]
+    launched = [r.tags["cmb/reactive/task"] for t in ticks for r in t.run_requests or []]
+    assert [len(t.run_requests or []) for t in ticks] == [5, 5, 2, 0]  # one batch per tick, highest priority first
+    assert sorted(launched) == [f"t{i:02d}" for i in range(12)]  # each exactly once
+
+
+def test_asset_materialization_metadata_feeds_ctl_and_bad_metadata_writes_nothing(db, instance, resource):
+    moment = NOW - timedelta(minutes=1)
+
+    @asset(key=["shop", "prices"])
+    def prices() -> MaterializeResult:
+        return MaterializeResult(metadata=ctl_metadata(loaded_until=moment))
+
+    @asset(key=["shop", "broken"])
+    def broken() -> MaterializeResult:
+        return MaterializeResult(metadata={"cmb/ctl": {"loaded_until": "2024-05-01T00:00:00"}})  # naive
+
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delay("shop/prices", "loaded_until", "10min"))])
+    assert materialize([prices, broken], instance=instance).success
+    [request] = h.requests()  # the same tick applied the metadata and launched
+    assert launched_values(request.tags) == {("shop/prices", "loaded_until"): moment}
+    assert h.store.get("shop/broken", "loaded_until") is None
+    [change] = h.store.history("shop/prices")
+    assert change.changed_by.startswith("dagster run ")
+    h.tick()
+    assert len(h.store.history("shop/prices")) == 1  # applied exactly once
+
+
+def test_ctl_resource_writes_from_an_op(db, instance, resource):
+    @op
+    def load(ctl: CtlResource) -> None:
+        ctl.set("sales", "loaded_until", NOW)
+
+    @job
+    def loader() -> None:
+        load()
+
+    result = loader.execute_in_process(instance=instance, resources={"ctl": CtlResource(cmb=resource)})
+    assert CtlStore(db).get("sales", "loaded_until") == NOW
+    [change] = CtlStore(db).history()
+    assert change.changed_by == f"dagster run {result.run_id} (loader)"
+
+
+def test_status_json_shows_the_trigger_state(db, instance, resource):
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
+    h.tick()
+    state = h.state("mart")
+    assert state.trigger == json.loads(Delta("sales", "loaded_until", "1h").model_dump_json())
+    assert state.status == "waiting" and "no current value yet" in state.explanation
+
+
+def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(db, instance, resource):
+    from cmb_dagster.examples import reactive as example
+
+    defs = cmb_definitions(
+        resource=resource,
+        reactive_tasks=ReactiveScheduler(tasks=example.reactive_tasks, name="example"),
+        jobs=example.example_jobs,
+        assets=example.example_assets,
+        sensors=example.example_sensors,
+    )
+    sensor = defs.get_repository_def().get_sensor_def("reactive_scheduler")
+
+    def tick():
+        return sensor.evaluate_tick(build_sensor_context(instance=instance, resources={"cmb": resource}, definitions=defs))
+
+    loaders = defs.get_repository_def().get_sensor_def("example_loaders").evaluate_tick(build_sensor_context(instance=instance))
+    assert sorted(r.job_name for r in loaders.run_requests) == ["orders_loader", "prices_loader"]
+    assert defs.get_job_def("orders_loader").execute_in_process(instance=instance).success
+    assert "ChunkDelta(shop/orders/loaded_until, 5min in UTC) fires" in tick().skip_message  # prices not loaded yet
+    assert defs.get_job_def("prices_loader").execute_in_process(instance=instance).success
+    [request] = tick().run_requests
+    assert request.job_name == "sales_report"
+    assert set(launched_values(request.tags)) == {example.ORDERS, example.PRICES}
+    result = defs.get_job_def("sales_report").execute_in_process(instance=instance, tags=request.tags)
+    assert result.success
+    assert "sales_report: succeeded" in tick().skip_message
+
+
+def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, resource):
+    from cmb_dagster.ctl.scheduler import LEASE_KIND
+    from cmb_dagster.workers import Leases
+
+    h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
+    h.store.set("sales", "loaded_until", NOW)
+    other = Leases(db, LEASE_KIND, "another-daemon", ttl=30)
+    assert other.acquire(["test"])
+    result = h.tick()
+    assert not result.run_requests and "another process is running this scheduler's tick" in result.skip_message
+    other.release(["test"])
+    assert len(h.requests()) == 1

@@ -1,0 +1,102 @@
+import pytest
+from dagster import AssetSelection, DefaultSensorStatus, asset, job, op
+
+from cmb_dagster.ctl import InvalidReactiveTask
+from cmb_dagster.ctl.scheduler import SchedulerSettings, values_hash
+from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster.reactive import ReactiveScheduler, ReactiveTask, reactive_definitions
+from cmb_dagster.triggers import All, Any, ChunkDelta, Delay, Delta
+
+
+@op
+def noop() -> None:
+    pass
+
+
+@job
+def report() -> None:
+    noop()
+
+
+@asset
+def mart() -> None:
+    pass
+
+
+DELTA = Delta("sales", "loaded_until", "1h")
+
+
+def test_cmb_definitions_adds_one_running_scheduler_sensor_the_jobs_and_the_ctl_resource():
+    defs = cmb_definitions(
+        reactive_tasks=[ReactiveTask("report", report, DELTA), ReactiveTask("mart", [mart], DELTA)], assets=[mart]
+    )
+    repository = defs.get_repository_def()
+    [sensor] = [s for s in repository.sensor_defs if s.name == "reactive_scheduler"]
+    assert sensor.default_status == DefaultSensorStatus.RUNNING and sensor.minimum_interval_seconds == 10
+    assert {"report", "reactive_mart"} <= {j.name for j in repository.get_all_jobs()}
+    assert "ctl" in repository.get_top_level_resources()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ReactiveTask("has space", report, DELTA), "name"),
+        (lambda: ReactiveTask("t", report, DELTA, timezone="Mars/Olympus"), "timezone"),
+        (lambda: ReactiveTask("t", report, "not a trigger"), "trigger"),
+        (lambda: ReactiveTask("t", [], DELTA), "selects no asset"),
+        (lambda: reactive_definitions([ReactiveTask("t", report, DELTA), ReactiveTask("t", report, DELTA)]), "unique"),
+    ],
+)
+def test_bad_task_definitions_are_clear_errors_naming_the_field(make, message):
+    with pytest.raises(InvalidReactiveTask, match=message):
+        make()
+
+
+def test_nested_aggregates_are_refused_at_definition_time():
+    with pytest.raises(ValueError, match="nested"):
+        All(DELTA, Any(Delay("prices", "loaded_until", "1h")))
+
+
+def test_the_seeds_advice_warns_about_tasks_that_would_run_continuously():
+    assert ReactiveTask("fresh", report, Delay("prices", "loaded_until", "1h")).warnings
+    assert not ReactiveTask("new_day", report, All(ChunkDelta("sales", "loaded_until", "day"),
+                                                   Delay("prices", "loaded_until", "1h"))).warnings
+
+
+def test_asset_selection_target_becomes_an_asset_job():
+    task = ReactiveTask("marts.daily", AssetSelection.assets(mart), DELTA, priority=3)
+    assert task.job.name == "reactive_marts_daily"
+    assert task.spec.priority == 3 and task.spec.trigger == DELTA
+
+
+def test_trigger_hash_changes_with_the_trigger_or_time_zone_only():
+    a = ReactiveTask("t", report, DELTA).spec
+    assert a.trigger_hash == ReactiveTask("t", report, Delta("sales", "loaded_until", "60min"), priority=9).spec.trigger_hash
+    assert a.trigger_hash != ReactiveTask("t", report, DELTA, timezone="Europe/Moscow").spec.trigger_hash
+    assert a.trigger_hash != ReactiveTask("t", report, Delta("sales", "loaded_until", "2h")).spec.trigger_hash
+
+
+def test_backoff_doubles_up_to_its_cap():
+    settings = ReactiveScheduler(tasks=[], retry_backoff="PT10S", max_retry_backoff="PT60S").settings
+    assert [settings.backoff(n).total_seconds() for n in range(5)] == [10, 20, 40, 60, 60]
+    assert isinstance(settings, SchedulerSettings)
+
+
+def test_values_hash_ignores_the_time_zone_a_value_is_written_in():
+    from datetime import UTC, datetime, timedelta, timezone
+
+    moment = datetime(2024, 5, 1, 12, tzinfo=UTC)
+    key = ("sales", "loaded_until")
+    assert values_hash({key: moment}) == values_hash({key: moment.astimezone(timezone(timedelta(hours=3)))})
+    assert values_hash({key: moment}) != values_hash({key: moment + timedelta(seconds=1)})
+
+
+def test_the_engine_imports_nothing_from_dagster():
+    import subprocess
+    import sys
+
+    code = ("import sys, cmb_dagster.ctl, cmb_dagster.ctl.scheduler, cmb_dagster.ctl.cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
