@@ -123,6 +123,11 @@ def stop() -> None:
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
 
 
+from cmb_dagster.ctl.cli import ctl, reactive  # noqa: E402
+
+main.add_command(ctl)
+main.add_command(reactive)
+
 from cmb_dagster.pubsub.cli import pubsub  # noqa: E402
 
 main.add_command(pubsub)

@@ -9,6 +9,7 @@ from cmb_dagster import migrations
 from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import ConsumerSpec
 from cmb_dagster.callbacks.dagster_defs import CallbackJobs, callback_definitions
+from cmb_dagster.reactive import ReactiveScheduler, ReactiveTask, reactive_definitions
 from cmb_dagster.resources import CmbResource
 
 
@@ -38,11 +39,15 @@ def cmb_definitions(
     *,
     resource: CmbResource | None = None,
     consumers: Sequence[ConsumerSpec | dict[str, Any]] = (),
+    reactive_tasks: Sequence[ReactiveTask] | ReactiveScheduler | None = None,
     callbacks: CallbackJobs | bool = False,
     **definitions: Any,
 ) -> Definitions:
     """Definitions with the cmb resource (key ``cmb``), the health check, and your own ``jobs``,
     ``schedules``, ``sensors``, ``assets`` and ``resources`` merged in.
+
+    ``reactive_tasks``: a list of ``ReactiveTask`` (or a ``ReactiveScheduler``) adds the reactive
+    scheduler sensor, the tasks' jobs and the ``ctl`` resource.
 
     ``consumers``: pub/sub ``ConsumerSpec``s (or dicts); each gets a consumer job kept running and a
     lag asset, plus the hourly ``pubsub_trim`` schedule.
@@ -56,6 +61,8 @@ def cmb_definitions(
         resources={"cmb": resource or CmbResource()},
     )
     parts = [ours, Definitions(**definitions)]
+    if reactive_tasks is not None:
+        parts.append(reactive_definitions(reactive_tasks, resource))
     if consumers:
         parts.append(pubsub_definitions(consumers))
     if callbacks:
