@@ -68,7 +68,8 @@ _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.
 # (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as running, or
 # one at or above its xmax: two index range scans, neither of which revisits delivered events.
 READ_BATCH = f"""
-SELECT id, txid::text, branch_id, topic, op, key, payload, created_at FROM (
+SELECT batch.id, batch.txid::text, batch.branch_id, batch.topic, batch.op, batch.key, batch.payload, batch.created_at
+FROM (
     (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
      WHERE e.branch_id = %(branch_id)s
        AND e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
@@ -84,7 +85,7 @@ SELECT id, txid::text, branch_id, topic, op, key, payload, created_at FROM (
        AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
      ORDER BY e.txid, e.id LIMIT %(limit)s)
 ) AS batch
-ORDER BY txid, id
+ORDER BY batch.txid, batch.id  -- as xid8: the text of txids does not sort like txids
 LIMIT %(limit)s
 """
 

@@ -369,3 +369,15 @@ def test_a_consumer_on_a_plain_connection_pool(db):
         assert drain(consumer) == 1 and seen[0].payload == {"via": "pool"}
         with pool.connection() as conn:
             assert conn.execute("SELECT current_setting('search_path')").fetchone()[0] == '"$user", public'
+
+
+def test_txids_crossing_a_power_of_ten_keep_their_order(db):
+    with db.connection() as conn:  # move the stream's clock to just below 10,000,000
+        conn.execute("UPDATE pubsub_clock SET shift = 9999995 - pg_current_xact_id()::text::bigint")
+    ids = []
+    for n in range(12):
+        with db.connection() as conn:
+            ids.append(publish(conn, 0, {"n": n}))
+    consumer, seen = collect(db, batch_size=3)
+    assert drain(consumer) == 12
+    assert [e.id for e in seen] == ids and seen[0].txid < 10_000_000 <= seen[-1].txid
