@@ -86,12 +86,7 @@ def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int) -> Ba
         "txid": str(txid), "event_id": event_id, "limit": limit + 1,
     }
     rows = conn.cursor(row_factory=tuple_row).execute(q.READ_BATCH, params).fetchall()
-    events = [
-        Event.model_construct(
-            id=r[0], txid=int(r[1]), branch_id=r[2], topic=r[3], op=r[4], key=r[5], payload=r[6], created_at=r[7]
-        )
-        for r in rows[:limit]
-    ]
+    events = [Event(r[0], int(r[1]), r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows[:limit]]
     more = len(rows) > limit
     last = events[-1] if events else None
     after = watermark.model_copy(
