@@ -185,22 +185,24 @@ class CallbackWorker:
             with state.lock:
                 cursor, seen = state.cursor, state.seen_event_id
             ahead = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]}).fetchall()
-            answered_at = time.monotonic()  # after it is read: due times err late, never early
+            ahead_read_at = time.monotonic()  # after the database clock is read: due times err late, never early
             if ahead:
                 cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
             late = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen}).fetchall()
+            late_read_at = time.monotonic()
         full = len(ahead) == room or len(late) == room
         new_seen = late[-1][0] if len(late) == room else max(seen, visible)
         fresh = []
         with state.lock:
             state.cursor = max(state.cursor, cursor)
             state.seen_event_id = max(state.seen_event_id, new_seen)
-            for row in ahead + late:
-                if row[0] not in state.in_flight:
-                    state.in_flight[row[0]] = (row[1], row[0])
-                    fresh.append(row)
+            for read_at, rows in ((ahead_read_at, ahead), (late_read_at, late)):
+                for row in rows:
+                    if row[0] not in state.in_flight:
+                        state.in_flight[row[0]] = (row[1], row[0])
+                        fresh.append((read_at, row))
         deadline = lambda: state.lease_deadline
-        for row in fresh:
+        for read_at, row in fresh:
             (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
             self._pool.submit(
                 Delivery(
@@ -216,7 +218,7 @@ class CallbackWorker:
                     retry=RetryPolicy.model_validate(retry),
                     attempts=attempts,
                     main_retries=main_retries,
-                    due=answered_at + max(0.0, due_in),
+                    due=read_at + max(0.0, due_in),
                     lease_deadline=deadline,
                     on_done=lambda d, s=state: self._on_done(s, d),
                 )

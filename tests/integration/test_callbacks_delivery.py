@@ -92,6 +92,20 @@ def test_events_are_called_at_their_time_never_before(client, sink, workers):
     assert all(e.attempts == 1 and e.finished_at is not None for e in client.list())
 
 
+def test_events_created_behind_the_cursor_but_still_ahead_wait_for_their_time(client, sink, workers):
+    running = workers()
+    marker = client.create("a", "g", "marker", datetime.now(UTC) + timedelta(seconds=0.95), f"{sink.url}/cb")
+    wait_until(lambda: any(s.cursor[1] == marker for s in running.worker._states.values()))  # polled ahead
+    now = datetime.now(UTC)
+    rows = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now + timedelta(seconds=0.2 + i / 500),
+             "cb_url": f"{sink.url}/cb"} for i in range(300)]
+    client.create_many(rows)  # behind the cursor yet not due: query 2 finds them ahead of their time
+    wait_until(lambda: statuses(client) == {"notified": 301})
+    run_ats = {r["event_key"]: r["run_at"].timestamp() for r in rows}
+    early = [c for c in sink.received if c.body["event_key"] in run_ats and c.started < run_ats[c.body["event_key"]]]
+    assert early == []
+
+
 def test_reject_header_rejects_and_errors_retry_then_fail(client, sink, workers):
     now = datetime.now(UTC)
     client.create("a", "g", "rejected", now, f"{sink.url}/reject")

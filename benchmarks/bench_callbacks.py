@@ -1,0 +1,398 @@
+"""Callbacks benchmark: create throughput, a 100k burst and a steady 1,000 events/s, side by side with PgQueuer.
+
+    flock /tmp/cmb-bench.lock .venv/bin/python benchmarks/bench_callbacks.py [--quick]
+
+Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. Callbacks
+go to a local HTTP sink on 127.0.0.1 in this process; the cmb worker (``cmb-dagster callbacks worker``) and
+the PgQueuer consumer run as separate processes, one at a time. Lateness is the sink's arrival time minus
+the event's run_at. PgQueuer (pip install pgqueuer) is only needed here. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cmb_dagster.callbacks import CallbackClient  # noqa: E402
+from cmb_dagster.callbacks.sink import CallbackSink  # noqa: E402
+from cmb_dagster.database import Database  # noqa: E402
+from cmb_dagster.settings import Settings  # noqa: E402
+
+CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
+
+
+def server_url() -> str:
+    from cmb_dagster.embedded import embedded_url
+
+    settings = Settings.from_env()
+    return settings.database_url or embedded_url(settings.home)
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# -- create throughput ---------------------------------------------------------------------------
+
+
+def bench_create(db: Database, seconds: float) -> dict[str, float]:
+    results = {}
+    far = datetime.now(UTC) + timedelta(days=1)
+    for buffered in (True, False):
+        for threads in (1, 16):
+            label = f"{'buffered' if buffered else 'one_insert_per_event'}_{threads}_threads"
+            done = [0] * threads
+            stop = time.monotonic() + seconds
+            with CallbackClient(db, buffered=buffered) as client:
+
+                def produce(n: int) -> None:
+                    i = 0
+                    while time.monotonic() < stop:
+                        client.create("bench", label, f"{n}-{i}", far, "http://127.0.0.1:9/x")
+                        i += 1
+                    done[n] = i
+
+                started = time.monotonic()
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(produce, range(threads)))
+                elapsed = time.monotonic() - started
+            results[label] = round(sum(done) / elapsed)
+            print(f"  create {label:36s} {results[label]:>8,} events/s")
+    with db.connection() as conn:
+        conn.execute("DELETE FROM callback_events")
+    vacuum(db.url, "callback_events")
+    return results
+
+
+# -- cmb worker ----------------------------------------------------------------------------------
+
+
+def start_cmb_worker(url: str) -> subprocess.Popen:
+    env = {**os.environ, "CMB_DATABASE_URL": url}
+    return subprocess.Popen([*CLI, "callbacks", "worker", "--no-materialize"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def vacuum(url: str, table: str) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"VACUUM {table}")
+
+
+def dead_tuples(url: str, table: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = %s", (table,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def bench_cmb_burst(db: Database, sink: CallbackSink, count: int) -> dict[str, float]:
+    with CallbackClient(db, buffered=False) as client:
+        far = datetime.now(UTC) + timedelta(days=1)
+        for start in range(0, count, 5000):
+            client.create_many(
+                [{"owner_client_id": "bench", "group_key": "burst", "event_key": str(i), "run_at": far,
+                  "cb_url": f"{sink.url}/cb"} for i in range(start, min(count, start + 5000))]
+            )
+    with db.connection() as conn:
+        due = conn.execute(
+            "UPDATE callback_events SET run_at = now() + interval '4 seconds', originally_run_at = now() + "
+            "interval '4 seconds' RETURNING run_at"
+        ).fetchone()[0]
+    sink.received.clear()
+    worker = start_cmb_worker(db.url)
+    try:
+        finished = wait_for(lambda: len(sink.received) >= count, timeout=600)
+    finally:
+        stop_process(worker)
+    last = max(c.started for c in sink.received)
+    first = min(c.started for c in sink.received)
+    rate = count / (last - due.timestamp())
+    with db.connection() as conn:
+        notified = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'notified'").fetchone()[0]
+        conn.execute("DELETE FROM callback_events")
+    vacuum(db.url, "callback_events")  # the steady phase starts from a clean table
+    early = sum(1 for c in sink.received if c.started < due.timestamp())
+    print(f"  cmb burst of {count:,}: {rate:,.0f} events/s (first call {first - due.timestamp():+.2f}s after due, "
+          f"{notified:,} notified, {len(sink.received) - count} duplicate calls, {early} early)")
+    return {"events_per_s": round(rate), "complete": finished and notified == count, "early_calls": early}
+
+
+def steady_run_ats(rate: int, seconds: float):  # type: ignore[no-untyped-def]
+    """Yield (create_at_monotonic, delay_s) for a steady stream: 20% due at once, 80% due 1-3 s later."""
+    rng = random.Random(7)
+    start = time.monotonic() + 0.5
+    for i in range(int(rate * seconds)):
+        yield start + i / rate, 0.0 if rng.random() < 0.2 else rng.uniform(1.0, 3.0)
+
+
+def lateness_summary(name: str, latenesses: list[float], immediate: list[float]) -> dict[str, float]:
+    summary = {
+        "events": len(latenesses),
+        "p50_s": round(percentile(latenesses, 50), 3),
+        "p99_s": round(percentile(latenesses, 99), 3),
+        "max_s": round(max(latenesses), 3) if latenesses else float("nan"),
+        "due_at_creation_p99_s": round(percentile(immediate, 99), 3),
+        "early_calls": sum(1 for x in latenesses if x < 0),
+    }
+    print(f"  {name} steady: {summary['events']:,} events, lateness p50 {summary['p50_s']:.3f}s, "
+          f"p99 {summary['p99_s']:.3f}s, max {summary['max_s']:.3f}s "
+          f"(due at creation: p99 {summary['due_at_creation_p99_s']:.3f}s), {summary['early_calls']} early")
+    return summary
+
+
+def bench_cmb_steady(db: Database, sink: CallbackSink, rate: int, seconds: float) -> dict[str, float]:
+    sink.received.clear()
+    worker = start_cmb_worker(db.url)
+    schedule = list(steady_run_ats(rate, seconds))
+    dead: list[int] = []
+    expected = len(schedule)
+    try:
+        with CallbackClient(db) as client, ThreadPoolExecutor(8) as pool:
+            def produce(part: int) -> None:
+                for n, (at, delay) in enumerate(schedule[part::8]):
+                    pause = at - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                    key = f"{part}-{n}"
+                    client.create("bench", "steady", key, datetime.now(UTC) + timedelta(seconds=delay),
+                                  f"{sink.url}/cb", {"delay": delay})
+
+            sampler_stop = threading.Event()
+
+            def sample() -> None:
+                while not sampler_stop.wait(2):
+                    dead.append(dead_tuples(db.url, "callback_events"))
+
+            threading.Thread(target=sample, daemon=True).start()
+            list(pool.map(produce, range(8)))
+            wait_for(lambda: len(sink.received) >= expected, timeout=60)
+            sampler_stop.set()
+    finally:
+        stop_process(worker)
+    calls = list(sink.received)
+    latenesses = [c.started - datetime.fromisoformat(c.body["run_at"]).timestamp() for c in calls]
+    immediate = [x for c, x in zip(calls, latenesses, strict=True) if c.body["context"]["delay"] == 0.0]
+    summary = lateness_summary("cmb", latenesses, immediate)
+    summary["dead_tuples_max"] = max(dead, default=0)
+    summary["dead_tuples_end"] = dead[-1] if dead else 0
+    with db.connection() as conn:
+        summary["table_mb"] = round(conn.execute("SELECT pg_total_relation_size('callback_events')").fetchone()[0] / 2**20, 1)
+        summary["rows"] = conn.execute("SELECT count(*) FROM callback_events").fetchone()[0]
+    print(f"  cmb dead tuples in callback_events: max {summary['dead_tuples_max']:,}, end "
+          f"{summary['dead_tuples_end']:,} ({summary['rows']:,} rows, {summary['table_mb']} MB with indexes)")
+    return summary
+
+
+# -- PgQueuer ------------------------------------------------------------------------------------
+
+
+async def _pgqueuer_consumer(url: str, sink_url: str) -> None:
+    from pgqueuer import QueueManager
+    from pgqueuer.queries import Queries
+
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    qm = QueueManager(Queries.from_psycopg_connection(conn))
+    parts = urlsplit(sink_url)
+    pool: asyncio.Queue = asyncio.Queue()
+    for _ in range(32):
+        pool.put_nowait(await asyncio.open_connection(parts.hostname, parts.port))
+
+    @qm.entrypoint("callback")
+    async def callback(job) -> None:  # type: ignore[no-untyped-def]
+        reader, writer = await pool.get()
+        try:
+            body = job.payload
+            writer.write(f"POST /cb HTTP/1.1\r\nHost: {parts.hostname}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 2"):
+                raise RuntimeError(head.split(b"\r\n")[0].decode())
+        finally:
+            pool.put_nowait((reader, writer))
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, qm.shutdown.set)
+    await qm.run(batch_size=50, max_concurrent_tasks=200, dequeue_timeout=timedelta(seconds=1))
+
+
+def _driver(conn):  # type: ignore[no-untyped-def]
+    from pgqueuer.adapters.drivers.psycopg import PsycopgDriver
+
+    return PsycopgDriver(conn)
+
+
+def pgqueuer_available() -> bool:
+    try:
+        import pgqueuer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+async def _pgqueuer_install(url: str) -> None:
+    from pgqueuer.queries import Queries
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await Queries.from_psycopg_connection(conn).install()
+
+
+def start_pgqueuer_consumer(url: str, sink_url: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--pgqueuer-consumer", url, sink_url],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _enqueue(url: str, payloads: list[bytes], delays: list[timedelta]) -> None:
+    async def go() -> None:
+        from pgqueuer.queries import Queries
+
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            await Queries.from_psycopg_connection(conn).enqueue(["callback"] * len(payloads), payloads, [0] * len(payloads), delays)
+
+    asyncio.run(go())
+
+
+def bench_pgqueuer_burst(url: str, sink: CallbackSink, count: int) -> dict[str, float]:
+    due = datetime.now(UTC) + timedelta(seconds=60)
+    for start in range(0, count, 5000):
+        now = datetime.now(UTC)
+        ids = range(start, min(count, start + 5000))
+        _enqueue(url, [json.dumps({"event_id": i, "run_at": due.isoformat()}).encode() for i in ids],
+                 [due - now] * len(ids))
+    with psycopg.connect(url, autocommit=True) as conn:  # due in 4 s, as for cmb
+        due = conn.execute("UPDATE pgqueuer SET execute_after = now() + interval '4 seconds' RETURNING execute_after").fetchone()[0]
+    sink.received.clear()
+    consumer = start_pgqueuer_consumer(url, sink.url)
+    try:
+        finished = wait_for(lambda: len(sink.received) >= count, timeout=600)
+    finally:
+        stop_process(consumer)
+    last = max(c.started for c in sink.received)
+    rate = count / (last - due.timestamp())
+    print(f"  PgQueuer burst of {count:,}: {rate:,.0f} events/s")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DELETE FROM pgqueuer")
+    vacuum(url, "pgqueuer")
+    return {"events_per_s": round(rate), "complete": finished}
+
+
+def bench_pgqueuer_steady(url: str, sink: CallbackSink, rate: int, seconds: float) -> dict[str, float]:
+    sink.received.clear()
+    consumer = start_pgqueuer_consumer(url, sink.url)
+    schedule = list(steady_run_ats(rate, seconds))
+    dead: list[int] = []
+
+    async def produce() -> None:
+        from pgqueuer.queries import Queries
+
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            queries = Queries.from_psycopg_connection(conn)
+            for i, (at, delay) in enumerate(schedule):
+                pause = at - time.monotonic()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                run_at = datetime.now(UTC) + timedelta(seconds=delay)
+                payload = json.dumps({"event_id": i, "run_at": run_at.isoformat(), "context": {"delay": delay}})
+                await queries.enqueue("callback", payload.encode(), 0, timedelta(seconds=delay))
+                if i % (rate * 2) == 0:
+                    dead.append(dead_tuples(url, "pgqueuer"))
+
+    try:
+        asyncio.run(produce())
+        wait_for(lambda: len(sink.received) >= len(schedule), timeout=60)
+    finally:
+        stop_process(consumer)
+    calls = list(sink.received)
+    latenesses = [c.started - datetime.fromisoformat(c.body["run_at"]).timestamp() for c in calls]
+    immediate = [x for c, x in zip(calls, latenesses, strict=True) if c.body["context"]["delay"] == 0.0]
+    summary = lateness_summary("PgQueuer", latenesses, immediate)
+    summary["dead_tuples_max"] = max(dead, default=0)
+    return summary
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="Smaller numbers, for a smoke run.")
+    parser.add_argument("--pgqueuer-consumer", nargs=2, metavar=("URL", "SINK"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.pgqueuer_consumer:
+        asyncio.run(_pgqueuer_consumer(*args.pgqueuer_consumer))
+        return
+    burst, rate, seconds, create_seconds = (5_000, 200, 10, 2) if args.quick else (100_000, 1_000, 60, 5)
+
+    server = server_url()
+    name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = urlsplit(server)._replace(path=f"/{name}").geturl()
+    db = Database(url)
+    db.ensure_ready()
+    results: dict[str, object] = {"benchmark": "callbacks", "cpus": os.cpu_count(), "quick": args.quick}
+    try:
+        print(f"callbacks benchmark on {db.display_url} ({os.cpu_count()} CPUs)")
+        results["create_events_per_s"] = bench_create(db, create_seconds)
+        with CallbackSink() as sink:
+            sink_keep = sink
+            results["cmb_burst"] = bench_cmb_burst(db, sink_keep, burst)
+            results["cmb_steady"] = bench_cmb_steady(db, sink_keep, rate, seconds)
+            if pgqueuer_available():
+                asyncio.run(_pgqueuer_install(url))
+                results["pgqueuer_burst"] = bench_pgqueuer_burst(url, sink_keep, burst)
+                results["pgqueuer_steady"] = bench_pgqueuer_steady(url, sink_keep, rate, seconds)
+                results["burst_ratio_cmb_over_pgqueuer"] = round(
+                    results["cmb_burst"]["events_per_s"] / results["pgqueuer_burst"]["events_per_s"], 2)
+                print(f"  burst throughput, cmb / PgQueuer: {results['burst_ratio_cmb_over_pgqueuer']}x")
+            else:
+                print("  PgQueuer not installed (pip install pgqueuer): side-by-side skipped")
+        steady = results["cmb_steady"]
+        results["lateness_target_met"] = steady["p99_s"] < 1.5  # type: ignore[index]
+        print(f"  lateness target (p99 < 1.5 s at {rate}/s): {'met' if results['lateness_target_met'] else 'MISSED'}")
+    finally:
+        db.close()
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
