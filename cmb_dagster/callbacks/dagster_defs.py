@@ -4,6 +4,7 @@ and the launcher that turns ``dagster://<job>`` callbacks into queued runs."""
 from collections.abc import Mapping
 from typing import Any
 
+from croniter import croniter
 from dagster import (
     Config,
     DagsterInstance,
@@ -26,7 +27,7 @@ from dagster._core.run_coordinator import QueuedRunCoordinator
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cmb_dagster.callbacks.client import CallbackClient
-from cmb_dagster.callbacks.models import CallbackSettings, NewSchedule
+from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker, bucket_ids
 from cmb_dagster.database import Database
@@ -52,8 +53,8 @@ class CallbackJobs(BaseModel):
     @field_validator("cleanup_cron")
     @classmethod
     def _cron_is_valid(cls, value: str) -> str:
-        NewSchedule.model_validate({"owner_client_id": "x", "group_key": "x", "schedule_key": "x", "cron": value,
-                                    "cb_url": "http://x"})
+        if not croniter.is_valid(value):
+            raise ValueError(f"{value!r} is not a valid cron expression")
         return value
 
     def worker_job_name(self, index: int) -> str:

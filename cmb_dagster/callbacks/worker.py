@@ -163,11 +163,12 @@ class CallbackWorker:
             return state
         with self.db.connection() as conn:
             run_at, cursor_id, seen = conn.execute(sql.LOAD_WATERMARK, {"bucket": bucket_id}).fetchone()
-        fresh = BucketState(bucket_id, lease.fence, (run_at, cursor_id), seen)
-        if state is not None:  # the lease changed hands meanwhile: keep what is still ours to finish
-            fresh.in_flight, fresh.done = state.in_flight, state.done
-        self._states[bucket_id] = fresh
-        return fresh
+        if state is None:
+            state = self._states[bucket_id] = BucketState(bucket_id, lease.fence, (run_at, cursor_id), seen)
+        else:  # the lease lapsed and came back: continue from the saved watermark, keep the calls in flight
+            with state.lock:
+                state.fence, state.cursor, state.seen_event_id = lease.fence, (run_at, cursor_id), seen
+        return state
 
     def _poll(self, lease: Lease, state: BucketState) -> int:
         busy = self._pool.busy if self._pool is not None else 0

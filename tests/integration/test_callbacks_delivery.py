@@ -185,3 +185,26 @@ def test_an_event_moved_behind_the_cursor_still_fires(client, sink, workers):
     client.update("a", "g", "moved", run_at=datetime.now(UTC) - timedelta(minutes=5))
     wait_until(lambda: client.get("a", "g", "moved").status == "notified")
     assert [c.body["event_key"] for c in sink.received].count("moved") == 1
+
+
+def test_a_lapsed_lease_is_taken_back_and_nothing_is_lost(db, client, sink, workers):
+    running = workers()
+    now = datetime.now(UTC)
+    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
+                         "run_at": now + timedelta(milliseconds=10 * i), "cb_url": f"{sink.url}/slow?ms=20"}
+                        for i in range(300)])
+    def lowest_fence() -> int:
+        with db.connection() as conn:
+            return conn.execute("SELECT coalesce(min(fence), 0) FROM leases WHERE kind = 'callbacks.bucket'").fetchone()[0]
+
+    wait_until(lambda: running.worker.delivered > 0)
+    for round_ in range(3):  # the worker stalls past its lease (as after a long GC pause) and takes it back
+        with db.connection() as conn:
+            conn.execute("UPDATE leases SET expires_at = now() - interval '1 second' WHERE kind = 'callbacks.bucket'")
+        wait_until(lambda: lowest_fence() >= round_ + 2)
+    wait_until(lambda: statuses(client) == {"notified": 300}, timeout=30)
+    wait_until(lambda: all(not s.in_flight for s in running.worker._states.values()))
+    with db.connection() as conn:
+        saved = conn.execute("SELECT min(max_run_at) FROM callback_buckets").fetchone()[0]
+    assert saved >= now  # the saved watermark kept moving after the takebacks
+    assert len({c.body["event_key"] for c in sink.received}) == 300
