@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import psycopg
@@ -212,7 +213,6 @@ class Consumer:
                 registered = conn.execute(q.REGISTERED_HANDLER, params).fetchone()
                 if registered is None or registered[0] != self.handler_path:
                     conn.execute(q.REGISTER_CONSUMER, {**params, "handler": self.handler_path})
-                    conn.commit()
             self._registered = True
             return lock_watermark(conn, self.consumer_id, self.branch_id)
 
@@ -245,22 +245,15 @@ class Consumer:
             f"{type(exc).__name__}: {exc}; retrying them one at a time"
         )
 
-    def _connection(self):  # type: ignore[no-untyped-def]
+    def _connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A pooled connection whose block is one transaction, with the cmb schema first on the search_path."""
         if self._pool is None:
             return self.database.connection()
-        return _with_schema(self._pool, self.database.schema)
+        return _schema_first(self._pool, self.database.schema)
 
 
-class _with_schema:
-    def __init__(self, pool: ConnectionPool, schema: str) -> None:
-        self._context = pool.connection()
-        self._schema = schema
-
-    def __enter__(self) -> psycopg.Connection:
-        conn = self._context.__enter__()
-        conn.execute("SELECT set_config('search_path', %s || ', ' || current_setting('search_path'), true)", (self._schema,))
-        return conn
-
-    def __exit__(self, *exc: object) -> None:
-        self._context.__exit__(*exc)
+@contextmanager
+def _schema_first(pool: ConnectionPool, schema: str) -> Iterator[psycopg.Connection]:
+    with pool.connection() as conn:
+        conn.execute(q.SCHEMA_FIRST, {"schema": schema})
+        yield conn

@@ -56,6 +56,9 @@ SET snapshot = EXCLUDED.snapshot, target = EXCLUDED.target, txid = EXCLUDED.txid
     delivered = EXCLUDED.delivered, updated_at = now()
 """
 
+# For a caller's own pool: the cmb schema first on the search_path, for this transaction only.
+SCHEMA_FIRST = "SELECT set_config('search_path', %(schema)s || ', ' || current_setting('search_path'), true)"
+
 # -- reading ------------------------------------------------------------------------------------
 
 CURRENT_SNAPSHOT = "SELECT pubsub_snapshot()::text"
@@ -65,16 +68,20 @@ RESTORE_PROBLEM = "SELECT pubsub_restore_problem(%(snapshot)s::pg_snapshot)"
 _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.created_at"
 
 # The events of a branch that %(target)s shows committed and %(snapshot)s does not, after the position
-# (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as running, or
-# one at or above its xmax: two index range scans, neither of which revisits delivered events.
+# (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as running
+# (an index scan per such txid), or one at or above its xmax (one index range scan): neither part
+# revisits delivered events.
 READ_BATCH = f"""
 SELECT batch.id, batch.txid::text, batch.branch_id, batch.topic, batch.op, batch.key, batch.payload, batch.created_at
 FROM (
-    (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
-     WHERE e.branch_id = %(branch_id)s
-       AND e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
-                               WHERE pg_visible_in_snapshot(x, %(target)s::pg_snapshot)))
-       AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+    (SELECT {_EVENT_COLUMNS}
+     FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
+     CROSS JOIN LATERAL (
+         SELECT * FROM pubsub_events e
+         WHERE e.branch_id = %(branch_id)s AND e.txid = x AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+         ORDER BY e.id LIMIT %(limit)s
+     ) AS e
+     WHERE pg_visible_in_snapshot(x, %(target)s::pg_snapshot)
      ORDER BY e.txid, e.id LIMIT %(limit)s)
     UNION ALL
     (SELECT {_EVENT_COLUMNS} FROM pubsub_events e

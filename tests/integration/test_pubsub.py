@@ -361,12 +361,20 @@ def test_after_a_restore_consumers_refuse_until_reset_then_resume_exactly(db):
     assert [e.payload["n"] for e in seen] == [0, 1, 2, 3, 4, 5]
 
 
+POOLED: list = []
+
+
+def remember(conn, events):
+    POOLED.extend(events)
+
+
 def test_a_consumer_on_a_plain_connection_pool(db):
     with db.connection() as conn:
         publish(conn, 0, {"via": "pool"})
     with ConnectionPool(db.url, min_size=1, max_size=2, open=True) as pool:
-        consumer, seen = collect(pool, "pooled", schema=db.schema)
-        assert drain(consumer) == 1 and seen[0].payload == {"via": "pool"}
+        consumer = Consumer(pool, "pooled", 0, remember, schema=db.schema)
+        assert drain(consumer) == 1 and POOLED[0].payload == {"via": "pool"}
+        assert count(db, "SELECT handler FROM pubsub_watermarks") == f"{__name__}:remember"
         with pool.connection() as conn:
             assert conn.execute("SELECT current_setting('search_path')").fetchone()[0] == '"$user", public'
 
