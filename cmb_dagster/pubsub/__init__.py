@@ -16,15 +16,18 @@ and remembering them in an ``out_of_order`` table, writes a row per early event,
 joined into every read and cleaned up later, and splits the delivery order in two. Instead each
 watermark stores the snapshot up to which it has delivered (``pg_snapshot``). The next batch is
 exactly the events whose txid the new snapshot shows committed and the stored one does not: a txid
-the stored snapshot listed as running, or one at or above its xmax. Two index range scans on
-``(branch_id, txid, id)``; an open transaction only stays in the snapshot's running list until it
-ends, and delays nobody else. Each committed event belongs to exactly one such difference, so none
-is skipped or repeated. A difference larger than the batch size goes out in several batches: the
-watermark keeps the new snapshot as ``target`` plus the position (txid, id) reached within it.
+the stored snapshot listed as running, or one at or above its xmax: an index scan per listed txid
+and one range scan on ``(branch_id, txid, id)``, none revisiting delivered events. An open
+transaction only stays in the snapshot's running list until it ends, and delays nobody else. Each
+committed event belongs to exactly one such difference, so none is skipped or repeated. A
+difference larger than the batch size goes out in several batches: the watermark keeps the new
+snapshot as ``target`` plus the position (txid, id) reached within it.
 
-Order: batches follow snapshot order; within one, events go by (txid, id), and a transaction's
+Order: differences follow snapshot order; within one, events go by (txid, id), and a transaction's
 events stay together in id order. A transaction that committed before another took its txid is
-always delivered first. Events on different branches are independent streams.
+always delivered first. (Two transactions that commit between the same two snapshots go by txid,
+which is not always commit order: a writer that took its txid, then waited on a row lock, comes
+first.) Branches are independent streams.
 
 pg_dump/pg_restore: txids belong to a cluster. Restored into another one, stored txids and snapshots
 compare against unrelated txids, and new events could look delivered already. Each batch checks the
