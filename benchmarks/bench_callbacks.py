@@ -90,7 +90,7 @@ def bench_create(db: Database, seconds: float) -> dict[str, float]:
             print(f"  create {label:36s} {results[label]:>8,} events/s")
     with db.connection() as conn:
         conn.execute("DELETE FROM callback_events")
-    vacuum(db.url, "callback_events")
+    vacuum(db.url, f"{db.schema}.callback_events")
     return results
 
 
@@ -148,7 +148,7 @@ def bench_cmb_burst(db: Database, sink: CallbackSink, count: int) -> dict[str, f
     with db.connection() as conn:
         notified = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'notified'").fetchone()[0]
         conn.execute("DELETE FROM callback_events")
-    vacuum(db.url, "callback_events")  # the steady phase starts from a clean table
+    vacuum(db.url, f"{db.schema}.callback_events")  # the steady phase starts from a clean table
     early = sum(1 for c in sink.received if c.started < due.timestamp())
     print(f"  cmb burst of {count:,}: {rate:,.0f} events/s (first call {first - due.timestamp():+.2f}s after due, "
           f"{notified:,} notified, {len(sink.received) - count} duplicate calls, {early} early)")
