@@ -23,13 +23,8 @@ from cmb_dagster.database import Database
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-ACTIVE_STATUSES = [
-    DagsterRunStatus.QUEUED,
-    DagsterRunStatus.NOT_STARTED,
-    DagsterRunStatus.STARTING,
-    DagsterRunStatus.STARTED,
-    DagsterRunStatus.CANCELING,
-]
+WAITING_STATUSES = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING]
+WORKING_STATUSES = [DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 
 RunWorker = Callable[[Database, float, OpExecutionContext], WorkerReport]
 
@@ -62,21 +57,32 @@ def worker_job(name: str, run_worker: RunWorker, *, description: str) -> JobDefi
 
 
 def keep_running_sensor(
-    worker: JobDefinition, *, minimum_interval_seconds: int = 30, default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING
+    worker: JobDefinition,
+    *,
+    minimum_interval_seconds: int = 15,
+    default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING,
 ) -> SensorDefinition:
-    """A sensor that launches ``worker`` whenever none of its runs is queued or in progress."""
+    """A sensor that keeps ``worker`` running with one run standing by behind the working one.
+
+    The standby run waits in the queue (dagster.yaml limits the ``cmb/worker`` tag to one run per
+    worker) and starts the moment the working run's time is up, so the handover costs no sensor
+    interval; without that limit it starts at once and waits for the leases instead.
+    """
 
     @sensor(
         name=f"{worker.name}_keeper",
         job=worker,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
-        description=f"Keeps one run of {worker.name} going at all times.",
+        description=f"Keeps {worker.name} running, with one run standing by.",
     )
     def _keeper(context: SensorEvaluationContext) -> RunRequest | SkipReason:
-        active = context.instance.get_runs(RunsFilter(job_name=worker.name, statuses=ACTIVE_STATUSES), limit=1)
-        if active:
-            return SkipReason(f"run {active[0].run_id} of {worker.name} is {active[0].status.value}")
+        runs = context.instance.get_runs(RunsFilter(job_name=worker.name, statuses=WAITING_STATUSES), limit=1)
+        if runs:
+            return SkipReason(f"run {runs[0].run_id} of {worker.name} is {runs[0].status.value}: standing by")
+        working = context.instance.get_runs(RunsFilter(job_name=worker.name, statuses=WORKING_STATUSES), limit=2)
+        if len(working) > 1:
+            return SkipReason(f"{len(working)} runs of {worker.name} are working")
         return RunRequest()
 
     return _keeper

@@ -1,5 +1,6 @@
 import psycopg
-from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context, instance_for_test
+from dagster import DagsterInstance, DagsterRunStatus, RunRequest, SkipReason, build_sensor_context, instance_for_test
+from dagster._core.test_utils import create_run_for_test
 
 from cmb_dagster.definitions import cmb_definitions, cmb_health_check
 from cmb_dagster.examples.definitions import defs as example_defs
@@ -40,6 +41,9 @@ def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url):
         assert result.success and calls == [("cmb", 1.5)]
         keeper = keep_running_sensor(job)
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
-        instance.create_run_for_job(job_def=defs.get_job_def("demo_worker"), run_config={})
-        # the run just created is NOT_STARTED: the keeper must not launch another
+        create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.STARTED)
+        # one run works: the keeper queues a standby behind it
+        assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
+        create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.NOT_STARTED)
+        # a standby waits: nothing more to launch
         assert isinstance(keeper(build_sensor_context(instance=instance)), SkipReason)
