@@ -46,7 +46,9 @@ def consume(
             )
         handler = row[0]
     consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size, lease_ttl=lease_ttl)
+    consumer.check()  # refuses at once after a restore
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
+    click.echo(f"consumer {consumer_id} (branch {branch_id}) started; SIGTERM or Ctrl-C stops it", err=True)
     try:
         report = consumer.run(duration)
     except KeyboardInterrupt:

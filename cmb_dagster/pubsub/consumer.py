@@ -161,7 +161,7 @@ class Consumer:
         self._registered = False
         self._one_at_a_time = 0  # after a failed batch, deliver its events singly to name the failing one
         self._worker: Worker | None = None
-        self._lock = threading.Lock()
+        self._stop_requested = threading.Event()
 
     @classmethod
     def from_spec(cls, database: Database | ConnectionPool, spec: ConsumerSpec) -> Consumer:
@@ -189,20 +189,21 @@ class Consumer:
     def run(self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
         """Handle batches for ``duration`` seconds (None: until :meth:`stop`), holding this consumer's
         lease so identical consumers elsewhere stand by; a failing batch is retried with backoff."""
+        self._stop_requested.clear()
         self.check()
-        worker = Worker(
+        self._worker = worker = Worker(
             self.database, LEASE_KIND, [self.partition], self._batch, ttl=self.lease_ttl,
             idle_sleep=self.spec.idle_sleep, on_progress=on_progress,
         )
-        with self._lock:
-            self._worker = worker
+        if self._stop_requested.is_set():  # asked to stop while starting
+            worker.stop()
         return worker.run(duration)
 
     def stop(self) -> None:
-        """Ask :meth:`run` to return after the current batch."""
-        with self._lock:
-            if self._worker is not None:
-                self._worker.stop()
+        """Ask :meth:`run` to return after the current batch (safe from a signal handler)."""
+        self._stop_requested.set()
+        if self._worker is not None:
+            self._worker.stop()
 
     def check(self) -> Watermark:
         """Register this consumer (watermark at zero, handler path) and return its watermark; raises

@@ -43,7 +43,7 @@ def results(database_url):
         return conn.execute("SELECT count(*), count(DISTINCT event_id) FROM public.results").fetchone()
 
 
-def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_once(database_url):
+def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_once(database_url, tmp_path):
     db = Database(database_url)
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")  # no unique key: duplicates would show
@@ -62,7 +62,14 @@ def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_onc
     command = [*CLI, "pubsub", "consume", "crash", "--handler", "test_pubsub_cli:record", "--batch-size", "500",
                "--lease-ttl", "1"]
     rng = random.Random(9)
-    start = lambda: subprocess.Popen(command, env=env_for(database_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # noqa: E731
+    logs = iter(tmp_path / f"consumer{n}.log" for n in range(100))
+
+    def start():
+        log = next(logs)
+        proc = subprocess.Popen(command, env=env_for(database_url), stdout=subprocess.DEVNULL, stderr=log.open("w"))
+        proc.log = log
+        return proc
+
     running = [start(), start()]  # identical consumers: one works, the other stands by
     kills = 0
     while results(database_url)[0] < 100_000 and kills < 8:
@@ -79,9 +86,10 @@ def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_onc
         wait_until(lambda: results(database_url)[0] >= 100_000, timeout=90)
     finally:
         for proc in running:
+            wait_until(lambda: "started" in proc.log.read_text(), timeout=30)  # its SIGTERM handler is set
             proc.send_signal(signal.SIGTERM)
-        outcomes = [proc.communicate(timeout=30) + (proc.returncode,) for proc in running]
-    assert [code for _, _, code in outcomes] == [0, 0], outcomes
+        codes = [proc.wait(30) for proc in running]
+    assert codes == [0, 0], [proc.log.read_text() for proc in running]
     assert kills >= 3
     assert results(database_url) == (100_000, 100_000)
     with psycopg.connect(database_url) as conn:
