@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -25,8 +24,6 @@ from cmb_dagster.pubsub.models import (
     validated,
 )
 from cmb_dagster.workers import Lease, Leases, Worker, WorkerReport
-
-log = logging.getLogger("cmb_dagster.pubsub")
 
 LEASE_KIND = "pubsub.consumer"
 

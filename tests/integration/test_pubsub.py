@@ -2,11 +2,9 @@ import random
 import threading
 import time
 
-import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
 
-from cmb_dagster.database import Database
 from cmb_dagster.pubsub import (
     Consumer,
     ConsumerBusy,
