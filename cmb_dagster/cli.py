@@ -10,8 +10,11 @@ from pathlib import Path
 
 import click
 
+from cmb_dagster.callbacks.cli import callbacks
+from cmb_dagster.ctl.cli import ctl, reactive
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
+from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.settings import Settings
 
 
@@ -123,18 +126,9 @@ def stop() -> None:
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
 
 
-from cmb_dagster.ctl.cli import ctl, reactive  # noqa: E402
 
-main.add_command(ctl)
-main.add_command(reactive)
-
-from cmb_dagster.pubsub.cli import pubsub  # noqa: E402
-
-main.add_command(pubsub)
-
-from cmb_dagster.callbacks.cli import callbacks  # noqa: E402
-
-main.add_command(callbacks)
+for engine_group in (pubsub, ctl, reactive, callbacks):
+    main.add_command(engine_group)
 
 
 def run() -> None:

@@ -101,9 +101,9 @@ class Database:
         if self._ready:
             return
         with self._raw_connect(autocommit=True) as conn:
-            version = migrations.current_version(conn, self.schema)
-            migrations.check_not_newer(version, self.schema)
-            if self._migrate and version != migrations.latest_version():
+            versions = migrations.applied_versions(conn, self.schema)
+            migrations.check_not_newer(max(versions or {0}), self.schema)
+            if self._migrate and not migrations.is_up_to_date(versions):
                 conn.autocommit = False
                 migrations.upgrade(conn, self.schema)
         self._ready = True

@@ -6,9 +6,9 @@ from typing import Any
 from dagster import DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
 
 from cmb_dagster import migrations
+from cmb_dagster.callbacks.dagster_defs import CallbackJobs, callback_definitions
 from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import ConsumerSpec
-from cmb_dagster.callbacks.dagster_defs import CallbackJobs, callback_definitions
 from cmb_dagster.reactive import ReactiveScheduler, ReactiveTask, reactive_definitions
 from cmb_dagster.resources import CmbResource
 

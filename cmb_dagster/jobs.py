@@ -4,8 +4,8 @@ from collections.abc import Callable
 
 from dagster import (
     Config,
-    DefaultSensorStatus,
     DagsterRunStatus,
+    DefaultSensorStatus,
     JobDefinition,
     OpExecutionContext,
     RunRequest,

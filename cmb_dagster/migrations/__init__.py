@@ -48,15 +48,26 @@ def latest_version() -> int:
     return max((m.version for m in available()), default=0)
 
 
-def current_version(conn: psycopg.Connection, schema: str) -> int | None:
-    """The version applied to ``schema``, or None when the schema has never been migrated."""
+def applied_versions(conn: psycopg.Connection, schema: str) -> set[int] | None:
+    """Versions applied to ``schema``, or None when the schema has never been migrated."""
     exists = conn.execute(
         "SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.schema_migrations",)
     ).fetchone()[0]
     if not exists:
         return None
-    query = sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migrations").format(sql.Identifier(schema))
-    return conn.execute(query).fetchone()[0]
+    query = sql.SQL("SELECT version FROM {}.schema_migrations").format(sql.Identifier(schema))
+    return {row[0] for row in conn.execute(query)}
+
+
+def current_version(conn: psycopg.Connection, schema: str) -> int | None:
+    """The highest version applied to ``schema``, or None when it has never been migrated."""
+    versions = applied_versions(conn, schema)
+    return None if versions is None else max(versions, default=0)
+
+
+def is_up_to_date(versions: set[int] | None) -> bool:
+    """Whether every shipped migration is among ``versions``."""
+    return versions is not None and {m.version for m in available()} <= versions
 
 
 def check_not_newer(version: int | None, schema: str) -> None:
@@ -86,9 +97,9 @@ def upgrade(conn: psycopg.Connection, schema: str) -> list[Migration]:
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             ).format(ident)
         )
-        version = current_version(conn, schema)
-        check_not_newer(version, schema)
-        pending = [m for m in available() if m.version > (version or 0)]
+        done = applied_versions(conn, schema) or set()
+        check_not_newer(max(done, default=0), schema)
+        pending = [m for m in available() if m.version not in done]  # also fills a gap left by a late file
         conn.execute(sql.SQL("SET LOCAL search_path TO {}, public").format(ident))
         for migration in pending:
             conn.execute(migration.sql)

@@ -1,7 +1,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -100,3 +99,14 @@ def test_embedded_server_is_shared_between_processes():
     with psycopg.connect(here) as a, psycopg.connect(other) as b:
         assert a.execute("SELECT pg_postmaster_start_time()").fetchone() == b.execute(
             "SELECT pg_postmaster_start_time()").fetchone()
+
+
+def test_a_migration_missing_below_the_newest_is_applied(database_url):
+    with psycopg.connect(database_url) as conn:
+        conn.execute("DELETE FROM cmb.schema_migrations WHERE version = 1")
+        conn.execute("DROP TABLE cmb.health_checks")
+        conn.execute("DROP TABLE cmb.leases")
+    Database(database_url).ensure_ready()
+    assert applied(database_url) == [(m.version, m.name) for m in migrations.available()]
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM cmb.leases").fetchone() == (0,)

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from cmb_dagster.workers import Leases, LeaseLost, Worker
+from cmb_dagster.workers import LeaseLost, Leases, Worker
 
 
 def wait_until(predicate, timeout=10.0, interval=0.02):

@@ -25,14 +25,18 @@ from cmb_dagster.triggers import (
     RefDelay,
     Trigger,
     check,
+    checks,
+    chunks,
+    dsl,
+    durations,
     evaluate,
+    evaluation,
+    models,
     parameters,
     trigger_from_dict,
     trigger_from_json,
     uses_last,
 )
-from cmb_dagster.triggers import checks, chunks, dsl, durations, models
-from cmb_dagster.triggers import evaluation
 
 ORDERS = ("sales.orders", "loaded_until")
 PRICES = ("sales.prices", "loaded_until")
