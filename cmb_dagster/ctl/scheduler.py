@@ -12,6 +12,9 @@ One tick, all state in Postgres (table ``reactive_tasks``), time-boxed and resum
    progress is neither evaluated nor launched.
 5. Launch: ready tasks by priority while fewer than ``max_concurrent_runs`` reactive runs are queued or
    running; each is re-evaluated first (a Delay may have decayed while it waited for a slot).
+   Hold: while a task P with a run in flight ``produces`` a parameter read by a waiting task H, ready
+   tasks of lower priority than H stay ready and are not launched: the queue waits for the more
+   important task. The hold is found from the runs in flight and the parameter -> tasks index.
 
 Time alone never turns a trigger from false to true (Delay-type conditions only decay), so tasks whose
 inputs did not change need no evaluation: there is no periodic full scan.
@@ -33,12 +36,12 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 import psycopg
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from cmb_dagster import pubsub
 from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidReactiveTask
-from cmb_dagster.ctl.store import CTL_BRANCH_ID, ParameterKey, values_from_json, values_to_json
+from cmb_dagster.ctl.store import CTL_BRANCH_ID, Name, ParameterKey, values_from_json, values_to_json
 from cmb_dagster.database import Database
 from cmb_dagster.triggers import Trigger, evaluate, parameters
 from cmb_dagster.triggers.chunks import get_zone
@@ -50,17 +53,28 @@ LEASE_KIND = "reactive.scheduler"
 _TASK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 _SCHEDULER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,49}$")  # part of a pub/sub consumer id
 TaskName = Annotated[str, Field(pattern=_TASK_NAME.pattern)]
+_LOWEST_PRIORITY, _ABOVE_HIGHEST_PRIORITY = -(2**31), 2**31  # bounds of the priority column (integer)
+
+
+def sorted_keys(keys: Sequence[tuple[str, str]]) -> tuple[ParameterKey, ...]:
+    """CTL parameters without repeats, in a stable order."""
+    return tuple(sorted({(entity, parameter) for entity, parameter in keys}))
+
+
+CtlKeys = Annotated[tuple[tuple[Name, Name], ...], AfterValidator(sorted_keys)]
+"""(entity, parameter) pairs, e.g. what a task's job writes to CTL."""
 
 
 class TaskSpec(BaseModel):
-    """What the engine needs to know of a reactive task: its name, trigger, priority and time zone."""
+    """What the engine needs to know of a reactive task: name, trigger, priority, time zone, CTL it writes."""
 
     model_config = ConfigDict(frozen=True)
 
     name: TaskName
     trigger: Trigger
-    priority: int = 0
+    priority: int = Field(default=0, ge=_LOWEST_PRIORITY, lt=_ABOVE_HIGHEST_PRIORITY)
     timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
+    produces: CtlKeys = Field(default=(), description="(entity, parameter) pairs the task's job writes to CTL.")
 
     @field_validator("timezone")
     @classmethod
@@ -132,7 +146,7 @@ class TaskEvent:
     """What the tick did with one task, and why."""
 
     task: str
-    action: str  # launched, relaunched, ready, waiting, error, in progress, succeeded, failed, capped
+    action: str  # launched, relaunched, ready, waiting, error, in progress, succeeded, failed, capped, held
     detail: str
 
     def line(self) -> str:
@@ -171,6 +185,15 @@ class TickReport:
         if not self.complete:
             parts.append("time box reached, the next tick resumes")
         return f"{self.scheduler}: " + ", ".join(parts) + f" in {self.seconds:.2f}s"
+
+
+@dataclass(frozen=True)
+class _Hold:
+    """Ready tasks below ``priority`` wait: ``producer``'s run feeds ``task``, a waiting task of that priority."""
+
+    task: str
+    priority: int
+    producer: str
 
 
 @dataclass(frozen=True)
@@ -218,7 +241,7 @@ class TaskScheduler:
             for key in sorted(parameters(task.trigger)):
                 self.index[key].append(task.name)
         self.definitions_hash = hashlib.sha256(
-            json.dumps(sorted((t.name, t.trigger_hash, t.priority) for t in tasks)).encode()
+            json.dumps(sorted((t.name, t.trigger_hash, t.priority, t.produces) for t in tasks)).encode()
         ).hexdigest()[:16]
         self.leases = Leases(database, LEASE_KIND, owner, ttl=self.settings.tick_seconds + 10)
 
@@ -253,7 +276,8 @@ class TaskScheduler:
                     self._read_changes(deadline, report)
                     in_flight = self._follow_runs(conn, lease, runs, now, report)
                     fresh = self._evaluate_marked(conn, lease, now, deadline, report)
-                    self._launch_ready(conn, lease, now, in_flight, fresh, report)
+                    hold = self._hold(conn, in_flight)
+                    self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, report)
             finally:
                 self._lease, self._report = None, None
                 self.leases.release([self.name])
@@ -280,6 +304,7 @@ class TaskScheduler:
                     "hashes": [t.trigger_hash for t in specs],
                     "priorities": [t.priority for t in specs],
                     "timezones": [t.timezone for t in specs],
+                    "produces": [json.dumps(t.produces) for t in specs],
                 },
             )
             conn.execute(sql.UNDEFINE_MISSING_TASKS, {**params, "names": [t.name for t in specs]})
@@ -318,15 +343,15 @@ class TaskScheduler:
 
     def _follow_runs(
         self, conn: psycopg.Connection, lease: Lease, runs: RunLookup, now: datetime, report: TickReport
-    ) -> int:
-        """Handle finished runs; re-request lost launches; end backoffs. Return how many runs are in flight."""
+    ) -> dict[str, tuple[ParameterKey, ...]]:
+        """Handle finished runs; re-request lost launches; end backoffs. Return the tasks in flight and what they produce."""
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
         with conn.transaction():
             launched = conn.execute(sql.LAUNCHED_TASKS, params).fetchall()
             found = runs(self.name, [row[1] for row in launched]) if launched else {}
             finished: list[tuple[str, str, str, bool, datetime | None]] = []
             seen: list[tuple[str, str]] = []
-            for name, run_key, run_id, launched_at, attempts, ready_values, explanation in launched:
+            for name, run_key, run_id, launched_at, attempts, ready_values, explanation, _ in launched:
                 run = found.get(run_key)
                 if run is None:
                     if launched_at <= now - self.settings.launch_grace:
@@ -369,7 +394,21 @@ class TaskScheduler:
                     },
                 )
             conn.execute(sql.END_BACKOFFS, params)
-        return len(launched) - len(finished)
+        done = {f[0] for f in finished}
+        return {row[0]: sorted_keys(row[7]) for row in launched if row[0] not in done}
+
+    def _hold(self, conn: psycopg.Connection, in_flight: Mapping[str, tuple[ParameterKey, ...]]) -> _Hold | None:
+        """The highest-priority waiting task fed by a run in flight, if any (it holds the tasks below it)."""
+        producers: dict[str, str] = {}  # task reading a produced parameter -> the task in flight producing it
+        for producer in sorted(in_flight):
+            for key in in_flight[producer]:
+                for name in self.index.get(key, ()):
+                    producers.setdefault(name, producer)
+        if not producers:
+            return None
+        with conn.transaction():
+            row = conn.execute(sql.TOP_WAITING_TASK, {"scheduler": self.name, "names": list(producers)}).fetchone()
+        return None if row is None else _Hold(task=row[0], priority=row[1], producer=producers[row[0]])
 
     def _evaluate_marked(
         self, conn: psycopg.Connection, lease: Lease, now: datetime, deadline: float, report: TickReport
@@ -402,17 +441,20 @@ class TaskScheduler:
         lease: Lease,
         now: datetime,
         in_flight: int,
+        hold: _Hold | None,
         fresh: Mapping[str, _Evaluation],
         report: TickReport,
     ) -> None:
-        """Launch ready tasks by priority under the cap; those not evaluated in this tick are evaluated again."""
+        """Launch ready tasks by priority under the cap and above a hold; those not evaluated in this tick are
+        evaluated again."""
         cap = self.settings.max_concurrent_runs
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
+        launchable = {"min_priority": hold.priority if hold else _LOWEST_PRIORITY, "max_priority": _ABOVE_HIGHEST_PRIORITY}
         while in_flight < cap:
             with conn.transaction():
-                rows = conn.execute(sql.READY_TASKS, {**params, "limit": cap - in_flight}).fetchall()
+                rows = conn.execute(sql.READY_TASKS, {**params, **launchable, "limit": cap - in_flight}).fetchall()
                 if not rows:
-                    return
+                    break
                 attempts_so_far = {r[0]: r[3] for r in rows}
                 stale = [(r[0], r[1], r[2]) for r in rows if r[0] not in fresh]
                 evaluations = self._evaluate(conn, stale, now) if stale else []
@@ -427,13 +469,25 @@ class TaskScheduler:
             for launch in launches:
                 report.note(launch.task, "launched", f"run_key {launch.run_key}: {launch.reason}")
             in_flight += len(launches)
+        if hold:
+            held = {"min_priority": _LOWEST_PRIORITY, "max_priority": hold.priority}
+            why = f"waiting for {hold.producer} which feeds higher-priority {hold.task} (priority {hold.priority})"
+            self._note_not_launched(conn, {**params, **held}, "held", why, report)
+        if in_flight >= cap:
+            why = f"ready, waits for a slot: {in_flight}/{cap} reactive runs queued or running"
+            self._note_not_launched(conn, {**params, **launchable}, "capped", why, report)
+
+    def _note_not_launched(
+        self, conn: psycopg.Connection, params: dict[str, Any], action: str, why: str, report: TickReport
+    ) -> None:
+        """Report the first ready tasks within ``params``' priority bounds, and how many more there are."""
         with conn.transaction():
             shown = conn.execute(sql.READY_TASKS, {**params, "limit": 20}).fetchall()
             waiting = conn.execute(sql.COUNT_READY, params).fetchone()[0] if len(shown) == 20 else len(shown)
         for row in shown:
-            report.note(row[0], "capped", f"ready, waits for a slot: {in_flight}/{cap} reactive runs queued or running")
+            report.note(row[0], action, why)
         if waiting > len(shown):
-            report.note("...", "capped", f"{waiting - len(shown)} more ready task(s) wait for a slot")
+            report.note("...", action, f"{waiting - len(shown)} more ready task(s): {why}")
 
     def _launch(
         self,
@@ -561,6 +615,7 @@ class TaskState(BaseModel):
     evaluated_at: datetime | None
     backwards_note: str | None
     last_success_at: datetime | None
+    produces: list[ParameterKey]
 
 
 def task_states(database: Database, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:
@@ -583,6 +638,7 @@ def forget_last_values(database: Database, scheduler: str, name: str, parameter:
 
 
 __all__ = [
+    "CtlKeys",
     "Launch",
     "RunInfo",
     "RunLookup",

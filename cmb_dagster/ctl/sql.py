@@ -66,22 +66,26 @@ INSERT INTO reactive_schedulers (name, definitions_hash) VALUES (%(scheduler)s, 
 ON CONFLICT (name) DO UPDATE SET definitions_hash = EXCLUDED.definitions_hash, synced_at = now()
 """
 
-# A task whose trigger or time zone changed, or that comes back, is marked for evaluation.
+# A task whose trigger or time zone changed, or that comes back, is marked for evaluation; a new
+# priority or ``produces`` alone is saved without marking it.
 UPSERT_TASKS = """
-INSERT INTO reactive_tasks AS t (scheduler, name, trigger, trigger_hash, priority, timezone)
-SELECT %(scheduler)s, d.name, d.trigger, d.trigger_hash, d.priority, d.timezone
-FROM unnest(%(names)s::text[], %(triggers)s::jsonb[], %(hashes)s::text[], %(priorities)s::int[], %(timezones)s::text[])
-     AS d(name, trigger, trigger_hash, priority, timezone)
+INSERT INTO reactive_tasks AS t (scheduler, name, trigger, trigger_hash, priority, timezone, produces)
+SELECT %(scheduler)s, d.name, d.trigger, d.trigger_hash, d.priority, d.timezone, d.produces
+FROM unnest(%(names)s::text[], %(triggers)s::jsonb[], %(hashes)s::text[], %(priorities)s::int[], %(timezones)s::text[],
+            %(produces)s::jsonb[])
+     AS d(name, trigger, trigger_hash, priority, timezone, produces)
 ORDER BY d.name
 ON CONFLICT (scheduler, name) DO UPDATE
     SET trigger = EXCLUDED.trigger,
         trigger_hash = EXCLUDED.trigger_hash,
         priority = EXCLUDED.priority,
         timezone = EXCLUDED.timezone,
+        produces = EXCLUDED.produces,
         defined = true,
         dirty = t.dirty OR t.trigger_hash <> EXCLUDED.trigger_hash OR NOT t.defined,
         updated_at = now()
     WHERE t.trigger_hash <> EXCLUDED.trigger_hash OR t.priority <> EXCLUDED.priority OR NOT t.defined
+       OR t.produces <> EXCLUDED.produces
 """
 
 UNDEFINE_MISSING_TASKS = """
@@ -105,7 +109,7 @@ WHERE scheduler = %(scheduler)s AND reactive_tasks.name = n.name
 # -- reactive scheduler: runs in flight --------------------------------------------------------
 
 LAUNCHED_TASKS = """
-SELECT name, run_key, run_id, launched_at, attempts, ready_values, explanation
+SELECT name, run_key, run_id, launched_at, attempts, ready_values, explanation, produces
 FROM reactive_tasks WHERE scheduler = %(scheduler)s AND status = 'launched'
 """
 
@@ -159,15 +163,30 @@ ORDER BY priority DESC, name
 LIMIT %(limit)s
 """
 
+# Ready tasks with a priority in [min_priority, max_priority): a hold launches none below a bound.
 READY_TASKS = """
 SELECT name, last_values, backwards_note, attempts
 FROM reactive_tasks
 WHERE scheduler = %(scheduler)s AND status = 'ready' AND defined
+  AND priority >= %(min_priority)s::bigint AND priority < %(max_priority)s::bigint
 ORDER BY priority DESC, name
 LIMIT %(limit)s
 """
 
-COUNT_READY = "SELECT count(*) FROM reactive_tasks WHERE scheduler = %(scheduler)s AND status = 'ready' AND defined"
+COUNT_READY = """
+SELECT count(*) FROM reactive_tasks
+WHERE scheduler = %(scheduler)s AND status = 'ready' AND defined
+  AND priority >= %(min_priority)s::bigint AND priority < %(max_priority)s::bigint
+"""
+
+# The highest-priority task among ``names`` whose trigger waits (the one a hold is for).
+TOP_WAITING_TASK = """
+SELECT name, priority
+FROM reactive_tasks
+WHERE scheduler = %(scheduler)s AND name = ANY(%(names)s::text[]) AND status = 'waiting' AND defined
+ORDER BY priority DESC, name
+LIMIT 1
+"""
 
 SAVE_EVALUATIONS = """
 UPDATE reactive_tasks t
@@ -210,7 +229,7 @@ RETURNING task
 TASK_STATUS = """
 SELECT scheduler, name, status, defined, dirty, priority, timezone, trigger, last_values, ready_values,
        run_key, run_id, launched_at, attempts, backoff_until, explanation, evaluated_at, backwards_note,
-       last_success_at
+       last_success_at, produces
 FROM reactive_tasks
 WHERE (%(scheduler)s::text IS NULL OR scheduler = %(scheduler)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)

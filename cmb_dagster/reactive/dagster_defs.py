@@ -10,7 +10,7 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cmb_dagster.ctl.errors import InvalidReactiveTask
-from cmb_dagster.ctl.scheduler import SchedulerSettings, TaskName, TaskSpec
+from cmb_dagster.ctl.scheduler import CtlKeys, SchedulerSettings, TaskName, TaskSpec
 from cmb_dagster.reactive.resources import CtlResource
 from cmb_dagster.reactive.sensors import scheduler_sensor
 from cmb_dagster.resources import CmbResource
@@ -23,7 +23,14 @@ Job = JobDefinition | UnresolvedAssetJobDefinition
 class ReactiveTask(BaseModel):
     """A job (or an asset selection) launched when its CTL trigger fires.
 
+    ``priority`` orders launches when runs are capped. ``produces`` names the CTL parameters the job
+    writes: while its run is queued or running, ready tasks of lower priority than a waiting task that
+    reads one of them are held, so the queue waits for the more important task. It never launches or
+    re-evaluates a task by itself.
+
     >>> ReactiveTask("sales_mart", sales_mart_job, ChunkDelta("shop.orders", "loaded_until", "day"))  # doctest: +SKIP
+    >>> ReactiveTask("orders", load_orders, Delay("erp", "exported_until", "1h"),
+    ...              produces=[("shop.orders", "loaded_until")])  # doctest: +SKIP
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
@@ -33,12 +40,26 @@ class ReactiveTask(BaseModel):
         description="The job to launch, or the assets to materialize (an AssetSelection, keys or asset definitions)."
     )
     trigger: Trigger
-    priority: int = Field(default=0, description="Higher launches first when runs are capped.")
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="Higher launches first when runs are capped.")
     timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
+    produces: CtlKeys = Field(
+        default=(), description="(entity, parameter) pairs the job writes to CTL; holds lower-priority tasks."
+    )
 
-    def __init__(self, name: str, target: Any, trigger: Any, *, priority: int = 0, timezone: str = "UTC") -> None:
+    def __init__(
+        self,
+        name: str,
+        target: Any,
+        trigger: Any,
+        *,
+        priority: int = 0,
+        timezone: str = "UTC",
+        produces: Sequence[tuple[str, str]] = (),
+    ) -> None:
         try:
-            super().__init__(name=name, target=target, trigger=trigger, priority=priority, timezone=timezone)
+            super().__init__(
+                name=name, target=target, trigger=trigger, priority=priority, timezone=timezone, produces=produces
+            )
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc'][:1]) or 'task'}: {e['msg']}" for e in exc.errors()
@@ -67,7 +88,9 @@ class ReactiveTask(BaseModel):
     @property
     def spec(self) -> TaskSpec:
         """The engine's view of the task."""
-        return TaskSpec(name=self.name, trigger=self.trigger, priority=self.priority, timezone=self.timezone)
+        return TaskSpec(
+            name=self.name, trigger=self.trigger, priority=self.priority, timezone=self.timezone, produces=self.produces
+        )
 
     @property
     def warnings(self) -> list[str]:

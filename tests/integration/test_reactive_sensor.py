@@ -330,3 +330,61 @@ def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, r
     assert not result.run_requests and "another process is running this scheduler's tick" in result.skip_message
     other.release(["test"])
     assert len(h.requests()) == 1
+
+
+def producer_and_readers(*, produces: bool = True, **priorities: int) -> list[ReactiveTask]:
+    """'orders' writes shop/orders; 'mart' (priority 10) waits for it; the others read sales/loaded_until."""
+    return [
+        ReactiveTask("orders", target, Delta("erp", "exported_until", "1h"),
+                     produces=[("shop", "orders")] if produces else ()),
+        ReactiveTask("mart", target, Delta("shop", "orders", "1h"), priority=10),
+        *(ReactiveTask(name, target, Delta("sales", "loaded_until", "1h"), priority=p) for name, p in priorities.items()),
+    ]
+
+
+def start_the_producer(h: Harness):
+    h.tick()
+    h.store.set("erp", "exported_until", NOW)
+    [request] = h.requests()
+    assert request.tags["cmb/reactive/task"] == "orders"
+    return h.start(request)
+
+
+@pytest.mark.parametrize("success", [True, False])
+def test_a_producer_in_flight_holds_lower_priority_tasks_until_its_run_ends(db, instance, resource, success):
+    h = Harness(db, instance, resource, producer_and_readers(low=1), retry_backoff=timedelta(hours=1))
+    run = start_the_producer(h)
+    h.store.set("sales", "loaded_until", NOW)
+    for _ in range(2):  # held tick after tick while the producer runs
+        result = h.tick()
+        assert not result.run_requests
+        assert "low: held - waiting for orders which feeds higher-priority mart (priority 10)" in result.skip_message
+        assert h.state("low").status == "ready" and h.state("mart").status == "waiting"
+    h.finish(run, success=success)
+    assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["low"]
+
+
+def test_tasks_of_equal_or_higher_priority_than_the_waiting_task_are_not_held(db, instance, resource):
+    h = Harness(db, instance, resource, producer_and_readers(low=1, peer=10, top=20))
+    start_the_producer(h)
+    h.store.set("sales", "loaded_until", NOW)
+    result = h.tick()
+    assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["top", "peer"]
+    assert h.state("low").status == "ready"
+
+
+def test_no_hold_without_produces(db, instance, resource):
+    h = Harness(db, instance, resource, producer_and_readers(produces=False, low=1))
+    start_the_producer(h)
+    h.store.set("sales", "loaded_until", NOW)
+    assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["low"]
+
+
+def test_produces_is_synced_without_evaluating_the_task_again(db, instance, resource):
+    h = Harness(db, instance, resource, producer_and_readers(produces=False))
+    h.tick()
+    assert h.state("orders").produces == []
+    h2 = Harness(db, instance, resource, producer_and_readers())
+    summary = h2.tick().skip_message.splitlines()[0]
+    assert "task definitions synced" in summary and "0 task(s) evaluated" in summary
+    assert h2.state("orders").produces == [("shop", "orders")]

@@ -44,6 +44,8 @@ def test_cmb_definitions_adds_one_running_scheduler_sensor_the_jobs_and_the_ctl_
         (lambda: ReactiveTask("t", report, DELTA, timezone="Mars/Olympus"), "timezone"),
         (lambda: ReactiveTask("t", report, "not a trigger"), "trigger"),
         (lambda: ReactiveTask("t", [], DELTA), "selects no asset"),
+        (lambda: ReactiveTask("t", report, DELTA, produces=[("sales",)]), "produces"),
+        (lambda: ReactiveTask("t", report, DELTA, produces=[("sales", "")]), "produces"),
         (lambda: reactive_definitions([ReactiveTask("t", report, DELTA), ReactiveTask("t", report, DELTA)]), "unique"),
     ],
 )
