@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -68,8 +71,32 @@ def dev(host: str, port: int, workspace: str) -> None:
     click.echo(f"Dagster UI: http://{host}:{port}", err=False)
     sys.stdout.flush()
     dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a shell's background job ignores SIGINT; dagster needs it to stop
-    os.execvpe(dagster, [dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)], env)
+    sys.exit(run_process_group([dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)], env))
+
+
+def run_process_group(command: list[str], env: dict[str, str]) -> int:
+    """Run ``command`` in a process group of its own and return its exit code.
+
+    SIGINT and SIGTERM are passed on to the whole group as SIGINT (what Ctrl-C does in a terminal),
+    so the webserver, the daemon, code servers and run workers all stop; whatever is left of the
+    group 15 s after the command has exited is killed.
+    """
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = proc.wait()
+    deadline = time.monotonic() + 15
+    with contextlib.suppress(ProcessLookupError):
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)  # raises once no process of the group is left
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+    return code
 
 
 @main.command()

@@ -59,8 +59,11 @@ class DevServer:
         self.proc = subprocess.Popen([*CLI, "dev", "--port", str(port)], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         wait_until(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2), 120, "the UI")
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        self.session = int(children.stdout.split()[0])  # `dagster dev` leads a session of its own
 
     def stop(self):
+        """SIGTERM, as a process manager would; every process dev started must be gone after it."""
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=60)
@@ -69,6 +72,9 @@ class DevServer:
             raise
         finally:
             self.log.close()
+        left = subprocess.run(["ps", "-o", "pid=,args=", "--sid", str(self.session)], capture_output=True,
+                              text=True).stdout.strip()
+        assert not left, f"processes left behind by cmb-dagster dev:\n{left}"
 
 
 @pytest.fixture
