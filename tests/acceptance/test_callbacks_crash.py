@@ -7,10 +7,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker
 from cmb_dagster.callbacks.sink import CallbackSink
@@ -20,14 +20,6 @@ from cmb_dagster.embedded import data_dir, embedded_url, stop_embedded
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 WORKER = [*CLI, "callbacks", "worker", "--lease-ttl", "3", "--timeout", "1", "--poll-interval", "0.2", "--no-materialize"]
 FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.05)
 
 
 def notified(db: Database) -> int:

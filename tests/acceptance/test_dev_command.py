@@ -6,12 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import psycopg
 import pytest
+from waiting import wait_until
 
 from cmb_dagster.embedded import embedded_url
 
@@ -32,17 +32,12 @@ def graphql(port: int, query: str, variables: dict | None = None) -> dict:
         return json.loads(response.read())["data"]
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except OSError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 LOCATIONS = "{ workspaceOrError { ... on Workspace { locationEntries { name locationOrLoadError { __typename } } } } }"
@@ -58,7 +53,7 @@ class DevServer:
         self.log = log.open("ab")
         self.proc = subprocess.Popen([*CLI, "dev", "--port", str(port)], cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        wait_until(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=2), 120, "the UI")
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 120, "the UI", interval=0.5)
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
         self.session = int(children.stdout.split()[0])  # `dagster dev` leads a session of its own
 

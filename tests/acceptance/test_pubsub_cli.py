@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import psycopg
+from waiting import wait_until
 
 from cmb_dagster.database import Database
 from cmb_dagster.pubsub import install_capture, publish
@@ -16,22 +17,13 @@ CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 HERE = Path(__file__).parent
 
 
-def wait_until(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
-
-
 def record(conn, events):
     """The crash test's handler: one result row per event, written in the consumer's transaction."""
     conn.execute("INSERT INTO public.results (event_id) SELECT unnest(%s::bigint[])", ([e.id for e in events],))
 
 
 def env_for(database_url):
-    return {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": str(HERE)}
+    return {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
 
 
 def cli(database_url, *args):

@@ -8,8 +8,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+
+from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
 from cmb_dagster.ctl.scheduler import task_states
@@ -34,14 +35,6 @@ while True:
     report = engine.tick(succeeded)
     print(len(report.launches), flush=True)
 """
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.05)
 
 
 def launches(db: Database) -> list[tuple]:

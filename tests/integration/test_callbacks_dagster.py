@@ -1,7 +1,5 @@
 import sys
 import threading
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -20,6 +18,7 @@ from dagster._core.code_pointer import CodePointer
 from dagster._core.origin import RepositoryPythonOrigin
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker
 from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG, CallbackJobs, DagsterRunLauncher
@@ -28,14 +27,6 @@ from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.resources import CmbResource
 
 FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(0.05)
 
 
 class ReportConfig(Config):

@@ -1,25 +1,16 @@
 import random
 import threading
-import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
 from cmb_dagster.callbacks.sink import CallbackSink
 
 FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 15.0, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(every)
 
 
 class Running:

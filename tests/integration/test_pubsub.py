@@ -4,6 +4,7 @@ import time
 
 import pytest
 from psycopg_pool import ConnectionPool
+from waiting import wait_until
 
 from cmb_dagster.pubsub import (
     Consumer,
@@ -20,15 +21,6 @@ from cmb_dagster.pubsub import (
     reset,
     trim,
 )
-
-
-def wait_until(predicate, timeout=10.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 def collect(db, consumer_id="c", branch_id=0, **kwargs):

@@ -2,19 +2,11 @@ import threading
 import time
 
 import psycopg
+from waiting import wait_until
 
 from cmb_dagster.pubsub import Consumer, publish
 
 HOLD_SECONDS = 60
-
-
-def wait_until(predicate, timeout=10.0, interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 def test_a_transaction_open_60s_elsewhere_delays_nothing_committed_meanwhile(db):

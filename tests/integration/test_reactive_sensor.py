@@ -1,8 +1,7 @@
 """The reactive scheduler sensor against real Postgres and a temporary Dagster instance."""
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -22,6 +21,7 @@ from dagster import (
     materialize,
     op,
 )
+from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
 from cmb_dagster.ctl.scheduler import task_states
@@ -55,16 +55,6 @@ def instance() -> Iterator[DagsterInstance]:
 def resource(db: Database) -> Iterator[CmbResource]:
     yield CmbResource(database_url=db.url)
     Database.shared(db.url).close()
-
-
-def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            assert value, "condition not reached before the deadline"
-            return value
-        time.sleep(0.05)
 
 
 class Harness:

@@ -2,17 +2,9 @@ import threading
 import time
 
 import pytest
+from waiting import wait_until
 
 from cmb_dagster.workers import LeaseLost, Leases, Worker
-
-
-def wait_until(predicate, timeout=10.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 def test_a_partition_has_one_owner_until_its_lease_expires(db):
