@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeAlias
 from urllib.parse import urlsplit
 
 import psycopg
@@ -17,6 +18,8 @@ from cmb_dagster.errors import DatabaseUnavailable
 from cmb_dagster.settings import Settings
 
 CONNECT_TIMEOUT_S = 5
+
+DatabaseSource: TypeAlias = "Database | ConnectionPool | str"
 
 
 class Database:
@@ -33,7 +36,27 @@ class Database:
         self._migrate = migrate
         self._ready = False
         self._pool: ConnectionPool | None = None
+        self._external_pool = False
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, source: DatabaseSource, *, schema: str | None = None) -> Database:
+        """The Database behind ``source``: a Database as is, a libpq URL, or a psycopg pool of yours.
+
+        A pool stays yours (``close`` leaves it open); each borrowed connection gets the cmb schema
+        first on its search_path. ``schema`` defaults to ``CMB_SCHEMA``.
+        """
+        if isinstance(source, Database):
+            return source
+        schema = schema or Settings.from_env().schema_name
+        if isinstance(source, str):
+            return cls(source, schema=schema)
+        if isinstance(source, ConnectionPool):
+            database = cls(source.conninfo, schema=schema)
+            database._pool = source
+            database._external_pool = True
+            return database
+        raise TypeError(f"expected a Database, a psycopg ConnectionPool or a URL, not {type(source).__name__}")
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, **kwargs: object) -> Database:
@@ -85,12 +108,14 @@ class Database:
     def connection(self) -> Iterator[psycopg.Connection]:
         """Borrow a pooled connection; the block's work commits on success and rolls back on error."""
         with self.pool.connection() as conn:
+            if self._external_pool:
+                conn.execute("SELECT set_config('search_path', %s, true)", (f"{self.schema},public",))
             yield conn
 
     def close(self) -> None:
-        """Close the pool (connections in use are closed when returned)."""
+        """Close the pool (connections in use are closed when returned); a pool given to :meth:`of` stays open."""
         with self._lock:
-            if self._pool is not None:
+            if self._pool is not None and not self._external_pool:
                 self._pool.close()
                 self._pool = None
 

@@ -5,6 +5,10 @@ class CmbError(Exception):
     """Base class of every cmb_dagster error."""
 
 
+class InvalidInput(CmbError, ValueError):
+    """Bad input; the message names the field and what is wrong. Nothing was written."""
+
+
 class DatabaseUnavailable(CmbError):
     """Postgres could not be reached (the message names host and port, never the password)."""
 
