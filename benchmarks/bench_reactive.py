@@ -28,7 +28,8 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cmb_dagster.ctl.scheduler import RunInfo, RunState, SchedulerSettings, TaskScheduler, TaskSpec  # noqa: E402
+from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec  # noqa: E402
+from cmb_dagster.reactive.scheduler import TaskScheduler  # noqa: E402
 from cmb_dagster.ctl.store import CtlStore  # noqa: E402
 from cmb_dagster.database import Database  # noqa: E402
 from cmb_dagster.embedded import embedded_url  # noqa: E402

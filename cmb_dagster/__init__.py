@@ -1,32 +1,57 @@
 """cmb_dagster: reactive, event-driven pipelines for Dagster on Postgres.
 
-The engines are plain Python over Postgres; the Dagster names (``CmbResource``, ``cmb_definitions``)
-load Dagster only when first used, so the CLI and engine workers start fast.
+Everything a definitions file needs is importable from here. The engines are plain Python over
+Postgres; the Dagster names load Dagster only when first used, so the CLI and workers start fast.
 """
 
-from typing import Any
+from importlib.metadata import PackageNotFoundError, version
 
+from cmb_dagster import triggers
+from cmb_dagster._lazy import lazy_names
 from cmb_dagster.database import Database
-from cmb_dagster.errors import CmbError, DatabaseUnavailable, EmbeddedServerError, SchemaTooNew
+from cmb_dagster.errors import CmbError, ConfigError, DatabaseUnavailable, InvalidInput, SchemaTooNew
+from cmb_dagster.pubsub.models import ConsumerSpec, PubSubOptions
 from cmb_dagster.settings import Settings
 
-_DAGSTER_NAMES = {"CmbResource": "cmb_dagster.resources", "cmb_definitions": "cmb_dagster.definitions"}
+try:
+    __version__ = version("cmb-dagster")
+except PackageNotFoundError:  # a source tree that was not installed
+    __version__ = "0+unknown"
 
 __all__ = [
+    "CallbackOptions",
     "CmbError",
     "CmbResource",
+    "ConfigError",
+    "ConsumerSpec",
+    "CtlResource",
     "Database",
     "DatabaseUnavailable",
-    "EmbeddedServerError",
+    "InvalidInput",
+    "PubSubOptions",
+    "ReactiveOptions",
+    "ReactiveTask",
     "SchemaTooNew",
     "Settings",
+    "__version__",
     "cmb_definitions",
+    "ctl_metadata",
+    "launched_values",
+    "pubsub_sensor",
+    "triggers",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _DAGSTER_NAMES:
-        import importlib
-
-        return getattr(importlib.import_module(_DAGSTER_NAMES[name]), name)
-    raise AttributeError(f"module 'cmb_dagster' has no attribute {name!r}")
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "CallbackOptions": "cmb_dagster.callbacks.dagster_defs",
+        "CmbResource": "cmb_dagster.resources",
+        "CtlResource": "cmb_dagster.ctl.dagster_resources",
+        "ReactiveOptions": "cmb_dagster.reactive.dagster_defs",
+        "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
+        "cmb_definitions": "cmb_dagster.definitions",
+        "ctl_metadata": "cmb_dagster.ctl.dagster_resources",
+        "launched_values": "cmb_dagster.reactive.dagster_sensors",
+        "pubsub_sensor": "cmb_dagster.pubsub.dagster_defs",
+    },
+)

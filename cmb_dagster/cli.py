@@ -14,10 +14,11 @@ from pathlib import Path
 import click
 
 from cmb_dagster.callbacks.cli import callbacks
-from cmb_dagster.ctl.cli import ctl, reactive
+from cmb_dagster.ctl.cli import ctl
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
 from cmb_dagster.pubsub.cli import pubsub
+from cmb_dagster.reactive.cli import reactive
 from cmb_dagster.settings import Settings
 
 

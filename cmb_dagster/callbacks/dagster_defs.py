@@ -24,7 +24,7 @@ from dagster import (
 from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
 from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from dagster._core.run_coordinator import QueuedRunCoordinator
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.models import CallbackSettings
@@ -32,16 +32,20 @@ from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker, bucket_ids
 from cmb_dagster.database import Database
 from cmb_dagster.jobs import keep_running_sensor, worker_job
+from cmb_dagster.models import Options
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-RUN_KEY_TAG = "cmb/callback_run_key"
+RUN_KEY_TAG = "cmb/callbacks/run_key"
+LEGACY_RUN_KEY_TAG = "cmb/callback_run_key"  # runs launched by earlier versions
 
 
-class CallbackJobs(BaseModel):
-    """What :func:`cmb_definitions(callbacks=...)` adds: worker jobs, cleanup and the schedules materializer."""
+class CallbackOptions(Options):
+    """What ``cmb_definitions(callbacks=...)`` adds: worker jobs with keepers, cleanup and the schedules materializer.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Defaults: one worker job serving every bucket, cleanup at 21:00 UTC of finished events older than
+    30 days, schedules materialized every 30 s.
+    """
 
     workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; job i serves buckets with id % workers == i.")
     settings: CallbackSettings = Field(default_factory=CallbackSettings)
@@ -57,9 +61,9 @@ class CallbackJobs(BaseModel):
             raise ValueError(f"{value!r} is not a valid cron expression")
         return value
 
-    def worker_job_name(self, index: int) -> str:
+    def worker_job_name(self, index: int, prefix: str = "cmb_") -> str:
         """Name of worker job ``index``."""
-        return "callbacks_worker" if self.workers == 1 else f"callbacks_worker_{index}_of_{self.workers}"
+        return f"{prefix}callbacks_worker" + ("" if self.workers == 1 else f"_{index}_of_{self.workers}")
 
 
 class DagsterRunLauncher:
@@ -95,9 +99,10 @@ class DagsterRunLauncher:
 
     def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
         """Queue a run of ``job_name``; return its run id."""
-        existing = self.instance.get_run_ids(RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1)
-        if existing:
-            return existing[0]
+        for tag in (RUN_KEY_TAG, LEGACY_RUN_KEY_TAG):
+            existing = self.instance.get_run_ids(RunsFilter(tags={tag: run_key}), limit=1)
+            if existing:
+                return existing[0]
         if not self.repository.has_job(job_name):
             raise LookupError(f"code location has no job {job_name!r}")
         if not isinstance(self.instance.run_coordinator, QueuedRunCoordinator):
@@ -113,7 +118,7 @@ class DagsterRunLauncher:
         return run.run_id
 
 
-def _run_worker(options: CallbackJobs, index: int):  # type: ignore[no-untyped-def]
+def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untyped-def]
     def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         def buckets() -> list[int]:  # asked at each lease renewal: raised bucket counts are picked up
             return [b for b in bucket_ids(database) if b % options.workers == index]
@@ -132,39 +137,38 @@ class CleanupConfig(Config):
     ttl_days: int = Field(default=30, ge=0)
 
 
-def callback_definitions(options: CallbackJobs | None = None) -> Definitions:
-    """The callbacks engine's jobs, schedules and sensors, for :func:`cmb_definitions(callbacks=...)`."""
-    options = options or CallbackJobs()
+def callback_definitions(options: CallbackOptions, *, prefix: str = "cmb_") -> Definitions:
+    """The callbacks engine's jobs, schedules and sensors, for ``cmb_definitions(callbacks=...)``."""
     workers = [
         worker_job(
-            options.worker_job_name(i),
+            options.worker_job_name(i, prefix),
             _run_worker(options, i),
             description=f"Calls callbacks back: polls buckets with id % {options.workers} == {i} for a bounded time.",
         )
         for i in range(options.workers)
     ]
 
-    @op(name="callbacks_clean_op", description="Deletes finished callback events and change_log older than ttl_days.")
+    @op(name=f"{prefix}callbacks_clean_op", description="Deletes finished callback events and change_log older than ttl_days.")
     def clean_op(context: OpExecutionContext, config: CleanupConfig, cmb: CmbResource) -> None:
         report = CallbackClient(cmb.database, options.settings, buffered=False).clean(config.ttl_days)
         context.log.info(f"removed {report.events} events, {report.change_log} change_log entries")
         context.add_output_metadata({"events": report.events, "change_log": report.change_log})
 
-    @job(name="callbacks_cleanup", description="Removes old finished callback events and change_log entries.")
+    @job(name=f"{prefix}callbacks_cleanup", description="Removes old finished callback events and change_log entries.")
     def cleanup_job() -> None:
         clean_op()
 
     cleanup_schedule = ScheduleDefinition(
-        name="callbacks_cleanup_schedule",
+        name=f"{prefix}callbacks_cleanup_schedule",
         job=cleanup_job,
         cron_schedule=options.cleanup_cron,
         execution_timezone=options.cleanup_timezone,
-        run_config={"ops": {"callbacks_clean_op": {"config": {"ttl_days": options.ttl_days}}}},
+        run_config={"ops": {f"{prefix}callbacks_clean_op": {"config": {"ttl_days": options.ttl_days}}}},
         default_status=DefaultScheduleStatus.RUNNING,
     )
 
     @sensor(
-        name="callbacks_schedules_materializer",
+        name=f"{prefix}callbacks_schedules_materializer",
         minimum_interval_seconds=options.materialize_interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
         description="Turns callback cron schedules into events up to their horizon.",

@@ -1,4 +1,4 @@
-"""``cmb-dagster ctl ...`` (read and write CTL values) and ``cmb-dagster reactive ...`` (task state)."""
+"""``cmb-dagster ctl ...``: read and write CTL values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from datetime import datetime
 import click
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.ctl.scheduler import forget_last_values, task_states
 from cmb_dagster.ctl.store import CtlStore, default_actor
 from cmb_dagster.database import Database
 from cmb_dagster.settings import Settings
@@ -68,47 +67,3 @@ def history(entity: str | None, parameter: str | None, limit: int, backwards: bo
         flag = "  BACKWARDS" if c.backwards else ""
         click.echo(f"#{c.id} {c.changed_at:%Y-%m-%d %H:%M:%S} {c.entity}/{c.parameter}: "
                    f"{c.old_value} -> {c.new_value} by {c.changed_by}{flag}")
-
-
-@click.group()
-def reactive() -> None:
-    """Reactive tasks: their trigger state, and manual fixes."""
-
-
-@reactive.command()
-@click.argument("scheduler", required=False)
-@click.argument("task", required=False)
-@click.option("--json", "as_json", is_flag=True, help="Print the stored state as JSON.")
-def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
-    """Show each task's status, last-seen values, run in flight and why its trigger fired or waits."""
-    states = task_states(_database(), scheduler, task)
-    if as_json:
-        click.echo(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
-        return
-    if not states:
-        click.echo("no reactive task found")
-    for s in states:
-        gone = "" if s.defined else "  (no longer defined)"
-        click.echo(f"{s.scheduler}/{s.name}: {s.status}{' (to evaluate)' if s.dirty else ''}, priority {s.priority}{gone}")
-        if s.run_key:
-            click.echo(f"  run: {s.run_key} {s.run_id or ''} launched {s.launched_at}")
-        if s.attempts:
-            click.echo(f"  failed {s.attempts} time(s) in a row; retry after {s.backoff_until}")
-        click.echo(f"  last-seen values: {json.dumps(s.last_values) if s.last_values else 'none (first run)'}")
-        if s.explanation:
-            click.echo(f"  evaluated {s.evaluated_at}:")
-            for line in s.explanation.splitlines():
-                click.echo(f"    {line}")
-        if s.backwards_note:
-            click.echo(f"  note: {s.backwards_note}")
-
-
-@reactive.command()
-@click.argument("scheduler")
-@click.argument("task")
-@click.option("--parameter", nargs=2, default=None, metavar="ENTITY PARAMETER", help="Forget only this parameter.")
-def forget(scheduler: str, task: str, parameter: tuple[str, str] | None) -> None:
-    """Forget a task's last-seen values (after a CTL value moved backwards); it is evaluated again."""
-    if not forget_last_values(_database(), scheduler, task, parameter or None):
-        raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
-    click.echo(f"{scheduler}/{task}: last-seen values forgotten; the next tick evaluates it as on a first release")

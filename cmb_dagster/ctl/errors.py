@@ -1,15 +1,11 @@
-"""Errors of the CTL store and the reactive scheduler."""
+"""Errors of the CTL store."""
 
-from cmb_dagster.errors import CmbError
+from cmb_dagster.errors import CmbError, InvalidInput
 
 
 class CtlError(CmbError):
-    """Base class of CTL store and reactive scheduler errors."""
+    """Base class of CTL store errors."""
 
 
-class InvalidCtlInput(CtlError, ValueError):
+class InvalidCtlInput(CtlError, InvalidInput):
     """A CTL key or value is invalid (empty name, naive datetime, ...); nothing was written."""
-
-
-class InvalidReactiveTask(CtlError, ValueError):
-    """A reactive task definition is invalid (duplicate name, bad priority, ...)."""

@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated
 
 import psycopg
-from pydantic import AwareDatetime, BaseModel, ConfigDict, StringConstraints, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from cmb_dagster import pubsub
 from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidCtlInput
+from cmb_dagster.ctl.models import CtlChange, CtlKey, CtlValue, ParameterKey
 from cmb_dagster.database import Database
 
 log = logging.getLogger("cmb_dagster.ctl")
@@ -30,56 +30,6 @@ log = logging.getLogger("cmb_dagster.ctl")
 CTL_BRANCH_ID = 4
 """The pub/sub branch that carries CTL changes: one event per transaction, ``{"changes": [...]}``."""
 CTL_TOPIC = "cmb.ctl"
-
-ParameterKey = tuple[str, str]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-
-
-class CtlKey(BaseModel):
-    """A CTL parameter: ``(entity, parameter)``."""
-
-    model_config = ConfigDict(frozen=True)
-
-    entity: Name
-    parameter: Name
-
-
-class CtlValue(CtlKey):
-    """A value to write: an aware datetime for one parameter."""
-
-    value: AwareDatetime
-
-
-class CtlChange(BaseModel):
-    """One recorded change of a CTL value; ``old_value`` is None for a parameter's first value."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: int
-    entity: str
-    parameter: str
-    old_value: datetime | None
-    new_value: datetime
-    backwards: bool
-    changed_at: datetime
-    changed_by: str
-
-    @property
-    def key(self) -> ParameterKey:
-        return (self.entity, self.parameter)
-
-    def payload(self) -> dict[str, object]:
-        """The change as it appears in a CTL event's ``changes`` on the pub/sub stream."""
-        return {
-            "history_id": self.id,
-            "entity": self.entity,
-            "parameter": self.parameter,
-            "old": self.old_value.isoformat() if self.old_value else None,
-            "new": self.new_value.isoformat(),
-            "backwards": self.backwards,
-            "by": self.changed_by,
-        }
-
 
 @dataclass(frozen=True)
 class FeedItem:
@@ -180,10 +130,8 @@ class CtlStore:
         keys = _validate_keys(pairs)
         if not keys:
             return {}
-        params = {"entities": [k.entity for k in keys], "parameters": [k.parameter for k in keys]}
         with self._connection(conn) as c:
-            rows = c.execute(sql.GET_VALUES, params).fetchall()
-        return {(entity, parameter): value for entity, parameter, value in rows}
+            return read_values(c, [(k.entity, k.parameter) for k in keys])
 
     def history(
         self,
@@ -225,6 +173,12 @@ class CtlStore:
         """Every current value (of one entity), with version and last writer."""
         with self.database.connection() as conn:
             return _dict_rows(conn.execute(sql.LIST_VALUES, {"entity": entity}))
+
+
+def read_values(conn: psycopg.Connection, keys: Sequence[ParameterKey]) -> dict[ParameterKey, datetime]:
+    """Current values of already valid ``keys`` in one query; parameters without a value are left out."""
+    params = {"entities": [k[0] for k in keys], "parameters": [k[1] for k in keys]}
+    return {(entity, parameter): value for entity, parameter, value in conn.execute(sql.GET_VALUES, params)}
 
 
 def _validate_values(values: Mapping[ParameterKey, datetime]) -> list[CtlValue]:

@@ -5,7 +5,7 @@ Run ``cmb-dagster callbacks sink`` in a terminal to watch the HTTP callbacks arr
 
 from datetime import UTC, datetime, timedelta
 
-from dagster import Config, DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
+from dagster import Config, DefaultScheduleStatus, OpExecutionContext, ScheduleDefinition, job, op
 
 from cmb_dagster.callbacks import CallbackClient, RetryPolicy
 from cmb_dagster.resources import CmbResource
@@ -50,9 +50,7 @@ def callbacks_demo_target() -> None:
     say_hello()
 
 
-definitions = Definitions(
-    jobs=[callbacks_demo, callbacks_demo_target],
-    schedules=[
-        ScheduleDefinition(job=callbacks_demo, cron_schedule="0 * * * *", default_status=DefaultScheduleStatus.RUNNING)
-    ],
-)
+jobs = [callbacks_demo, callbacks_demo_target]
+schedules = [
+    ScheduleDefinition(job=callbacks_demo, cron_schedule="0 * * * *", default_status=DefaultScheduleStatus.RUNNING)
+]

@@ -1,18 +1,18 @@
 """The example code location: what ``cmb-dagster dev`` shows a new user."""
 
-from dagster import Definitions
-
-from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster import CallbackOptions, PubSubOptions, ReactiveOptions, cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
+from cmb_dagster.examples import health
 from cmb_dagster.examples import pubsub as pubsub_example
 from cmb_dagster.examples import reactive
 
 defs = cmb_definitions(
-    reactive_tasks=reactive.reactive_tasks,
-    jobs=[*reactive.example_jobs, pubsub_example.pubsub_demo_place_orders],
+    reactive=ReactiveOptions(tasks=reactive.reactive_tasks),
+    pubsub=PubSubOptions(consumers=[pubsub_example.consumer]),
+    callbacks=CallbackOptions(),
+    jobs=[health.health_check, *reactive.example_jobs, pubsub_example.pubsub_demo_place_orders,
+          *callbacks_example.jobs],
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
-    consumers=[pubsub_example.consumer],
-    callbacks=True,
+    schedules=callbacks_example.schedules,
 )
-defs = Definitions.merge(defs, callbacks_example.definitions)

@@ -1,6 +1,6 @@
 """Pub/sub demo: orders captured as a change stream; a consumer keeps per-customer totals exactly once.
 
-Launch ``pubsub_demo_place_orders`` in the UI; the ``pubsub_consumer_demo_order_totals_branch_100``
+Launch ``pubsub_demo_place_orders`` in the UI; the ``cmb_pubsub_consumer_demo_order_totals_branch_100``
 job (kept running by its sensor) folds the new orders into ``public.pubsub_demo_totals``, and the
 ``pubsub/demo_order_totals/branch_100`` asset plots the consumer's lag.
 """

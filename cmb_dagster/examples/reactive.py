@@ -23,7 +23,7 @@ from dagster import (
     sensor,
 )
 
-from cmb_dagster.reactive import CtlResource, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster import CtlResource, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.triggers import All, ChunkDelta, Delay
 
 ORDERS = ("shop/orders", "loaded_until")

@@ -35,7 +35,7 @@ from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.admin import consumer_lag, trim
 from cmb_dagster.pubsub.consumer import Consumer, read_batch, refuse_if_restored
 from cmb_dagster.pubsub.errors import InvalidInput
-from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, Lag, Watermark, validated
+from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, Lag, PubSubOptions, Watermark
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
@@ -55,7 +55,7 @@ def lag_observation(lag: Lag) -> AssetObservation:
     )
 
 
-def consumer_job(spec: ConsumerSpec) -> JobDefinition:
+def consumer_job(spec: ConsumerSpec, *, prefix: str = "cmb_") -> JobDefinition:
     """A job that runs the consumer ``spec`` describes for a bounded time, logging progress and lag."""
 
     def run_consumer(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
@@ -82,7 +82,7 @@ def consumer_job(spec: ConsumerSpec) -> JobDefinition:
         return report
 
     return worker_job(
-        f"pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}",
+        f"{prefix}pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}",
         run_consumer,
         description=f"Runs pub/sub consumer {spec.consumer_id!r} of branch {spec.branch_id} ({spec.handler}).",
     )
@@ -129,7 +129,7 @@ def pubsub_sensor(
             RunRequest(
                 run_key=str(event.id),
                 run_config=run_config(event) if run_config else {},
-                tags={"cmb/pubsub_event": str(event.id), "cmb/pubsub_topic": event.topic[:63], "cmb/pubsub_op": event.op},
+                tags={"cmb/pubsub/event": str(event.id), "cmb/pubsub/topic": event.topic[:63], "cmb/pubsub/op": event.op},
             )
             for event in batch.events
         ]
@@ -142,36 +142,41 @@ def pubsub_sensor(
     return _pubsub_sensor
 
 
-@op(description="Deletes the pub/sub events every registered consumer of their branch has delivered.")
-def pubsub_trim_op(context: OpExecutionContext, cmb: CmbResource) -> None:
-    with cmb.database.connect(autocommit=True) as conn:
-        deleted = trim(conn)
-    context.log.info(f"trimmed {deleted} delivered events")
-    context.add_output_metadata({"deleted": deleted})
+def trim_job(*, prefix: str = "cmb_") -> JobDefinition:
+    """A job deleting the pub/sub events every registered consumer of their branch has delivered."""
+    description = "Deletes the pub/sub events every registered consumer of their branch has delivered."
+
+    @op(name=f"{prefix}pubsub_trim_op", description=description)
+    def trim_op(context: OpExecutionContext, cmb: CmbResource) -> None:
+        with cmb.database.connect(autocommit=True) as conn:
+            deleted = trim(conn)
+        context.log.info(f"trimmed {deleted} delivered events")
+        context.add_output_metadata({"deleted": deleted})
+
+    @job(name=f"{prefix}pubsub_trim", description=description)
+    def trim_events() -> None:
+        trim_op()
+
+    return trim_events
 
 
-@job(description="Deletes the pub/sub events every registered consumer of their branch has delivered.")
-def pubsub_trim() -> None:
-    pubsub_trim_op()
-
-
-pubsub_trim_schedule = ScheduleDefinition(
-    job=pubsub_trim, cron_schedule="17 * * * *", default_status=DefaultScheduleStatus.RUNNING
-)
-
-
-def pubsub_definitions(consumers: Sequence[ConsumerSpec | dict[str, Any]]) -> Definitions:
-    """Per consumer: a job, the sensor keeping one run of it going, its lag asset; plus hourly trim."""
-    specs = [c if isinstance(c, ConsumerSpec) else validated(ConsumerSpec, **c) for c in consumers]
-    jobs = [consumer_job(spec) for spec in specs]
+def pubsub_definitions(options: PubSubOptions, *, prefix: str = "cmb_") -> Definitions:
+    """Per consumer: a job, the sensor keeping one run of it going, its lag asset; plus the trim schedule."""
+    specs = options.consumers
+    jobs = [consumer_job(spec, prefix=prefix) for spec in specs]
     names = [j.name for j in jobs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise InvalidInput(f"consumers: two consumers map to the job name {duplicates[0]!r}; rename one")
+    trim_events = trim_job(prefix=prefix)
+    trim_schedule = ScheduleDefinition(
+        name=f"{prefix}pubsub_trim_schedule", job=trim_events, cron_schedule=options.trim_cron,
+        default_status=DefaultScheduleStatus.RUNNING,
+    )
     return Definitions(
-        jobs=[*jobs, pubsub_trim],
+        jobs=[*jobs, trim_events],
         sensors=[keep_running_sensor(j) for j in jobs],
-        schedules=[pubsub_trim_schedule],
+        schedules=[trim_schedule],
         assets=[
             AssetSpec(
                 lag_asset_key(s.consumer_id, s.branch_id),

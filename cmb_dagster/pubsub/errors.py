@@ -1,14 +1,13 @@
 """Errors of the pub/sub engine."""
 
-from cmb_dagster.errors import CmbError
+from cmb_dagster.errors import CmbError, InvalidInput
+
+
+__all__ = ["ConsumerBusy", "HandlerFailed", "InvalidInput", "PubSubError", "StreamRestored"]
 
 
 class PubSubError(CmbError):
     """Base class of the pub/sub engine's errors."""
-
-
-class InvalidInput(PubSubError):
-    """An argument is invalid; the message names the field. Nothing was written."""
 
 
 class ConsumerBusy(PubSubError):

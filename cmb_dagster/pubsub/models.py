@@ -10,7 +10,10 @@ from datetime import datetime
 from typing import Any, Literal, TypeVar
 
 import psycopg
+from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cmb_dagster.models import Options
 
 from cmb_dagster.pubsub.errors import InvalidInput
 
@@ -87,6 +90,23 @@ class ConsumerSpec(BaseModel):
     def _handler_is_a_path(cls, value: str) -> str:
         if not HANDLER_PATH.match(value):
             raise ValueError("must be 'module:function', e.g. 'myproject.handlers:on_change'")
+        return value
+
+
+class PubSubOptions(Options):
+    """What ``cmb_definitions(pubsub=...)`` adds: per consumer a job kept running and a lag asset; the trim schedule.
+
+    Defaults: no consumer; trim at minute 17 of every hour.
+    """
+
+    consumers: list[ConsumerSpec] = Field(default_factory=list, description="Consumers, each run by a job.")
+    trim_cron: str = Field(default="17 * * * *", description="When delivered events are trimmed.")
+
+    @field_validator("trim_cron")
+    @classmethod
+    def _cron_is_valid(cls, value: str) -> str:
+        if not croniter.is_valid(value):
+            raise ValueError(f"{value!r} is not a valid cron expression")
         return value
 
 

@@ -1,20 +1,35 @@
-"""Reactive tasks as Dagster sensors: launch a job when the CTL values its trigger reads say so.
+"""Reactive tasks: launch a Dagster job when the CTL values its trigger reads say so.
 
-``ReactiveTask(name, job_or_assets, trigger)`` declares a task; ``reactive_definitions(tasks)`` (or
-``cmb_definitions(reactive_tasks=tasks)``) adds one scheduler sensor per code location, the tasks'
-jobs and the ``ctl`` resource. The scheduling logic itself lives in :mod:`cmb_dagster.ctl.scheduler`.
+``ReactiveTask(name, job_or_assets, trigger)`` declares a task; ``cmb_definitions(reactive=
+ReactiveOptions(tasks=[...]))`` adds one scheduler sensor per code location and the tasks' jobs.
+The engine (:mod:`cmb_dagster.reactive.scheduler`) is plain Python over Postgres; the Dagster names
+load Dagster on first use.
 """
 
-from cmb_dagster.reactive.dagster_defs import ReactiveScheduler, ReactiveTask, reactive_definitions
-from cmb_dagster.reactive.resources import CTL_METADATA_KEY, CtlResource, ctl_metadata
-from cmb_dagster.reactive.sensors import launched_values
+from cmb_dagster._lazy import lazy_names
+from cmb_dagster.reactive.admin import forget_last_values, task_states
+from cmb_dagster.reactive.errors import InvalidReactiveTask, ReactiveError
+from cmb_dagster.reactive.models import SchedulerSettings, TaskState
 
 __all__ = [
-    "CTL_METADATA_KEY",
-    "CtlResource",
-    "ReactiveScheduler",
+    "InvalidReactiveTask",
+    "ReactiveError",
+    "ReactiveOptions",
     "ReactiveTask",
-    "ctl_metadata",
+    "SchedulerSettings",
+    "TaskState",
+    "forget_last_values",
     "launched_values",
     "reactive_definitions",
+    "task_states",
 ]
+
+__getattr__ = lazy_names(
+    __name__,
+    {
+        "ReactiveOptions": "cmb_dagster.reactive.dagster_defs",
+        "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
+        "reactive_definitions": "cmb_dagster.reactive.dagster_defs",
+        "launched_values": "cmb_dagster.reactive.dagster_sensors",
+    },
+)

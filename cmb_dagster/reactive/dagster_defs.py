@@ -9,10 +9,10 @@ from dagster import AssetSelection, DefaultSensorStatus, Definitions, JobDefinit
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cmb_dagster.ctl.errors import InvalidReactiveTask
-from cmb_dagster.ctl.scheduler import CtlKeys, SchedulerSettings, TaskName, TaskSpec
-from cmb_dagster.reactive.resources import CtlResource
-from cmb_dagster.reactive.sensors import scheduler_sensor
+from cmb_dagster.ctl.dagster_resources import CtlResource
+from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
+from cmb_dagster.reactive.errors import InvalidReactiveTask
+from cmb_dagster.reactive.models import CtlKeys, SchedulerSettings, TaskName, TaskSpec
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Trigger, check
 from cmb_dagster.triggers.chunks import get_zone
@@ -78,12 +78,11 @@ class ReactiveTask(BaseModel):
             raise ValueError("target selects no asset")
         return self
 
-    @property
-    def job(self) -> Job:
-        """The job this task launches (an asset job named after the task for an asset selection)."""
+    def job(self, prefix: str = "cmb_") -> Job:
+        """The job this task launches (for an asset selection, an asset job ``<prefix>reactive_<task>``)."""
         if isinstance(self.target, Job):
             return self.target
-        return define_asset_job(f"reactive_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)}", selection=self.target)
+        return define_asset_job(f"{prefix}reactive_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)}", selection=self.target)
 
     @property
     def spec(self) -> TaskSpec:
@@ -98,8 +97,12 @@ class ReactiveTask(BaseModel):
         return check(self.trigger)
 
 
-class ReactiveScheduler(BaseModel):
-    """The reactive tasks of a code location and how their scheduler sensor paces itself."""
+class ReactiveOptions(BaseModel):
+    """What ``cmb_definitions(reactive=...)`` adds: the tasks of a code location and how their scheduler paces itself.
+
+    Defaults: at most 10 reactive runs queued or running, a tick every 10 s time-boxed to 20 s, retries after
+    30 s doubling up to 1 h, the sensor ``<prefix>reactive_scheduler`` running from the start.
+    """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
@@ -116,8 +119,15 @@ class ReactiveScheduler(BaseModel):
     default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING
     sensor_name: str = "reactive_scheduler"
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in exc.errors())
+            raise InvalidReactiveTask(f"reactive options: {problems}") from None
+
     @model_validator(mode="after")
-    def _names_are_unique(self) -> "ReactiveScheduler":
+    def _names_are_unique(self) -> "ReactiveOptions":
         names = [task.name for task in self.tasks]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -134,18 +144,18 @@ class ReactiveScheduler(BaseModel):
             max_retry_backoff=self.max_retry_backoff,
         )
 
-    def definitions(self, resource: CmbResource | None = None) -> Definitions:
+    def definitions(self, resource: CmbResource | None = None, *, prefix: str = "cmb_") -> Definitions:
         """The scheduler sensor, the tasks' jobs and the ``ctl`` resource."""
         jobs: dict[str, Any] = {}
         job_names: dict[str, str] = {}
         for task in self.tasks:
-            job = task.job
+            job = task.job(prefix)
             if job.name in jobs and jobs[job.name] is not job:
                 raise InvalidReactiveTask(f"reactive task {task.name!r}: another job is named {job.name!r}")
             jobs.setdefault(job.name, job)
             job_names[task.name] = job.name
         sensor = scheduler_sensor(
-            sensor_name=self.sensor_name,
+            sensor_name=f"{prefix}{self.sensor_name}",
             scheduler_name=self.name,
             tasks=[task.spec for task in self.tasks],
             job_names=job_names,
@@ -160,11 +170,7 @@ class ReactiveScheduler(BaseModel):
 
 
 def reactive_definitions(
-    tasks: Sequence[ReactiveTask] | ReactiveScheduler, resource: CmbResource | None = None
+    options: ReactiveOptions, resource: CmbResource | None = None, *, prefix: str = "cmb_"
 ) -> Definitions:
     """Definitions for reactive tasks: one scheduler sensor, the tasks' jobs and the ``ctl`` resource."""
-    try:
-        scheduler = tasks if isinstance(tasks, ReactiveScheduler) else ReactiveScheduler(tasks=list(tasks))
-    except ValidationError as exc:
-        raise InvalidReactiveTask("; ".join(e["msg"] for e in exc.errors())) from None
-    return scheduler.definitions(resource)
+    return options.definitions(resource, prefix=prefix)

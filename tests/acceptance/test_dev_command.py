@@ -91,7 +91,7 @@ def test_dev_serves_examples_and_restart_keeps_runs_and_rows(dev_env, tmp_path):
         assert [(e["name"], e["locationOrLoadError"]["__typename"]) for e in entries] == [
             ("cmb_examples", "RepositoryLocation")
         ]
-        launched = graphql(port, LAUNCH, {"job": "cmb_health_check"})["launchRun"]
+        launched = graphql(port, LAUNCH, {"job": "health_check"})["launchRun"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         run_id = launched["run"]["runId"]
         status = wait_until(

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.ctl.scheduler import task_states
+from cmb_dagster.reactive import task_states
 from cmb_dagster.database import Database
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
@@ -24,7 +24,8 @@ BASE = datetime(2024, 5, 1, tzinfo=UTC)
 # with a stand-in run storage in which every launched run has already succeeded.
 SCHEDULER = f"""
 import sys
-from cmb_dagster.ctl.scheduler import RunInfo, RunState, SchedulerSettings, TaskScheduler, TaskSpec
+from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.database import Database
 from cmb_dagster.triggers import Delta
 
@@ -109,7 +110,8 @@ def test_cli_sets_reads_and_explains(db):
     history = cli(db.url, "ctl", "history", "sales").stdout.splitlines()
     assert len(history) == 2 and "BACKWARDS" in history[0]
 
-    from cmb_dagster.ctl.scheduler import RunInfo, SchedulerSettings, TaskScheduler, TaskSpec
+    from cmb_dagster.reactive.models import RunInfo, SchedulerSettings, TaskSpec
+    from cmb_dagster.reactive.scheduler import TaskScheduler
     from cmb_dagster.triggers import Delta
 
     spec = TaskSpec(name="mart", trigger=Delta("sales", "loaded_until", "1h"))

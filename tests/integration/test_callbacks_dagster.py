@@ -21,7 +21,7 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker
-from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG, CallbackJobs, DagsterRunLauncher
+from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG, CallbackOptions, DagsterRunLauncher
 from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.resources import CmbResource
@@ -46,7 +46,7 @@ def nightly_report() -> None:
 def defs(database_url: str, **options) -> Definitions:
     return cmb_definitions(
         resource=CmbResource(database_url=database_url),
-        callbacks=CallbackJobs(settings=FAST, **options),
+        callbacks=CallbackOptions(settings=FAST, **options),
         jobs=[nightly_report],
     )
 
@@ -54,17 +54,17 @@ def defs(database_url: str, **options) -> Definitions:
 def test_definitions_hold_worker_jobs_keepers_cleanup_and_materializer(database_url):
     d = defs(database_url, workers=2, cleanup_cron="30 19 * * *")
     repo = d.get_repository_def()
-    assert {"callbacks_worker_0_of_2", "callbacks_worker_1_of_2", "callbacks_cleanup"} <= set(repo.job_names)
+    assert {"cmb_callbacks_worker_0_of_2", "cmb_callbacks_worker_1_of_2", "cmb_callbacks_cleanup"} <= set(repo.job_names)
     sensors = {s.name for s in repo.sensor_defs}
     assert {
-        "callbacks_worker_0_of_2_keeper",
-        "callbacks_worker_1_of_2_keeper",
-        "callbacks_schedules_materializer",
+        "cmb_callbacks_worker_0_of_2_keeper",
+        "cmb_callbacks_worker_1_of_2_keeper",
+        "cmb_callbacks_schedules_materializer",
     } <= sensors
-    assert repo.get_schedule_def("callbacks_cleanup_schedule").cron_schedule == "30 19 * * *"
-    assert repo.get_job("callbacks_worker_0_of_2").tags["cmb/worker"] == "callbacks_worker_0_of_2"
+    assert repo.get_schedule_def("cmb_callbacks_cleanup_schedule").cron_schedule == "30 19 * * *"
+    assert repo.get_job("cmb_callbacks_worker_0_of_2").tags["cmb/worker"] == "cmb_callbacks_worker_0_of_2"
     with pytest.raises(ValueError, match="cron"):
-        CallbackJobs(cleanup_cron="every evening")
+        CallbackOptions(cleanup_cron="every evening")
 
 
 def test_worker_job_calls_events_back_in_process(db, database_url):
@@ -72,10 +72,10 @@ def test_worker_job_calls_events_back_in_process(db, database_url):
         now = datetime.now(UTC)
         for i in range(30):
             client.create("a", "g", f"k{i}", now - timedelta(seconds=i % 3), f"{sink.url}/cb")
-        job_def = defs(database_url).get_job_def("callbacks_worker")
+        job_def = defs(database_url).get_job_def("cmb_callbacks_worker")
         with instance_for_test() as instance:
             result = job_def.execute_in_process(
-                instance=instance, run_config={"ops": {"callbacks_worker_op": {"config": {"duration_seconds": 2.0}}}}
+                instance=instance, run_config={"ops": {"cmb_callbacks_worker_op": {"config": {"duration_seconds": 2.0}}}}
             )
         assert result.success
         assert {e.status for e in client.list()} == {"notified"}
@@ -86,7 +86,7 @@ def test_materializer_sensor_and_cleanup_job(db, database_url):
     d = defs(database_url)
     with CallbackClient(db, FAST) as client:
         client.create_schedule("a", "g", "hourly", "0 * * * *", "http://127.0.0.1:9/cb", horizon=3 * 3600)
-        sensor = d.get_sensor_def("callbacks_schedules_materializer")
+        sensor = d.get_sensor_def("cmb_callbacks_schedules_materializer")
         with build_sensor_context(resources={"cmb": CmbResource(database_url=database_url)}) as context:
             result = sensor(context)
         assert isinstance(result, SkipReason) and "created 3" in result.skip_message
@@ -95,10 +95,10 @@ def test_materializer_sensor_and_cleanup_job(db, database_url):
         client.cancel("a", "g", client.list()[0].event_key)
         with db.connection() as conn:
             conn.execute("UPDATE callback_events SET run_at = now() - interval '3 days' WHERE status = 'cancelled'")
-        cleanup = d.get_job_def("callbacks_cleanup")
+        cleanup = d.get_job_def("cmb_callbacks_cleanup")
         with instance_for_test() as instance:
             run = cleanup.execute_in_process(
-                instance=instance, run_config={"ops": {"callbacks_clean_op": {"config": {"ttl_days": 2}}}}
+                instance=instance, run_config={"ops": {"cmb_callbacks_clean_op": {"config": {"ttl_days": 2}}}}
             )
         assert run.success
         assert len(client.list()) == 2

@@ -2,15 +2,16 @@ import psycopg
 from dagster import DagsterInstance, DagsterRunStatus, RunRequest, SkipReason, build_sensor_context, instance_for_test
 from dagster._core.test_utils import create_run_for_test
 
-from cmb_dagster.definitions import cmb_definitions, cmb_health_check
+from cmb_dagster import cmb_definitions
 from cmb_dagster.examples.definitions import defs as example_defs
+from cmb_dagster.examples.health import health_check
 from cmb_dagster.jobs import keep_running_sensor, worker_job
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
 
 def test_health_check_job_writes_a_row(database_url):
-    result = cmb_health_check.execute_in_process(
+    result = health_check.execute_in_process(
         resources={"cmb": CmbResource(database_url=database_url)}, instance=DagsterInstance.ephemeral()
     )
     assert result.success
@@ -21,8 +22,7 @@ def test_health_check_job_writes_a_row(database_url):
 
 def test_example_definitions_load():
     repo = example_defs.get_repository_def()
-    assert "cmb_health_check" in {job.name for job in repo.get_all_jobs()}
-    assert repo.get_schedule_def("cmb_health_check_schedule")
+    assert "health_check" in {job.name for job in repo.get_all_jobs()}
 
 
 def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url):

@@ -13,7 +13,7 @@ from dagster import (
     op,
 )
 
-from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster import PubSubOptions, cmb_definitions
 from cmb_dagster.examples import pubsub as demo
 from cmb_dagster.pubsub import InvalidInput, publish
 from cmb_dagster.pubsub.dagster_defs import pubsub_sensor
@@ -32,9 +32,10 @@ def per_change() -> None:
 
 def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, database_url):
     defs = cmb_definitions(
-        resource=CmbResource(database_url=database_url), jobs=[demo.pubsub_demo_place_orders], consumers=[demo.consumer]
+        resource=CmbResource(database_url=database_url), jobs=[demo.pubsub_demo_place_orders],
+        pubsub=PubSubOptions(consumers=[demo.consumer]),
     )
-    consumer_job = defs.get_job_def("pubsub_consumer_demo_order_totals_branch_100")
+    consumer_job = defs.get_job_def("cmb_pubsub_consumer_demo_order_totals_branch_100")
     assert consumer_job.tags["cmb/worker"] == consumer_job.name  # one run per consumer (dagster.yaml limit)
     with instance_for_test() as instance:
         assert defs.get_job_def("pubsub_demo_place_orders").execute_in_process(instance=instance).success
@@ -53,9 +54,9 @@ def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, datab
     with db.connection() as conn:
         assert conn.execute("SELECT sum(orders), sum(amount) FROM public.pubsub_demo_totals").fetchone() == conn.execute(
             "SELECT count(*), sum(amount) FROM public.pubsub_demo_orders").fetchone()
-    assert defs.get_schedule_def("pubsub_trim_schedule").cron_schedule == "17 * * * *"
+    assert defs.get_schedule_def("cmb_pubsub_trim_schedule").cron_schedule == "17 * * * *"
     with instance_for_test() as instance:
-        assert defs.get_job_def("pubsub_trim").execute_in_process(instance=instance).success
+        assert defs.get_job_def("cmb_pubsub_trim").execute_in_process(instance=instance).success
     with db.connection() as conn:
         assert conn.execute("SELECT count(*) FROM pubsub_events WHERE branch_id = 100").fetchone() == (0,)
 
@@ -82,7 +83,7 @@ def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, 
             ).fetchone()
         assert row == (3,)  # the trailing watermark that trim honours
         result = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
-        assert [(r.run_key, r.tags["cmb/pubsub_event"]) for r in result.run_requests] == [(str(late), str(late))]
+        assert [(r.run_key, r.tags["cmb/pubsub/event"]) for r in result.run_requests] == [(str(late), str(late))]
         again = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
         assert [r.run_key for r in again.run_requests] == [str(late)]  # re-evaluated: same run key, deduplicated
 
@@ -98,6 +99,7 @@ def test_engine_modules_do_not_import_dagster():
 
 def test_definitions_refuse_consumers_whose_job_names_collide():
     with pytest.raises(InvalidInput, match="job name"):
-        cmb_definitions(consumers=[{"consumer_id": "a.b", "handler": "m:f"}, {"consumer_id": "a_b", "handler": "m:f"}])
+        cmb_definitions(pubsub=PubSubOptions(consumers=[{"consumer_id": "a.b", "handler": "m:f"},
+                                                        {"consumer_id": "a_b", "handler": "m:f"}]))
     with pytest.raises(InvalidInput, match="consumer_id"):
-        cmb_definitions(consumers=[{"consumer_id": "", "handler": "m:f"}])
+        cmb_definitions(pubsub=PubSubOptions(consumers=[{"consumer_id": "", "handler": "m:f"}]))

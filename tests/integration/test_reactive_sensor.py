@@ -24,10 +24,10 @@ from dagster import (
 from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.ctl.scheduler import task_states
+from cmb_dagster.reactive import task_states
 from cmb_dagster.database import Database
 from cmb_dagster.definitions import cmb_definitions
-from cmb_dagster.reactive import CtlResource, ReactiveScheduler, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster import CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Any, ChunkDelay, ChunkDelta, Delay, Delta
 
@@ -65,9 +65,9 @@ class Harness:
         self.store = CtlStore(db, actor="test")
         options = {"name": "test", "retry_backoff": timedelta(0), **options}
         self.defs: Definitions = cmb_definitions(
-            resource=resource, reactive_tasks=ReactiveScheduler(tasks=tasks, **options)
+            resource=resource, reactive=ReactiveOptions(tasks=tasks, **options)
         )
-        self.sensor = self.defs.get_repository_def().get_sensor_def("reactive_scheduler")
+        self.sensor = self.defs.get_repository_def().get_sensor_def("cmb_reactive_scheduler")
         self.logs: list[str] = []
 
     def tick(self):
@@ -285,12 +285,12 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
 
     defs = cmb_definitions(
         resource=resource,
-        reactive_tasks=ReactiveScheduler(tasks=example.reactive_tasks, name="example"),
+        reactive=ReactiveOptions(tasks=example.reactive_tasks, name="example"),
         jobs=example.example_jobs,
         assets=example.example_assets,
         sensors=example.example_sensors,
     )
-    sensor = defs.get_repository_def().get_sensor_def("reactive_scheduler")
+    sensor = defs.get_repository_def().get_sensor_def("cmb_reactive_scheduler")
 
     def tick():
         return sensor.evaluate_tick(build_sensor_context(instance=instance, resources={"cmb": resource}, definitions=defs))
@@ -309,7 +309,7 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
 
 
 def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, resource):
-    from cmb_dagster.ctl.scheduler import LEASE_KIND
+    from cmb_dagster.reactive.scheduler import LEASE_KIND
     from cmb_dagster.workers import Leases
 
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])

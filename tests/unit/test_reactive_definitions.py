@@ -1,10 +1,10 @@
 import pytest
 from dagster import AssetSelection, DefaultSensorStatus, asset, job, op
 
-from cmb_dagster.ctl import InvalidReactiveTask
-from cmb_dagster.ctl.scheduler import SchedulerSettings, values_hash
-from cmb_dagster.definitions import cmb_definitions
-from cmb_dagster.reactive import ReactiveScheduler, ReactiveTask, reactive_definitions
+from cmb_dagster import ReactiveOptions, ReactiveTask, cmb_definitions
+from cmb_dagster.reactive import InvalidReactiveTask
+from cmb_dagster.reactive.models import SchedulerSettings
+from cmb_dagster.reactive.scheduler import values_hash
 from cmb_dagster.triggers import All, Any, ChunkDelta, Delay, Delta
 
 
@@ -28,12 +28,13 @@ DELTA = Delta("sales", "loaded_until", "1h")
 
 def test_cmb_definitions_adds_one_running_scheduler_sensor_the_jobs_and_the_ctl_resource():
     defs = cmb_definitions(
-        reactive_tasks=[ReactiveTask("report", report, DELTA), ReactiveTask("mart", [mart], DELTA)], assets=[mart]
+        reactive=ReactiveOptions(tasks=[ReactiveTask("report", report, DELTA), ReactiveTask("mart", [mart], DELTA)]),
+        assets=[mart],
     )
     repository = defs.get_repository_def()
-    [sensor] = [s for s in repository.sensor_defs if s.name == "reactive_scheduler"]
+    [sensor] = [s for s in repository.sensor_defs if s.name == "cmb_reactive_scheduler"]
     assert sensor.default_status == DefaultSensorStatus.RUNNING and sensor.minimum_interval_seconds == 10
-    assert {"report", "reactive_mart"} <= {j.name for j in repository.get_all_jobs()}
+    assert {"report", "cmb_reactive_mart"} <= {j.name for j in repository.get_all_jobs()}
     assert "ctl" in repository.get_top_level_resources()
 
 
@@ -46,7 +47,7 @@ def test_cmb_definitions_adds_one_running_scheduler_sensor_the_jobs_and_the_ctl_
         (lambda: ReactiveTask("t", [], DELTA), "selects no asset"),
         (lambda: ReactiveTask("t", report, DELTA, produces=[("sales",)]), "produces"),
         (lambda: ReactiveTask("t", report, DELTA, produces=[("sales", "")]), "produces"),
-        (lambda: reactive_definitions([ReactiveTask("t", report, DELTA), ReactiveTask("t", report, DELTA)]), "unique"),
+        (lambda: ReactiveOptions(tasks=[ReactiveTask("t", report, DELTA), ReactiveTask("t", report, DELTA)]), "unique"),
     ],
 )
 def test_bad_task_definitions_are_clear_errors_naming_the_field(make, message):
@@ -67,7 +68,7 @@ def test_the_seeds_advice_warns_about_tasks_that_would_run_continuously():
 
 def test_asset_selection_target_becomes_an_asset_job():
     task = ReactiveTask("marts.daily", AssetSelection.assets(mart), DELTA, priority=3)
-    assert task.job.name == "reactive_marts_daily"
+    assert task.job().name == "cmb_reactive_marts_daily"
     assert task.spec.priority == 3 and task.spec.trigger == DELTA
 
 
@@ -79,7 +80,7 @@ def test_trigger_hash_changes_with_the_trigger_or_time_zone_only():
 
 
 def test_backoff_doubles_up_to_its_cap():
-    settings = ReactiveScheduler(tasks=[], retry_backoff="PT10S", max_retry_backoff="PT60S").settings
+    settings = ReactiveOptions(tasks=[], retry_backoff="PT10S", max_retry_backoff="PT60S").settings
     assert [settings.backoff(n).total_seconds() for n in range(5)] == [10, 20, 40, 60, 60]
     assert isinstance(settings, SchedulerSettings)
 
@@ -97,7 +98,7 @@ def test_the_engine_imports_nothing_from_dagster():
     import subprocess
     import sys
 
-    code = ("import sys, cmb_dagster.ctl, cmb_dagster.ctl.scheduler, cmb_dagster.ctl.cli; "
+    code = ("import sys, cmb_dagster.ctl, cmb_dagster.reactive, cmb_dagster.reactive.scheduler, cmb_dagster.reactive.cli; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

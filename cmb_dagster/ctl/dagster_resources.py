@@ -9,7 +9,8 @@ from dagster import ConfigurableResource, InitResourceContext, MetadataValue
 from pydantic import AwareDatetime, PrivateAttr, TypeAdapter, ValidationError
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.ctl.store import CtlChange, CtlStore, ParameterKey
+from cmb_dagster.ctl.models import CtlChange, ParameterKey
+from cmb_dagster.ctl.store import CtlStore
 from cmb_dagster.resources import CmbResource
 
 CTL_METADATA_KEY = "cmb/ctl"

@@ -23,10 +23,12 @@ from dagster import (
 )
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.ctl.scheduler import Launch, RunInfo, RunState, SchedulerSettings, TaskScheduler, TaskSpec
-from cmb_dagster.ctl.store import CtlStore, FeedItem, ParameterKey, values_from_json, values_to_json
+from cmb_dagster.reactive.models import Launch, RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.scheduler import TaskScheduler
+from cmb_dagster.ctl.models import ParameterKey
+from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
 from cmb_dagster.database import Database
-from cmb_dagster.reactive.resources import CTL_METADATA_KEY, ctl_values_from_metadata
+from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_values_from_metadata
 from cmb_dagster.resources import CmbResource
 
 SCHEDULER_TAG = "cmb/reactive/scheduler"
