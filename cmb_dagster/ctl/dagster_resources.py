@@ -20,7 +20,7 @@ _METADATA_VALUES = TypeAdapter(dict[str, AwareDatetime])
 
 
 class CtlResource(ConfigurableResource):
-    """CTL values for ops and assets: ``ctl.set("sales.orders", "loaded_until", moment)``.
+    """CTL values for ops and assets: ``ctl.set("shop/orders", "loaded_until", moment)``.
 
     Pass ``conn=`` (e.g. from ``cmb.connection()``) to commit the CTL change in the same transaction
     as the data it describes. Changes are recorded as made by ``dagster run <run_id>``.

@@ -28,9 +28,9 @@ class ReactiveTask(BaseModel):
     reads one of them are held, so the queue waits for the more important task. It never launches or
     re-evaluates a task by itself.
 
-    >>> ReactiveTask("sales_mart", sales_mart_job, ChunkDelta("shop.orders", "loaded_until", "day"))  # doctest: +SKIP
+    >>> ReactiveTask("sales_mart", sales_mart_job, ChunkDelta("shop/orders", "loaded_until", "day"))  # doctest: +SKIP
     >>> ReactiveTask("orders", load_orders, Delay("erp", "exported_until", "1h"),
-    ...              produces=[("shop.orders", "loaded_until")])  # doctest: +SKIP
+    ...              produces=[("shop/orders", "loaded_until")])  # doctest: +SKIP
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
@@ -93,7 +93,7 @@ class ReactiveTask(BaseModel):
 
     @property
     def warnings(self) -> list[str]:
-        """The seed's advice: a trigger that does not depend on the last run reruns the task continuously."""
+        """Advice on the trigger: one that does not depend on the last run's values may fire again on every new value."""
         return check(self.trigger)
 
 

@@ -55,7 +55,7 @@ class TaskSpec(BaseModel):
 
     @property
     def trigger_hash(self) -> str:
-        """Changes when the trigger or the time zone changes (the seed's release rules apply)."""
+        """Changes when the trigger or the time zone changes (a changed trigger is evaluated as on a first release)."""
         return hashlib.sha256(f"{self.trigger_json}\n{self.timezone}".encode()).hexdigest()[:16]
 
 

@@ -113,8 +113,8 @@ class Param:
 def param(entity: str, parameter: str) -> Param:
     """The CTL parameter ``parameter`` of ``entity``, to build triggers on.
 
-    >>> param("sales.orders", "loaded_until").new_chunk("day")
-    ChunkDelta('sales.orders', 'loaded_until', 'day')
+    >>> param("shop/orders", "loaded_until").new_chunk("day")
+    ChunkDelta('shop/orders', 'loaded_until', 'day')
     """
     return Param(entity, parameter)
 

@@ -28,7 +28,7 @@ ParameterKey = tuple[str, str]
 
 
 def display_key(key: ParameterKey) -> str:
-    """``('sales.orders', 'loaded_until')`` -> ``'sales.orders/loaded_until'``."""
+    """``('shop/orders', 'loaded_until')`` -> ``'shop/orders/loaded_until'``."""
     return f"{key[0]}/{key[1]}"
 
 
@@ -153,8 +153,8 @@ class CtlTriggerBase(TriggerBase):
 class Delta(CtlTriggerBase):
     """Fires when ``current - last >= min_delta``: enough new data arrived since the last run.
 
-    >>> Delta("sales.orders", "loaded_until", "1d")
-    Delta('sales.orders', 'loaded_until', '1d')
+    >>> Delta("shop/orders", "loaded_until", "1d")
+    Delta('shop/orders', 'loaded_until', '1d')
     """
 
     reads_last: ClassVar[bool] = True
@@ -171,8 +171,8 @@ class Delta(CtlTriggerBase):
 class Delay(CtlTriggerBase):
     """Fires when ``now - current <= max_delay``: the parameter is fresh enough.
 
-    >>> Delay("sales.orders", "loaded_until", "2h")
-    Delay('sales.orders', 'loaded_until', '2h')
+    >>> Delay("shop/orders", "loaded_until", "2h")
+    Delay('shop/orders', 'loaded_until', '2h')
     """
 
     positional: ClassVar[tuple[str, ...]] = ("entity", "parameter", "max_delay")
@@ -188,8 +188,8 @@ class Delay(CtlTriggerBase):
 class RefDelay(CtlTriggerBase):
     """Fires when ``ref_current - current <= max_delay``: the parameter caught up with a reference one.
 
-    >>> RefDelay("mart.sales", "loaded_until", "sales.orders", "loaded_until", "1h")
-    RefDelay('mart.sales', 'loaded_until', 'sales.orders', 'loaded_until', '1h')
+    >>> RefDelay("mart/sales", "loaded_until", "shop/orders", "loaded_until", "1h")
+    RefDelay('mart/sales', 'loaded_until', 'shop/orders', 'loaded_until', '1h')
     """
 
     positional: ClassVar[tuple[str, ...]] = ("entity", "parameter", "ref_entity", "ref_parameter", "max_delay")
@@ -227,8 +227,8 @@ class RefDelay(CtlTriggerBase):
 class ChunkDelta(CtlTriggerBase):
     """Fires when ``current`` is at least ``min_delta`` chunks after ``last`` (default: in a newer chunk).
 
-    >>> ChunkDelta("sales.orders", "loaded_until", "day", 2, timezone="Europe/Moscow")
-    ChunkDelta('sales.orders', 'loaded_until', 'day', 2, timezone='Europe/Moscow')
+    >>> ChunkDelta("shop/orders", "loaded_until", "day", 2, timezone="Europe/Moscow")
+    ChunkDelta('shop/orders', 'loaded_until', 'day', 2, timezone='Europe/Moscow')
     """
 
     reads_last: ClassVar[bool] = True
@@ -258,8 +258,8 @@ class ChunkDelta(CtlTriggerBase):
 class ChunkDelay(CtlTriggerBase):
     """Fires when ``current`` is at most ``max_delay`` chunks behind now (default: in now's chunk or later).
 
-    >>> ChunkDelay("sales.orders", "loaded_until", "day")
-    ChunkDelay('sales.orders', 'loaded_until', 'day')
+    >>> ChunkDelay("shop/orders", "loaded_until", "day")
+    ChunkDelay('shop/orders', 'loaded_until', 'day')
     """
 
     positional: ClassVar[tuple[str, ...]] = ("entity", "parameter", "scale", "max_delay")
@@ -288,8 +288,8 @@ class ChunkDelay(CtlTriggerBase):
 class ChunkRefDelay(CtlTriggerBase):
     """Fires when ``current`` is at most ``max_delay`` chunks behind the reference (default: same chunk or later).
 
-    >>> ChunkRefDelay("mart.sales", "loaded_until", "sales.orders", "loaded_until", "day")
-    ChunkRefDelay('mart.sales', 'loaded_until', 'sales.orders', 'loaded_until', 'day')
+    >>> ChunkRefDelay("mart/sales", "loaded_until", "shop/orders", "loaded_until", "day")
+    ChunkRefDelay('mart/sales', 'loaded_until', 'shop/orders', 'loaded_until', 'day')
     """
 
     positional: ClassVar[tuple[str, ...]] = (
