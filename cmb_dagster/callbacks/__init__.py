@@ -1,10 +1,14 @@
-"""CallMeBack delayed callbacks: call an HTTP endpoint (or launch a Dagster job) at a given moment.
+"""Delayed callbacks: call an HTTP endpoint (or launch a Dagster job) at a given moment, with retries.
 
-Dagster-free: the Dagster shell lives in ``cmb_dagster.callbacks.dagster_defs``.
+``CallbackClient`` creates, updates and cancels events; ``CallbackWorker`` calls them back;
+``cmb_definitions(callbacks=CallbackOptions(...))`` runs workers in Dagster.
 """
 
+from cmb_dagster._lazy import lazy_names
+from cmb_dagster.callbacks.admin import callback_counts
+
 from cmb_dagster.callbacks.client import CallbackClient, CleanReport
-from cmb_dagster.callbacks.delivery import REJECT_HEADERS, JobLauncher
+from cmb_dagster.callbacks.delivery import REJECT_HEADERS
 from cmb_dagster.callbacks.errors import (
     CallbackConflict,
     CallbackError,
@@ -13,6 +17,7 @@ from cmb_dagster.callbacks.errors import (
     CallbackValidationError,
 )
 from cmb_dagster.callbacks.models import (
+    CallbackCounts,
     CallbackEvent,
     CallbackSchedule,
     CallbackSettings,
@@ -21,25 +26,28 @@ from cmb_dagster.callbacks.models import (
     RetryPolicy,
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
-from cmb_dagster.callbacks.worker import LEASE_KIND, CallbackWorker
+from cmb_dagster.callbacks.worker import CallbackWorker
 
 __all__ = [
-    "LEASE_KIND",
     "REJECT_HEADERS",
     "CallbackClient",
     "CallbackConflict",
+    "CallbackCounts",
     "CallbackError",
     "CallbackEvent",
     "CallbackInvalidState",
     "CallbackNotFound",
+    "CallbackOptions",
     "CallbackSchedule",
     "CallbackSettings",
     "CallbackStatus",
     "CallbackValidationError",
     "CallbackWorker",
     "CleanReport",
-    "JobLauncher",
     "NewCallback",
     "RetryPolicy",
+    "callback_counts",
     "materialize_schedules",
 ]
+
+__getattr__ = lazy_names(__name__, {"CallbackOptions": "cmb_dagster.callbacks.dagster_defs"})

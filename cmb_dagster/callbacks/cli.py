@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from cmb_dagster.callbacks.admin import callback_counts
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackValidationError
 from cmb_dagster.callbacks.models import CallbackSettings, validated
@@ -169,6 +170,16 @@ def worker(bucket_list: str | None, duration: float | None, concurrency: int | N
     report = runner.run(duration)
     stopped.set()
     click.echo(f"delivered {report.items} events in {report.seconds:.1f}s ({report.errors} errors)", err=True)
+
+
+@callbacks.command()
+def status() -> None:
+    """Events per status, and how late the overdue pending ones are."""
+    counts = callback_counts(Database.from_settings(Settings.from_env()))
+    click.echo(
+        f"pending {counts.pending} (overdue {counts.overdue}, oldest {counts.oldest_overdue_seconds:.1f}s late), "
+        f"notified {counts.notified}, failed {counts.failed}, rejected {counts.rejected}, cancelled {counts.cancelled}"
+    )
 
 
 @callbacks.command()

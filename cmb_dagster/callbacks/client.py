@@ -35,7 +35,7 @@ from cmb_dagster.callbacks.models import (
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
 from cmb_dagster.callbacks.writer import EventWriter, insert_events
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, DatabaseSource
 
 CLEAN_BATCH = 10_000
 
@@ -58,14 +58,14 @@ class CallbackClient:
 
     def __init__(
         self,
-        database: Database | str,
+        database: DatabaseSource,
         settings: CallbackSettings | None = None,
         *,
-        schema: str = "cmb",
+        schema: str | None = None,
         buffered: bool = True,
     ) -> None:
-        self._owns_db = isinstance(database, str)
-        self.db = Database(database, schema=schema) if isinstance(database, str) else database
+        self._owns_db = not isinstance(database, Database)
+        self.db = Database.of(database, schema=schema)
         self.settings = settings or CallbackSettings()
         self._writer = EventWriter(self.db, self.settings) if buffered else None
 

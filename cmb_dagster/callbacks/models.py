@@ -297,3 +297,15 @@ def one_line(exc: ValidationError) -> str:
         field = ".".join(str(p) for p in error["loc"]) or "value"
         parts.append(f"{field}: {error['msg']}")
     return "; ".join(parts)
+
+
+class CallbackCounts(BaseModel):
+    """How many events are in each status, how many pending ones are overdue, and the oldest overdue age."""
+
+    pending: int
+    overdue: int
+    notified: int
+    failed: int
+    rejected: int
+    cancelled: int
+    oldest_overdue_seconds: float

@@ -276,3 +276,17 @@ DELETE FROM callback_change_log c USING doomed WHERE c.change_id = doomed.change
 CLEAN_SCHEDULED_EVENTS = """
 DELETE FROM callback_scheduled_events WHERE fire_at < now() - make_interval(days => %(ttl_days)s)
 """
+
+# -- operator status ---------------------------------------------------------------------------
+
+STATUS_COUNTS = """
+SELECT count(*) FILTER (WHERE status = 'pending')                   AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND run_at < now()) AS overdue,
+       count(*) FILTER (WHERE status = 'notified')                  AS notified,
+       count(*) FILTER (WHERE status = 'failed')                    AS failed,
+       count(*) FILTER (WHERE status = 'rejected')                  AS rejected,
+       count(*) FILTER (WHERE status = 'cancelled')                 AS cancelled,
+       coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE status = 'pending' AND run_at < now())), 0)
+                                                                    AS oldest_overdue_seconds
+FROM callback_events
+"""

@@ -23,7 +23,7 @@ from cmb_dagster import pubsub
 from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, CtlKey, CtlValue, ParameterKey
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, DatabaseSource
 
 log = logging.getLogger("cmb_dagster.ctl")
 
@@ -68,8 +68,8 @@ class CtlStore:
     with the data; without it the store uses a pooled connection and commits at once.
     """
 
-    def __init__(self, database: Database, *, actor: str | None = None) -> None:
-        self.database = database
+    def __init__(self, database: DatabaseSource, *, actor: str | None = None) -> None:
+        self.database = Database.of(database)
         self.actor = actor or default_actor()
 
     @contextmanager

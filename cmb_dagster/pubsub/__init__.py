@@ -46,9 +46,10 @@ Retention: :func:`trim` deletes the events every registered consumer's snapshot 
 
 from cmb_dagster.pubsub.admin import consumer_lag, drop_consumer, reset, trim
 from cmb_dagster.pubsub.capture import install_capture, publish, remove_capture
-from cmb_dagster.pubsub.consumer import Consumer, lock_watermark, read_batch, save_watermark
+from cmb_dagster._lazy import lazy_names
+from cmb_dagster.pubsub.consumer import Consumer, lock_watermark
 from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, InvalidInput, PubSubError, StreamRestored
-from cmb_dagster.pubsub.models import CaptureSpec, ConsumerSpec, Event, Handler, Lag, Watermark
+from cmb_dagster.pubsub.models import CaptureSpec, ConsumerSpec, Event, Handler, Lag, PubSubOptions, Watermark
 
 __all__ = [
     "CaptureSpec",
@@ -61,6 +62,7 @@ __all__ = [
     "InvalidInput",
     "Lag",
     "PubSubError",
+    "PubSubOptions",
     "StreamRestored",
     "Watermark",
     "consumer_lag",
@@ -68,9 +70,10 @@ __all__ = [
     "install_capture",
     "lock_watermark",
     "publish",
-    "read_batch",
+    "pubsub_sensor",
     "remove_capture",
     "reset",
-    "save_watermark",
     "trim",
 ]
+
+__getattr__ = lazy_names(__name__, {"pubsub_sensor": "cmb_dagster.pubsub.dagster_defs"})

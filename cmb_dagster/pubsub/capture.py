@@ -14,6 +14,7 @@ from psycopg.types.json import Jsonb
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.errors import InvalidInput
 from cmb_dagster.pubsub.models import CaptureSpec, validated
+from cmb_dagster.settings import Settings
 
 _TRANSITION = {"insert": "NEW", "update": "NEW", "delete": "OLD"}
 
@@ -106,7 +107,7 @@ def publish(
 ) -> int:
     """Write one event in ``conn``'s current transaction (it exists only if that commits); return its id.
 
-    ``schema`` is the cmb schema (default: the search_path finds ``pubsub_events``)."""
+    ``schema`` is the cmb schema (default: ``CMB_SCHEMA``, so any connection of yours works)."""
     if isinstance(branch_id, bool) or not isinstance(branch_id, int):
         raise InvalidInput(f"branch_id: must be an integer, not {branch_id!r}")
     if not isinstance(topic, str) or not topic:
@@ -116,14 +117,14 @@ def publish(
             json.dumps(value)
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"{field}: not JSON-serializable ({exc})") from None
-    events = sql.Identifier("pubsub_events") if schema is None else sql.Identifier(schema, "pubsub_events")
+    events = sql.Identifier(schema or Settings.from_env().schema_name, "pubsub_events")
     params = {"branch_id": branch_id, "topic": topic, "key": None if key is None else Jsonb(key), "payload": Jsonb(payload)}
     try:
         return conn.execute(q.PUBLISH.format(events=events), params).fetchone()[0]
     except psycopg.errors.UndefinedTable:
         raise InvalidInput(
-            "schema: no pubsub_events table on this connection's search_path; "
-            "pass schema= or use a cmb Database connection"
+            f"schema: no {events.as_string(conn)} table in this database; "
+            "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
         ) from None
 
 
@@ -134,8 +135,8 @@ def cmb_schema(conn: psycopg.Connection, schema: str | None = None) -> str:
     row = conn.execute(q.EVENTS_TABLE).fetchone()
     if row is None:
         raise InvalidInput(
-            "schema: no pubsub_events table on this connection's search_path; "
-            "pass schema= or use a cmb Database connection"
+            f"schema: no {events.as_string(conn)} table in this database; "
+            "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
         )
     return row[0]
 

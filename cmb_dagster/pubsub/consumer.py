@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import psycopg
 from psycopg.rows import tuple_row
-from psycopg_pool import ConnectionPool
 
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
 from cmb_dagster.pubsub.models import (
@@ -129,7 +128,7 @@ class Consumer:
 
     def __init__(
         self,
-        database: Database | ConnectionPool,
+        database: DatabaseSource,
         consumer_id: str,
         branch_id: int,
         handler: Handler | str,
@@ -138,7 +137,7 @@ class Consumer:
         idle_sleep: float = 0.1,
         wait: bool = True,
         lease_ttl: float = 10.0,
-        schema: str = "cmb",
+        schema: str | None = None,
     ) -> None:
         path = handler if isinstance(handler, str) else handler_path(handler)
         self.spec = validated(
@@ -149,19 +148,14 @@ class Consumer:
         self.handler_path = path
         self.wait = wait
         self.lease_ttl = lease_ttl
-        if isinstance(database, Database):
-            self.database = database
-            self._pool: ConnectionPool | None = None
-        else:
-            self.database = Database(database.conninfo, schema=schema, max_pool_size=2)
-            self._pool = database
+        self.database = Database.of(database, schema=schema)
         self._registered = False
         self._one_at_a_time = 0  # after a failed batch, deliver its events singly to name the failing one
         self._worker: Worker | None = None
         self._stop_requested = threading.Event()
 
     @classmethod
-    def from_spec(cls, database: Database | ConnectionPool, spec: ConsumerSpec) -> Consumer:
+    def from_spec(cls, database: DatabaseSource, spec: ConsumerSpec) -> Consumer:
         """The consumer a :class:`ConsumerSpec` describes."""
         return cls(database, spec.consumer_id, spec.branch_id, spec.handler, batch_size=spec.batch_size,
                    idle_sleep=spec.idle_sleep)
@@ -245,13 +239,4 @@ class Consumer:
 
     def _connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A pooled connection whose block is one transaction, with the cmb schema first on the search_path."""
-        if self._pool is None:
-            return self.database.connection()
-        return _schema_first(self._pool, self.database.schema)
-
-
-@contextmanager
-def _schema_first(pool: ConnectionPool, schema: str) -> Iterator[psycopg.Connection]:
-    with pool.connection() as conn:
-        conn.execute(q.SCHEMA_FIRST, {"schema": schema})
-        yield conn
+        return self.database.connection()

@@ -56,8 +56,6 @@ SET snapshot = EXCLUDED.snapshot, target = EXCLUDED.target, txid = EXCLUDED.txid
     delivered = EXCLUDED.delivered, updated_at = now()
 """
 
-# For a caller's own pool: the cmb schema first on the search_path, for this transaction only.
-SCHEMA_FIRST = "SELECT set_config('search_path', %(schema)s || ', ' || current_setting('search_path'), true)"
 
 # -- reading ------------------------------------------------------------------------------------
 

@@ -1,0 +1,411 @@
+-- The whole cmb schema as the migrations in this folder leave it (generated; do not edit by hand:
+-- add a migration, then run `python tests/migration/test_schema.py`). Read it to see every table.
+
+CREATE SCHEMA cmb;
+
+CREATE FUNCTION cmb.pubsub_restore_problem(stored pg_snapshot) RETURNS text
+    LANGUAGE sql
+    SET search_path TO 'cmb', 'public'
+    SET jit TO 'off'
+    AS $$
+    SELECT CASE
+        WHEN c.system_identifier <> s.system_identifier THEN
+            format('the stream''s txids come from Postgres cluster %s but this is cluster %s',
+                   c.system_identifier, s.system_identifier)
+        WHEN pg_snapshot_xmax(stored) > pg_snapshot_xmax(pubsub_snapshot()) THEN
+            format('a stored snapshot (%s) is ahead of the current txid (%s)', stored, pubsub_snapshot())
+    END
+    FROM pubsub_clock c, pg_control_system() s
+$$;
+
+CREATE FUNCTION cmb.pubsub_snapshot() RETURNS pg_snapshot
+    LANGUAGE sql
+    SET search_path TO 'cmb', 'public'
+    SET jit TO 'off'
+    AS $$
+    WITH now AS (
+        SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me, c.shift
+        FROM pubsub_clock c
+    ), running AS (
+        SELECT x FROM now, pg_snapshot_xip(now.snap) AS x
+        UNION
+        SELECT me FROM now WHERE me IS NOT NULL AND pg_visible_in_snapshot(me, snap)
+    )
+    SELECT format('%s:%s:%s',
+                  pg_snapshot_xmin(snap)::text::numeric + shift,
+                  pg_snapshot_xmax(snap)::text::numeric + shift,
+                  (SELECT coalesce(string_agg((x::text::numeric + now.shift)::text, ',' ORDER BY x), '')
+                   FROM running))::pg_snapshot
+    FROM now
+$$;
+
+CREATE FUNCTION cmb.pubsub_txid() RETURNS xid8
+    LANGUAGE sql
+    SET search_path TO 'cmb', 'public'
+    SET jit TO 'off'
+    AS $$ SELECT (pg_current_xact_id()::text::numeric + shift)::text::xid8 FROM pubsub_clock $$;
+
+CREATE TABLE cmb.callback_buckets (
+    bucket_id integer NOT NULL,
+    max_run_at timestamp with time zone DEFAULT '1970-01-01 00:00:00+00'::timestamp with time zone NOT NULL,
+    cursor_event_id bigint DEFAULT 0 NOT NULL,
+    max_event_id bigint DEFAULT 0 NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT callback_buckets_bucket_id_check CHECK ((bucket_id >= 0))
+)
+WITH (fillfactor='50', autovacuum_vacuum_scale_factor='0', autovacuum_vacuum_threshold='200');
+
+CREATE TABLE cmb.callback_change_log (
+    change_id bigint NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    action text NOT NULL,
+    event_id bigint NOT NULL,
+    owner_client_id text NOT NULL,
+    group_key text NOT NULL,
+    event_key text NOT NULL,
+    before jsonb NOT NULL,
+    after jsonb,
+    CONSTRAINT callback_change_log_action_check CHECK ((action = ANY (ARRAY['update'::text, 'cancel'::text, 'delete'::text])))
+);
+
+ALTER TABLE cmb.callback_change_log ALTER COLUMN change_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.callback_change_log_change_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+CREATE TABLE cmb.callback_events (
+    event_id bigint NOT NULL,
+    bucket_id integer NOT NULL,
+    owner_client_id text NOT NULL,
+    group_key text NOT NULL,
+    event_key text NOT NULL,
+    status text DEFAULT 'pending'::text NOT NULL,
+    run_at timestamp with time zone NOT NULL,
+    originally_run_at timestamp with time zone NOT NULL,
+    cb_url text NOT NULL,
+    context jsonb,
+    retry jsonb NOT NULL,
+    attempts integer DEFAULT 0 NOT NULL,
+    main_retries integer DEFAULT 0 NOT NULL,
+    last_error text,
+    schedule_id bigint,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    CONSTRAINT callback_events_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'notified'::text, 'failed'::text, 'cancelled'::text, 'rejected'::text])))
+)
+WITH (fillfactor='85', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_delay='0');
+
+CREATE SEQUENCE cmb.callback_event_ids
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE cmb.callback_event_ids OWNED BY cmb.callback_events.event_id;
+
+CREATE TABLE cmb.callback_scheduled_events (
+    schedule_id bigint NOT NULL,
+    fire_at timestamp with time zone NOT NULL,
+    event_id bigint
+);
+
+CREATE TABLE cmb.callback_schedules (
+    schedule_id bigint NOT NULL,
+    owner_client_id text NOT NULL,
+    group_key text NOT NULL,
+    schedule_key text NOT NULL,
+    cron text NOT NULL,
+    timezone text NOT NULL,
+    cb_url text NOT NULL,
+    context jsonb,
+    retry jsonb NOT NULL,
+    horizon_seconds integer NOT NULL,
+    paused boolean DEFAULT false NOT NULL,
+    materialized_until timestamp with time zone NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT callback_schedules_horizon_seconds_check CHECK ((horizon_seconds > 0))
+);
+
+ALTER TABLE cmb.callback_schedules ALTER COLUMN schedule_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.callback_schedules_schedule_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+CREATE TABLE cmb.ctl_feeds (
+    name text NOT NULL,
+    "position" bigint DEFAULT 0 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+CREATE TABLE cmb.ctl_history (
+    id bigint NOT NULL,
+    entity text NOT NULL,
+    parameter text NOT NULL,
+    old_value timestamp with time zone,
+    new_value timestamp with time zone NOT NULL,
+    backwards boolean NOT NULL,
+    changed_at timestamp with time zone DEFAULT now() NOT NULL,
+    changed_by text NOT NULL
+);
+
+CREATE SEQUENCE cmb.ctl_history_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE cmb.ctl_history_id_seq OWNED BY cmb.ctl_history.id;
+
+CREATE TABLE cmb.ctl_values (
+    entity text NOT NULL,
+    parameter text NOT NULL,
+    value timestamp with time zone NOT NULL,
+    previous_value timestamp with time zone,
+    version bigint DEFAULT 1 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_by text NOT NULL,
+    CONSTRAINT ctl_values_check CHECK (((entity <> ''::text) AND (parameter <> ''::text)))
+);
+
+CREATE TABLE cmb.health_checks (
+    id bigint NOT NULL,
+    checked_at timestamp with time zone DEFAULT now() NOT NULL,
+    source text NOT NULL,
+    server_version text NOT NULL,
+    schema_version integer NOT NULL
+);
+
+CREATE SEQUENCE cmb.health_checks_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE cmb.health_checks_id_seq OWNED BY cmb.health_checks.id;
+
+CREATE TABLE cmb.leases (
+    kind text NOT NULL,
+    partition text NOT NULL,
+    owner text NOT NULL,
+    fence bigint DEFAULT 1 NOT NULL,
+    acquired_at timestamp with time zone DEFAULT now() NOT NULL,
+    expires_at timestamp with time zone NOT NULL
+);
+
+CREATE TABLE cmb.pubsub_clock (
+    singleton boolean DEFAULT true NOT NULL,
+    shift bigint DEFAULT 0 NOT NULL,
+    system_identifier bigint,
+    reset_at timestamp with time zone,
+    CONSTRAINT pubsub_clock_shift_check CHECK ((shift >= 0)),
+    CONSTRAINT pubsub_clock_singleton_check CHECK (singleton)
+);
+
+CREATE TABLE cmb.pubsub_events (
+    id bigint NOT NULL,
+    txid xid8 DEFAULT cmb.pubsub_txid() NOT NULL,
+    branch_id bigint NOT NULL,
+    topic text NOT NULL,
+    op text NOT NULL,
+    key jsonb,
+    payload jsonb NOT NULL,
+    created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    CONSTRAINT pubsub_events_op_check CHECK ((op = ANY (ARRAY['insert'::text, 'update'::text, 'delete'::text, 'publish'::text])))
+);
+
+ALTER TABLE cmb.pubsub_events ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.pubsub_events_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+CREATE TABLE cmb.pubsub_watermarks (
+    consumer_id text NOT NULL,
+    branch_id bigint NOT NULL,
+    snapshot pg_snapshot DEFAULT '1:1:'::pg_snapshot NOT NULL,
+    target pg_snapshot,
+    txid xid8 DEFAULT '0'::xid8 NOT NULL,
+    event_id bigint DEFAULT 0 NOT NULL,
+    delivered bigint DEFAULT 0 NOT NULL,
+    handler text,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT pubsub_watermarks_consumer_id_check CHECK ((consumer_id ~ '^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$'::text))
+);
+
+CREATE TABLE cmb.reactive_launches (
+    id bigint NOT NULL,
+    scheduler text NOT NULL,
+    task text NOT NULL,
+    run_key text NOT NULL,
+    values_hash text NOT NULL,
+    attempt integer NOT NULL,
+    ctl_values jsonb NOT NULL,
+    reason text NOT NULL,
+    launched_at timestamp with time zone DEFAULT now() NOT NULL,
+    run_id text,
+    outcome text,
+    finished_at timestamp with time zone,
+    CONSTRAINT reactive_launches_outcome_check CHECK ((outcome = ANY (ARRAY['success'::text, 'failure'::text])))
+);
+
+CREATE SEQUENCE cmb.reactive_launches_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE cmb.reactive_launches_id_seq OWNED BY cmb.reactive_launches.id;
+
+CREATE TABLE cmb.reactive_schedulers (
+    name text NOT NULL,
+    definitions_hash text NOT NULL,
+    synced_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+CREATE TABLE cmb.reactive_tasks (
+    scheduler text NOT NULL,
+    name text NOT NULL,
+    trigger jsonb NOT NULL,
+    trigger_hash text NOT NULL,
+    priority integer DEFAULT 0 NOT NULL,
+    timezone text DEFAULT 'UTC'::text NOT NULL,
+    defined boolean DEFAULT true NOT NULL,
+    status text DEFAULT 'new'::text NOT NULL,
+    dirty boolean DEFAULT true NOT NULL,
+    last_values jsonb DEFAULT '{}'::jsonb NOT NULL,
+    ready_values jsonb,
+    run_key text,
+    run_id text,
+    launched_at timestamp with time zone,
+    attempts integer DEFAULT 0 NOT NULL,
+    backoff_until timestamp with time zone,
+    explanation text,
+    evaluated_at timestamp with time zone,
+    backwards_note text,
+    last_success_at timestamp with time zone,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    produces jsonb DEFAULT '[]'::jsonb NOT NULL,
+    CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
+);
+
+CREATE TABLE cmb.schema_migrations (
+    version integer NOT NULL,
+    name text NOT NULL,
+    applied_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+ALTER TABLE ONLY cmb.ctl_history ALTER COLUMN id SET DEFAULT nextval('cmb.ctl_history_id_seq'::regclass);
+
+ALTER TABLE ONLY cmb.health_checks ALTER COLUMN id SET DEFAULT nextval('cmb.health_checks_id_seq'::regclass);
+
+ALTER TABLE ONLY cmb.reactive_launches ALTER COLUMN id SET DEFAULT nextval('cmb.reactive_launches_id_seq'::regclass);
+
+ALTER TABLE ONLY cmb.callback_buckets
+    ADD CONSTRAINT callback_buckets_pkey PRIMARY KEY (bucket_id);
+
+ALTER TABLE ONLY cmb.callback_change_log
+    ADD CONSTRAINT callback_change_log_pkey PRIMARY KEY (change_id);
+
+ALTER TABLE ONLY cmb.callback_events
+    ADD CONSTRAINT callback_events_owner_client_id_group_key_event_key_key UNIQUE (owner_client_id, group_key, event_key);
+
+ALTER TABLE ONLY cmb.callback_events
+    ADD CONSTRAINT callback_events_pkey PRIMARY KEY (event_id);
+
+ALTER TABLE ONLY cmb.callback_scheduled_events
+    ADD CONSTRAINT callback_scheduled_events_pkey PRIMARY KEY (schedule_id, fire_at);
+
+ALTER TABLE ONLY cmb.callback_schedules
+    ADD CONSTRAINT callback_schedules_owner_client_id_group_key_schedule_key_key UNIQUE (owner_client_id, group_key, schedule_key);
+
+ALTER TABLE ONLY cmb.callback_schedules
+    ADD CONSTRAINT callback_schedules_pkey PRIMARY KEY (schedule_id);
+
+ALTER TABLE ONLY cmb.ctl_feeds
+    ADD CONSTRAINT ctl_feeds_pkey PRIMARY KEY (name);
+
+ALTER TABLE ONLY cmb.ctl_history
+    ADD CONSTRAINT ctl_history_pkey PRIMARY KEY (id);
+
+ALTER TABLE ONLY cmb.ctl_values
+    ADD CONSTRAINT ctl_values_pkey PRIMARY KEY (entity, parameter);
+
+ALTER TABLE ONLY cmb.health_checks
+    ADD CONSTRAINT health_checks_pkey PRIMARY KEY (id);
+
+ALTER TABLE ONLY cmb.leases
+    ADD CONSTRAINT leases_pkey PRIMARY KEY (kind, partition);
+
+ALTER TABLE ONLY cmb.pubsub_clock
+    ADD CONSTRAINT pubsub_clock_pkey PRIMARY KEY (singleton);
+
+ALTER TABLE ONLY cmb.pubsub_events
+    ADD CONSTRAINT pubsub_events_pkey PRIMARY KEY (branch_id, txid, id);
+
+ALTER TABLE ONLY cmb.pubsub_watermarks
+    ADD CONSTRAINT pubsub_watermarks_pkey PRIMARY KEY (consumer_id, branch_id);
+
+ALTER TABLE ONLY cmb.reactive_launches
+    ADD CONSTRAINT reactive_launches_pkey PRIMARY KEY (id);
+
+ALTER TABLE ONLY cmb.reactive_schedulers
+    ADD CONSTRAINT reactive_schedulers_pkey PRIMARY KEY (name);
+
+ALTER TABLE ONLY cmb.reactive_tasks
+    ADD CONSTRAINT reactive_tasks_pkey PRIMARY KEY (scheduler, name);
+
+ALTER TABLE ONLY cmb.schema_migrations
+    ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
+
+CREATE INDEX callback_change_log_at ON cmb.callback_change_log USING btree (at);
+
+CREATE INDEX callback_change_log_key ON cmb.callback_change_log USING btree (owner_client_id, group_key, event_key);
+
+CREATE INDEX callback_events_finished ON cmb.callback_events USING btree (run_at) WHERE (status <> 'pending'::text);
+
+CREATE INDEX callback_events_pending ON cmb.callback_events USING btree (bucket_id, run_at, event_id) WHERE (status = 'pending'::text);
+
+CREATE INDEX callback_events_schedule ON cmb.callback_events USING btree (schedule_id) WHERE (schedule_id IS NOT NULL);
+
+CREATE INDEX ctl_history_backwards ON cmb.ctl_history USING btree (id) WHERE backwards;
+
+CREATE INDEX ctl_history_parameter ON cmb.ctl_history USING btree (entity, parameter, id);
+
+CREATE UNIQUE INDEX reactive_launches_run_key ON cmb.reactive_launches USING btree (scheduler, run_key);
+
+CREATE INDEX reactive_launches_task ON cmb.reactive_launches USING btree (scheduler, task, values_hash);
+
+CREATE INDEX reactive_tasks_backoff ON cmb.reactive_tasks USING btree (scheduler, backoff_until) WHERE (status = 'backoff'::text);
+
+CREATE INDEX reactive_tasks_dirty ON cmb.reactive_tasks USING btree (scheduler, priority DESC, name) WHERE (dirty AND defined);
+
+CREATE INDEX reactive_tasks_launched ON cmb.reactive_tasks USING btree (scheduler) WHERE (status = 'launched'::text);
+
+CREATE INDEX reactive_tasks_ready ON cmb.reactive_tasks USING btree (scheduler, priority DESC, name) WHERE ((status = 'ready'::text) AND defined);
+
+ALTER TABLE ONLY cmb.callback_events
+    ADD CONSTRAINT callback_events_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES cmb.callback_schedules(schedule_id) ON DELETE SET NULL;
+
+ALTER TABLE ONLY cmb.callback_scheduled_events
+    ADD CONSTRAINT callback_scheduled_events_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES cmb.callback_schedules(schedule_id) ON DELETE CASCADE;
+
+ALTER TABLE ONLY cmb.reactive_tasks
+    ADD CONSTRAINT reactive_tasks_scheduler_fkey FOREIGN KEY (scheduler) REFERENCES cmb.reactive_schedulers(name) ON DELETE CASCADE;
