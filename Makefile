@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 .PHONY: dev test install clean
 
 $(BIN)/cmb-dagster: pyproject.toml
+	@echo "installing cmb_dagster and Dagster into $(VENV) (about a minute the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -14,7 +15,7 @@ $(BIN)/cmb-dagster: pyproject.toml
 install: $(BIN)/cmb-dagster
 
 dev: install
-	$(BIN)/cmb-dagster dev
+	$(BIN)/cmb-dagster dev $(DEV_ARGS)
 
 test: install
 	$(BIN)/pytest -q

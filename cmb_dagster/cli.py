@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -53,10 +54,16 @@ def main() -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of the Dagster UI.")
-@click.option("--port", default=3000, show_default=True, help="Port of the Dagster UI.")
+@click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535), help="Port of the Dagster UI.")
 @click.option("-w", "--workspace", default="workspace.yaml", show_default=True, type=click.Path(dir_okay=False))
-def dev(host: str, port: int, workspace: str) -> None:
-    """Start Postgres if needed, migrate, then run the Dagster webserver and daemon."""
+@click.option("--sink-port", default=8765, show_default=True, type=click.IntRange(0, 65535),
+              help="Port of the local endpoint that receives demo callbacks (0: none).")
+def dev(host: str, port: int, workspace: str, sink_port: int) -> None:
+    """Start Postgres if needed, migrate, then run the Dagster webserver and daemon.
+
+    Also serves a local callback endpoint (http://127.0.0.1:8765) that prints what it receives, for the
+    example location's callbacks. Ctrl-C (or SIGTERM) stops everything; worker runs end as successes.
+    """
     settings = Settings.from_env()
     db = Database.from_settings(settings)
     db.ensure_ready()
@@ -69,10 +76,31 @@ def dev(host: str, port: int, workspace: str) -> None:
         env["DAGSTER_HOME"] = str(Path.cwd())
     status = db.status()
     click.echo(f"cmb_dagster: Postgres {status['server_version']} at {db.display_url}, schema {db.schema} v{status['version']}")
-    click.echo(f"Dagster UI: http://{host}:{port}", err=False)
+    sink = _start_sink(sink_port) if sink_port else None
+    click.echo(f"Dagster UI: http://{host}:{port}  (Ctrl-C stops everything)")
     sys.stdout.flush()
     dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
-    sys.exit(run_process_group([dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)], env))
+    try:
+        code = run_process_group([dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)], env)
+    finally:
+        if sink is not None:
+            sink.stop()
+    sys.exit(code)
+
+
+def _start_sink(port: int) -> object | None:
+    """The local callback endpoint of the examples, printing each call; None when the port is taken."""
+    from cmb_dagster.callbacks.sink import CallbackSink
+
+    sink = CallbackSink("127.0.0.1", port, keep=False)
+    sink.on_call.append(lambda call: click.echo(f"callback received: {call.path} {json.dumps(call.body)[:300]}"))
+    try:
+        sink.start()
+    except OSError as exc:
+        click.echo(f"callback sink not started: 127.0.0.1:{port} is taken ({exc.strerror}); demo callbacks go there")
+        return None
+    click.echo(f"callback sink: {sink.url} (demo callbacks are printed here)")
+    return sink
 
 
 def run_process_group(command: list[str], env: dict[str, str]) -> int:
@@ -82,14 +110,19 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     so the webserver, the daemon, code servers and run workers all stop; whatever is left of the
     group 15 s after the command has exited is killed.
     """
-    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    group: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
+        if group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group[0], signal.SIGINT)
 
+    # Handlers first: a handled signal is reset to default in the child, an ignored one (a background
+    # job of a non-interactive shell ignores SIGINT) would stay ignored and the group would not stop.
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    group.append(proc.pid)
     code = proc.wait()
     deadline = time.monotonic() + 15
     with contextlib.suppress(ProcessLookupError):

@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 from dagster import (
     Config,
+    DagsterExecutionInterruptedError,
     DagsterRunStatus,
     DefaultSensorStatus,
     JobDefinition,
@@ -13,6 +14,7 @@ from dagster import (
     SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
+    in_process_executor,
     job,
     op,
     sensor,
@@ -21,7 +23,7 @@ from pydantic import Field
 
 from cmb_dagster.database import Database
 from cmb_dagster.resources import CmbResource
-from cmb_dagster.workers import WorkerReport
+from cmb_dagster.workers import WorkerReport, stop_workers_on_signals
 
 WAITING_STATUSES = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING]
 WORKING_STATUSES = [DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
@@ -40,16 +42,22 @@ def worker_job(name: str, run_worker: RunWorker, *, description: str) -> JobDefi
 
     @op(name=f"{name}_op", description=description)
     def _worker_op(context: OpExecutionContext, config: WorkerConfig, cmb: CmbResource) -> None:
-        report = run_worker(cmb.database, config.duration_seconds, context)
+        try:
+            with stop_workers_on_signals() as signalled:  # a shutdown ends the run as a success: the next resumes
+                report = run_worker(cmb.database, config.duration_seconds, context)
+        except DagsterExecutionInterruptedError:  # a signal before the workers started: nothing was in flight
+            context.log.info(f"{name} stopped by a shutdown signal before it started working")
+            return
+        stopped = "; stopped early by a shutdown signal, the next run resumes" if signalled.is_set() else ""
         context.log.info(
             f"worker {report.owner} held {sorted(report.held)}: {report.items} items in {report.steps} steps, "
-            f"{report.errors} errors, {report.seconds:.1f}s"
+            f"{report.errors} errors, {report.seconds:.1f}s{stopped}"
         )
         context.add_output_metadata(
             {"items": report.items, "steps": report.steps, "errors": report.errors, "seconds": report.seconds}
         )
 
-    @job(name=name, description=description, tags={"cmb/worker": name})
+    @job(name=name, description=description, tags={"cmb/worker": name}, executor_def=in_process_executor)
     def _worker_job() -> None:
         _worker_op()
 

@@ -1,14 +1,18 @@
 """The Dagster resource that hands ops, assets and sensors the cmb database."""
 
-
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from dagster import ConfigurableResource
+from dagster import BetaWarning, ConfigurableResource
 from pydantic import Field
 
 from cmb_dagster.database import Database
+
+# Dagster warns about the beta `owners` parameter each time any sensor is built, i.e. every time a
+# code location loads: hundreds of identical lines in `dagster dev`'s terminal. Our sensors set no owners.
+warnings.filterwarnings("ignore", message="Parameter `owners`", category=BetaWarning)
 
 
 class CmbResource(ConfigurableResource):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
@@ -115,6 +117,7 @@ class Worker:
         idle_sleep: float = 1.0,
         max_backoff: float = 30.0,
         on_progress: Callable[[WorkerReport], None] | None = None,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         if not callable(partitions) and not partitions:
             raise ValueError("a worker needs at least one partition")
@@ -124,6 +127,7 @@ class Worker:
         self.idle_sleep = idle_sleep
         self.max_backoff = max_backoff
         self.on_progress = on_progress
+        self.on_shutdown = on_shutdown or self.stop
         self._stop = threading.Event()
         self._wake = threading.Event()
 
@@ -150,6 +154,7 @@ class Worker:
         next_renew = 0.0
         retry_at: dict[str, float] = {}
         failures: dict[str, int] = {}
+        _running.add(self.on_shutdown)
         try:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 now = time.monotonic()
@@ -193,6 +198,7 @@ class Worker:
                     self._wake.wait(wait)
                     self._wake.clear()
         finally:
+            _running.discard(self.on_shutdown)
             if held:
                 try:
                     self.leases.release(held)
@@ -200,3 +206,45 @@ class Worker:
                     log.warning("could not release leases (%s); they expire in %.0fs", exc, self.leases.ttl)
             report.seconds = time.monotonic() - started
         return report
+
+
+_running: set[Callable[[], None]] = set()  # how to stop each worker running in this process
+
+
+def stop_running_workers() -> int:
+    """Ask every worker running in this process to finish its current step and return; how many were asked."""
+    stops = list(_running)
+    for stop in stops:
+        stop()
+    return len(stops)
+
+
+@contextmanager
+def stop_workers_on_signals() -> Iterator[threading.Event]:
+    """While the block runs, SIGINT and SIGTERM stop the running workers gracefully instead of raising.
+
+    Yields an event set when a signal arrived. The handler only sets it; a helper thread does the
+    stopping, so the handler needs no lock the interrupted code may hold.
+    """
+    signalled, done = threading.Event(), threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield signalled
+        return
+
+    def stop_when_signalled() -> None:
+        while not done.is_set():
+            if signalled.wait(0.5):
+                log.warning("shutdown signal: stopping %d worker(s) after their current step", stop_running_workers())
+                return
+
+    helper = threading.Thread(target=stop_when_signalled, name="cmb-worker-shutdown", daemon=True)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in previous:
+        signal.signal(signum, lambda *_: signalled.set())
+    helper.start()
+    try:
+        yield signalled
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        done.set()

@@ -49,9 +49,16 @@ class CallbackSink:
         """Listen (on a free port when ``port`` is 0) and serve in the background."""
         ready = threading.Event()
 
+        failure: list[OSError] = []
+
         def serve() -> None:
             asyncio.set_event_loop(self._loop)
-            self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port))
+            try:
+                self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, self.host, self.port))
+            except OSError as exc:  # e.g. the port is taken: reported by start()
+                failure.append(exc)
+                ready.set()
+                return
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             self._loop.run_forever()
@@ -59,6 +66,8 @@ class CallbackSink:
         self._thread = threading.Thread(target=serve, name="cmb-callback-sink", daemon=True)
         self._thread.start()
         ready.wait()
+        if failure:
+            raise failure[0]
         return self
 
     def stop(self) -> None:

@@ -85,6 +85,7 @@ class CallbackWorker:
             owner=owner,
             ttl=self.settings.lease_ttl,
             idle_sleep=min(COMMIT_EVERY, self.settings.poll_interval),
+            on_shutdown=self.stop,
         )
         self._draining = threading.Event()
         self.delivered = 0

@@ -1,0 +1,144 @@
+"""Stopping `make dev` / `cmb-dagster dev`: every process gone within 20 s, worker runs end as successes.
+
+Two ways a user stops it: Ctrl-C in the terminal (the terminal sends SIGINT to its foreground process
+group) and SIGTERM to the process group of `make dev` (what a process manager does).
+"""
+
+import os
+import pty
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from test_dev_command import answers, dev_env, free_port  # noqa: F401 - dev_env is a fixture
+from waiting import wait_until
+
+from cmb_dagster.embedded import embedded_url
+
+ROOT = Path(__file__).resolve().parents[2]
+STOP_WITHIN_S = 20
+
+
+def session_processes(session: int) -> str:
+    return subprocess.run(["ps", "-o", "pid=,args=", "--sid", str(session)], capture_output=True, text=True).stdout.strip()
+
+
+def cmb_url(env: dict[str, str]) -> str:
+    return env.get("CMB_DATABASE_URL") or embedded_url(Path(env["CMB_HOME"]))
+
+
+def run_statuses(env: dict[str, str]) -> list[tuple[str, str]]:
+    with psycopg.connect(cmb_url(env)) as conn:
+        return conn.execute("SELECT pipeline_name, status FROM runs ORDER BY create_timestamp").fetchall()
+
+
+def workers_working(env: dict[str, str]) -> bool:
+    """Both demo workers hold their leases, and no other run is in progress (a user's run that is in
+    progress when dev stops is interrupted, as with plain `dagster dev`)."""
+    with psycopg.connect(cmb_url(env)) as conn:
+        kinds = {k for (k,) in conn.execute("SELECT kind FROM cmb.leases WHERE expires_at > now()")}
+    busy = [name for name, status in run_statuses(env)
+            if status in ("STARTING", "STARTED") and not name.startswith("cmb_")]
+    return {"callbacks.bucket", "pubsub.consumer"} <= kinds and not busy
+
+
+def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float) -> None:
+    try:
+        wait_until(lambda: not any(session_processes(s) for s in sessions), STOP_WITHIN_S, "every process to stop",
+                   interval=0.2)
+    except AssertionError:
+        raise AssertionError("left running:\n" + "\n".join(session_processes(s)[:2000] for s in sessions)) from None
+    assert time.monotonic() - stopped_at < STOP_WITHIN_S
+    statuses = run_statuses(env)
+    assert not [r for r in statuses if r[1] in ("FAILURE", "CANCELED", "STARTED", "STARTING")], statuses
+    assert ("cmb_callbacks_worker", "SUCCESS") in statuses
+
+
+@pytest.fixture
+def stop_env(dev_env):
+    dev_env["DEV_ARGS"] = f"--port {free_port()} --sink-port {free_port()}"
+    return dev_env
+
+
+def test_sigterm_to_the_process_group_of_make_dev(stop_env):
+    port = stop_env["DEV_ARGS"].split()[1]
+    make = subprocess.Popen(["make", "dev", f"PYTHON={sys.executable}"], cwd=ROOT, env=stop_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
+        wait_until(lambda: workers_working(stop_env), 120, "worker runs to work", interval=1)
+        sessions = [make.pid, *dagster_sessions(make.pid)]
+        os.killpg(make.pid, signal.SIGTERM)
+        stopped_at = time.monotonic()
+        make.wait(timeout=STOP_WITHIN_S)
+        check_stopped_cleanly(stop_env, sessions, stopped_at)
+    finally:
+        with_kill(make.pid)
+
+
+def test_ctrl_c_in_a_terminal(stop_env):
+    port = stop_env["DEV_ARGS"].split()[1]
+    cli = [sys.executable, "-c", "from cmb_dagster.cli import run; run()", "dev", *stop_env["DEV_ARGS"].split()]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cli, cwd=ROOT, env=stop_env, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=lambda: _take_terminal(0))
+    os.close(slave)
+    threading.Thread(target=_drain, args=(master,), daemon=True).start()  # the child never blocks on a full pty
+    try:
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
+        wait_until(lambda: workers_working(stop_env), 120, "worker runs to work", interval=1)
+        sessions = [proc.pid, *dagster_sessions(proc.pid)]
+        os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
+        stopped_at = time.monotonic()
+        proc.wait(timeout=STOP_WITHIN_S)
+        check_stopped_cleanly(stop_env, sessions, stopped_at)
+    finally:
+        with_kill(proc.pid)
+
+
+def dagster_sessions(pid: int) -> list[int]:
+    """Sessions led by descendants of ``pid`` (`dagster dev` runs in a session of its own)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,sid="], capture_output=True, text=True).stdout.split()
+    rows = [tuple(map(int, out[i:i + 3])) for i in range(0, len(out), 3)]
+    children: dict[int, list[int]] = {}
+    for p, parent, _ in rows:
+        children.setdefault(parent, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            found.append(child)
+    return sorted({sid for p, _, sid in rows if p in found and sid == p})
+
+
+def with_kill(group: int) -> None:
+    for session in [group, *dagster_sessions(group)]:
+        for line in session_processes(session).splitlines():
+            with_suppressed(lambda: os.kill(int(line.split()[0]), signal.SIGKILL))
+
+
+def with_suppressed(action) -> None:
+    try:
+        action()
+    except ProcessLookupError:
+        pass
+
+
+def _take_terminal(fd: int) -> None:
+    import fcntl
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSCTTY, 0)
+
+
+def _drain(master: int) -> None:
+    try:
+        while os.read(master, 65536):
+            pass
+    except OSError:  # the terminal closed
+        pass
