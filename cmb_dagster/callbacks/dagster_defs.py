@@ -6,6 +6,8 @@ from typing import Any
 
 from croniter import croniter
 from dagster import (
+    AssetKey,
+    AssetObservation,
     Config,
     DagsterInstance,
     DefaultScheduleStatus,
@@ -13,11 +15,16 @@ from dagster import (
     Definitions,
     OpExecutionContext,
     RepositoryDefinition,
+    ObserveResult,
     RunsFilter,
     ScheduleDefinition,
+    SensorDefinition,
     SensorEvaluationContext,
+    SensorResult,
     SkipReason,
+    SourceAsset,
     job,
+    observable_source_asset,
     op,
     sensor,
 )
@@ -26,6 +33,7 @@ from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from dagster._core.run_coordinator import QueuedRunCoordinator
 from pydantic import Field, field_validator
 
+from cmb_dagster.callbacks.admin import callback_counts
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.callbacks.schedules import materialize_schedules
@@ -180,5 +188,41 @@ def callback_definitions(options: CallbackOptions, *, prefix: str = "cmb_") -> D
     return Definitions(
         jobs=[*workers, cleanup_job],
         schedules=[cleanup_schedule],
-        sensors=[*(keep_running_sensor(w) for w in workers), materializer],
+        sensors=[*(keep_running_sensor(w) for w in workers), materializer, counts_sensor(prefix=prefix)],
+        assets=[counts_asset()],
     )
+
+
+COUNTS_ASSET_KEY = AssetKey(["callbacks", "events"])
+COUNTS_DESCRIPTION = "Callback events per status: pending, overdue (due and not yet called), notified, failed, rejected."
+
+
+def counts_asset() -> SourceAsset:
+    """An observable asset whose observations plot the callback events per status; Observe refreshes it."""
+
+    @observable_source_asset(key=COUNTS_ASSET_KEY, group_name="cmb_callbacks", description=COUNTS_DESCRIPTION)
+    def callback_events(cmb: CmbResource) -> ObserveResult:
+        return ObserveResult(metadata=callback_counts(cmb.database).model_dump())
+
+    return callback_events
+
+
+def counts_sensor(*, prefix: str = "cmb_", minimum_interval_seconds: int = 60) -> SensorDefinition:
+    """Observes the callback events per status once a minute, and only when a figure changed."""
+
+    @sensor(
+        name=f"{prefix}callbacks_observer",
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description=COUNTS_DESCRIPTION,
+    )
+    def observer(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult | SkipReason:
+        counts = callback_counts(cmb.database)
+        figures = counts.model_dump_json(exclude={"oldest_overdue_seconds"})
+        if counts.overdue == 0 and figures == context.cursor:
+            return SkipReason("no change")
+        return SensorResult(
+            asset_events=[AssetObservation(asset_key=COUNTS_ASSET_KEY, metadata=counts.model_dump())], cursor=figures
+        )
+
+    return observer

@@ -4,6 +4,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from dagster import (
+    AssetKey,
     Config,
     DagsterRunStatus,
     Definitions,
@@ -159,3 +160,22 @@ def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instan
 
 
 location = Definitions(jobs=[nightly_report])
+
+
+def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, database_url):
+    d = defs(database_url)
+    sensor = d.get_sensor_def("cmb_callbacks_observer")
+    resources = {"cmb": CmbResource(database_url=database_url)}
+    with build_sensor_context(resources=resources) as context:
+        first = sensor.evaluate_tick(context)
+        [observation] = first.asset_events
+        assert observation.metadata["pending"].value == 0
+        with build_sensor_context(resources=resources, cursor=first.cursor) as again:
+            assert sensor.evaluate_tick(again).skip_message == "no change"
+        with CallbackClient(db, FAST) as client:
+            client.create("a", "g", "later", datetime.now(UTC) + timedelta(hours=1), "http://127.0.0.1:9/cb")
+        with build_sensor_context(resources=resources, cursor=first.cursor) as changed:
+            [observation] = sensor.evaluate_tick(changed).asset_events
+        assert observation.metadata["pending"].value == 1 and observation.metadata["overdue"].value == 0
+    asset = d.get_repository_def().assets_defs_by_key[AssetKey(["callbacks", "events"])]
+    assert asset.is_observable and not asset.is_materializable  # an Observe button, no Materialize that fails
