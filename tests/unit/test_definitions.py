@@ -1,0 +1,64 @@
+"""cmb_definitions: one options object per engine, names under a prefix, the user's definitions merged in."""
+
+import pytest
+from dagster import Definitions, job, op
+
+from cmb_dagster import (
+    CallbackOptions,
+    ConsumerSpec,
+    InvalidInput,
+    PubSubOptions,
+    ReactiveOptions,
+    ReactiveTask,
+    cmb_definitions,
+)
+from cmb_dagster.triggers import Delta
+
+
+@op
+def noop() -> None:
+    pass
+
+
+@job
+def report() -> None:
+    noop()
+
+
+def names(defs: Definitions) -> set[str]:
+    repo = defs.get_repository_def()
+    return {j.name for j in repo.get_all_jobs()} | {s.name for s in repo.sensor_defs} | {s.name for s in repo.schedule_defs}
+
+
+def everything(prefix: str) -> Definitions:
+    return cmb_definitions(
+        prefix=prefix,
+        reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]),
+        pubsub=PubSubOptions(consumers=[ConsumerSpec(consumer_id="c", handler="m:f")]),
+        callbacks=CallbackOptions(),
+    )
+
+
+def test_two_locations_with_different_prefixes_share_no_name():
+    ours = names(everything("team_a_")) - {"__ASSET_JOB", "report"}
+    theirs = names(everything("team_b_")) - {"__ASSET_JOB", "report"}
+    assert ours and not ours & theirs
+    assert all(name.startswith("team_a_") for name in ours)
+
+
+def test_nothing_is_added_that_was_not_asked_for():
+    defs = cmb_definitions(jobs=[report])
+    assert names(defs) - {"__ASSET_JOB"} == {"report"}
+    assert "cmb" in defs.get_repository_def().get_top_level_resources()
+
+
+def test_reactive_names_take_the_prefix_too():
+    defs = cmb_definitions(prefix="x_", reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]))
+    assert "x_reactive_scheduler" in names(defs)
+
+
+@pytest.mark.parametrize("make", [lambda: CallbackOptions(workers=0), lambda: PubSubOptions(trim_cron="often"),
+                                  lambda: CallbackOptions(unknown=1)])
+def test_bad_options_are_invalid_input_naming_the_field(make):
+    with pytest.raises(InvalidInput, match="workers|trim_cron|unknown"):
+        make()
