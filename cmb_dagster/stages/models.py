@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from cmb_dagster.stages.errors import InvalidStageInput
 
@@ -112,13 +112,11 @@ class StageOptions(BaseModel):
     rescan_seconds: float = Field(default=600.0, gt=0, description="Time box of one rescan run.")
     duration_seconds: float = Field(default=300.0, gt=0, description="How long one worker run works before the next takes over.")
 
-    @field_validator("stages")
-    @classmethod
-    def _stages_are_stages(cls, value: list[Any]) -> list[Any]:
+    def __init__(self, **data: Any) -> None:
         from cmb_dagster.stages.stage import check_stages
 
-        check_stages(value)
-        return value
+        super().__init__(**data)
+        check_stages(self.stages)  # raises InvalidStageInput naming the field (a validator's error is wrapped)
 
 
 class StageStatus(BaseModel):
