@@ -11,6 +11,8 @@ from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import ConsumerSpec
 from cmb_dagster.reactive import ReactiveScheduler, ReactiveTask, reactive_definitions
 from cmb_dagster.resources import CmbResource
+from cmb_dagster.stages.dagster_defs import stages_definitions
+from cmb_dagster.stages.models import StageOptions
 
 
 @op(description="Record that this code location reached the cmb database, with server and schema versions.")
@@ -41,6 +43,7 @@ def cmb_definitions(
     consumers: Sequence[ConsumerSpec | dict[str, Any]] = (),
     reactive_tasks: Sequence[ReactiveTask] | ReactiveScheduler | None = None,
     callbacks: CallbackJobs | bool = False,
+    stages: StageOptions | None = None,
     **definitions: Any,
 ) -> Definitions:
     """Definitions with the cmb resource (key ``cmb``), the health check, and your own ``jobs``,
@@ -54,6 +57,9 @@ def cmb_definitions(
 
     ``callbacks``: ``True`` (or a ``CallbackJobs``) adds the callbacks worker jobs and their keepers,
     the evening cleanup schedule and the schedules materializer.
+
+    ``stages``: a ``StageOptions`` adds the stage scheduler's worker jobs and keepers, the rescan
+    schedule and an observed asset per stage.
     """
     ours = Definitions(
         jobs=[cmb_health_check],
@@ -67,4 +73,6 @@ def cmb_definitions(
         parts.append(pubsub_definitions(consumers))
     if callbacks:
         parts.append(callback_definitions(None if callbacks is True else callbacks))
+    if stages is not None:
+        parts.append(stages_definitions(stages))
     return Definitions.merge(*parts)

@@ -6,13 +6,15 @@ from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
 from cmb_dagster.examples import pubsub as pubsub_example
 from cmb_dagster.examples import reactive
+from cmb_dagster.examples import stages as stages_example
 
 defs = cmb_definitions(
     reactive_tasks=reactive.reactive_tasks,
-    jobs=[*reactive.example_jobs, pubsub_example.pubsub_demo_place_orders],
+    jobs=[*reactive.example_jobs, pubsub_example.pubsub_demo_place_orders, stages_example.stages_demo_offers],
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
     consumers=[pubsub_example.consumer],
     callbacks=True,
+    stages=stages_example.options,
 )
 defs = Definitions.merge(defs, callbacks_example.definitions)
