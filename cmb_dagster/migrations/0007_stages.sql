@@ -44,7 +44,7 @@ FOR EACH ROW EXECUTE FUNCTION stage_entities_bump();
 -- runs / window_start: process calls in the current re-trigger window (the cap of seed's
 -- "combinatorial explosion").
 CREATE TABLE stage_states (
-    entity_id    text        NOT NULL REFERENCES stage_entities ON DELETE CASCADE,
+    entity_id    text        NOT NULL,
     stage        text        NOT NULL,
     state        jsonb,
     version      bigint      NOT NULL DEFAULT 0,
@@ -58,7 +58,7 @@ CREATE TABLE stage_states (
 -- queue_inverted (an entity at most once per stage), stage_queue_due is queue. lane 0 is the main
 -- queue, lane 1 the low-priority (rescan) queue. A timer is an entry with a future due_at.
 CREATE TABLE stage_queue (
-    entity_id   text        NOT NULL REFERENCES stage_entities ON DELETE CASCADE,
+    entity_id   text        NOT NULL,
     stage       text        NOT NULL,
     shard_id    integer     NOT NULL,
     lane        smallint    NOT NULL DEFAULT 0 CHECK (lane IN (0, 1)),
@@ -76,12 +76,27 @@ CREATE INDEX stage_queue_parked ON stage_queue (stage) WHERE parked_at IS NOT NU
 -- The change path: entities written through the API (or captured from plain SQL) whose stages have
 -- not yet been asked should_process. fields: top-level payload keys that changed (NULL: unknown/all).
 CREATE TABLE stage_changes (
-    entity_id  text        PRIMARY KEY REFERENCES stage_entities ON DELETE CASCADE,
+    entity_id  text        PRIMARY KEY,
     shard_id   integer     NOT NULL,
     fields     text[],
     changed_at timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 70);
 CREATE INDEX stage_changes_shard ON stage_changes (shard_id, changed_at);
+
+-- No foreign keys to stage_entities (a per-row check on every queue, state and change write): deleting
+-- entities (through the API or plain SQL) removes their states, queue entries and changes here, once
+-- per statement; the engine also drops entries whose entity has gone.
+CREATE FUNCTION stage_entities_deleted() RETURNS trigger
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    DELETE FROM stage_states s USING deleted_rows d WHERE s.entity_id = d.entity_id;
+    DELETE FROM stage_queue q USING deleted_rows d WHERE q.entity_id = d.entity_id;
+    DELETE FROM stage_changes c USING deleted_rows d WHERE c.entity_id = d.entity_id;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER stage_entities_deleted AFTER DELETE ON stage_entities
+REFERENCING OLD TABLE AS deleted_rows FOR EACH STATEMENT EXECUTE FUNCTION stage_entities_deleted();
 
 -- Token buckets of stages with a rate limit, shared by every worker.
 CREATE TABLE stage_rate_limits (

@@ -324,6 +324,8 @@ class Engine:
             counts = _Counts()
             offers: list[tuple[str, str, datetime]] = []
             for entity_id, fields, version, payload, states, ready in rows:
+                if version is None:  # deleted meanwhile
+                    continue
                 entity = Entity(entity_id, version, payload)
                 offers.extend(self._ask(entity, states or {}, set(ready or ()), None if fields is None else set(fields), now, counts))
             with conn.pipeline():

@@ -31,14 +31,14 @@ NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
 GET_ENTITY = "SELECT entity_id, version, payload, updated_at FROM stage_entities WHERE entity_id = %(id)s"
 
 LOCK_ENTITIES = """
-SELECT entity_id, version, payload FROM stage_entities WHERE entity_id = ANY(%(ids)s::text[])
+SELECT entity_id, version, payload FROM stage_entities WHERE entity_id = ANY(%(ids)b::text[])
 ORDER BY entity_id FOR NO KEY UPDATE
 """
 
 # Insert new entities and update changed ones; unchanged payloads are left alone.
 UPSERT_ENTITIES = """
 INSERT INTO stage_entities AS e (entity_id, payload)
-SELECT u.entity_id, u.payload::jsonb FROM unnest(%(ids)s::text[], %(payloads)s::text[]) AS u(entity_id, payload)
+SELECT u.entity_id, u.payload::jsonb FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
 ON CONFLICT (entity_id) DO UPDATE
     SET payload = EXCLUDED.payload, version = e.version + 1, updated_at = now()
     WHERE e.payload IS DISTINCT FROM EXCLUDED.payload
@@ -58,7 +58,7 @@ ENQUEUE_CHANGES = """
 INSERT INTO stage_changes AS c (entity_id, shard_id, fields)
 SELECT u.entity_id, stage_hash(u.entity_id) %% %(shard_count)s,
        CASE WHEN u.fields = '*' THEN NULL ELSE string_to_array(u.fields, ',') END
-FROM unnest(%(ids)s::text[], %(fields)s::text[]) AS u(entity_id, fields)
+FROM unnest(%(ids)b::text[], %(fields)b::text[]) AS u(entity_id, fields)
 JOIN stage_entities e ON e.entity_id = u.entity_id
 ON CONFLICT (entity_id) DO UPDATE
     SET fields = CASE WHEN c.fields IS NULL OR EXCLUDED.fields IS NULL THEN NULL
@@ -137,8 +137,8 @@ SELECT p.entity_id, p.attempts, p.conflicts, e.version, e.payload, p.due_at,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
                                 extract(epoch FROM s.window_start)))
         FROM stage_states s WHERE s.entity_id = p.entity_id),
-       (SELECT array_agg(q2.stage) FROM stage_queue q2
-        WHERE q2.entity_id = p.entity_id AND q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
+       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
+        FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
 FROM picked p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
 """
 
@@ -155,25 +155,25 @@ SELECT p.entity_id, p.fields, e.version, e.payload,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
                                 extract(epoch FROM s.window_start)))
         FROM stage_states s WHERE s.entity_id = p.entity_id),
-       (SELECT array_agg(q2.stage) FROM stage_queue q2
-        WHERE q2.entity_id = p.entity_id AND q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
-FROM picked p JOIN stage_entities e ON e.entity_id = p.entity_id
+       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
+        FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
+FROM picked p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
 """
 
-DELETE_CHANGES = "DELETE FROM stage_changes WHERE entity_id = ANY(%(ids)s::text[])"
+DELETE_CHANGES = "DELETE FROM stage_changes WHERE entity_id = ANY(%(ids)b::text[])"
 
 # The optimistic check: lock the entities processed, read their versions and this stage's state version.
 CHECK_VERSIONS = """
 SELECT e.entity_id, e.version, coalesce(s.version, 0)
 FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = %(stage)s
-WHERE e.entity_id = ANY(%(ids)s::text[])
+WHERE e.entity_id = ANY(%(ids)b::text[])
 ORDER BY e.entity_id
 FOR NO KEY UPDATE OF e
 """
 
 SAVE_ENTITIES = """
 UPDATE stage_entities e SET payload = u.payload::jsonb, version = e.version + 1, updated_at = now()
-FROM unnest(%(ids)s::text[], %(payloads)s::text[]) AS u(entity_id, payload)
+FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
 WHERE e.entity_id = u.entity_id
 """
 
@@ -182,7 +182,7 @@ WHERE e.entity_id = u.entity_id
 SAVE_STATES = """
 INSERT INTO stage_states AS s (entity_id, stage, state, version, runs, window_start)
 SELECT u.entity_id, %(stage)s, u.state::jsonb, u.changed::int, 1, now()
-FROM unnest(%(ids)s::text[], %(states)s::text[], %(changed)s::bool[]) AS u(entity_id, state, changed)
+FROM unnest(%(ids)b::text[], %(states)b::text[], %(changed)b::bool[]) AS u(entity_id, state, changed)
 ON CONFLICT (entity_id, stage) DO UPDATE SET
     state = CASE WHEN EXCLUDED.version > 0 THEN EXCLUDED.state ELSE s.state END,
     version = s.version + EXCLUDED.version,
@@ -192,11 +192,11 @@ ON CONFLICT (entity_id, stage) DO UPDATE SET
 """
 
 # The seed's Queue.delete for entries done without a timer, and the timer of those that set one.
-DELETE_ENTRIES = "DELETE FROM stage_queue WHERE stage = %(stage)s AND entity_id = ANY(%(ids)s::text[])"
+DELETE_ENTRIES = "DELETE FROM stage_queue WHERE stage = %(stage)s AND entity_id = ANY(%(ids)b::text[])"
 SET_TIMERS = """
 UPDATE stage_queue q
 SET due_at = u.due_at, lane = 0, attempts = 0, conflicts = 0, last_error = NULL, enqueued_at = now()
-FROM unnest(%(ids)s::text[], %(dues)s::timestamptz[]) AS u(entity_id, due_at)
+FROM unnest(%(ids)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, due_at)
 WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
 """
 
@@ -205,7 +205,7 @@ WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
 OFFER = """
 INSERT INTO stage_queue AS q (entity_id, stage, shard_id, lane, due_at)
 SELECT u.entity_id, u.stage, stage_hash(u.entity_id) %% %(shard_count)s, 0, u.due_at
-FROM unnest(%(ids)s::text[], %(stages)s::text[], %(dues)s::timestamptz[]) AS u(entity_id, stage, due_at)
+FROM unnest(%(ids)b::text[], %(stages)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, stage, due_at)
 ON CONFLICT (entity_id, stage) DO UPDATE
     SET due_at = least(q.due_at, EXCLUDED.due_at), lane = 0
     WHERE q.parked_at IS NULL AND (q.due_at > EXCLUDED.due_at OR q.lane <> 0)
@@ -215,7 +215,7 @@ ON CONFLICT (entity_id, stage) DO UPDATE
 OFFER_LOW = """
 INSERT INTO stage_queue (entity_id, stage, shard_id, lane, due_at)
 SELECT u.entity_id, u.stage, stage_hash(u.entity_id) %% %(shard_count)s, 1, u.due_at
-FROM unnest(%(ids)s::text[], %(stages)s::text[], %(dues)s::timestamptz[]) AS u(entity_id, stage, due_at)
+FROM unnest(%(ids)b::text[], %(stages)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, stage, due_at)
 JOIN stage_entities e ON e.entity_id = u.entity_id
 ON CONFLICT (entity_id, stage) DO NOTHING
 """
@@ -225,7 +225,7 @@ UPDATE stage_queue q
 SET attempts = q.attempts + 1, last_error = u.error,
     due_at = now() + make_interval(secs => u.delay),
     parked_at = CASE WHEN q.attempts + 1 >= %(max_attempts)s THEN now() END
-FROM unnest(%(ids)s::text[], %(errors)s::text[], %(delays)s::float8[]) AS u(entity_id, error, delay)
+FROM unnest(%(ids)b::text[], %(errors)b::text[], %(delays)b::float8[]) AS u(entity_id, error, delay)
 WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
 RETURNING q.parked_at IS NOT NULL
 """
@@ -234,14 +234,14 @@ CONFLICTED = """
 UPDATE stage_queue q
 SET conflicts = q.conflicts + 1,
     due_at = CASE WHEN (q.conflicts + 1) %% %(max_conflicts)s = 0 THEN now() + interval '1 second' ELSE q.due_at END
-WHERE q.stage = %(stage)s AND q.entity_id = ANY(%(ids)s::text[])
+WHERE q.stage = %(stage)s AND q.entity_id = ANY(%(ids)b::text[])
 RETURNING q.entity_id, q.conflicts
 """
 
 COUNT = """
 INSERT INTO stage_counters AS c (stage, shard_id, processed, changed, conflicts, errors, parked, capped)
-SELECT u.* FROM unnest(%(stages)s::text[], %(shards)s::int[], %(processed)s::bigint[], %(changed)s::bigint[],
-                       %(conflicts)s::bigint[], %(errors)s::bigint[], %(parked)s::bigint[], %(capped)s::bigint[])
+SELECT u.* FROM unnest(%(stages)b::text[], %(shards)b::int[], %(processed)b::bigint[], %(changed)b::bigint[],
+                       %(conflicts)b::bigint[], %(errors)b::bigint[], %(parked)b::bigint[], %(capped)b::bigint[])
     AS u(stage, shard_id, processed, changed, conflicts, errors, parked, capped)
 ON CONFLICT (stage, shard_id) DO UPDATE SET
     processed = c.processed + EXCLUDED.processed, changed = c.changed + EXCLUDED.changed,
@@ -253,7 +253,7 @@ ON CONFLICT (stage, shard_id) DO UPDATE SET
 PUBLISH = """
 INSERT INTO pubsub_events (branch_id, topic, op, key, payload)
 SELECT %(branch)s, %(topic)s, 'publish', jsonb_build_object('entity_id', u.entity_id), u.payload::jsonb
-FROM unnest(%(ids)s::text[], %(payloads)s::text[]) AS u(entity_id, payload)
+FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
 """
 
 # What a shard has: per stage and lane the earliest entry's due time (lane -1: the change path), and
@@ -262,7 +262,7 @@ PLAN = """
 SELECT st, ln, (SELECT min(q.due_at) FROM stage_queue q
                 WHERE q.shard_id = %(shard)s AND q.stage = st AND q.lane = ln AND q.parked_at IS NULL),
        clock_timestamp()
-FROM unnest(%(stages)s::text[]) AS st, (VALUES (0::smallint), (1::smallint)) AS l(ln)
+FROM unnest(%(stages)b::text[]) AS st, (VALUES (0::smallint), (1::smallint)) AS l(ln)
 UNION ALL
 SELECT '', -1, (SELECT min(c.changed_at) FROM stage_changes c WHERE c.shard_id = %(shard)s), clock_timestamp()
 """
