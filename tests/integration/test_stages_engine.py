@@ -161,6 +161,10 @@ def test_timers_fire_at_their_time_never_before_also_after_a_restart(db):
     drain(first)
     assert all(store.get(f"t{i}").payload["status"] == "active" for i in range(5))
     assert by_stage(db)["withdraw"].timers == 5
+    before = len(stage.calls)
+    for shard in range(8):  # the queue itself refuses entries not yet due (not only the worker's plan)
+        assert first.engine.process_batch(shard, "withdraw").taken == 0
+    assert len(stage.calls) == before
     # a new worker (a restart) fires them
     worker = StageWorker(db, [stage], listen=False, owner="second")
     thread = threading.Thread(target=worker.run, args=(10,), daemon=True)
@@ -403,7 +407,8 @@ def test_two_workers_on_the_same_shards_never_overlap_on_an_entity(database_url)
                 with lock:
                     del active[entity.id]
 
-    stages = [Slow("first", "a", "b"), Slow("second", "b", "c"), Slow("third", "c", "d")]
+    # three stages all due at once on every new entity: without one worker per shard they would overlap
+    stages = [Slow("first", "a", "b"), Slow("second", "a", "c"), Slow("third", "a", "d")]
     store = StageStore(db, stages)
     set_shard_count(db, 2)
     workers = [StageWorker(Database(database_url), stages, owner=f"w{i}", listen=False) for i in range(2)]
@@ -417,7 +422,7 @@ def test_two_workers_on_the_same_shards_never_overlap_on_an_entity(database_url)
 
     def done() -> bool:
         with db.connection() as conn:
-            return conn.execute("SELECT count(*) FROM stage_entities WHERE payload ? 'd'").fetchone()[0] == 300
+            return conn.execute("SELECT count(*) FROM stage_entities WHERE payload ?& array['b', 'c', 'd']").fetchone()[0] == 300
 
     wait_until(done, 30, "all entities through three stages")
     for w in workers:
@@ -452,3 +457,42 @@ def test_changing_the_shard_count_while_workers_run_loses_nothing(database_url):
     thread.join()
     assert calls == 1200  # each stage once per entity: nothing duplicated
     db.close()
+
+
+def test_a_shard_cannot_be_taken_over_while_a_batch_of_it_is_open(db):
+    """The batch checks its lease (fence) and keeps the lease row share-locked until it commits: even
+    after the lease expired, another worker cannot take the shard before the batch ends."""
+    from cmb_dagster.workers import LeaseLost, Leases
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Blocking(Stage):
+        name = "blocking"
+
+        def process(self, entity: Entity, state: BaseModel) -> StageResult:
+            entered.set()
+            release.wait(10)
+            return StageResult(update=MergePatch({"done": True}))
+
+    stage = Blocking()
+    set_shard_count(db, 1)
+    StageStore(db, [stage]).put("b", {})
+    engine = Engine(db, [stage])
+    engine.changes_batch(0)
+    lease = Leases(db, "stages.shard", "A", ttl=1).acquire(["shard:0/1"])["shard:0/1"]
+    batch = threading.Thread(target=engine.process_batch, args=(0, "blocking"), kwargs={"lease": lease, "shard_count": 1})
+    batch.start()
+    assert entered.wait(5)
+    time.sleep(1.3)  # A's lease has expired while its batch is open
+    taken: dict = {}
+    other = threading.Thread(target=lambda: taken.update(Leases(db, "stages.shard", "B", ttl=5).acquire(["shard:0/1"])))
+    other.start()
+    other.join(0.7)
+    assert other.is_alive(), "B took the shard while A's batch was open"
+    release.set()
+    batch.join(5)
+    other.join(5)
+    assert taken["shard:0/1"].fence == lease.fence + 1
+    assert StageStore(db).get("b").payload == {"done": True}
+    with pytest.raises(LeaseLost):  # and A's next batch is refused
+        engine.process_batch(0, "blocking", lease=lease, shard_count=1)
