@@ -33,6 +33,9 @@ __all__ = [
     "ReactiveTask",
     "SchemaTooNew",
     "Settings",
+    "Stage",
+    "StageOptions",
+    "StageResult",
     "__version__",
     "cmb_definitions",
     "ctl_metadata",
@@ -53,5 +56,8 @@ __getattr__ = lazy_names(
         "ctl_metadata": "cmb_dagster.ctl.dagster_resources",
         "launched_values": "cmb_dagster.reactive.dagster_sensors",
         "pubsub_sensor": "cmb_dagster.pubsub.dagster_defs",
+        "Stage": "cmb_dagster.stages",
+        "StageOptions": "cmb_dagster.stages",
+        "StageResult": "cmb_dagster.stages",
     },
 )

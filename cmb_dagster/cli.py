@@ -21,6 +21,7 @@ from cmb_dagster.errors import CmbError
 from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.reactive.cli import reactive
 from cmb_dagster.settings import Settings
+from cmb_dagster.stages.cli import stages
 
 
 def open_database(schema: str | None = None) -> Database:
@@ -188,7 +189,7 @@ def stop() -> None:
 
 
 
-for engine_group in (pubsub, ctl, reactive, callbacks):
+for engine_group in (pubsub, ctl, reactive, callbacks, stages):
     main.add_command(engine_group)
 
 

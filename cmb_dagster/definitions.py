@@ -9,6 +9,8 @@ from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import PubSubOptions
 from cmb_dagster.reactive.dagster_defs import ReactiveOptions, reactive_definitions
 from cmb_dagster.resources import CmbResource
+from cmb_dagster.stages.dagster_defs import stages_definitions
+from cmb_dagster.stages.models import StageOptions
 
 
 def cmb_definitions(
@@ -16,6 +18,7 @@ def cmb_definitions(
     reactive: ReactiveOptions | None = None,
     pubsub: PubSubOptions | None = None,
     callbacks: CallbackOptions | None = None,
+    stages: StageOptions | None = None,
     prefix: str = "cmb_",
     resource: CmbResource | None = None,
     **definitions: Any,
@@ -35,4 +38,6 @@ def cmb_definitions(
         parts.append(pubsub_definitions(pubsub, prefix=prefix))
     if callbacks is not None:
         parts.append(callback_definitions(callbacks, prefix=prefix))
+    if stages is not None:
+        parts.append(stages_definitions(stages, prefix=prefix))
     return Definitions.merge(*parts)

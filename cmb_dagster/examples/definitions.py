@@ -5,13 +5,15 @@ from cmb_dagster.examples import callbacks as callbacks_example
 from cmb_dagster.examples import health
 from cmb_dagster.examples import pubsub as pubsub_example
 from cmb_dagster.examples import reactive
+from cmb_dagster.examples import stages as stages_example
 
 defs = cmb_definitions(
     reactive=ReactiveOptions(tasks=reactive.reactive_tasks),
     pubsub=PubSubOptions(consumers=[pubsub_example.consumer]),
     callbacks=CallbackOptions(),
+    stages=stages_example.options,
     jobs=[health.health_check, *reactive.example_jobs, pubsub_example.pubsub_demo_place_orders,
-          *callbacks_example.jobs],
+          *callbacks_example.jobs, stages_example.stages_demo_offers],
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
     schedules=callbacks_example.schedules,

@@ -45,6 +45,35 @@ CREATE FUNCTION cmb.pubsub_txid() RETURNS xid8
     SET jit TO 'off'
     AS $$ SELECT (pg_current_xact_id()::text::numeric + shift)::text::xid8 FROM pubsub_clock $$;
 
+CREATE FUNCTION cmb.stage_entities_bump() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'cmb', 'public'
+    AS $$
+BEGIN
+    IF NEW.version = OLD.version AND NEW.payload IS DISTINCT FROM OLD.payload THEN
+        NEW.version := OLD.version + 1;
+        NEW.updated_at := now();
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE FUNCTION cmb.stage_entities_deleted() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'cmb', 'public'
+    AS $$
+BEGIN
+    DELETE FROM stage_states s USING deleted_rows d WHERE s.entity_id = d.entity_id;
+    DELETE FROM stage_queue q USING deleted_rows d WHERE q.entity_id = d.entity_id;
+    DELETE FROM stage_changes c USING deleted_rows d WHERE c.entity_id = d.entity_id;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION cmb.stage_hash(entity_id text) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    RETURN ((('x'::text || substr(md5(entity_id), 1, 8)))::bit(32))::bigint;
+
 CREATE TABLE cmb.callback_buckets (
     bucket_id integer NOT NULL,
     max_run_at timestamp with time zone DEFAULT '1970-01-01 00:00:00+00'::timestamp with time zone NOT NULL,
@@ -312,6 +341,78 @@ CREATE TABLE cmb.schema_migrations (
     applied_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
+CREATE TABLE cmb.stage_changes (
+    entity_id text NOT NULL,
+    shard_id integer NOT NULL,
+    fields text[],
+    changed_at timestamp with time zone DEFAULT now() NOT NULL
+)
+WITH (fillfactor='70');
+
+CREATE TABLE cmb.stage_counters (
+    stage text NOT NULL,
+    shard_id integer NOT NULL,
+    processed bigint DEFAULT 0 NOT NULL,
+    changed bigint DEFAULT 0 NOT NULL,
+    conflicts bigint DEFAULT 0 NOT NULL,
+    errors bigint DEFAULT 0 NOT NULL,
+    parked bigint DEFAULT 0 NOT NULL,
+    capped bigint DEFAULT 0 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+CREATE TABLE cmb.stage_entities (
+    entity_id text NOT NULL,
+    version bigint DEFAULT 1 NOT NULL,
+    payload jsonb NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT stage_entities_entity_id_check CHECK (((length(entity_id) >= 1) AND (length(entity_id) <= 256))),
+    CONSTRAINT stage_entities_payload_check CHECK ((jsonb_typeof(payload) = 'object'::text))
+)
+WITH (fillfactor='80');
+
+CREATE TABLE cmb.stage_queue (
+    entity_id text NOT NULL,
+    stage text NOT NULL,
+    shard_id integer NOT NULL,
+    lane smallint DEFAULT 0 NOT NULL,
+    due_at timestamp with time zone NOT NULL,
+    enqueued_at timestamp with time zone DEFAULT now() NOT NULL,
+    attempts integer DEFAULT 0 NOT NULL,
+    conflicts integer DEFAULT 0 NOT NULL,
+    last_error text,
+    parked_at timestamp with time zone,
+    CONSTRAINT stage_queue_lane_check CHECK ((lane = ANY (ARRAY[0, 1])))
+)
+WITH (fillfactor='70');
+
+CREATE TABLE cmb.stage_rate_limits (
+    stage text NOT NULL,
+    tokens double precision NOT NULL,
+    refilled_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
+
+CREATE TABLE cmb.stage_settings (
+    singleton boolean DEFAULT true NOT NULL,
+    shard_count integer DEFAULT 8 NOT NULL,
+    capture_branch bigint DEFAULT 1200001 NOT NULL,
+    results_branch bigint DEFAULT 1200002 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT stage_settings_shard_count_check CHECK (((shard_count >= 1) AND (shard_count <= 4096))),
+    CONSTRAINT stage_settings_singleton_check CHECK (singleton)
+);
+
+CREATE TABLE cmb.stage_states (
+    entity_id text NOT NULL,
+    stage text NOT NULL,
+    state jsonb,
+    version bigint DEFAULT 0 NOT NULL,
+    runs integer DEFAULT 0 NOT NULL,
+    window_start timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+)
+WITH (fillfactor='80');
+
 ALTER TABLE ONLY cmb.ctl_history ALTER COLUMN id SET DEFAULT nextval('cmb.ctl_history_id_seq'::regclass);
 
 ALTER TABLE ONLY cmb.health_checks ALTER COLUMN id SET DEFAULT nextval('cmb.health_checks_id_seq'::regclass);
@@ -375,6 +476,27 @@ ALTER TABLE ONLY cmb.reactive_tasks
 ALTER TABLE ONLY cmb.schema_migrations
     ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
 
+ALTER TABLE ONLY cmb.stage_changes
+    ADD CONSTRAINT stage_changes_pkey PRIMARY KEY (entity_id);
+
+ALTER TABLE ONLY cmb.stage_counters
+    ADD CONSTRAINT stage_counters_pkey PRIMARY KEY (stage, shard_id);
+
+ALTER TABLE ONLY cmb.stage_entities
+    ADD CONSTRAINT stage_entities_pkey PRIMARY KEY (entity_id);
+
+ALTER TABLE ONLY cmb.stage_queue
+    ADD CONSTRAINT stage_queue_pkey PRIMARY KEY (entity_id, stage);
+
+ALTER TABLE ONLY cmb.stage_rate_limits
+    ADD CONSTRAINT stage_rate_limits_pkey PRIMARY KEY (stage);
+
+ALTER TABLE ONLY cmb.stage_settings
+    ADD CONSTRAINT stage_settings_pkey PRIMARY KEY (singleton);
+
+ALTER TABLE ONLY cmb.stage_states
+    ADD CONSTRAINT stage_states_pkey PRIMARY KEY (entity_id, stage);
+
 CREATE INDEX callback_change_log_at ON cmb.callback_change_log USING btree (at);
 
 CREATE INDEX callback_change_log_key ON cmb.callback_change_log USING btree (owner_client_id, group_key, event_key);
@@ -400,6 +522,16 @@ CREATE INDEX reactive_tasks_dirty ON cmb.reactive_tasks USING btree (scheduler, 
 CREATE INDEX reactive_tasks_launched ON cmb.reactive_tasks USING btree (scheduler) WHERE (status = 'launched'::text);
 
 CREATE INDEX reactive_tasks_ready ON cmb.reactive_tasks USING btree (scheduler, priority DESC, name) WHERE ((status = 'ready'::text) AND defined);
+
+CREATE INDEX stage_changes_shard ON cmb.stage_changes USING btree (shard_id, changed_at);
+
+CREATE INDEX stage_queue_due ON cmb.stage_queue USING btree (shard_id, stage, lane, due_at) WHERE (parked_at IS NULL);
+
+CREATE INDEX stage_queue_parked ON cmb.stage_queue USING btree (stage) WHERE (parked_at IS NOT NULL);
+
+CREATE TRIGGER stage_entities_bump BEFORE UPDATE ON cmb.stage_entities FOR EACH ROW EXECUTE FUNCTION cmb.stage_entities_bump();
+
+CREATE TRIGGER stage_entities_deleted AFTER DELETE ON cmb.stage_entities REFERENCING OLD TABLE AS deleted_rows FOR EACH STATEMENT EXECUTE FUNCTION cmb.stage_entities_deleted();
 
 ALTER TABLE ONLY cmb.callback_events
     ADD CONSTRAINT callback_events_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES cmb.callback_schedules(schedule_id) ON DELETE SET NULL;

@@ -1,0 +1,64 @@
+"""Operator functions: status, queue listing, retry of parked entries, shard count."""
+
+from __future__ import annotations
+
+from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.stages import sql as q
+from cmb_dagster.stages.errors import InvalidStageInput
+from cmb_dagster.stages.models import QueueEntry, StageStatus, check_entity_id
+
+
+def status(source: DatabaseSource) -> list[StageStatus]:
+    """Per stage: queue depths, oldest due entry's age, parked and failing entries, counters."""
+    db = Database.of(source)
+    found: dict[str, StageStatus] = {}
+    with db.connection() as conn:
+        for stage, queued, timers, low, oldest, parked, failing in conn.execute(q.QUEUE_STATUS):
+            found[stage] = StageStatus(stage=stage, queued=queued, timers=timers, low_priority=low,
+                                       oldest_seconds=oldest, parked=parked, failing=failing)
+        for stage, processed, changed, conflicts, errors, capped in conn.execute(q.COUNTERS):
+            found.setdefault(stage, StageStatus(stage=stage)).__dict__.update(
+                processed=processed, changed=changed, conflicts=conflicts, errors=errors, capped=capped)
+    return [found[name] for name in sorted(found)]
+
+
+def entries(source: DatabaseSource, *, stage: str | None = None, entity_id: str | None = None,
+            problems: bool = False, limit: int = 100) -> list[QueueEntry]:
+    """Queue entries (earliest due first); ``problems``: only failing or parked ones."""
+    db = Database.of(source)
+    if entity_id is not None:
+        check_entity_id(entity_id)
+    with db.connection() as conn:
+        rows = conn.execute(q.LIST_ENTRIES, {"stage": stage, "entity": entity_id, "problems": problems, "limit": limit}).fetchall()
+    keys = list(QueueEntry.model_fields)
+    return [QueueEntry(**dict(zip(keys, row, strict=True))) for row in rows]
+
+
+def retry(source: DatabaseSource, *, stage: str | None = None, entity_id: str | None = None) -> int:
+    """Put parked entries (all, or of one stage / entity) back in their queue, due now; return how many."""
+    db = Database.of(source)
+    if entity_id is not None:
+        check_entity_id(entity_id)
+    with db.connection() as conn:
+        return conn.execute(q.RETRY, {"stage": stage, "entity": entity_id}).rowcount
+
+
+def shard_count(source: DatabaseSource) -> int:
+    """The current shard count."""
+    with Database.of(source).connection() as conn:
+        return conn.execute(q.SETTINGS).fetchone()[0]
+
+
+def set_shard_count(source: DatabaseSource, count: int) -> int:
+    """Change the shard count while workers run: waits for batches in flight, re-shards the queues in the
+    same transaction (nothing lost or duplicated); workers drop their old shard leases on their next
+    batch. Returns the previous count."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 4096:
+        raise InvalidStageInput(f"shard_count: must be an integer from 1 to 4096, not {count!r}")
+    with Database.of(source).connection() as conn:
+        previous = conn.execute(q.LOCK_SETTINGS).fetchone()[0]
+        if previous != count:
+            conn.execute(q.RESHARD_QUEUE, {"n": count})
+            conn.execute(q.RESHARD_CHANGES, {"n": count})
+            conn.execute(q.SET_SHARD_COUNT, {"n": count})
+    return previous

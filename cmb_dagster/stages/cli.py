@@ -1,0 +1,192 @@
+"""``cmb-dagster stages``: run a worker outside Dagster, inspect queues, read and CAS states, retry, rescan."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import signal
+from typing import Any
+
+import click
+
+from cmb_dagster.database import Database
+from cmb_dagster.settings import Settings
+from cmb_dagster.stages import admin
+from cmb_dagster.stages.engine import Engine
+from cmb_dagster.stages.errors import InvalidStageInput
+from cmb_dagster.stages.models import StageOptions
+from cmb_dagster.stages.store import StageStore
+from cmb_dagster.stages.worker import StageWorker
+
+STAGES_HELP = "module:attribute of a StageOptions or a list of Stage instances (default: $CMB_STAGES)."
+
+
+def _database() -> Database:
+    return Database.from_settings(Settings.from_env())
+
+
+def load_options(path: str | None) -> StageOptions:
+    """The StageOptions (or list of stages) at ``module:attribute``."""
+    path = path or os.environ.get("CMB_STAGES")
+    if not path:
+        raise click.UsageError("name your stages with --stages module:attribute (or set CMB_STAGES)")
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise InvalidStageInput(f"stages: {path!r} is not module:attribute")
+    try:
+        value: Any = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidStageInput(f"stages: cannot load {path!r} ({exc})") from None
+    return value if isinstance(value, StageOptions) else StageOptions(stages=list(value))
+
+
+def _json(value: str, name: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise InvalidStageInput(f"{name}: not valid JSON ({exc.msg})") from None
+
+
+stages_option = click.option("--stages", "stages_path", default=None, help=STAGES_HELP)
+
+
+@click.group()
+def stages() -> None:
+    """Stage scheduler: per-entity stages with queues, timers and private state."""
+
+
+@stages.command()
+@stages_option
+@click.option("--index", default=0, show_default=True, help="This worker's index (serves shards with id % workers == index).")
+@click.option("--workers", default=None, type=int, help="Number of workers splitting the shards (default: the options').")
+@click.option("--shards", default=None, help="Only these shards, e.g. 0,1,5.")
+@click.option("--duration", default=None, type=float, help="Seconds to run (default: until SIGTERM/SIGINT).")
+def worker(stages_path: str | None, index: int, workers: int | None, shards: str | None, duration: float | None) -> None:
+    """Run a stage worker: long-running; SIGTERM or Ctrl-C finishes the current batch and stops."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = load_options(stages_path)
+    chosen = None if shards is None else [int(s) for s in shards.split(",") if s.strip()]
+    runner = StageWorker(_database(), options, index=index, workers=workers, shards=chosen)
+    signal.signal(signal.SIGTERM, lambda *_: runner.stop())
+    signal.signal(signal.SIGINT, lambda *_: runner.stop())
+    click.echo(f"stage worker {index}: stages {', '.join(s.name for s in options.stages)}", err=True)
+    report = runner.run(duration)
+    click.echo(f"handled {report.items} entries in {report.steps} steps, {report.errors} errors, {report.seconds:.1f}s")
+
+
+@stages.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per stage.")
+def status(as_json: bool) -> None:
+    """Queue depths, oldest due entry, parked entries and counters per stage."""
+    rows = admin.status(_database())
+    if as_json:
+        for row in rows:
+            click.echo(row.model_dump_json())
+        return
+    click.echo(f"{'stage':20} {'queued':>8} {'timers':>8} {'low':>8} {'oldest s':>9} {'parked':>7} {'failing':>7} "
+               f"{'processed':>10} {'conflicts':>9} {'errors':>7} {'capped':>7}")
+    for r in rows:
+        click.echo(f"{r.stage:20} {r.queued:8} {r.timers:8} {r.low_priority:8} {r.oldest_seconds:9.1f} {r.parked:7} "
+                   f"{r.failing:7} {r.processed:10} {r.conflicts:9} {r.errors:7} {r.capped:7}")
+    click.echo(f"shards: {admin.shard_count(_database())}")
+
+
+@stages.command()
+@click.option("--stage", default=None)
+@click.option("--entity", "entity_id", default=None)
+@click.option("--problems", is_flag=True, help="Only failing or parked entries.")
+@click.option("--limit", default=50, show_default=True)
+def queue(stage: str | None, entity_id: str | None, problems: bool, limit: int) -> None:
+    """List queue entries (earliest due first) with attempts, conflicts and the last error."""
+    for e in admin.entries(_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit):
+        state = "parked" if e.parked_at else ("low" if e.lane else "main")
+        click.echo(f"{e.stage}\t{e.entity_id}\t{state}\tdue {e.due_at.isoformat()}\tattempts {e.attempts}\t"
+                   f"conflicts {e.conflicts}\t{e.last_error or ''}")
+
+
+@stages.command()
+@click.option("--stage", default=None, help="Only this stage's parked entries.")
+@click.option("--entity", "entity_id", default=None, help="Only this entity's parked entries.")
+def retry(stage: str | None, entity_id: str | None) -> None:
+    """Put parked entries back in their queue, due now."""
+    click.echo(f"{admin.retry(_database(), stage=stage, entity_id=entity_id)} entries back in their queue")
+
+
+@stages.command()
+@stages_option
+@click.option("--duration", default=None, type=float, help="Time box in seconds.")
+def rescan(stages_path: str | None, duration: float | None) -> None:
+    """Ask every stage about every entity; fill the low-priority queues."""
+    options = load_options(stages_path)
+    seen, offered, stopped = Engine(_database(), options.stages).rescan(duration=duration)
+    click.echo(f"{seen} entities, {offered} low-priority entries" + ("" if stopped is None else f"; stopped after {stopped!r}"))
+
+
+@stages.command()
+@click.argument("count", required=False, type=int)
+def shards(count: int | None) -> None:
+    """Show the shard count, or change it (workers keep running; nothing is lost)."""
+    db = _database()
+    if count is None:
+        click.echo(admin.shard_count(db))
+    else:
+        click.echo(f"shards: {admin.set_shard_count(db, count)} -> {count}")
+
+
+@stages.command()
+@click.argument("entity_id")
+@click.argument("payload")
+def put(entity_id: str, payload: str) -> None:
+    """Create or replace an entity (PAYLOAD is a JSON object); print its version."""
+    click.echo(StageStore(_database()).put(entity_id, _json(payload, "payload")))
+
+
+@stages.command()
+@click.argument("entity_id")
+@click.argument("patch")
+def patch(entity_id: str, patch: str) -> None:
+    """Apply an RFC 7386 merge patch (a JSON object) to an entity; print its version."""
+    click.echo(StageStore(_database()).patch(entity_id, _json(patch, "patch")))
+
+
+@stages.command()
+@click.argument("entity_id")
+def get(entity_id: str) -> None:
+    """Print an entity as JSON."""
+    entity = StageStore(_database()).get(entity_id)
+    if entity is None:
+        raise click.ClickException(f"no entity {entity_id!r}")
+    click.echo(json.dumps({"entity_id": entity.id, "version": entity.version, "payload": entity.payload}))
+
+
+@stages.group()
+def state() -> None:
+    """Read a stage's state of an entity, or compare-and-set it."""
+
+
+@state.command("read")
+@stages_option
+@click.argument("entity_id")
+@click.argument("stage")
+def state_read(stages_path: str | None, entity_id: str, stage: str) -> None:
+    """Print {"state": ..., "version": N}."""
+    value, version = StageStore(_database(), load_options(stages_path).stages).read_state(entity_id, stage)
+    click.echo(json.dumps({"state": value.model_dump(mode="json"), "version": version}))
+
+
+@state.command("update")
+@stages_option
+@click.argument("entity_id")
+@click.argument("stage")
+@click.argument("new_state")
+@click.option("--version", "version", required=True, type=int, help="The version read; the update is refused if it moved.")
+def state_update(stages_path: str | None, entity_id: str, stage: str, new_state: str, version: int) -> None:
+    """Compare-and-set a stage's state (NEW_STATE is JSON); exit code 2 if the version moved."""
+    store = StageStore(_database(), load_options(stages_path).stages)
+    if store.update_state(entity_id, stage, _json(new_state, "new_state"), version):
+        click.echo("updated")
+    else:
+        click.echo(f"not updated: the state of {stage!r} for {entity_id!r} is no longer at version {version}", err=True)
+        raise SystemExit(2)

@@ -1,0 +1,183 @@
+"""The stage scheduler's models: entities, stage results, merge patches, options and status rows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cmb_dagster.stages.errors import InvalidStageInput
+
+MAX_ENTITY_ID_LENGTH = 256
+STAGE_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+LEASE_KIND = "stages.shard"
+CHANNEL = "stages"  # NOTIFY channel (schema-qualified by cmb_dagster.notifications.channel_name)
+
+
+def entity_hash(entity_id: str) -> int:
+    """Stable 32-bit hash of an entity id (the first 32 bits of its md5), as SQL's ``stage_hash``."""
+    return int(hashlib.md5(entity_id.encode()).hexdigest()[:8], 16)
+
+
+def shard_of(entity_id: str, shard_count: int) -> int:
+    """The shard an entity belongs to: ``stage_hash(entity_id) % shard_count``."""
+    return entity_hash(entity_id) % shard_count
+
+
+@dataclass(frozen=True, slots=True)
+class Entity:
+    """An entity as a stage sees it: treat ``payload`` as read-only (return an update instead)."""
+
+    id: str
+    version: int
+    payload: dict[str, Any]
+    updated_at: datetime | None = None
+
+
+class MergePatch(dict):
+    """An RFC 7386 JSON merge patch: keys set to ``None`` are removed, objects merge recursively,
+    anything else (lists included) replaces the target's value."""
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """Apply an RFC 7386 merge patch to ``target`` (neither is modified; a new value is returned)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+Timer = datetime | timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """What ``process`` returns.
+
+    ``update``: None (entity unchanged), a dict (the new payload) or a :class:`MergePatch`.
+    ``new_state``: None (state unchanged) or an instance of the stage's ``state_model``.
+    ``timer``: None (no timer), a ``timedelta`` from now or an aware ``datetime``: when the stage
+    wants to see the entity again, whatever happens to it meanwhile.
+    """
+
+    update: dict[str, Any] | MergePatch | None = None
+    new_state: BaseModel | None = None
+    timer: Timer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SavedEntity:
+    """The post-save publication of one stage commit, as an after-commit handler gets it.
+
+    ``event_id`` is the pub/sub event id: use it as the idempotency key of side effects."""
+
+    event_id: int
+    stage: str
+    entity_id: str
+    version: int
+    payload: dict[str, Any]
+    state: dict[str, Any] | None
+    changed: bool
+
+
+class StageOptions(BaseModel):
+    """The stage scheduler of a code location: its stages and how its workers run.
+
+    ``stages`` are :class:`~cmb_dagster.stages.Stage` instances. ``shard_count`` is applied to the
+    database when a worker starts (re-sharding what is queued, losing nothing); ``workers`` Dagster
+    worker jobs split the shards (job i serves shards with id % workers == i).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    stages: list[Any] = Field(description="The Stage instances of this code location.")
+    shard_count: int | None = Field(default=None, ge=1, le=4096,
+                                    description="Shards; None keeps the database's (8 after migration).")
+    workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; job i serves shards with id % workers == i.")
+    batch_size: int = Field(default=500, ge=1, le=10_000, description="Queue entries per transaction.")
+    idle_sleep: float = Field(default=1.0, gt=0, le=60, description="Longest sleep of an idle worker (timers and NOTIFY wake it earlier).")
+    lease_ttl: float = Field(default=10.0, ge=1, le=300, description="A dead worker's shards are taken over after this.")
+    publish: bool = Field(default=True, description="Publish every saved entity + state to the pub/sub stream.")
+    observe_seconds: float = Field(default=10.0, gt=0, description="How often worker job 0 records per-stage observations.")
+    rescan_cron: str | None = Field(default="0 3 * * *", description="When the background rescan runs (None: never).")
+    rescan_seconds: float = Field(default=600.0, gt=0, description="Time box of one rescan run.")
+
+    def __init__(self, **data: Any) -> None:
+        from cmb_dagster.stages.stage import check_stages
+
+        super().__init__(**data)
+        check_stages(self.stages)  # raises InvalidStageInput naming the field (a validator's error is wrapped)
+
+
+class StageStatus(BaseModel):
+    """One stage's queues and counters (``cmb-dagster stages status``, the Dagster observations)."""
+
+    stage: str
+    queued: int = 0            # main queue, due now
+    timers: int = 0            # main queue, due later
+    low_priority: int = 0      # rescan queue
+    oldest_seconds: float = 0  # age of the oldest due entry (main queue)
+    parked: int = 0
+    failing: int = 0           # entries with a failed attempt, not parked
+    processed: int = 0
+    changed: int = 0
+    conflicts: int = 0
+    errors: int = 0
+    capped: int = 0
+
+
+class QueueEntry(BaseModel):
+    """One queue entry (``cmb-dagster stages queue``)."""
+
+    entity_id: str
+    stage: str
+    shard_id: int
+    lane: int
+    due_at: datetime
+    attempts: int
+    conflicts: int
+    last_error: str | None
+    parked_at: datetime | None
+
+
+def check_entity_id(entity_id: Any) -> str:
+    if not isinstance(entity_id, str) or not entity_id:
+        raise InvalidStageInput(f"entity_id: must be a non-empty string, not {entity_id!r}")
+    if len(entity_id) > MAX_ENTITY_ID_LENGTH:
+        raise InvalidStageInput(f"entity_id: {len(entity_id)} characters, at most {MAX_ENTITY_ID_LENGTH} allowed")
+    return entity_id
+
+
+def dump_payload(payload: Any, what: str = "payload") -> str:
+    """``payload`` as JSON text, refusing anything but a JSON object."""
+    if not isinstance(payload, dict):
+        raise InvalidStageInput(f"{what}: must be a JSON object, not {type(payload).__name__}")
+    try:
+        return json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidStageInput(f"{what}: not JSON-serializable ({exc})") from None
+
+
+def changed_fields(old: dict[str, Any] | None, new: dict[str, Any]) -> set[str]:
+    """Top-level keys whose values differ between ``old`` and ``new``."""
+    if old is None:
+        return set(new)
+    return {k for k in old.keys() | new.keys() if old.get(k, _MISSING) != new.get(k, _MISSING)}
+
+
+_MISSING = object()
+
+__all__ = [
+    "Entity", "MergePatch", "QueueEntry", "SavedEntity", "StageOptions", "StageResult", "StageStatus",
+    "changed_fields", "entity_hash", "merge_patch", "shard_of",
+]

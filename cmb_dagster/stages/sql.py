@@ -1,0 +1,317 @@
+"""Every query of the stage scheduler."""
+
+# -- settings and sharding ---------------------------------------------------------------------
+
+# Writers that place rows in shards hold the settings row FOR KEY SHARE until they commit, so a
+# re-shard (FOR UPDATE) waits for them and they for it. The writer mark keeps the pub/sub capture of
+# stage_entities for writes that bypass the API.
+BEGIN_WRITE = """
+SELECT shard_count, capture_branch, results_branch,
+       set_config('cmb.stages_writer', 'api', true)
+FROM stage_settings FOR KEY SHARE
+"""
+
+SETTINGS = "SELECT shard_count, capture_branch, results_branch FROM stage_settings"
+
+LOCK_SETTINGS = "SELECT shard_count FROM stage_settings FOR UPDATE"
+
+RESHARD_QUEUE = "UPDATE stage_queue SET shard_id = stage_hash(entity_id) %% %(n)s WHERE shard_id <> stage_hash(entity_id) %% %(n)s"
+RESHARD_CHANGES = "UPDATE stage_changes SET shard_id = stage_hash(entity_id) %% %(n)s WHERE shard_id <> stage_hash(entity_id) %% %(n)s"
+SET_SHARD_COUNT = "UPDATE stage_settings SET shard_count = %(n)s, updated_at = now()"
+
+CAPTURE_INSTALLED = """
+SELECT 1 FROM pg_trigger WHERE tgrelid = 'stage_entities'::regclass AND tgname = 'cmb_pubsub_update'
+"""
+CAPTURE_LOCK = "SELECT pg_advisory_xact_lock(hashtext('cmb_dagster.stages.capture'))"
+
+NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
+
+# -- the entity store --------------------------------------------------------------------------
+
+GET_ENTITY = "SELECT entity_id, version, payload, updated_at FROM stage_entities WHERE entity_id = %(id)s"
+
+LOCK_ENTITIES = """
+SELECT entity_id, version, payload FROM stage_entities WHERE entity_id = ANY(%(ids)b::text[])
+ORDER BY entity_id FOR NO KEY UPDATE
+"""
+
+# Insert new entities and update changed ones; unchanged payloads are left alone.
+UPSERT_ENTITIES = """
+INSERT INTO stage_entities AS e (entity_id, payload)
+SELECT u.entity_id, u.payload::jsonb FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
+ON CONFLICT (entity_id) DO UPDATE
+    SET payload = EXCLUDED.payload, version = e.version + 1, updated_at = now()
+    WHERE e.payload IS DISTINCT FROM EXCLUDED.payload
+RETURNING entity_id, version
+"""
+
+UPDATE_ENTITY_IF_VERSION = """
+UPDATE stage_entities SET payload = %(payload)s::jsonb, version = version + 1, updated_at = now()
+WHERE entity_id = %(id)s AND version = %(version)s
+RETURNING version
+"""
+
+DELETE_ENTITY = "DELETE FROM stage_entities WHERE entity_id = %(id)s RETURNING version"
+
+# The change path: the stages of these entities are asked should_process by the worker of their shard.
+ENQUEUE_CHANGES = """
+INSERT INTO stage_changes AS c (entity_id, shard_id, fields)
+SELECT u.entity_id, stage_hash(u.entity_id) %% %(shard_count)s,
+       CASE WHEN u.fields = '*' THEN NULL ELSE string_to_array(u.fields, ',') END
+FROM unnest(%(ids)b::text[], %(fields)b::text[]) AS u(entity_id, fields)
+JOIN stage_entities e ON e.entity_id = u.entity_id
+ON CONFLICT (entity_id) DO UPDATE
+    SET fields = CASE WHEN c.fields IS NULL OR EXCLUDED.fields IS NULL THEN NULL
+                      ELSE ARRAY(SELECT DISTINCT unnest(c.fields || EXCLUDED.fields)) END
+"""
+
+# -- state API -----------------------------------------------------------------------------------
+
+READ_STATE = """
+SELECT e.entity_id, s.state, coalesce(s.version, 0)
+FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = %(stage)s
+WHERE e.entity_id = %(id)s
+"""
+
+# Every state writer locks the entity row first: the stage engine's commit does too, so a CAS and a
+# stage commit of the same entity never interleave.
+LOCK_ENTITY_STATE = """
+SELECT coalesce(s.version, 0)
+FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = %(stage)s
+WHERE e.entity_id = %(id)s
+FOR NO KEY UPDATE OF e
+"""
+
+WRITE_STATE = """
+INSERT INTO stage_states AS s (entity_id, stage, state, version) VALUES (%(id)s, %(stage)s, %(state)s::jsonb, 1)
+ON CONFLICT (entity_id, stage) DO UPDATE SET state = EXCLUDED.state, version = s.version + 1, updated_at = now()
+RETURNING version
+"""
+
+# -- processing ----------------------------------------------------------------------------------
+
+# Inside the batch transaction: the settings row as BEGIN_WRITE does (under the engine's writer mark)
+# and a server-side limit on idling in it, so a worker hung inside process() cannot hold its shard.
+BEGIN_BATCH = """
+SELECT shard_count, results_branch,
+       set_config('cmb.stages_writer', 'engine', true),
+       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true)
+FROM stage_settings FOR KEY SHARE
+"""
+
+# One of max_parallelism slots of a stage, held until the batch commits (or its session dies).
+TAKE_SLOT = """
+SELECT slot FROM generate_series(0, %(slots)s - 1) AS slot
+WHERE pg_try_advisory_xact_lock(hashtext(%(key)s), slot)
+LIMIT 1
+"""
+
+# Token bucket of a rate-limited stage: take up to %(want)s whole tokens.
+RATE_ROW = """
+INSERT INTO stage_rate_limits (stage, tokens) VALUES (%(stage)s, %(burst)s) ON CONFLICT (stage) DO NOTHING
+"""
+TAKE_TOKENS = """
+WITH now_ AS (
+    SELECT stage, least(%(burst)s::float8, tokens + %(rate)s * extract(epoch FROM clock_timestamp() - refilled_at)) AS avail
+    FROM stage_rate_limits WHERE stage = %(stage)s FOR UPDATE
+)
+UPDATE stage_rate_limits r
+SET tokens = now_.avail - least(floor(greatest(now_.avail, 0)), %(want)s), refilled_at = clock_timestamp()
+FROM now_ WHERE r.stage = now_.stage
+RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
+"""
+
+# The seed's Queue.peek + loading: due entries of one stage and lane in one shard, locked for this
+# batch (SKIP LOCKED), with the entity, every stage's state of it, and the stages it is already due in.
+PEEK_AND_LOAD = """
+WITH picked AS (
+    SELECT q.entity_id, q.attempts, q.conflicts, q.due_at
+    FROM stage_queue q
+    WHERE q.shard_id = %(shard)s AND q.stage = %(stage)s AND q.lane = %(lane)s
+      AND q.parked_at IS NULL AND q.due_at <= now()
+    ORDER BY q.due_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+SELECT p.entity_id, p.attempts, p.conflicts, e.version, e.payload, p.due_at,
+       (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
+                                extract(epoch FROM s.window_start)))
+        FROM stage_states s WHERE s.entity_id = p.entity_id),
+       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
+        FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
+FROM picked p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
+"""
+
+# The change path's batch: changed entities of one shard, with every state and the stages queued.
+PEEK_CHANGES = """
+WITH picked AS (
+    SELECT c.entity_id, c.fields FROM stage_changes c
+    WHERE c.shard_id = %(shard)s
+    ORDER BY c.changed_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+SELECT p.entity_id, p.fields, e.version, e.payload,
+       (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
+                                extract(epoch FROM s.window_start)))
+        FROM stage_states s WHERE s.entity_id = p.entity_id),
+       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
+        FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
+FROM picked p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
+"""
+
+DELETE_CHANGES = "DELETE FROM stage_changes WHERE entity_id = ANY(%(ids)b::text[])"
+
+# The optimistic check: lock the entities processed, read their versions and this stage's state version.
+CHECK_VERSIONS = """
+SELECT e.entity_id, e.version, coalesce(s.version, 0)
+FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = %(stage)s
+WHERE e.entity_id = ANY(%(ids)b::text[])
+ORDER BY e.entity_id
+FOR NO KEY UPDATE OF e
+"""
+
+SAVE_ENTITIES = """
+UPDATE stage_entities e SET payload = u.payload::jsonb, version = e.version + 1, updated_at = now()
+FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
+WHERE e.entity_id = u.entity_id
+"""
+
+# States of committed entities: the new state (changed = true) or the old one, and the run counter
+# of the re-trigger window.
+SAVE_STATES = """
+INSERT INTO stage_states AS s (entity_id, stage, state, version, runs, window_start)
+SELECT u.entity_id, %(stage)s, u.state::jsonb, u.changed::int, 1, now()
+FROM unnest(%(ids)b::text[], %(states)b::text[], %(changed)b::bool[]) AS u(entity_id, state, changed)
+ON CONFLICT (entity_id, stage) DO UPDATE SET
+    state = CASE WHEN EXCLUDED.version > 0 THEN EXCLUDED.state ELSE s.state END,
+    version = s.version + EXCLUDED.version,
+    runs = CASE WHEN s.window_start > now() - make_interval(secs => %(window)s) THEN s.runs + 1 ELSE 1 END,
+    window_start = CASE WHEN s.window_start > now() - make_interval(secs => %(window)s) THEN s.window_start ELSE now() END,
+    updated_at = now()
+"""
+
+# The seed's Queue.delete for entries done without a timer, and the timer of those that set one.
+DELETE_ENTRIES = "DELETE FROM stage_queue WHERE stage = %(stage)s AND entity_id = ANY(%(ids)b::text[])"
+SET_TIMERS = """
+UPDATE stage_queue q
+SET due_at = u.due_at, lane = 0, attempts = 0, conflicts = 0, last_error = NULL, enqueued_at = now()
+FROM unnest(%(ids)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, due_at)
+WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
+"""
+
+# The seed's Queue.offer: at most one entry per (entity, stage). An earlier due time wins; the main
+# lane wins over the low-priority one; parked entries stay parked.
+OFFER = """
+INSERT INTO stage_queue AS q (entity_id, stage, shard_id, lane, due_at)
+SELECT u.entity_id, u.stage, stage_hash(u.entity_id) %% %(shard_count)s, 0, u.due_at
+FROM unnest(%(ids)b::text[], %(stages)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, stage, due_at)
+ON CONFLICT (entity_id, stage) DO UPDATE
+    SET due_at = least(q.due_at, EXCLUDED.due_at), lane = 0
+    WHERE q.parked_at IS NULL AND (q.due_at > EXCLUDED.due_at OR q.lane <> 0)
+"""
+
+# The rescan's offer: the low-priority lane, only where the entity is in no queue of the stage.
+OFFER_LOW = """
+INSERT INTO stage_queue (entity_id, stage, shard_id, lane, due_at)
+SELECT u.entity_id, u.stage, stage_hash(u.entity_id) %% %(shard_count)s, 1, u.due_at
+FROM unnest(%(ids)b::text[], %(stages)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, stage, due_at)
+JOIN stage_entities e ON e.entity_id = u.entity_id
+ON CONFLICT (entity_id, stage) DO NOTHING
+"""
+
+FAILED = """
+UPDATE stage_queue q
+SET attempts = q.attempts + 1, last_error = u.error,
+    due_at = now() + make_interval(secs => u.delay),
+    parked_at = CASE WHEN q.attempts + 1 >= %(max_attempts)s THEN now() END
+FROM unnest(%(ids)b::text[], %(errors)b::text[], %(delays)b::float8[]) AS u(entity_id, error, delay)
+WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
+RETURNING q.parked_at IS NOT NULL
+"""
+
+CONFLICTED = """
+UPDATE stage_queue q
+SET conflicts = q.conflicts + 1,
+    due_at = CASE WHEN (q.conflicts + 1) %% %(max_conflicts)s = 0 THEN now() + interval '1 second' ELSE q.due_at END
+WHERE q.stage = %(stage)s AND q.entity_id = ANY(%(ids)b::text[])
+RETURNING q.entity_id, q.conflicts
+"""
+
+COUNT = """
+INSERT INTO stage_counters AS c (stage, shard_id, processed, changed, conflicts, errors, parked, capped)
+SELECT u.* FROM unnest(%(stages)b::text[], %(shards)b::int[], %(processed)b::bigint[], %(changed)b::bigint[],
+                       %(conflicts)b::bigint[], %(errors)b::bigint[], %(parked)b::bigint[], %(capped)b::bigint[])
+    AS u(stage, shard_id, processed, changed, conflicts, errors, parked, capped)
+ON CONFLICT (stage, shard_id) DO UPDATE SET
+    processed = c.processed + EXCLUDED.processed, changed = c.changed + EXCLUDED.changed,
+    conflicts = c.conflicts + EXCLUDED.conflicts, errors = c.errors + EXCLUDED.errors,
+    parked = c.parked + EXCLUDED.parked, capped = c.capped + EXCLUDED.capped, updated_at = now()
+"""
+
+# Post-save publication: the bulk form of cmb_dagster.pubsub.publish (same columns, same txid default).
+PUBLISH = """
+INSERT INTO pubsub_events (branch_id, topic, op, key, payload)
+SELECT %(branch)s, %(topic)s, 'publish', jsonb_build_object('entity_id', u.entity_id), u.payload::jsonb
+FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
+"""
+
+# What a shard has: per stage and lane the earliest entry's due time (lane -1: the change path), and
+# the server's clock, so a worker runs only the batches that have work and sleeps until the next timer.
+PLAN = """
+SELECT st, ln, (SELECT min(q.due_at) FROM stage_queue q
+                WHERE q.shard_id = %(shard)s AND q.stage = st AND q.lane = ln AND q.parked_at IS NULL),
+       clock_timestamp()
+FROM unnest(%(stages)b::text[]) AS st, (VALUES (0::smallint), (1::smallint)) AS l(ln)
+UNION ALL
+SELECT '', -1, (SELECT min(c.changed_at) FROM stage_changes c WHERE c.shard_id = %(shard)s), clock_timestamp()
+"""
+
+
+# -- rescan --------------------------------------------------------------------------------------
+
+RESCAN_PAGE = """
+SELECT e.entity_id, e.version, e.payload,
+       (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
+                                extract(epoch FROM s.window_start)))
+        FROM stage_states s WHERE s.entity_id = e.entity_id),
+       (SELECT array_agg(q.stage) FROM stage_queue q WHERE q.entity_id = e.entity_id)
+FROM stage_entities e
+WHERE e.entity_id > %(after)s
+ORDER BY e.entity_id
+LIMIT %(limit)s
+"""
+
+# -- admin ---------------------------------------------------------------------------------------
+
+QUEUE_STATUS = """
+SELECT stage,
+       count(*) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at <= now()),
+       count(*) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at > now()),
+       count(*) FILTER (WHERE lane = 1 AND parked_at IS NULL),
+       coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at <= now())), 0)::float8,
+       count(*) FILTER (WHERE parked_at IS NOT NULL),
+       count(*) FILTER (WHERE parked_at IS NULL AND attempts > 0)
+FROM stage_queue GROUP BY stage
+"""
+
+COUNTERS = """
+SELECT stage, sum(processed)::bigint, sum(changed)::bigint, sum(conflicts)::bigint, sum(errors)::bigint,
+       sum(capped)::bigint
+FROM stage_counters GROUP BY stage
+"""
+
+LIST_ENTRIES = """
+SELECT entity_id, stage, shard_id, lane, due_at, attempts, conflicts, last_error, parked_at
+FROM stage_queue
+WHERE (%(stage)s::text IS NULL OR stage = %(stage)s) AND (%(entity)s::text IS NULL OR entity_id = %(entity)s)
+  AND (NOT %(problems)s OR attempts > 0 OR parked_at IS NOT NULL)
+ORDER BY due_at
+LIMIT %(limit)s
+"""
+
+RETRY = """
+UPDATE stage_queue SET parked_at = NULL, attempts = 0, due_at = now(), last_error = NULL
+WHERE parked_at IS NOT NULL
+  AND (%(stage)s::text IS NULL OR stage = %(stage)s) AND (%(entity)s::text IS NULL OR entity_id = %(entity)s)
+"""

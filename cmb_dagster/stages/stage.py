@@ -1,0 +1,137 @@
+"""``Stage``: the unit of work of the scheduler, pure code over one entity and its private state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult, UnknownStage
+from cmb_dagster.stages.models import STAGE_NAME_PATTERN, Entity, StageResult, Timer
+
+
+class NoState(BaseModel):
+    """The state of a stage that keeps none."""
+
+
+class Stage:
+    """A stage: subclass it, set ``name`` (and ``state_model``), implement ``process``.
+
+    ``should_process(entity, state)`` is asked after every change of the entity (by the API, plain SQL
+    or another stage); it must be fast and return True (enqueue now), False, or a timer (a
+    ``timedelta`` or an aware ``datetime``). If it raises, the entity is enqueued anyway (the seed's
+    rule), so ``process`` checks again whether there is work. ``process(entity, state)`` returns a
+    :class:`StageResult`; it must have no side effects (it may run again after a conflict or a
+    crash): side effects go to ``after_commit(saved)``, run after the commit at least once, keyed by
+    ``saved.event_id``.
+
+    Class attributes (override in a subclass, or pass to the constructor):
+    ``fields`` (payload keys the stage cares about: changes elsewhere do not ask it; None: all),
+    ``max_attempts`` (failed calls before the entry is parked), ``retry_backoff`` / ``max_backoff``
+    (seconds, doubling), ``rate_limit`` (process calls per second across all workers),
+    ``max_parallelism`` (concurrent process batches across all workers), ``max_triggers`` per
+    ``trigger_window`` seconds (re-trigger cap; later triggers wait for the next window).
+    """
+
+    name: ClassVar[str] = ""
+    state_model: ClassVar[type[BaseModel]] = NoState
+    fields: ClassVar[tuple[str, ...] | None] = None
+    max_attempts: int = 5
+    retry_backoff: float = 1.0
+    max_backoff: float = 300.0
+    rate_limit: float | None = None
+    max_parallelism: int | None = None
+    max_triggers: int | None = None
+    trigger_window: float = 60.0
+    max_conflicts: int = 20  # in a row, before the entry backs off a second (counted and logged)
+
+    def __init__(self, **overrides: Any) -> None:
+        for key, value in overrides.items():
+            if not hasattr(type(self), key) or key.startswith("_"):
+                raise InvalidStageInput(f"{key}: not a stage setting")
+            setattr(self, key, value)
+
+    def should_process(self, entity: Entity, state: Any) -> bool | Timer:
+        return True
+
+    def process(self, entity: Entity, state: Any) -> StageResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    after_commit: Any = None  # Callable[[SavedEntity], None] | None
+
+    def __repr__(self) -> str:
+        return f"<Stage {self.name}>"
+
+    # -- engine helpers ------------------------------------------------------------------------
+
+    def load_state(self, raw: Any) -> BaseModel:
+        """The stored JSON as the stage's state model (defaults when none is stored)."""
+        if raw is None:
+            return self.state_model()
+        return self.state_model.model_validate(raw)
+
+    def dump_state(self, state: Any, what: str = "new_state") -> dict[str, Any]:
+        if not isinstance(state, self.state_model):
+            raise InvalidStageResult(
+                f"{what}: stage {self.name!r} must return a {self.state_model.__name__}, not {type(state).__name__}"
+            )
+        return state.model_dump(mode="json")
+
+
+def check_stages(stages: Sequence[Any]) -> dict[str, Stage]:
+    """Stages by name; raises InvalidStageInput for non-stages, bad names, duplicates, bad settings."""
+    by_name: dict[str, Stage] = {}
+    for index, stage in enumerate(stages):
+        where = f"stages[{index}]"
+        if not isinstance(stage, Stage):
+            raise InvalidStageInput(f"{where}: must be a Stage instance, not {type(stage).__name__}")
+        if not isinstance(stage.name, str) or not STAGE_NAME_PATTERN.match(stage.name):
+            raise InvalidStageInput(f"{where}.name: {stage.name!r} must match {STAGE_NAME_PATTERN.pattern}")
+        if stage.name in by_name:
+            raise InvalidStageInput(f"{where}.name: two stages are named {stage.name!r}")
+        if not (isinstance(stage.state_model, type) and issubclass(stage.state_model, BaseModel)):
+            raise InvalidStageInput(f"{where}.state_model: must be a pydantic model class")
+        if stage.max_attempts < 1:
+            raise InvalidStageInput(f"{where}.max_attempts: must be at least 1")
+        if stage.rate_limit is not None and not stage.rate_limit > 0:
+            raise InvalidStageInput(f"{where}.rate_limit: must be positive (calls per second)")
+        if stage.max_parallelism is not None and stage.max_parallelism < 1:
+            raise InvalidStageInput(f"{where}.max_parallelism: must be at least 1")
+        if stage.max_triggers is not None and (stage.max_triggers < 1 or not stage.trigger_window > 0):
+            raise InvalidStageInput(f"{where}.max_triggers: must be at least 1 with a positive trigger_window")
+        if stage.fields is not None and not all(isinstance(f, str) for f in stage.fields):
+            raise InvalidStageInput(f"{where}.fields: must be payload key names")
+        by_name[stage.name] = stage
+    return by_name
+
+
+def stage_named(stages: dict[str, Stage], name: str) -> Stage:
+    try:
+        return stages[name]
+    except KeyError:
+        known = ", ".join(sorted(stages)) or "none"
+        raise UnknownStage(f"stage: no stage named {name!r} (known: {known})") from None
+
+
+def due_of(value: Any, now: datetime, what: str) -> datetime | None:
+    """A timer (``timedelta`` or aware ``datetime``, True = now, False/None = none) as a due time."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return now
+    if isinstance(value, timedelta):
+        return now + value
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidStageResult(f"{what}: a naive datetime {value.isoformat()} (give a timezone)")
+        return value
+    raise InvalidStageResult(f"{what}: must be a bool, timedelta or aware datetime, not {type(value).__name__}")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+__all__ = ["NoState", "Stage", "check_stages", "due_of", "stage_named"]

@@ -1,0 +1,189 @@
+"""The entity store and the external state API.
+
+Writes through the API bump the version and put the entity on the change path (``stage_changes``) in
+the same transaction; the worker of the entity's shard then asks the stages ``should_process``.
+Writes that bypass the API (plain SQL on ``stage_entities``) reach the same change path through the
+pub/sub capture of the table (see :func:`ensure_capture`), and a plain UPDATE bumps the version by
+trigger, so a stage in flight notices it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psycopg
+
+from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.notifications import channel_name
+from cmb_dagster.pubsub import install_capture
+from cmb_dagster.stages import sql as q
+from cmb_dagster.stages.errors import EntityNotFound, InvalidStageInput, VersionConflict
+from cmb_dagster.stages.models import CHANNEL, Entity, MergePatch, changed_fields, check_entity_id, dump_payload, merge_patch
+from cmb_dagster.stages.stage import Stage, check_stages, stage_named
+
+WRITER_SETTING = "cmb.stages_writer"
+
+
+def capture_branch_expression(branch: int) -> str:
+    """Rows written outside the API and the engine (no writer mark in the transaction) go to ``branch``."""
+    return f"CASE WHEN coalesce(current_setting('{WRITER_SETTING}', true), '') = '' THEN {int(branch)} END"
+
+
+def ensure_capture(db: Database) -> None:
+    """Install the pub/sub capture of ``stage_entities`` once (idempotent, safe from several processes)."""
+    with db.connection() as conn:
+        if conn.execute(q.CAPTURE_INSTALLED).fetchone():
+            return
+        conn.execute(q.CAPTURE_LOCK)
+        if conn.execute(q.CAPTURE_INSTALLED).fetchone():
+            return
+        branch = conn.execute(q.SETTINGS).fetchone()[1]
+        install_capture(conn, f"{db.schema}.stage_entities", capture_branch_expression(branch),
+                        key=["entity_id"], columns=["entity_id", "version"], ops=["insert", "update"],
+                        topic="stages.entities", schema=db.schema)
+
+
+class StageStore:
+    """Entities and stage states: ``put`` / ``patch`` / ``delete`` / ``get``, ``read_state`` / ``update_state``.
+
+    ``stages`` (Stage instances) name the stages the state API accepts and give their state models.
+    """
+
+    def __init__(self, source: DatabaseSource, stages: Sequence[Stage] = ()) -> None:
+        self.db = Database.of(source)
+        self.stages = check_stages(stages)
+        self._capture_checked = False
+
+    # -- entities ------------------------------------------------------------------------------
+
+    def put(self, entity_id: str, payload: Mapping[str, Any]) -> int:
+        """Create or replace an entity's payload; return its version (unchanged payload: no new version)."""
+        return self.put_many({entity_id: payload})[entity_id]
+
+    def put_many(self, entities: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+        """Create or replace many entities in one transaction; return their versions."""
+        ids, texts = [], []
+        for entity_id, payload in entities.items():
+            ids.append(check_entity_id(entity_id))
+            texts.append(dump_payload(payload, f"payload of {entity_id!r}"))
+        if not ids:
+            return {}
+        self._ensure_capture()
+        with self.db.connection() as conn:
+            shard_count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
+            old = {row[0]: row[2] for row in conn.execute(q.LOCK_ENTITIES, {"ids": ids})}
+            written = dict(conn.execute(q.UPSERT_ENTITIES, {"ids": ids, "payloads": texts}).fetchall())
+            changes = [(i, _fields(old.get(i), entities[i])) for i in ids if i in written]
+            self._changed(conn, shard_count, changes)
+            versions = {i: written[i] for i in written}
+            if len(versions) < len(ids):  # unchanged payloads keep their version
+                for row in conn.execute(q.LOCK_ENTITIES, {"ids": [i for i in ids if i not in versions]}):
+                    versions[row[0]] = row[1]
+        return versions
+
+    def patch(self, entity_id: str, patch: Mapping[str, Any], *, version: int | None = None) -> int:
+        """Apply an RFC 7386 merge patch to an entity; return its new version.
+
+        ``version``: only if the entity is at this version (else :class:`VersionConflict`)."""
+        check_entity_id(entity_id)
+        dump_payload(dict(patch), "patch")
+        self._ensure_capture()
+        with self.db.connection() as conn:
+            shard_count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
+            row = conn.execute(q.LOCK_ENTITIES, {"ids": [entity_id]}).fetchone()
+            if row is None:
+                raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
+            _, current, payload = row
+            if version is not None and version != current:
+                raise VersionConflict(f"version: entity {entity_id!r} is at version {current}, not {version}")
+            new = merge_patch(payload, dict(patch))
+            if new == payload:
+                return current
+            text = dump_payload(new, "patch")
+            saved = conn.execute(q.UPDATE_ENTITY_IF_VERSION, {"id": entity_id, "payload": text, "version": current}).fetchone()
+            self._changed(conn, shard_count, [(entity_id, _fields(payload, new))])
+            return saved[0]
+
+    def delete(self, entity_id: str) -> bool:
+        """Delete an entity with its states and queue entries; False if there was none."""
+        check_entity_id(entity_id)
+        with self.db.connection() as conn:
+            conn.execute(q.BEGIN_WRITE)
+            return conn.execute(q.DELETE_ENTITY, {"id": entity_id}).fetchone() is not None
+
+    def get(self, entity_id: str) -> Entity | None:
+        """The entity, or None."""
+        check_entity_id(entity_id)
+        with self.db.connection() as conn:
+            row = conn.execute(q.GET_ENTITY, {"id": entity_id}).fetchone()
+        return None if row is None else Entity(row[0], row[1], row[2], row[3])
+
+    # -- state API -----------------------------------------------------------------------------
+
+    def read_state(self, entity_id: str, stage: str) -> tuple[Any, int]:
+        """``(state, version)`` of ``stage`` for the entity: the stage's state model (defaults and
+        version 0 when none is stored)."""
+        check_entity_id(entity_id)
+        spec = stage_named(self.stages, stage)
+        with self.db.connection() as conn:
+            row = conn.execute(q.READ_STATE, {"id": entity_id, "stage": stage}).fetchone()
+        if row is None:
+            raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
+        return spec.load_state(row[1]), row[2]
+
+    def update_state(self, entity_id: str, stage: str, new_state: Any, version: int) -> bool:
+        """Compare-and-set: store ``new_state`` only if the state is still at ``version``; True if stored."""
+        check_entity_id(entity_id)
+        spec = stage_named(self.stages, stage)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidStageInput(f"version: must be a non-negative integer, not {version!r}")
+        if isinstance(new_state, Mapping):
+            try:
+                new_state = spec.state_model.model_validate(new_state)
+            except Exception as exc:  # noqa: BLE001 - pydantic's message names the field
+                raise InvalidStageInput(f"new_state: not a valid {spec.state_model.__name__}: {exc}") from None
+        if not isinstance(new_state, spec.state_model):
+            raise InvalidStageInput(f"new_state: must be a {spec.state_model.__name__}, not {type(new_state).__name__}")
+        text = json.dumps(new_state.model_dump(mode="json"))
+        with self.db.connection() as conn:
+            row = conn.execute(q.LOCK_ENTITY_STATE, {"id": entity_id, "stage": stage}).fetchone()
+            if row is None:
+                raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
+            if row[0] != version:
+                return False
+            conn.execute(q.WRITE_STATE, {"id": entity_id, "stage": stage, "state": text})
+        return True
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _ensure_capture(self) -> None:
+        if not self._capture_checked:
+            ensure_capture(self.db)
+            self._capture_checked = True
+
+    def _changed(self, conn: psycopg.Connection, shard_count: int, changes: list[tuple[str, str]]) -> None:
+        if not changes:
+            return
+        enqueue_changes(conn, shard_count, changes)
+        conn.execute(q.NOTIFY, {"channel": channel_name(self.db, CHANNEL), "payload": ""})
+
+
+def enqueue_changes(conn: psycopg.Connection, shard_count: int, changes: list[tuple[str, str]]) -> None:
+    """Put entities on the change path; each change is (entity_id, 'a,b' changed fields or '*')."""
+    conn.execute(q.ENQUEUE_CHANGES, {
+        "shard_count": shard_count, "ids": [c[0] for c in changes], "fields": [c[1] for c in changes],
+    })
+
+
+def _fields(old: Any, new: Mapping[str, Any]) -> str:
+    if old is None:
+        return "*"
+    fields = changed_fields(old, dict(new))
+    if any("," in f for f in fields):
+        return "*"
+    return ",".join(sorted(fields)) or "*"
+
+
+__all__ = ["MergePatch", "StageStore", "ensure_capture", "enqueue_changes"]

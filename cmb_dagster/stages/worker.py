@@ -1,0 +1,212 @@
+"""``StageWorker``: serves shards on the shared worker runtime (lease kind ``stages.shard``).
+
+Partitions: ``shard:<id>/<count>`` per shard (the count is part of the name, so a re-shard gives new
+leases), ``capture`` (the pub/sub consumer that puts writes bypassing the API on the change path) and
+``after_commit:<stage>`` per stage with an after-commit handler. Each shard step asks the database what
+is due (one query), runs the change path, then each stage's main queue, and its low-priority queue only
+when the main one has nothing due. Idle, the worker sleeps until the next timer (a wake-up timer), a
+NOTIFY from a writer, or ``idle_sleep``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.notifications import Listener, channel_name
+from cmb_dagster.pubsub import Consumer, Event
+from cmb_dagster.stages import sql as q
+from cmb_dagster.stages.admin import set_shard_count
+from cmb_dagster.stages.engine import LOW, MAIN, Engine
+from cmb_dagster.stages.models import CHANNEL, LEASE_KIND, SavedEntity, StageOptions
+from cmb_dagster.stages.stage import Stage
+from cmb_dagster.stages.store import enqueue_changes, ensure_capture
+from cmb_dagster.workers import Lease, Worker, WorkerReport
+
+log = logging.getLogger("cmb_dagster.stages")
+
+STEP_SECONDS = 1.0  # a shard step stops starting batches after this, so leases are renewed in time
+
+
+class StageWorker:
+    """Processes the stages of the shards it holds (job ``index`` of ``workers`` serves shards with
+    id % workers == index; ``shards`` narrows that further)."""
+
+    def __init__(
+        self,
+        source: DatabaseSource,
+        options: StageOptions | Sequence[Stage],
+        *,
+        index: int = 0,
+        workers: int | None = None,
+        shards: Sequence[int] | None = None,
+        owner: str | None = None,
+        listen: bool = True,
+    ) -> None:
+        self.options = options if isinstance(options, StageOptions) else StageOptions(stages=list(options))
+        self.db = Database.of(source)
+        self.workers = workers or self.options.workers
+        self.index = index
+        self.shards = None if shards is None else set(shards)
+        self.owner = owner
+        self.listen = listen
+        self.engine = Engine(self.db, self.options.stages, batch_size=self.options.batch_size,
+                             publish=self.options.publish, idle_timeout=max(10.0, 3 * self.options.lease_ttl))
+        self.stages = self.engine.stages
+        self._worker: Worker | None = None
+        self._blocked: dict[str, float] = {}
+        self._timer: threading.Timer | None = None
+        self._timer_at: float | None = None
+        self._timer_lock = threading.Lock()
+        self._consumers: dict[str, Consumer] = {}
+        self._stopping = threading.Event()
+
+    # -- running -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Apply the options' shard count, install the capture, build the pub/sub consumers."""
+        if self.options.shard_count is not None:
+            previous = set_shard_count(self.db, self.options.shard_count)
+            if previous != self.options.shard_count:
+                log.info("stages: shard count %d -> %d", previous, self.options.shard_count)
+        ensure_capture(self.db)
+        with self.db.connection() as conn:
+            _, capture_branch, results_branch = conn.execute(q.SETTINGS).fetchone()
+        self._consumers = {"capture": Consumer(self.db, "stages.capture", capture_branch, self._captured, batch_size=2000)}
+        for name, stage in self.stages.items():
+            if stage.after_commit is not None:
+                self._consumers[f"after_commit:{name}"] = Consumer(
+                    self.db, f"stages.after_commit.{name}", results_branch, _after_commit_handler(stage), batch_size=200)
+
+    def run(self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
+        """Work for ``duration`` seconds (None: until :meth:`stop`)."""
+        self.setup()
+        self._worker = worker = Worker(
+            self.db, LEASE_KIND, self.partitions, self.step, owner=self.owner, ttl=self.options.lease_ttl,
+            idle_sleep=self.options.idle_sleep, on_progress=on_progress,
+        )
+        if self._stopping.is_set():
+            worker.stop()
+        listener = None
+        if self.listen:
+            listener = Listener(self.db, [channel_name(self.db, CHANNEL)], lambda channel, payload: worker.wake()).start()
+        try:
+            return worker.run(duration)
+        finally:
+            if listener is not None:
+                listener.stop()
+            with self._timer_lock:
+                if self._timer is not None:
+                    self._timer.cancel()
+
+    def stop(self) -> None:
+        """Finish the current batch and return (safe from a signal handler)."""
+        self._stopping.set()
+        if self._worker is not None:
+            self._worker.stop()
+
+    def partitions(self) -> list[str]:
+        """The partitions this worker asks for (asked again at every lease renewal)."""
+        with self.db.connection() as conn:
+            count = conn.execute(q.SETTINGS).fetchone()[0]
+        mine = [s for s in range(count) if s % self.workers == self.index and (self.shards is None or s in self.shards)]
+        parts = [f"shard:{s}/{count}" for s in mine]
+        if self.index == 0:
+            parts.extend(self._consumers)
+        return parts
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def step(self, lease: Lease) -> int:
+        partition = lease.partition
+        if partition.startswith("shard:"):
+            shard, count = (int(x) for x in partition[len("shard:"):].split("/"))
+            return self.shard_step(shard, count, lease)
+        consumer = self._consumers.get(partition)
+        return 0 if consumer is None else consumer.run_once()
+
+    def shard_step(self, shard: int, count: int, lease: Lease | None = None) -> int:
+        """Everything due in one shard, for at most about a second; returns entries handled."""
+        deadline = time.monotonic() + STEP_SECONDS
+        waits, changes = self.engine.plan(shard)
+        handled = 0
+        while changes and time.monotonic() < deadline:
+            n = self.engine.changes_batch(shard, lease=lease, shard_count=count)
+            handled += n
+            changes = n >= self.engine.batch_size
+        if handled:  # the change path may have queued entries due now
+            waits, _ = self.engine.plan(shard)
+        for name in self.stages:
+            now = time.monotonic()
+            if self._blocked.get(name, 0.0) > now:
+                self._wake_at(self._blocked[name])
+                continue
+            for lane in (MAIN, LOW):
+                wait = waits.get((name, lane))
+                if wait is None:
+                    continue
+                if wait > 0:
+                    self._wake_at(now + wait)
+                    continue
+                taken = self._drain(shard, count, name, lane, lease, deadline)
+                handled += taken
+                if lane == MAIN and taken:
+                    break  # the low-priority queue only when the main queue has nothing due
+        return handled
+
+    def _drain(self, shard: int, count: int, name: str, lane: int, lease: Lease | None, deadline: float) -> int:
+        handled = 0
+        while time.monotonic() < deadline:
+            report = self.engine.process_batch(shard, name, lane, lease=lease, shard_count=count)
+            handled += report.taken
+            if report.blocked_until is not None:
+                self._blocked[name] = report.blocked_until
+                self._wake_at(report.blocked_until)
+                break
+            if report.taken < self.engine.batch_size:
+                break
+        return handled
+
+    def _wake_at(self, when: float) -> None:
+        """Wake the worker's idle sleep at monotonic time ``when`` (the earliest asked for wins)."""
+        if self._worker is None:
+            return
+        now = time.monotonic()
+        with self._timer_lock:
+            if self._timer_at is not None and now < self._timer_at <= when:
+                return
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = when
+            self._timer = threading.Timer(max(0.0, when - now), self._worker.wake)
+            self._timer.daemon = True
+            self._timer.start()
+
+    # -- pub/sub handlers ----------------------------------------------------------------------
+
+    def _captured(self, conn: Any, events: list[Event]) -> None:
+        """Writes that bypassed the API: put their entities on the change path (in the consumer's transaction)."""
+        ids = sorted({e.key["entity_id"] for e in events if e.key and e.op in ("insert", "update")})
+        if not ids:
+            return
+        count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
+        enqueue_changes(conn, count, [(i, "*") for i in ids])
+        conn.execute(q.NOTIFY, {"channel": channel_name(self.db, CHANNEL), "payload": ""})
+
+
+def _after_commit_handler(stage: Stage) -> Callable[[Any, list[Event]], None]:
+    topic = f"stages.{stage.name}"
+
+    def handle(conn: Any, events: list[Event]) -> None:
+        for event in events:
+            if event.topic != topic:
+                continue
+            p = event.payload
+            stage.after_commit(SavedEntity(event.id, stage.name, p["entity_id"], p["version"], p["payload"],
+                                           p.get("state"), p.get("changed", True)))
+
+    return handle

@@ -1,0 +1,76 @@
+"""Stages used by the stage scheduler tests, and a helper that runs a worker until nothing is due."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from pydantic import BaseModel
+
+from cmb_dagster.stages import Entity, MergePatch, Stage, StageResult, StageWorker, shard_count
+
+
+class Seen(BaseModel):
+    runs: int = 0
+    last_version: int = 0
+
+
+class Step(Stage):
+    """Sets payload[field] = payload[source] + 1 (a merge patch) once ``source`` is there."""
+
+    state_model = Seen
+
+    def __init__(self, name: str, source: str, target: str, **kw: object) -> None:
+        super().__init__(**kw)
+        self.name = name  # type: ignore[misc]
+        self.source, self.target = source, target
+        self.calls: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+        self.active: set[str] = set()
+        self.overlaps = 0
+
+    def should_process(self, entity: Entity, state: Seen) -> bool:
+        p = entity.payload
+        return self.source in p and p.get(self.target) != p[self.source] + 1
+
+    def process(self, entity: Entity, state: Seen) -> StageResult:
+        with self.lock:
+            self.calls.append((entity.id, entity.version))
+        p = entity.payload
+        if self.source not in p or p.get(self.target) == p[self.source] + 1:
+            return StageResult()
+        return StageResult(update=MergePatch({self.target: p[self.source] + 1}),
+                           new_state=Seen(runs=state.runs + 1, last_version=entity.version))
+
+
+def pipeline(**kw: object) -> list[Step]:
+    """a -> b -> c -> d: each stage changes the entity once."""
+    return [Step("first", "a", "b", **kw), Step("second", "b", "c", **kw), Step("third", "c", "d", **kw)]
+
+
+def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int:
+    """Run every shard step (no leases) and the capture consumer until a round handles nothing."""
+    if not worker._consumers:
+        worker.setup()
+    total = 0
+    quiet_since = None
+    for _ in range(rounds):
+        count = shard_count(worker.db)
+        n = worker._consumers["capture"].run_once()
+        n += sum(worker.shard_step(s, count) for s in range(count))
+        for key, consumer in worker._consumers.items():
+            if key != "capture":
+                n += consumer.run_once()
+        total += n
+        if n == 0:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= settle:
+                return total
+            time.sleep(0.02)
+        else:
+            quiet_since = None
+    raise AssertionError(f"still busy after {rounds} rounds")
+
+
+__all__ = ["Seen", "Step", "drain", "pipeline", "timedelta"]
