@@ -100,6 +100,7 @@ class EventWorker:
         self._registered = False
         self._next_cron = 0.0
         self._lock = threading.Lock()
+        self.listener: Listener | None = None
         self.worker = Worker(self.db, WORKER_KIND, [self.owner], self._step, owner=self.owner,
                              ttl=self.settings.lease_ttl, idle_sleep=self.settings.sweep_interval)
 
@@ -273,16 +274,20 @@ class EventWorker:
             on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
         """Process events for ``duration`` seconds (None: until :meth:`stop`)."""
         self.worker.on_progress = on_progress
-        listener = None
         if self.settings.listen:
-            listener = Listener(self.db, [channel_name(self.db, CHANNEL)], self._on_notify,
-                                heartbeat=self.settings.heartbeat).start()
+            self.listener = Listener(self.db, [channel_name(self.db, CHANNEL)], self._on_notify,
+                                     heartbeat=self.settings.heartbeat).start()
         try:
             return self.worker.run(duration)
         finally:
-            if listener is not None:
-                listener.stop()
+            if self.listener is not None:
+                self.listener.stop()
             self.close()
+
+    @property
+    def listening(self) -> bool:
+        """Whether the worker's LISTEN connection is up (notifications reach it)."""
+        return self.listener is not None and self.listener.connected.is_set()
 
     def stop(self) -> None:
         """Finish the current batch and return from :meth:`run`."""
