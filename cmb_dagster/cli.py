@@ -17,6 +17,7 @@ from cmb_dagster.callbacks.cli import callbacks
 from cmb_dagster.ctl.cli import ctl, reactive
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
+from cmb_dagster.eventqueue.cli import events
 from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.settings import Settings
 
@@ -154,7 +155,7 @@ def stop() -> None:
 
 
 
-for engine_group in (pubsub, ctl, reactive, callbacks):
+for engine_group in (pubsub, ctl, reactive, callbacks, events):
     main.add_command(engine_group)
 
 

@@ -7,6 +7,8 @@ from dagster import DefaultScheduleStatus, Definitions, OpExecutionContext, Sche
 
 from cmb_dagster import migrations
 from cmb_dagster.callbacks.dagster_defs import CallbackJobs, callback_definitions
+from cmb_dagster.eventqueue.dagster_defs import eventqueue_definitions
+from cmb_dagster.eventqueue.models import EventQueueOptions
 from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import ConsumerSpec
 from cmb_dagster.reactive import ReactiveScheduler, ReactiveTask, reactive_definitions
@@ -41,6 +43,7 @@ def cmb_definitions(
     consumers: Sequence[ConsumerSpec | dict[str, Any]] = (),
     reactive_tasks: Sequence[ReactiveTask] | ReactiveScheduler | None = None,
     callbacks: CallbackJobs | bool = False,
+    events: EventQueueOptions | None = None,
     **definitions: Any,
 ) -> Definitions:
     """Definitions with the cmb resource (key ``cmb``), the health check, and your own ``jobs``,
@@ -54,6 +57,9 @@ def cmb_definitions(
 
     ``callbacks``: ``True`` (or a ``CallbackJobs``) adds the callbacks worker jobs and their keepers,
     the evening cleanup schedule and the schedules materializer.
+
+    ``events``: an ``EventQueueOptions`` adds the event queue's worker jobs and keepers, the status sensor,
+    one asset per handler and the ``events`` resource (``EventQueueResource``).
     """
     ours = Definitions(
         jobs=[cmb_health_check],
@@ -67,4 +73,6 @@ def cmb_definitions(
         parts.append(pubsub_definitions(consumers))
     if callbacks:
         parts.append(callback_definitions(None if callbacks is True else callbacks))
+    if events is not None:
+        parts.append(eventqueue_definitions(events, resource=resource))
     return Definitions.merge(*parts)

@@ -4,15 +4,17 @@ from dagster import Definitions
 
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
+from cmb_dagster.examples import eventqueue as eventqueue_example
 from cmb_dagster.examples import pubsub as pubsub_example
 from cmb_dagster.examples import reactive
 
 defs = cmb_definitions(
     reactive_tasks=reactive.reactive_tasks,
-    jobs=[*reactive.example_jobs, pubsub_example.pubsub_demo_place_orders],
+    jobs=[*reactive.example_jobs, pubsub_example.pubsub_demo_place_orders, *eventqueue_example.example_jobs],
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
     consumers=[pubsub_example.consumer],
     callbacks=True,
+    events=eventqueue_example.options,
 )
 defs = Definitions.merge(defs, callbacks_example.definitions)
