@@ -37,6 +37,7 @@ from pydantic import Field
 
 from cmb_dagster.database import Database
 from cmb_dagster.eventqueue import admin
+from cmb_dagster.eventqueue.errors import InvalidInput
 from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, EventQueueOptions, HandlerStatus
 from cmb_dagster.eventqueue.queue import emit, emit_many
 from cmb_dagster.eventqueue.worker import EventWorker
@@ -148,7 +149,7 @@ def eventqueue_definitions(
     one asset per handler and the ``events`` resource (on the database of ``resource``, the ``cmb`` one)."""
     registry = options.registry()
     if not registry.handlers:
-        raise ValueError("events: EventQueueOptions needs at least one handler")
+        raise InvalidInput("events: EventQueueOptions needs at least one handler")
 
     def run_worker(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         worker = EventWorker(database, registry, options.worker, launcher=EventRunLauncher.from_context(context))

@@ -2,7 +2,7 @@
 
 from cmb_dagster.errors import CmbError, InvalidInput
 
-__all__ = ["InvalidInput", "EventQueueError", "UnknownHandler", "NotDead"]
+__all__ = ["EventQueueError", "InvalidInput", "NotDead", "UnknownHandler"]
 
 
 class EventQueueError(CmbError):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from cmb_dagster.eventqueue.errors import InvalidInput
 
@@ -148,7 +148,7 @@ def to_json(value: object, field: str = "value") -> str:
     return text
 
 
-def delay_seconds(delay: float | int | timedelta | None) -> float:
+def delay_seconds(delay: float | timedelta | None) -> float:
     """``delay`` in seconds; None is 0; negative or not finite is InvalidInput naming ``delay``."""
     if delay is None:
         return 0.0

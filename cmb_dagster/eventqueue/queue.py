@@ -56,7 +56,7 @@ def _emit(
         where = f"events[{index}]." if prefixed else ""
         extra = set(event) - _FIELDS
         if extra:
-            raise InvalidInput(f"{where}{sorted(extra)[0]}: unknown field (expected {sorted(_FIELDS)})")
+            raise InvalidInput(f"{where}{min(extra)}: unknown field (expected {sorted(_FIELDS)})")
         for key in ("namespace", "handler", "value"):
             if key not in event:
                 raise InvalidInput(f"{where}{key}: missing")

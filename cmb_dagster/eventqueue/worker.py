@@ -25,6 +25,7 @@ from croniter import croniter
 
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.eventqueue import sql as q
+from cmb_dagster.eventqueue.errors import InvalidInput
 from cmb_dagster.eventqueue.handlers import Handler, HandlerRegistry
 from cmb_dagster.eventqueue.models import Event, WorkerSettings, to_json
 from cmb_dagster.notifications import Listener, channel_name
@@ -91,7 +92,7 @@ class EventWorker:
         self.db = Database.of(db)
         self.registry = HandlerRegistry.of(handlers)
         if not self.registry.handlers:
-            raise ValueError("an event queue worker needs at least one handler")
+            raise InvalidInput("handlers: an event queue worker needs at least one handler")
         self.settings = settings or WorkerSettings()
         self.owner = owner or default_owner()
         self.launcher = launcher
@@ -220,7 +221,7 @@ class EventWorker:
             log.error("event %s (%s) failed %s times; moved to the dead-letter table: %s", item.event.id,
                       handler.name, item.event.retries + 1, error)
             return Edge.RETRY_TOO_MANY
-        except Exception:  # noqa: BLE001 - the event stays locked and is retried when the lock expires
+        except Exception:
             log.exception("event %s: recording its failure failed; it runs again after its lock expires",
                           item.event.id)
             return Edge.RETRY_CHECK_FAILED

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -110,7 +110,7 @@ def test_kill_9_workers_repeatedly_loses_nothing_and_lock_expiry_bounds_the_dela
     duplicated = {i: v for i, v in seen.items() if len(v) > 1}
     assert 0 < len(duplicated) <= 3 * 20  # some batches were in flight at the kills, and only those
     print(f"{len(duplicated)} events ran twice after {len(kills)} kills")
-    for event_id, attempts in duplicated.items():
+    for attempts in duplicated.values():
         attempts.sort()
         first_at, first_pid = attempts[0]
         assert first_pid in killed  # only events in flight in a killed worker ran twice

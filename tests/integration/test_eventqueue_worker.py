@@ -1,5 +1,6 @@
 """The event queue worker: notifications, sweeps, pause/block holds, crons across workers, bad input."""
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -224,6 +225,6 @@ def test_cron_handler_emits_once_per_interval_across_workers(db):
     times = [f[0] for f in fires]
     assert 2 <= len(times) <= 5
     assert len(set(times)) == len(times)
-    assert all((b - a).total_seconds() == 1 for a, b in zip(times, times[1:], strict=False))  # one per second, none missed
+    assert all((b - a).total_seconds() == 1 for a, b in itertools.pairwise(times))  # one per second, none missed
     wait_until(lambda: sum(recorder.seen.values()) == len(times), timeout=5, what="cron events run")
     assert max(recorder.seen.values()) == 1
