@@ -29,7 +29,8 @@ def emit(
 ) -> int:
     """Emit ``value`` (JSON) to ``handler`` in ``namespace``; return the event id.
 
-    With ``conn`` the event is part of that connection's transaction (it exists only if that commits);
+    With ``conn`` the event is part of that connection's transaction (it exists only if that commits;
+    the connection's search_path must start with the cmb schema, as a :class:`Database`'s connections do);
     otherwise it commits at once on ``db`` (default: the database of the environment). ``delay`` (seconds
     or a timedelta) holds it back; an unknown handler raises :class:`UnknownHandler` and writes nothing.
     """

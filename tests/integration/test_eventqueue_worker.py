@@ -138,8 +138,10 @@ def test_notifications_off_events_still_run_within_sweep_and_listener_reconnects
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
                 "AND pid <> pg_backend_pid() AND (query LIKE 'LISTEN%%' OR query = 'SELECT 1')").fetchone()[0]
         assert killed >= 1
+        started = time.monotonic()
         ids = [emit("ns", "h", i, db=db) for i in range(20)]
         wait_until(lambda: all(recorder.seen[i] for i in ids), timeout=10, what="events run without notifications")
+        assert max(recorder.started[i] for i in ids) - started < settings.sweep_interval + 2.0
         wait_until(lambda: worker.listening and worker.listener.connections >= 2, timeout=10, what="listener reconnected")
         event_id = emit("ns", "h", 1, db=db)
         wait_until(lambda: recorder.seen[event_id], timeout=10, what="event run after reconnect")
