@@ -18,6 +18,7 @@ from cmb_dagster.callbacks.cli import callbacks
 from cmb_dagster.ctl.cli import ctl
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
+from cmb_dagster.eventqueue.cli import events
 from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.reactive.cli import reactive
 from cmb_dagster.settings import Settings
@@ -189,7 +190,7 @@ def stop() -> None:
 
 
 
-for engine_group in (pubsub, ctl, reactive, callbacks, stages):
+for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):
     main.add_command(engine_group)
 
 

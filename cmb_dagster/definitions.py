@@ -5,6 +5,8 @@ from typing import Any
 from dagster import Definitions
 
 from cmb_dagster.callbacks.dagster_defs import CallbackOptions, callback_definitions
+from cmb_dagster.eventqueue.dagster_defs import eventqueue_definitions
+from cmb_dagster.eventqueue.models import EventQueueOptions
 from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import PubSubOptions
 from cmb_dagster.reactive.dagster_defs import ReactiveOptions, reactive_definitions
@@ -19,6 +21,7 @@ def cmb_definitions(
     pubsub: PubSubOptions | None = None,
     callbacks: CallbackOptions | None = None,
     stages: StageOptions | None = None,
+    events: EventQueueOptions | None = None,
     prefix: str = "cmb_",
     resource: CmbResource | None = None,
     **definitions: Any,
@@ -40,4 +43,6 @@ def cmb_definitions(
         parts.append(callback_definitions(callbacks, prefix=prefix))
     if stages is not None:
         parts.append(stages_definitions(stages, prefix=prefix))
+    if events is not None:
+        parts.append(eventqueue_definitions(events, prefix=prefix, resource=resource))
     return Definitions.merge(*parts)

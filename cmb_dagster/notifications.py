@@ -51,6 +51,7 @@ class Listener:
         self.heartbeat = heartbeat
         self.retry_delay = retry_delay
         self.connected = threading.Event()
+        self.connections = 0  # successful (re)connects so far
         self._stop = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._thread: threading.Thread | None = None
@@ -81,6 +82,7 @@ class Listener:
                 with self.db.connect(autocommit=True) as conn:
                     for channel in self.channels:
                         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    self.connections += 1
                     self.connected.set()
                     for channel in self.channels:
                         self.on_notify(channel, None)

@@ -2,6 +2,7 @@
 
 from cmb_dagster import CallbackOptions, PubSubOptions, ReactiveOptions, cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
+from cmb_dagster.examples import eventqueue as eventqueue_example
 from cmb_dagster.examples import health
 from cmb_dagster.examples import pubsub as pubsub_example
 from cmb_dagster.examples import reactive
@@ -12,8 +13,9 @@ defs = cmb_definitions(
     pubsub=PubSubOptions(consumers=[pubsub_example.consumer]),
     callbacks=CallbackOptions(),
     stages=stages_example.options,
+    events=eventqueue_example.options,
     jobs=[health.health_check, *reactive.example_jobs, pubsub_example.pubsub_demo_place_orders,
-          *callbacks_example.jobs, stages_example.stages_demo_offers],
+          *callbacks_example.jobs, stages_example.stages_demo_offers, *eventqueue_example.example_jobs],
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
     schedules=callbacks_example.schedules,

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[2] / "cmb_dagster"
-ENGINES = ["callbacks", "pubsub", "reactive", "stages"]
+ENGINES = ["callbacks", "eventqueue", "pubsub", "reactive", "stages"]
 SHAPE = {"__init__.py", "models.py", "sql.py", "admin.py", "cli.py", "errors.py"}
 IMPORTS_DAGSTER = re.compile(r"^\s*(import dagster|from dagster[\s.])", re.MULTILINE)
 DAGSTER_SHELL = {"jobs.py", "resources.py", "definitions.py"}  # the foundation's Dagster shell

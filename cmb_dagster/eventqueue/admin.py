@@ -1,0 +1,105 @@
+"""Operator functions: scheduling rules (pause/block), status, the dead-letter table and replay."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import psycopg
+
+from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.eventqueue import sql as q
+from cmb_dagster.eventqueue.errors import InvalidInput, NotDead, UnknownHandler
+from cmb_dagster.eventqueue.models import DEFAULT_MODULE, DeadEvent, HandlerStatus, Rule, check_name
+
+
+def pause(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> bool:
+    """Hold the handler's events of (namespace, event space) until :func:`unpause` (a user's rule)."""
+    return _add_rule(db, "pause", namespace, handler, event_space)
+
+
+def unpause(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> int:
+    """Lift a pause; the held events become due again (unless also blocked). Returns how many were released."""
+    return _drop_rule(db, "pause", namespace, handler, event_space)
+
+
+def block(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> bool:
+    """Hold the handler's events of (namespace, event space) until :func:`unblock` (an admin's rule)."""
+    return _add_rule(db, "block", namespace, handler, event_space)
+
+
+def unblock(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> int:
+    """Lift a block; the held events become due again (unless also paused). Returns how many were released."""
+    return _drop_rule(db, "block", namespace, handler, event_space)
+
+
+def _rule_params(conn: psycopg.Connection, rule_type: str, namespace: str, handler: str, event_space: str) -> dict:
+    params = {"rule_type": rule_type, "namespace": check_name("namespace", namespace),
+              "handler": check_name("handler", handler), "event_space": check_name("event_space", event_space)}
+    if conn.execute(q.HANDLER_EXISTS, params).fetchone() is None:
+        raise UnknownHandler(f"handler: no handler named {handler!r} is registered")
+    return params
+
+
+def _add_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str) -> bool:
+    with Database.of(db).connection() as conn:
+        params = _rule_params(conn, rule_type, namespace, handler, event_space)
+        return conn.execute(q.ADD_RULE, params).fetchone() is not None
+
+
+def _drop_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str) -> int:
+    with Database.of(db).connection() as conn:
+        params = _rule_params(conn, rule_type, namespace, handler, event_space)
+        conn.execute(q.DELETE_RULE, params)
+    with Database.of(db).connection() as conn:  # a new snapshot: sees what claimers parked until now
+        return conn.execute(q.RELEASE_HELD, params).fetchone()[0]
+
+
+def rules(db: DatabaseSource) -> list[Rule]:
+    """Every pause and block rule, with how many events each holds."""
+    with Database.of(db).connection() as conn:
+        return [Rule(*row) for row in conn.execute(q.LIST_RULES)]
+
+
+def status(db: DatabaseSource) -> list[HandlerStatus]:
+    """Per registered handler: queued, delayed, locked, held, dead-lettered, oldest queued age, rules."""
+    with Database.of(db).connection() as conn:
+        return [HandlerStatus(*row[:8], list(row[8] or [])) for row in conn.execute(q.STATUS)]
+
+
+def dead_letters(db: DatabaseSource, handler: str | None = None, limit: int = 100) -> list[DeadEvent]:
+    """Dead-lettered events (of ``handler``), oldest first."""
+    with Database.of(db).connection() as conn:
+        return [DeadEvent(*row) for row in conn.execute(q.LIST_DEAD, {"handler": handler, "limit": limit})]
+
+
+def replay(db: DatabaseSource, ids: Iterable[int] | None = None, *, handler: str | None = None) -> list[int]:
+    """Move dead-lettered events back into the queue with their ids, retries reset; return their ids.
+
+    ``ids``: these events (each must be dead, else :class:`NotDead` and nothing moves); ``None``: all of
+    them (of ``handler`` when given).
+    """
+    id_list = None if ids is None else list(ids)
+    if id_list is not None:
+        bad = [i for i in id_list if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise InvalidInput(f"ids: expected event ids (integers), got {bad[0]!r}")
+        if not id_list:
+            return []
+    with Database.of(db).connection() as conn:
+        if id_list is not None:
+            found = {r[0] for r in conn.execute(q.LOCK_DEAD_IDS, {"ids": id_list})}
+            missing = sorted(set(id_list) - found)
+            if missing:
+                raise NotDead(f"ids: event {missing[0]} is not in the dead-letter table; nothing was replayed")
+        replayed, _ = conn.execute(q.REPLAY, {"ids": id_list, "handler": handler}).fetchone()
+        return list(replayed or [])
+
+
+def register(db: DatabaseSource, handlers: object) -> list[str]:
+    """Record handlers (a registry, ``"module:attr"`` or a list) in the database; return their names."""
+    from cmb_dagster.eventqueue.handlers import HandlerRegistry
+
+    registry = HandlerRegistry.of(handlers)
+    with Database.of(db).connection() as conn:
+        registry.register(conn)
+    return registry.names

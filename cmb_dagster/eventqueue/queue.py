@@ -1,0 +1,89 @@
+"""Emitting events: one statement for any number of events, inside the caller's transaction when given one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.eventqueue import sql as q
+from cmb_dagster.eventqueue.errors import InvalidInput, UnknownHandler
+from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, check_name, delay_seconds, to_json
+
+_FIELDS = {"namespace", "handler", "value", "module", "modifier", "delay"}
+
+
+def emit(
+    namespace: str,
+    handler: str,
+    value: Any,
+    *,
+    module: str = DEFAULT_MODULE,
+    modifier: str = DEFAULT_MODIFIER,
+    delay: float | timedelta | None = None,
+    conn: psycopg.Connection | None = None,
+    db: DatabaseSource | None = None,
+) -> int:
+    """Emit ``value`` (JSON) to ``handler`` in ``namespace``; return the event id.
+
+    With ``conn`` the event is part of that connection's transaction (it exists only if that commits;
+    the connection's search_path must start with the cmb schema, as a :class:`Database`'s connections do);
+    otherwise it commits at once on ``db`` (default: the database of the environment). ``delay`` (seconds
+    or a timedelta) holds it back; an unknown handler raises :class:`UnknownHandler` and writes nothing.
+    """
+    event = {"namespace": namespace, "handler": handler, "value": value, "module": module, "modifier": modifier,
+             "delay": delay}
+    return _emit([event], conn, db, prefixed=False)[0]
+
+
+def emit_many(
+    events: Iterable[Mapping[str, Any]],
+    *,
+    conn: psycopg.Connection | None = None,
+    db: DatabaseSource | None = None,
+) -> list[int]:
+    """Emit many events in one statement (all or none); each a mapping with the keywords of :func:`emit`."""
+    return _emit(events, conn, db, prefixed=True)
+
+
+def _emit(
+    events: Iterable[Mapping[str, Any]], conn: psycopg.Connection | None, db: DatabaseSource | None, *, prefixed: bool
+) -> list[int]:
+    columns: dict[str, list[Any]] = {k: [] for k in ("namespaces", "modules", "handlers", "modifiers", "values", "delays")}
+    for index, event in enumerate(events):
+        where = f"events[{index}]." if prefixed else ""
+        extra = set(event) - _FIELDS
+        if extra:
+            raise InvalidInput(f"{where}{min(extra)}: unknown field (expected {sorted(_FIELDS)})")
+        for key in ("namespace", "handler", "value"):
+            if key not in event:
+                raise InvalidInput(f"{where}{key}: missing")
+        prefix = where
+        columns["namespaces"].append(check_name(f"{prefix}namespace", event["namespace"]))
+        columns["handlers"].append(check_name(f"{prefix}handler", event["handler"]))
+        columns["modules"].append(check_name(f"{prefix}module", event.get("module", DEFAULT_MODULE)))
+        columns["modifiers"].append(check_name(f"{prefix}modifier", event.get("modifier", DEFAULT_MODIFIER)))
+        columns["values"].append(to_json(event["value"], f"{prefix}value"))
+        columns["delays"].append(delay_seconds(event.get("delay")))
+    if not columns["namespaces"]:
+        return []
+    handlers = set(columns["handlers"])
+    params = {**columns, "payload": next(iter(handlers)) if len(handlers) == 1 else ""}
+    if conn is not None:
+        return _insert(conn, params)
+    database = Database.of(db) if db is not None else Database.shared()
+    with database.connection() as own:
+        return _insert(own, params)
+
+
+def _insert(conn: psycopg.Connection, params: dict[str, Any]) -> list[int]:
+    unknown, ids, _ = conn.execute(q.EMIT, params).fetchone()
+    if unknown is not None:
+        raise UnknownHandler(
+            f"handler: no handler named {unknown!r} is registered (a worker or `cmb-dagster events register` "
+            "records handlers); nothing was emitted"
+        )
+    return list(ids)

@@ -1,0 +1,30 @@
+"""Handlers for the event queue's process tests: each run appends ``<event id> <unix time>`` to a file per process."""
+
+import os
+import time
+
+from cmb_dagster.eventqueue import HandlerRegistry
+
+registry = HandlerRegistry()
+_fd = None
+
+
+def _out() -> int:
+    global _fd
+    if _fd is None:
+        path = os.path.join(os.environ["EQ_OUT"], f"{os.getpid()}.log")
+        _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return _fd
+
+
+@registry.handler("record", lock_expiry=float(os.environ.get("EQ_LOCK_EXPIRY", "300")))
+def record(event) -> None:
+    pause = float(os.environ.get("EQ_SLEEP", "0"))
+    if pause:
+        time.sleep(pause)
+    os.write(_out(), f"{event.id} {time.time():.6f}\n".encode())  # unbuffered: survives kill -9
+
+
+@registry.handler("always_fails", max_retries=1, retry_delay=0.1)
+def always_fails(event) -> None:
+    raise ValueError(f"cannot handle {event.value}")

@@ -1,0 +1,232 @@
+"""The event queue worker: notifications, sweeps, pause/block holds, crons across workers, bad input."""
+
+import itertools
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from waiting import wait_until
+
+from cmb_dagster.eventqueue import (
+    EventWorker,
+    HandlerRegistry,
+    InvalidInput,
+    NotDead,
+    UnknownHandler,
+    WorkerSettings,
+    block,
+    emit,
+    emit_many,
+    pause,
+    register,
+    replay,
+    rules,
+    status,
+    unblock,
+    unpause,
+)
+
+
+class Recorder:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.seen = Counter()
+        self.started = {}
+
+    def __call__(self, event):
+        with self.lock:
+            self.seen[event.id] += 1
+            self.started.setdefault(event.id, time.monotonic())
+
+
+def registry_with(recorder, *names, **config):
+    registry = HandlerRegistry()
+    for name in names:
+        registry.add(name, recorder, **config)
+    return registry
+
+
+class Running:
+    """EventWorkers looping in threads for the length of a with block."""
+
+    def __init__(self, *workers):
+        self.workers = workers
+        self.threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+
+    def __enter__(self):
+        for w in self.workers:
+            w.register()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        for w in self.workers:
+            w.stop()
+        for t in self.threads:
+            t.join(10)
+
+
+def queued(db):
+    with db.connection() as conn:
+        return conn.execute("SELECT count(*) FROM eventqueue_events").fetchone()[0]
+
+
+def test_emit_in_callers_transaction_exists_only_if_it_commits(db):
+    register(db, registry_with(Recorder(), "h"))
+    with db.connection() as conn:
+        emit("ns", "h", 1, conn=conn)
+        conn.rollback()
+    assert queued(db) == 0
+    with db.connection() as conn:
+        ids = emit_many([{"namespace": "ns", "handler": "h", "value": i} for i in range(3)], conn=conn)
+    assert len(ids) == 3 and queued(db) == 3
+
+
+def test_bad_input_is_refused_naming_the_field_and_writes_nothing(db):
+    register(db, registry_with(Recorder(), "h"))
+    with pytest.raises(UnknownHandler, match="handler: no handler named 'nope'"):
+        emit("ns", "nope", 1, db=db)
+    with pytest.raises(UnknownHandler, match="handler"):
+        emit_many([{"namespace": "ns", "handler": "h", "value": 1}, {"namespace": "ns", "handler": "nope", "value": 2}],
+                  db=db)
+    with pytest.raises(InvalidInput, match="value: not JSON"):
+        emit("ns", "h", {"when": object()}, db=db)
+    with pytest.raises(InvalidInput, match="value"):
+        emit("ns", "h", float("nan"), db=db)
+    with pytest.raises(InvalidInput, match="delay: must not be negative"):
+        emit("ns", "h", 1, delay=-1, db=db)
+    with pytest.raises(InvalidInput, match="delay: must not be negative"):
+        emit("ns", "h", 1, delay=timedelta(seconds=-1), db=db)
+    with pytest.raises(InvalidInput, match=r"events\[1\].namespace"):
+        emit_many([{"namespace": "ns", "handler": "h", "value": 1}, {"namespace": "", "handler": "h", "value": 1}], db=db)
+    with pytest.raises(UnknownHandler, match="handler"):
+        pause(db, "ns", "nope")
+    with pytest.raises(NotDead, match="ids: event 12345 is not in the dead-letter table"):
+        replay(db, [12345])
+    assert queued(db) == 0 and rules(db) == []
+    with db.connection() as conn:  # the caller's transaction stays usable after a refused emit
+        with pytest.raises(UnknownHandler):
+            emit("ns", "nope", 1, conn=conn)
+        emit("ns", "h", 1, conn=conn)
+    assert queued(db) == 1
+
+
+def test_notification_wakes_worker_at_once(db):
+    recorder = Recorder()
+    worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(sweep_interval=30))
+    with Running(worker):
+        wait_until(lambda: worker.listening, what="listener connected")
+        time.sleep(0.2)  # the first sweep has passed: only a notification can wake the worker now
+        started = time.monotonic()
+        event_id = emit("ns", "h", 1, db=db)
+        wait_until(lambda: recorder.seen[event_id], timeout=10, what="event run")
+        assert recorder.started[event_id] - started < 5  # long before the 30 s sweep
+    assert queued(db) == 0
+
+
+def test_notifications_off_events_still_run_within_sweep_and_listener_reconnects(db):
+    recorder = Recorder()
+    settings = WorkerSettings(sweep_interval=0.5, heartbeat=0.2)
+    worker = EventWorker(db, registry_with(recorder, "h"), settings)
+    with Running(worker):
+        wait_until(lambda: worker.listening, what="listener connected")
+        with db.connection() as conn:  # kill the LISTEN connection behind the worker's back
+            killed = conn.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND (query LIKE 'LISTEN%%' OR query = 'SELECT 1')").fetchone()[0]
+        assert killed >= 1
+        started = time.monotonic()
+        ids = [emit("ns", "h", i, db=db) for i in range(20)]
+        wait_until(lambda: all(recorder.seen[i] for i in ids), timeout=10, what="events run without notifications")
+        assert max(recorder.started[i] for i in ids) - started < settings.sweep_interval + 2.0
+        wait_until(lambda: worker.listening and worker.listener.connections >= 2, timeout=10, what="listener reconnected")
+        event_id = emit("ns", "h", 1, db=db)
+        wait_until(lambda: recorder.seen[event_id], timeout=10, what="event run after reconnect")
+
+
+def test_sweep_only_worker_runs_events_within_sweep_interval(db):
+    recorder = Recorder()
+    worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(listen=False, sweep_interval=0.3))
+    with Running(worker):
+        time.sleep(0.2)
+        started = time.monotonic()
+        event_id = emit("ns", "h", 1, db=db)
+        wait_until(lambda: recorder.seen[event_id], timeout=10, what="event run by a sweep")
+        assert recorder.started[event_id] - started < 3
+
+
+def test_pause_holds_unpause_delivers_and_other_handlers_go_on(db):
+    recorder = Recorder()
+    worker = EventWorker(db, registry_with(recorder, "paused", "free"), WorkerSettings(sweep_interval=0.2))
+    worker.register()
+    pause(db, "ns", "paused")
+    with Running(worker):
+        held = emit_many([{"namespace": "ns", "handler": "paused", "value": i} for i in range(50)], db=db)
+        other_ns = emit("other", "paused", 1, db=db)  # another namespace is not paused
+        free = emit_many([{"namespace": "ns", "handler": "free", "value": i} for i in range(50)], db=db)
+        wait_until(lambda: all(recorder.seen[i] for i in [*free, other_ns]), timeout=10, what="free events run")
+        wait_until(lambda: status_of(db, "paused").held == 50, timeout=10, what="paused events held")
+        time.sleep(0.5)
+        assert not any(recorder.seen[i] for i in held)  # none processed while paused
+        assert [r.held for r in rules(db)] == [50]
+        assert unpause(db, "ns", "paused") == 50
+        wait_until(lambda: all(recorder.seen[i] for i in held), timeout=10, what="held events delivered")
+    assert queued(db) == 0 and max(recorder.seen.values()) == 1
+
+
+def test_block_holds_until_unblock_and_pause_plus_block_needs_both_lifted(db):
+    recorder = Recorder()
+    worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(sweep_interval=0.2))
+    worker.register()
+    block(db, "ns", "h")
+    pause(db, "ns", "h")
+    with Running(worker):
+        ids = emit_many([{"namespace": "ns", "handler": "h", "value": i} for i in range(10)], db=db)
+        wait_until(lambda: status_of(db, "h").held == 10, timeout=10, what="blocked events held")
+        assert status_of(db, "h").rules == ["block ns/worker", "pause ns/worker"]
+        assert unpause(db, "ns", "h") == 0  # still blocked
+        time.sleep(0.5)
+        assert not any(recorder.seen[i] for i in ids)
+        assert unblock(db, "ns", "h") == 10
+        wait_until(lambda: all(recorder.seen[i] for i in ids), timeout=10, what="unblocked events delivered")
+
+
+def status_of(db, handler):
+    return next(s for s in status(db) if s.handler == handler)
+
+
+def test_status_counts(db):
+    recorder = Recorder()
+    registry = registry_with(recorder, "h", max_retries=0)
+    worker = EventWorker(db, registry, WorkerSettings(listen=False))
+    worker.register()
+    emit("ns", "h", 1, db=db)
+    emit("ns", "h", 1, delay=60, db=db)
+    s = status_of(db, "h")
+    assert (s.queued, s.delayed, s.locked, s.held, s.dead, s.kind) == (1, 1, 0, 0, 0, "python")
+    assert s.oldest_queued_seconds >= 0
+    worker.close()
+
+
+def test_cron_handler_emits_once_per_interval_across_workers(db):
+    recorder = Recorder()
+
+    def make_worker():
+        registry = registry_with(recorder, "tick")
+        registry.cron("every_second", "* * * * * *", handler="tick", value={"cron": True})
+        return EventWorker(db, registry, WorkerSettings(sweep_interval=0.1, cron_interval=0.05))
+
+    workers = [make_worker() for _ in range(3)]
+    with Running(*workers):
+        time.sleep(3.2)
+    with db.connection() as conn:
+        fires = conn.execute("SELECT fire_time FROM eventqueue_cron_records ORDER BY fire_time").fetchall()
+    times = [f[0] for f in fires]
+    assert 2 <= len(times) <= 5
+    assert len(set(times)) == len(times)
+    assert all((b - a).total_seconds() == 1 for a, b in itertools.pairwise(times))  # one per second, none missed
+    wait_until(lambda: sum(recorder.seen.values()) == len(times), timeout=5, what="cron events run")
+    assert max(recorder.seen.values()) == 1
