@@ -167,12 +167,12 @@ def test_exception_in_retry_check_requeues_after_lock_expiry(db, calls):
             raise BrokenError()
 
     registry = HandlerRegistry()
-    registry.add("h", broken, lock_expiry=0.3)
+    registry.add("h", broken, lock_expiry=1.0)
     worker = EventWorker(db, registry, SETTINGS)
     event_id = emit("ns", "h", 1, db=db) if worker.register() is None else None
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_NONE, Edge.RETRY_CHECK_FAILED]}
     assert row(db, event_id)[1] is not None  # still locked
     assert worker.run_once() == 0
-    time.sleep(0.35)
+    time.sleep(1.05)
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_EXPIRED, Edge.EXECUTES_TO_COMPLETION]}
     worker.close()
