@@ -22,6 +22,7 @@ from cmb_dagster.embedded import embedded_url
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_WITHIN_S = 20
+WORKER_KINDS = {"callbacks.bucket", "pubsub.consumer", "stages.shard", "eventqueue.worker"}  # the demo's workers
 
 
 def session_processes(session: int) -> str:
@@ -38,13 +39,13 @@ def run_statuses(env: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def workers_working(env: dict[str, str]) -> bool:
-    """Both demo workers hold their leases, and no other run is in progress (a user's run that is in
-    progress when dev stops is interrupted, as with plain `dagster dev`)."""
+    """Every demo worker holds its lease, no run is starting, and no user's run is in progress (a run
+    that is starting or running user code when dev stops is interrupted, as with plain `dagster dev`)."""
     with psycopg.connect(cmb_url(env)) as conn:
         kinds = {k for (k,) in conn.execute("SELECT kind FROM cmb.leases WHERE expires_at > now()")}
     busy = [name for name, status in run_statuses(env)
-            if status in ("STARTING", "STARTED") and not name.startswith("cmb_")]
-    return {"callbacks.bucket", "pubsub.consumer"} <= kinds and not busy
+            if status == "STARTING" or status == "STARTED" and not name.startswith("cmb_")]
+    return WORKER_KINDS <= kinds and not busy
 
 
 def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float) -> None:
