@@ -1,4 +1,4 @@
-"""Handler event queue (seed "Events V2"): code emits events to named handlers; workers run them with delays,
+"""Handler event queue (after the "Events V2" design): code emits events to named handlers; workers run them with delays,
 timestamp locks, retries with backoff, pause/block rules and a dead-letter table. Postgres is the truth;
 LISTEN/NOTIFY only tells workers when to look.
 """

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cmb_dagster.eventqueue.errors import InvalidInput
 
 DEFAULT_NAMESPACE = "default"
-DEFAULT_MODULE = "worker"  # the seed's event space of events emitted by code
+DEFAULT_MODULE = "worker"  # the original design's event space of events emitted by code
 CRON_MODULE = "cron"  # the event space of events emitted by cron handlers
 DEFAULT_MODIFIER = "_"
 MAX_NAME_LENGTH = 200

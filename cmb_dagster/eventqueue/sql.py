@@ -114,7 +114,7 @@ SET retries = retries + 1, locked_at = NULL, last_error = %(error)s,
 WHERE id = %(id)s AND locked_at = %(locked_at)s
 """
 
-# RetryTooMany: into the dead-letter table with the last error (the seed deleted it).
+# RetryTooMany: into the dead-letter table with the last error (the original design deleted it).
 KILL = """
 WITH moved AS (
     DELETE FROM eventqueue_events WHERE id = %(id)s AND locked_at = %(locked_at)s

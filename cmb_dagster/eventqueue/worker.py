@@ -1,4 +1,4 @@
-"""The dequeue state machine (the seed's flowchart) and the worker that runs it in batches.
+"""The dequeue state machine (the original design's flowchart) and the worker that runs it in batches.
 
 A worker claims a batch of due events in one statement (``FOR UPDATE SKIP LOCKED``, compare-and-set on
 ``locked_at``), runs each event's handler, deletes the events that completed, and retries or dead-letters
@@ -39,7 +39,7 @@ MIN_SLEEP = 0.005
 
 
 class Edge(StrEnum):
-    """The edges of the seed's dequeue flowchart an event can take."""
+    """The edges of the original design's dequeue flowchart an event can take."""
 
     EVENT_MISSING = "event_missing"  # EventLoad -> End: it is done
     PAUSED = "paused"  # PauseCheck -> End: held until unpause
