@@ -1,5 +1,6 @@
 """Errors of the pub/sub engine."""
 
+from cmb_dagster import errors
 from cmb_dagster.errors import CmbError
 
 
@@ -7,7 +8,7 @@ class PubSubError(CmbError):
     """Base class of the pub/sub engine's errors."""
 
 
-class InvalidInput(PubSubError):
+class InvalidInput(PubSubError, errors.InvalidInput):
     """An argument is invalid; the message names the field. Nothing was written."""
 
 

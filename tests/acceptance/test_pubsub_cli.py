@@ -103,7 +103,7 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
     assert again.returncode == 0 and "0 events" in again.stdout, again.stderr
     status = cli(database_url, "status")
     assert "reporter  branch 0  delivered 3  behind 0 (0.0s)  handler test_pubsub_cli:record" in status.stdout
-    assert cli(database_url, "trim").stdout.strip() == "deleted 3 delivered events"
+    assert cli(database_url, "trim", "--retain-days", "0").stdout.strip() == "deleted 3 delivered events"
     assert "nothing to re-base" in cli(database_url, "reset").stdout
     with db.connection() as conn:  # what a pg_restore into a younger cluster looks like
         conn.execute("UPDATE pubsub_clock SET system_identifier = 42")
