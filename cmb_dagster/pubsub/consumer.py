@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Literal
 
 import psycopg
@@ -87,24 +89,17 @@ def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int, *, or
     ``order="txid"``: only events of transactions below the oldest one still running, so every
     delivered sequence is in txid order (a transaction left open holds the consumer back).
     """
-    target = watermark.target
-    if target is None:
-        if order == "txid":
-            row = conn.execute(q.STRICT_TARGET, {"snapshot": watermark.snapshot}).fetchone()
-            if row is None:  # no transaction ended beyond the stored snapshot
-                return Batch(events=[], after=watermark, changed=False)
-            target = row[0]
-        else:
-            target = conn.execute(q.CURRENT_SNAPSHOT).fetchone()[0]
-        txid, event_id = 0, 0
-    else:
-        txid, event_id = watermark.txid, watermark.event_id
     params = {
-        "branch_id": watermark.branch_id, "snapshot": watermark.snapshot, "target": target,
-        "txid": str(txid), "event_id": event_id, "limit": limit + 1,
+        "branch_id": watermark.branch_id, "snapshot": watermark.snapshot, "target": watermark.target,
+        "strict": order == "txid", "limit": limit + 1,
+        # the position counts within a half-delivered difference only; a new one starts at its beginning
+        "txid": str(watermark.txid) if watermark.target else "0", "event_id": watermark.event_id if watermark.target else 0,
     }
-    rows = conn.cursor(row_factory=tuple_row).execute(q.READ_BATCH, params).fetchall()
-    events = [Event(r[0], int(r[1]), r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows[:limit]]
+    target, found = conn.execute(q.READ_BATCH, params, prepare=True).fetchone()
+    if target is None:  # order="txid" and no transaction ended beyond the stored snapshot
+        return Batch(events=[], after=watermark, changed=False)
+    rows = json.loads(found) if found else []
+    events = [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], datetime.fromisoformat(r[7])) for r in rows[:limit]]
     more = len(rows) > limit
     last = events[-1] if events else None
     after = watermark.model_copy(

@@ -79,48 +79,57 @@ SCHEMA_FIRST = "SELECT set_config('search_path', %(schema)s || ', ' || current_s
 
 # -- reading ------------------------------------------------------------------------------------
 
-CURRENT_SNAPSHOT = "SELECT pubsub_snapshot()::text"
-
-# order="txid": the snapshot "xmin:xmin:" of now, which shows committed exactly the txids below the
-# oldest transaction still running (all of them have ended), or no row while that is not beyond the
-# stored snapshot %(snapshot)s (nothing new is final yet).
-STRICT_TARGET = """
-SELECT format('%%s:%%s:', pg_snapshot_xmin(s), pg_snapshot_xmin(s))
-FROM pubsub_snapshot() AS s
-WHERE pg_snapshot_xmin(s) > pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
-"""
 
 RESTORE_PROBLEM = "SELECT pubsub_restore_problem(%(snapshot)s::pg_snapshot)"
 
 _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.created_at"
 
-# The events of a branch that %(target)s shows committed and %(snapshot)s does not, after the position
-# (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as running
-# (an index scan per such txid), or one at or above its xmax (one index range scan): neither part
-# revisits delivered events.
+# The events of a branch that the target snapshot shows committed and %(snapshot)s does not, after the
+# position (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as
+# running (an index scan per such txid), or one at or above its xmax (one index range scan): neither
+# part revisits delivered events.
+#
+# The target is %(target)s when a difference is half delivered, else taken here (one round trip):
+# the current snapshot, or with %(strict)s (order="txid") "xmin:xmin:", which shows committed exactly
+# the txids below the oldest transaction still running; no target (NULL) while that is not beyond
+# %(snapshot)s. Returns one row: the target, and the events as one JSON array of
+# [id, txid, branch_id, topic, op, key, payload, created_at] (one json.loads per batch instead of two
+# jsonb decodes and a timestamp per event: the client's cost per event halves).
 READ_BATCH = f"""
-SELECT batch.id, batch.txid::text, batch.branch_id, batch.topic, batch.op, batch.key, batch.payload, batch.created_at
-FROM (
-    (SELECT {_EVENT_COLUMNS}
-     FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
-     CROSS JOIN LATERAL (
-         SELECT * FROM pubsub_events e
-         WHERE e.branch_id = %(branch_id)s AND e.txid = x AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
-         ORDER BY e.id LIMIT %(limit)s
-     ) AS e
-     WHERE pg_visible_in_snapshot(x, %(target)s::pg_snapshot)
-     ORDER BY e.txid, e.id LIMIT %(limit)s)
-    UNION ALL
-    (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
-     WHERE e.branch_id = %(branch_id)s
-       AND e.txid >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
-       AND e.txid < pg_snapshot_xmax(%(target)s::pg_snapshot)
-       AND pg_visible_in_snapshot(e.txid, %(target)s::pg_snapshot)
-       AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
-     ORDER BY e.txid, e.id LIMIT %(limit)s)
-) AS batch
-ORDER BY batch.txid, batch.id  -- as xid8: the text of txids does not sort like txids
-LIMIT %(limit)s
+WITH target AS MATERIALIZED (
+    SELECT CASE
+        WHEN %(target)s::pg_snapshot IS NOT NULL THEN %(target)s::pg_snapshot
+        WHEN NOT %(strict)s THEN pubsub_snapshot()
+        ELSE (SELECT format('%%s:%%s:', pg_snapshot_xmin(s), pg_snapshot_xmin(s))::pg_snapshot
+              FROM pubsub_snapshot() AS s
+              WHERE pg_snapshot_xmin(s) > pg_snapshot_xmax(%(snapshot)s::pg_snapshot))
+    END AS t
+)
+SELECT (SELECT t::text FROM target),
+       (SELECT json_agg(json_build_array(batch.id, batch.txid::text::numeric, batch.branch_id, batch.topic, batch.op,
+                                         batch.key, batch.payload, batch.created_at)
+                        ORDER BY batch.txid, batch.id)::text  -- as xid8: the text of txids does not sort like txids
+        FROM (
+            (SELECT {_EVENT_COLUMNS}
+             FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
+             CROSS JOIN LATERAL (
+                 SELECT * FROM pubsub_events e
+                 WHERE e.branch_id = %(branch_id)s AND e.txid = x AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+                 ORDER BY e.id LIMIT %(limit)s
+             ) AS e
+             WHERE pg_visible_in_snapshot(x, (SELECT t FROM target))
+             ORDER BY e.txid, e.id LIMIT %(limit)s)
+            UNION ALL
+            (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
+             WHERE e.branch_id = %(branch_id)s
+               AND e.txid >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
+               AND e.txid < (SELECT pg_snapshot_xmax(t) FROM target)
+               AND pg_visible_in_snapshot(e.txid, (SELECT t FROM target))
+               AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+             ORDER BY e.txid, e.id LIMIT %(limit)s)
+            ORDER BY 2, 1
+            LIMIT %(limit)s
+        ) AS batch)
 """
 
 # -- failures and dead letters -------------------------------------------------------------------
