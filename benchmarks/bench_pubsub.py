@@ -177,10 +177,14 @@ def lag(db: Database, seconds: float, rate: float, idle_sleep: float | None = No
     kwargs = {} if idle_sleep is None else {"idle_sleep": idle_sleep}
     consumer = Consumer(db, f"lag{idle_sleep}", 0, timing_handler, **kwargs)
     proc, queue = start_producer(db.url, False, seconds, rate)
-    runner = threading.Thread(target=consumer.run, args=(seconds + 3,))
+    runner = threading.Thread(target=consumer.run)
     runner.start()
     produced, commits = queue.get(timeout=seconds + 60)
     proc.join(30)
+    deadline = time.monotonic() + 30
+    while len(received) < produced and time.monotonic() < deadline:
+        time.sleep(0.05)
+    consumer.stop()
     runner.join(60)
     lags = []
     order_id = 0
@@ -260,9 +264,14 @@ def main() -> None:
         for batch in (100, 1000):
             ours = with_producer(db, False, batch, args.seconds)
             raw = with_producer(db, True, batch, args.seconds)
+            # drains alternate, best of two each: the machine is shared, load comes and goes
+            drains = {False: [], True: []}
+            for _ in range(2):
+                for raw_loop in (False, True):
+                    drains[raw_loop].append(drain(db, raw_loop, batch))
             figures[f"batch_{batch}"] = {
                 "ours": ours, "raw": raw, "ratio": round(ours["consumed_per_s"] / raw["consumed_per_s"], 2),
-                "drain_ours_per_s": drain(db, False, batch), "drain_raw_per_s": drain(db, True, batch),
+                "drain_ours_per_s": max(drains[False]), "drain_raw_per_s": max(drains[True]),
             }
             figures[f"batch_{batch}"]["drain_ratio"] = round(
                 figures[f"batch_{batch}"]["drain_ours_per_s"] / figures[f"batch_{batch}"]["drain_raw_per_s"], 2)

@@ -59,3 +59,41 @@ $$;
 
 CREATE TRIGGER pubsub_events_written AFTER INSERT ON pubsub_events
 FOR EACH STATEMENT EXECUTE FUNCTION pubsub_events_written();
+
+-- The same check as 0002's, cheaper on the hot path (consumers run it once per batch): the current
+-- txid from pg_current_snapshot() directly; the full pubsub_snapshot() only to word the message.
+CREATE OR REPLACE FUNCTION pubsub_restore_problem(stored pg_snapshot) RETURNS text
+LANGUAGE sql VOLATILE SET search_path FROM CURRENT SET jit = off
+AS $$
+    SELECT CASE
+        WHEN c.system_identifier <> s.system_identifier THEN
+            format('the stream''s txids come from Postgres cluster %s but this is cluster %s',
+                   c.system_identifier, s.system_identifier)
+        WHEN pg_snapshot_xmax(stored)::text::numeric > pg_snapshot_xmax(pg_current_snapshot())::text::numeric + c.shift THEN
+            format('a stored snapshot (%s) is ahead of the current txid (%s)', stored, pubsub_snapshot())
+    END
+    FROM pubsub_clock c, pg_control_system() s
+$$;
+
+-- pubsub_snapshot() as seen by the calling statement: STABLE, so pg_current_snapshot() inside is the
+-- statement's own snapshot, not a newer one (a VOLATILE function takes a fresh snapshot per call in
+-- READ COMMITTED). A consumer reads its batch and the target snapshot in one statement: the target
+-- must not show committed a transaction whose rows that statement cannot see yet.
+CREATE FUNCTION pubsub_statement_snapshot() RETURNS pg_snapshot
+LANGUAGE sql STABLE SET search_path FROM CURRENT SET jit = off
+AS $$
+    WITH now AS (
+        SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me, c.shift
+        FROM pubsub_clock c
+    ), running AS (
+        SELECT x FROM now, pg_snapshot_xip(now.snap) AS x
+        UNION
+        SELECT me FROM now WHERE me IS NOT NULL AND pg_visible_in_snapshot(me, snap)
+    )
+    SELECT format('%s:%s:%s',
+                  pg_snapshot_xmin(snap)::text::numeric + shift,
+                  pg_snapshot_xmax(snap)::text::numeric + shift,
+                  (SELECT coalesce(string_agg((x::text::numeric + now.shift)::text, ',' ORDER BY x), '')
+                   FROM running))::pg_snapshot
+    FROM now
+$$;

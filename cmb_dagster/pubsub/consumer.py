@@ -6,7 +6,8 @@ import json
 import logging
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -194,6 +195,7 @@ class Consumer:
         self._one_at_a_time = 0  # after a failed batch, deliver its events singly to name the failing one
         self._worker: Worker | None = None
         self._stop_requested = threading.Event()
+        self._conn: psycopg.Connection | None = None  # kept across batches (a pool's checkout costs a round trip)
 
     @classmethod
     def from_spec(cls, database: Database | ConnectionPool | str, spec: ConsumerSpec) -> Consumer:
@@ -242,6 +244,39 @@ class Consumer:
         finally:
             if listener is not None:
                 listener.stop()
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection this consumer keeps between batches (the next batch opens another)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Connection]:
+        """One transaction on this consumer's own connection (committed on success), or, for a pool the
+        caller passed, on a connection borrowed from it."""
+        if getattr(self.database, "_external_pool", False):  # Database.of(pool): the caller's pool
+            with self.database.connection() as conn:
+                yield conn
+            return
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self.close()
+            conn = self._conn = self.database.connect()
+        try:
+            yield conn
+        except BaseException:
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                self.close()
+            raise
+        try:
+            conn.commit()
+        except psycopg.Error:
+            self.close()
+            raise
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the current batch (safe from a signal handler)."""
@@ -273,7 +308,7 @@ class Consumer:
             self.check()
         limit = 1 if self._one_at_a_time else self.spec.batch_size
         failure: BaseException | None = None
-        with self.database.connection() as conn:
+        with self._transaction() as conn:
             if lease is not None:
                 Leases.check(conn, lease)
             before = lock_watermark(conn, self.consumer_id, self.branch_id, wait=self.wait)
@@ -305,7 +340,7 @@ class Consumer:
             ) from exc
         event = events[0]
         trace = "".join(traceback.format_exception(exc))
-        with self.database.connection() as conn:
+        with self._transaction() as conn:
             if lease is not None:
                 Leases.check(conn, lease)
             now = lock_watermark(conn, self.consumer_id, self.branch_id, wait=self.wait)

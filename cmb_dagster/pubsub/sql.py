@@ -92,16 +92,17 @@ _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.
 # The target is %(target)s when a difference is half delivered, else taken here (one round trip):
 # the current snapshot, or with %(strict)s (order="txid") "xmin:xmin:", which shows committed exactly
 # the txids below the oldest transaction still running; no target (NULL) while that is not beyond
-# %(snapshot)s. Returns one row: the target, and the events as one JSON array of
+# %(snapshot)s. The target is this statement's own snapshot (pubsub_statement_snapshot is STABLE): it
+# never shows committed a transaction whose events the statement cannot see. Returns one row: the target, and the events as one JSON array of
 # [id, txid, branch_id, topic, op, key, payload, created_at] (one json.loads per batch instead of two
 # jsonb decodes and a timestamp per event: the client's cost per event halves).
 READ_BATCH = f"""
 WITH target AS MATERIALIZED (
     SELECT CASE
         WHEN %(target)s::pg_snapshot IS NOT NULL THEN %(target)s::pg_snapshot
-        WHEN NOT %(strict)s THEN pubsub_snapshot()
+        WHEN NOT %(strict)s THEN pubsub_statement_snapshot()
         ELSE (SELECT format('%%s:%%s:', pg_snapshot_xmin(s), pg_snapshot_xmin(s))::pg_snapshot
-              FROM pubsub_snapshot() AS s
+              FROM pubsub_statement_snapshot() AS s
               WHERE pg_snapshot_xmin(s) > pg_snapshot_xmax(%(snapshot)s::pg_snapshot))
     END AS t
 )
