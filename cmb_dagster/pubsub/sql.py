@@ -90,9 +90,11 @@ _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.
 # part revisits delivered events.
 #
 # The target is %(target)s when a difference is half delivered, else taken here (one round trip):
-# the current snapshot, or with %(strict)s (order="txid") "xmin:xmin:", which shows committed exactly
-# the txids below the oldest transaction still running; no target (NULL) while that is not beyond
-# %(snapshot)s. The target is this statement's own snapshot (pubsub_statement_snapshot is STABLE): it
+# the current snapshot, or with %(strict)s (order="txid") "h:h:", which shows committed exactly the
+# txids below h, the oldest transaction still running that may write here; no target (NULL) while h
+# is not beyond %(snapshot)s. A running txid that pg_stat_activity shows in another database cannot
+# write this stream's events and does not count (one that already ended, a prepared transaction, or
+# one whose session we may not see counts: conservative). The target is this statement's own snapshot (pubsub_statement_snapshot is STABLE): it
 # never shows committed a transaction whose events the statement cannot see. Returns one row: the target, and the events as one JSON array of
 # [id, txid, branch_id, topic, op, key, payload, created_at] (one json.loads per batch instead of two
 # jsonb decodes and a timestamp per event: the client's cost per event halves).
@@ -101,9 +103,15 @@ WITH target AS MATERIALIZED (
     SELECT CASE
         WHEN %(target)s::pg_snapshot IS NOT NULL THEN %(target)s::pg_snapshot
         WHEN NOT %(strict)s THEN pubsub_statement_snapshot()
-        ELSE (SELECT format('%%s:%%s:', pg_snapshot_xmin(s), pg_snapshot_xmin(s))::pg_snapshot
-              FROM pubsub_statement_snapshot() AS s
-              WHERE pg_snapshot_xmin(s) > pg_snapshot_xmax(%(snapshot)s::pg_snapshot))
+        ELSE (SELECT format('%%s:%%s:', m.horizon, m.horizon)::pg_snapshot
+              FROM pubsub_clock c, pubsub_statement_snapshot() AS s,
+              LATERAL (SELECT coalesce(min(x), pg_snapshot_xmax(s)) AS horizon
+                       FROM pg_snapshot_xip(s) AS x
+                       WHERE ((x::text::numeric - c.shift) %% 4294967296)::bigint NOT IN (
+                           SELECT a.backend_xid::text::bigint FROM pg_stat_activity a
+                           WHERE a.backend_xid IS NOT NULL AND a.datname IS DISTINCT FROM current_database())
+                      ) AS m
+              WHERE m.horizon > pg_snapshot_xmax(%(snapshot)s::pg_snapshot))
     END AS t
 )
 SELECT (SELECT t::text FROM target),

@@ -172,16 +172,24 @@ def test_order_txid_delivers_in_txid_order_under_interleaved_long_and_short_tran
     assert sorted(i for _, i in delivered) == sorted(committed)  # nothing skipped, nothing twice
 
 
-def test_order_txid_waits_for_an_older_open_transaction(db):
+def test_order_txid_waits_for_an_older_open_transaction_of_this_database_only(db, server_url):
     delivered = []
     strict = Consumer(db, "strict", 0, lambda conn, events: delivered.extend(e.id for e in events), order="txid")
     loose = Consumer(db, "loose", 0, lambda conn, events: None)
+    elsewhere = psycopg.connect(server_url)  # a writer in another database of the cluster: no events here
+    elsewhere.execute("SELECT pg_current_xact_id()")
+    with db.connection() as conn:
+        before = publish(conn, 0, {"n": "while another database writes"})
+    wait_until(lambda: strict.run_once() == 0 and delivered == [before], what="not held back by another database")
+    elsewhere.rollback()
+    elsewhere.close()
+    delivered.clear()
     older = db.connect()
     first = publish(older, 0, {"n": "older, still open"})
     with db.connection() as conn:
         second = publish(conn, 0, {"n": "younger, committed"})
     assert strict.run_once() == 0  # the younger one waits for the older transaction
-    assert loose.run_once() == 1  # the default mode delivers it at once
+    assert loose.run_once() == 2  # the default mode delivers it at once
     older.commit()
     older.close()
     wait_until(lambda: strict.run_once() == 0 and len(delivered) == 2, what="both delivered")
