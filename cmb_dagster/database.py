@@ -78,6 +78,11 @@ class Database:
     # -- connections -------------------------------------------------------------------------
 
     @property
+    def uses_your_pool(self) -> bool:
+        """Whether connections come from a pool the caller passed to :meth:`of` (and owns)."""
+        return self._external_pool
+
+    @property
     def connect_kwargs(self) -> dict[str, object]:
         """Keyword arguments for psycopg.connect: cmb schema first on the search_path."""
         return {"options": f"-c search_path={self.schema},public", "connect_timeout": CONNECT_TIMEOUT_S}

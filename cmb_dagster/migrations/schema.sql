@@ -3,6 +3,20 @@
 
 CREATE SCHEMA cmb;
 
+CREATE FUNCTION cmb.pubsub_events_written() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'cmb', 'public'
+    AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pubsub_clock c, pg_control_system() s WHERE c.system_identifier <> s.system_identifier) THEN
+        RAISE EXCEPTION 'cmb pubsub: the stream''s txids come from another Postgres cluster (pg_dump/pg_restore); events are refused until `cmb-dagster pubsub reset` has run'
+            USING ERRCODE = 'object_not_in_prerequisite_state';
+    END IF;
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.pubsub', '');
+    RETURN NULL;
+END
+$$;
+
 CREATE FUNCTION cmb.pubsub_restore_problem(stored pg_snapshot) RETURNS text
     LANGUAGE sql
     SET search_path TO 'cmb', 'public'
@@ -12,7 +26,7 @@ CREATE FUNCTION cmb.pubsub_restore_problem(stored pg_snapshot) RETURNS text
         WHEN c.system_identifier <> s.system_identifier THEN
             format('the stream''s txids come from Postgres cluster %s but this is cluster %s',
                    c.system_identifier, s.system_identifier)
-        WHEN pg_snapshot_xmax(stored) > pg_snapshot_xmax(pubsub_snapshot()) THEN
+        WHEN pg_snapshot_xmax(stored)::text::numeric > pg_snapshot_xmax(pg_current_snapshot())::text::numeric + c.shift THEN
             format('a stored snapshot (%s) is ahead of the current txid (%s)', stored, pubsub_snapshot())
     END
     FROM pubsub_clock c, pg_control_system() s
@@ -20,6 +34,27 @@ $$;
 
 CREATE FUNCTION cmb.pubsub_snapshot() RETURNS pg_snapshot
     LANGUAGE sql
+    SET search_path TO 'cmb', 'public'
+    SET jit TO 'off'
+    AS $$
+    WITH now AS (
+        SELECT pg_current_snapshot() AS snap, pg_current_xact_id_if_assigned() AS me, c.shift
+        FROM pubsub_clock c
+    ), running AS (
+        SELECT x FROM now, pg_snapshot_xip(now.snap) AS x
+        UNION
+        SELECT me FROM now WHERE me IS NOT NULL AND pg_visible_in_snapshot(me, snap)
+    )
+    SELECT format('%s:%s:%s',
+                  pg_snapshot_xmin(snap)::text::numeric + shift,
+                  pg_snapshot_xmax(snap)::text::numeric + shift,
+                  (SELECT coalesce(string_agg((x::text::numeric + now.shift)::text, ',' ORDER BY x), '')
+                   FROM running))::pg_snapshot
+    FROM now
+$$;
+
+CREATE FUNCTION cmb.pubsub_statement_snapshot() RETURNS pg_snapshot
+    LANGUAGE sql STABLE
     SET search_path TO 'cmb', 'public'
     SET jit TO 'off'
     AS $$
@@ -324,6 +359,25 @@ CREATE TABLE cmb.pubsub_clock (
     CONSTRAINT pubsub_clock_singleton_check CHECK (singleton)
 );
 
+CREATE TABLE cmb.pubsub_dead_letters (
+    consumer_id text NOT NULL,
+    branch_id bigint NOT NULL,
+    event_id bigint NOT NULL,
+    txid xid8 NOT NULL,
+    topic text NOT NULL,
+    op text NOT NULL,
+    key jsonb,
+    payload jsonb NOT NULL,
+    created_at timestamp with time zone NOT NULL,
+    error text NOT NULL,
+    traceback text,
+    attempts integer NOT NULL,
+    first_failed_at timestamp with time zone NOT NULL,
+    last_failed_at timestamp with time zone NOT NULL,
+    parked_at timestamp with time zone DEFAULT now() NOT NULL,
+    replayed_at timestamp with time zone
+);
+
 CREATE TABLE cmb.pubsub_events (
     id bigint NOT NULL,
     txid xid8 DEFAULT cmb.pubsub_txid() NOT NULL,
@@ -345,6 +399,13 @@ ALTER TABLE cmb.pubsub_events ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     CACHE 1
 );
 
+CREATE TABLE cmb.pubsub_trimmed (
+    branch_id bigint NOT NULL,
+    events bigint NOT NULL,
+    last_txid xid8 NOT NULL,
+    last_trim_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
 CREATE TABLE cmb.pubsub_watermarks (
     consumer_id text NOT NULL,
     branch_id bigint NOT NULL,
@@ -356,6 +417,12 @@ CREATE TABLE cmb.pubsub_watermarks (
     handler text,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    failing_event bigint,
+    attempts integer DEFAULT 0 NOT NULL,
+    first_failed_at timestamp with time zone,
+    last_failed_at timestamp with time zone,
+    last_error text,
+    notice text,
     CONSTRAINT pubsub_watermarks_consumer_id_check CHECK ((consumer_id ~ '^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$'::text))
 );
 
@@ -557,8 +624,14 @@ ALTER TABLE ONLY cmb.leases
 ALTER TABLE ONLY cmb.pubsub_clock
     ADD CONSTRAINT pubsub_clock_pkey PRIMARY KEY (singleton);
 
+ALTER TABLE ONLY cmb.pubsub_dead_letters
+    ADD CONSTRAINT pubsub_dead_letters_pkey PRIMARY KEY (consumer_id, branch_id, event_id);
+
 ALTER TABLE ONLY cmb.pubsub_events
     ADD CONSTRAINT pubsub_events_pkey PRIMARY KEY (branch_id, txid, id);
+
+ALTER TABLE ONLY cmb.pubsub_trimmed
+    ADD CONSTRAINT pubsub_trimmed_pkey PRIMARY KEY (branch_id);
 
 ALTER TABLE ONLY cmb.pubsub_watermarks
     ADD CONSTRAINT pubsub_watermarks_pkey PRIMARY KEY (consumer_id, branch_id);
@@ -634,6 +707,8 @@ CREATE INDEX stage_queue_due ON cmb.stage_queue USING btree (shard_id, stage, la
 
 CREATE INDEX stage_queue_parked ON cmb.stage_queue USING btree (stage) WHERE (parked_at IS NOT NULL);
 
+CREATE TRIGGER pubsub_events_written AFTER INSERT ON cmb.pubsub_events FOR EACH STATEMENT EXECUTE FUNCTION cmb.pubsub_events_written();
+
 CREATE TRIGGER stage_entities_bump BEFORE UPDATE ON cmb.stage_entities FOR EACH ROW EXECUTE FUNCTION cmb.stage_entities_bump();
 
 CREATE TRIGGER stage_entities_deleted AFTER DELETE ON cmb.stage_entities REFERENCING OLD TABLE AS deleted_rows FOR EACH STATEMENT EXECUTE FUNCTION cmb.stage_entities_deleted();
@@ -649,6 +724,9 @@ ALTER TABLE ONLY cmb.eventqueue_events
 
 ALTER TABLE ONLY cmb.eventqueue_rules
     ADD CONSTRAINT eventqueue_rules_handler_fkey FOREIGN KEY (handler) REFERENCES cmb.eventqueue_handlers(name);
+
+ALTER TABLE ONLY cmb.pubsub_dead_letters
+    ADD CONSTRAINT pubsub_dead_letters_consumer_id_branch_id_fkey FOREIGN KEY (consumer_id, branch_id) REFERENCES cmb.pubsub_watermarks(consumer_id, branch_id) ON DELETE CASCADE;
 
 ALTER TABLE ONLY cmb.reactive_tasks
     ADD CONSTRAINT reactive_tasks_scheduler_fkey FOREIGN KEY (scheduler) REFERENCES cmb.reactive_schedulers(name) ON DELETE CASCADE;

@@ -41,21 +41,43 @@ current one. The reset does not rewrite events: the stream's txid clock is ``pg_
 shift``, and the reset raises the shift so new txids sort after every stored one; old events and
 watermarks keep their meaning and every consumer resumes exactly where it stopped.
 
-Retention: :func:`trim` deletes the events every registered consumer's snapshot shows committed.
+Retention: :func:`trim` deletes the events every registered consumer's snapshot shows committed and
+that are older than ``retain`` (default 7 days), so a consumer registered later still finds a week of
+history; it chooses where to begin with ``start="beginning" | "now" | "earliest_kept"``.
+
+Poison events: after ``max_attempts`` failures on one event a consumer parks it in its dead letters
+(:func:`dead_letters`, :func:`replay`) and goes on, or, with ``on_poison="stop"``, keeps retrying and
+says so in its lag. Strict order: ``order="txid"`` delivers only events of transactions below the
+oldest one still running, in txid order (the seed's mode without out-of-order events).
+
+Hints: a statement writing events NOTIFYs ``<schema>.pubsub`` (once per transaction, on commit); a
+running consumer LISTENs and wakes at once, polling every ``idle_sleep`` only as a fallback. The same
+statement trigger refuses events while the stream's txids come from another cluster (after a
+restore, until ``reset``), so no event can be written below what consumers have passed.
 """
 
-from cmb_dagster.pubsub.admin import consumer_lag, drop_consumer, reset, trim
-from cmb_dagster.pubsub.capture import install_capture, publish, remove_capture
+from cmb_dagster.pubsub.admin import consumer_lag, dead_letters, drop_consumer, replay, reset, trim
 from cmb_dagster._lazy import lazy_names
+from cmb_dagster.pubsub.capture import install_capture, publish, remove_capture
 from cmb_dagster.pubsub.consumer import Consumer, lock_watermark
 from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, InvalidInput, PubSubError, StreamRestored
-from cmb_dagster.pubsub.models import CaptureSpec, ConsumerSpec, Event, Handler, Lag, PubSubOptions, Watermark
+from cmb_dagster.pubsub.models import (
+    CaptureSpec,
+    ConsumerSpec,
+    DeadLetter,
+    Event,
+    Handler,
+    Lag,
+    PubSubOptions,
+    Watermark,
+)
 
 __all__ = [
     "CaptureSpec",
     "Consumer",
     "ConsumerBusy",
     "ConsumerSpec",
+    "DeadLetter",
     "Event",
     "Handler",
     "HandlerFailed",
@@ -66,12 +88,14 @@ __all__ = [
     "StreamRestored",
     "Watermark",
     "consumer_lag",
+    "dead_letters",
     "drop_consumer",
     "install_capture",
     "lock_watermark",
     "publish",
     "pubsub_sensor",
     "remove_capture",
+    "replay",
     "reset",
     "trim",
 ]

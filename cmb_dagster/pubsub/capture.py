@@ -12,7 +12,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from cmb_dagster.pubsub import sql as q
-from cmb_dagster.pubsub.errors import InvalidInput
+from cmb_dagster.pubsub.errors import InvalidInput, StreamRestored
 from cmb_dagster.pubsub.models import CaptureSpec, validated
 from cmb_dagster.settings import Settings
 
@@ -107,6 +107,9 @@ def publish(
 ) -> int:
     """Write one event in ``conn``'s current transaction (it exists only if that commits); return its id.
 
+    Raises :class:`StreamRestored` (and writes nothing) after a pg_dump/pg_restore into another
+    cluster until ``cmb-dagster pubsub reset`` has run; captured tables refuse their writes likewise.
+
     ``schema`` is the cmb schema (default: ``CMB_SCHEMA``, so any connection of yours works)."""
     if isinstance(branch_id, bool) or not isinstance(branch_id, int):
         raise InvalidInput(f"branch_id: must be an integer, not {branch_id!r}")
@@ -121,6 +124,8 @@ def publish(
     params = {"branch_id": branch_id, "topic": topic, "key": None if key is None else Jsonb(key), "payload": Jsonb(payload)}
     try:
         return conn.execute(q.PUBLISH.format(events=events), params).fetchone()[0]
+    except psycopg.errors.ObjectNotInPrerequisiteState as exc:
+        raise StreamRestored(f"{exc.diag.message_primary}; stop the producers, run it once, then start again") from None
     except psycopg.errors.UndefinedTable:
         raise InvalidInput(
             f"schema: no {events.as_string(conn)} table in this database; "

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import signal
+from datetime import timedelta
 
 import click
 
 from cmb_dagster.database import Database
 from cmb_dagster.pubsub import sql as q
-from cmb_dagster.pubsub.admin import consumer_lag, drop_consumer, reset, trim
+from cmb_dagster.pubsub.admin import consumer_lag, dead_letters, drop_consumer, replay, reset, trim
 from cmb_dagster.pubsub.consumer import Consumer
 from cmb_dagster.pubsub.errors import InvalidInput
 from cmb_dagster.settings import Settings
@@ -31,8 +32,16 @@ def pubsub() -> None:
 @click.option("--duration", type=float, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
 @click.option("--batch-size", default=1000, show_default=True, help="Most events per handler call.")
 @click.option("--lease-ttl", default=10.0, show_default=True, help="Seconds a standby waits after this one dies.")
+@click.option("--max-attempts", default=10, show_default=True, help="Failed attempts on one event before --on-poison applies.")
+@click.option("--on-poison", type=click.Choice(["park", "stop"]), default="park", show_default=True,
+              help="park: move the event to the dead letters and go on; stop: keep retrying it.")
+@click.option("--order", type=click.Choice(["snapshot", "txid"]), default="snapshot", show_default=True,
+              help="txid: strict txid order, waiting for every older transaction to end.")
+@click.option("--start", type=click.Choice(["beginning", "now", "earliest_kept"]), default="beginning", show_default=True,
+              help="Where a consumer seen for the first time starts.")
 def consume(
-    consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int, lease_ttl: float
+    consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int, lease_ttl: float,
+    max_attempts: int, on_poison: str, order: str, start: str,
 ) -> None:
     """Run a registered consumer outside Dagster; identical consumers elsewhere stand by."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -45,7 +54,8 @@ def consume(
                 f"handler: consumer {consumer_id!r} of branch {branch_id} has no registered handler; pass --handler module:function"
             )
         handler = row[0]
-    consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size, lease_ttl=lease_ttl)
+    consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size, lease_ttl=lease_ttl,
+                        max_attempts=max_attempts, on_poison=on_poison, order=order, start=start)  # type: ignore[arg-type]
     consumer.check()  # refuses at once after a restore
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
     click.echo(f"consumer {consumer_id} (branch {branch_id}) started; SIGTERM or Ctrl-C stops it", err=True)
@@ -68,14 +78,51 @@ def status() -> None:
     for lag in lags:
         click.echo(f"{lag.consumer_id}  branch {lag.branch_id}  delivered {lag.delivered}  behind {lag.events} "
                    f"({lag.seconds:.1f}s)  handler {lag.handler or '-'}")
+        if lag.problem:
+            click.echo(f"  ! {lag.problem}")
+
+
+@pubsub.command("dead")
+@click.argument("consumer_id", required=False)
+@click.option("--branch", "branch_id", type=int, default=None, help="Only this branch.")
+@click.option("--all", "include_replayed", is_flag=True, help="Also the events replayed already.")
+@click.option("--traceback", "show_traceback", is_flag=True, help="Print each event's last traceback.")
+def dead_command(consumer_id: str | None, branch_id: int | None, include_replayed: bool, show_traceback: bool) -> None:
+    """Events consumers parked after failing on them max_attempts times."""
+    with _database().connection() as conn:
+        letters = dead_letters(conn, consumer_id, branch_id, include_replayed=include_replayed)
+    if not letters:
+        click.echo("no parked events")
+    for d in letters:
+        state = f"replayed {d.replayed_at:%Y-%m-%d %H:%M:%S}" if d.replayed_at else "parked"
+        click.echo(f"{d.consumer_id}  branch {d.branch_id}  event {d.event.id} ({d.event.topic} {d.event.op})  "
+                   f"{d.attempts} attempts {d.first_failed_at:%Y-%m-%d %H:%M:%S}..{d.last_failed_at:%H:%M:%S}  "
+                   f"{state}: {d.error}")
+        if show_traceback and d.traceback:
+            click.echo(d.traceback)
+
+
+@pubsub.command("replay")
+@click.argument("consumer_id")
+@click.option("--branch", "branch_id", default=0, show_default=True)
+@click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
+@click.option("--event", "event_ids", type=int, multiple=True, help="Only this parked event (repeatable).")
+def replay_command(consumer_id: str, branch_id: int, handler: str | None, event_ids: tuple[int, ...]) -> None:
+    """Run a consumer's parked events through its handler again, one transaction each."""
+    done, failed = replay(_database(), consumer_id, branch_id, handler, event_ids=event_ids or None)
+    click.echo(f"replayed {done} parked events; {failed} failed again and stay parked")
+    if failed:
+        raise SystemExit(1)
 
 
 @pubsub.command("trim")
 @click.option("--batch-size", default=10_000, show_default=True, help="Events deleted per transaction and branch.")
-def trim_command(batch_size: int) -> None:
-    """Delete the events every registered consumer of their branch has delivered."""
+@click.option("--retain-days", default=7.0, show_default=True, help="Keep events younger than this, read or not.")
+def trim_command(batch_size: int, retain_days: float) -> None:
+    """Delete the events older than --retain-days every registered consumer of their branch has delivered."""
     with _database().connect(autocommit=True) as conn:
-        click.echo(f"deleted {trim(conn, batch_size=batch_size)} delivered events")
+        deleted = trim(conn, batch_size=batch_size, retain=timedelta(days=retain_days))
+        click.echo(f"deleted {deleted} delivered events")
 
 
 @pubsub.command("reset")

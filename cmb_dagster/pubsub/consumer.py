@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Literal
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
 from cmb_dagster.pubsub.models import (
@@ -24,7 +30,10 @@ from cmb_dagster.pubsub.models import (
 )
 from cmb_dagster.workers import Lease, Leases, Worker, WorkerReport
 
+log = logging.getLogger("cmb_dagster.pubsub")
+
 LEASE_KIND = "pubsub.consumer"
+HINT_CHANNEL = "pubsub"  # producers NOTIFY '<schema>.pubsub' on commit (migration 0008's trigger)
 
 RESET_HINT = (
     "the database looks restored with pg_dump/pg_restore, so its txids are not this server's; "
@@ -52,12 +61,13 @@ def lock_watermark(conn: psycopg.Connection, consumer_id: str, branch_id: int, *
         conn.execute(q.CREATE_WATERMARK, params)
     else:  # pragma: no cover - the row was created and deleted between our two statements
         raise ConsumerBusy(f"consumer {spec.consumer_id!r} of branch {spec.branch_id} was dropped while locking it")
-    consumer, branch, snapshot, target, txid, event_id, delivered, handler, problem = row
+    consumer, branch, snapshot, target, txid, event_id, delivered, handler, failing, attempts, problem = row
     if problem:
         raise StreamRestored(f"consumer {consumer!r} of branch {branch}: {problem}; {RESET_HINT}")
     return Watermark(
         consumer_id=consumer, branch_id=branch, snapshot=snapshot, target=target,
         txid=int(txid), event_id=event_id, delivered=delivered, handler=handler,
+        failing_event=failing, attempts=attempts,
     )
 
 
@@ -70,20 +80,26 @@ class Batch:
     changed: bool  # False: nothing new, nothing to store
 
 
-def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int) -> Batch:
-    """The next ``limit`` events after ``watermark`` (a consistent cut; see the package docstring)."""
-    target = watermark.target
-    if target is None:
-        target = conn.execute(q.CURRENT_SNAPSHOT).fetchone()[0]
-        txid, event_id = 0, 0
-    else:
-        txid, event_id = watermark.txid, watermark.event_id
+Order = Literal["snapshot", "txid"]
+
+
+def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int, *, order: Order = "snapshot") -> Batch:
+    """The next ``limit`` events after ``watermark`` (a consistent cut; see the package docstring).
+
+    ``order="txid"``: only events of transactions below the oldest one still running, so every
+    delivered sequence is in txid order (a transaction left open holds the consumer back).
+    """
     params = {
-        "branch_id": watermark.branch_id, "snapshot": watermark.snapshot, "target": target,
-        "txid": str(txid), "event_id": event_id, "limit": limit + 1,
+        "branch_id": watermark.branch_id, "snapshot": watermark.snapshot, "target": watermark.target,
+        "strict": order == "txid", "limit": limit + 1,
+        # the position counts within a half-delivered difference only; a new one starts at its beginning
+        "txid": str(watermark.txid) if watermark.target else "0", "event_id": watermark.event_id if watermark.target else 0,
     }
-    rows = conn.cursor(row_factory=tuple_row).execute(q.READ_BATCH, params).fetchall()
-    events = [Event(r[0], int(r[1]), r[2], r[3], r[4], r[5], r[6], r[7]) for r in rows[:limit]]
+    target, found = conn.execute(q.READ_BATCH, params, prepare=True).fetchone()
+    if target is None:  # order="txid" and no transaction ended beyond the stored snapshot
+        return Batch(events=[], after=watermark, changed=False)
+    rows = json.loads(found) if found else []
+    events = [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], datetime.fromisoformat(r[7])) for r in rows[:limit]]
     more = len(rows) > limit
     last = events[-1] if events else None
     after = watermark.model_copy(
@@ -93,6 +109,8 @@ def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int) -> Ba
             "txid": last.txid if last else watermark.txid,
             "event_id": last.id if last else watermark.event_id,
             "delivered": watermark.delivered + len(events),
+            "failing_event": None,
+            "attempts": 0,
         }
     )
     return Batch(events=events, after=after, changed=bool(events) or watermark.target is not None)
@@ -103,6 +121,16 @@ def refuse_if_restored(conn: psycopg.Connection, watermark: Watermark) -> None:
     problem = conn.execute(q.RESTORE_PROBLEM, {"snapshot": watermark.target or watermark.snapshot}).fetchone()[0]
     if problem:
         raise StreamRestored(f"consumer {watermark.consumer_id!r} of branch {watermark.branch_id}: {problem}; {RESET_HINT}")
+
+
+def record_watermark(conn: psycopg.Connection, watermark: Watermark) -> None:
+    """Store ``watermark`` as is (creating the row): a Dagster sensor mirrors the cursor it keeps, so
+    that trim keeps the events it has not read."""
+    conn.execute(q.RECORD_WATERMARK, {
+        "consumer_id": watermark.consumer_id, "branch_id": watermark.branch_id, "snapshot": watermark.snapshot,
+        "target": watermark.target, "txid": str(watermark.txid), "event_id": watermark.event_id,
+        "delivered": watermark.delivered,
+    })
 
 
 def save_watermark(conn: psycopg.Connection, before: Watermark, after: Watermark) -> None:
@@ -124,6 +152,12 @@ class Consumer:
     ``conn`` commits together with the progress, so each event is applied exactly once across crashes,
     restarts and competing consumers with the same id. Effects outside this database (HTTP, other
     databases) happen at least once: make them idempotent, e.g. keyed by ``event.id``.
+
+    A handler failing ``max_attempts`` times on one event: with ``on_poison="park"`` the event goes to
+    the consumer's dead letters (``pubsub dead`` / ``pubsub replay``) and the watermark moves past it
+    in the same transaction; with ``on_poison="stop"`` the consumer keeps retrying it and delivers
+    nothing after it. Either way the lag (``pubsub status``, the lag asset) names the event.
+    ``database``: a :class:`Database`, a psycopg ``ConnectionPool`` or a URL.
     """
 
     def __init__(
@@ -134,31 +168,40 @@ class Consumer:
         handler: Handler | str,
         *,
         batch_size: int = 1000,
-        idle_sleep: float = 0.1,
+        idle_sleep: float = 1.0,
         wait: bool = True,
         lease_ttl: float = 10.0,
         schema: str | None = None,
+        max_attempts: int = 10,
+        on_poison: Literal["park", "stop"] = "park",
+        order: Order = "snapshot",
+        start: Literal["beginning", "now", "earliest_kept"] = "beginning",
+        listen: bool = True,
     ) -> None:
         path = handler if isinstance(handler, str) else handler_path(handler)
         self.spec = validated(
             ConsumerSpec, consumer_id=consumer_id, branch_id=branch_id, handler=path or "unnamed:handler",
-            batch_size=batch_size, idle_sleep=idle_sleep,
+            batch_size=batch_size, idle_sleep=idle_sleep, max_attempts=max_attempts, on_poison=on_poison,
+            order=order, start=start,
         )
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         self.handler_path = path
         self.wait = wait
         self.lease_ttl = lease_ttl
+        self.listen = listen
         self.database = Database.of(database, schema=schema)
         self._registered = False
         self._one_at_a_time = 0  # after a failed batch, deliver its events singly to name the failing one
         self._worker: Worker | None = None
         self._stop_requested = threading.Event()
+        self._conn: psycopg.Connection | None = None  # kept across batches (a pool's checkout costs a round trip)
 
     @classmethod
     def from_spec(cls, database: DatabaseSource, spec: ConsumerSpec) -> Consumer:
         """The consumer a :class:`ConsumerSpec` describes."""
         return cls(database, spec.consumer_id, spec.branch_id, spec.handler, batch_size=spec.batch_size,
-                   idle_sleep=spec.idle_sleep)
+                   idle_sleep=spec.idle_sleep, max_attempts=spec.max_attempts, on_poison=spec.on_poison,
+                   order=spec.order, start=spec.start)
 
     @property
     def consumer_id(self) -> str:
@@ -179,16 +222,60 @@ class Consumer:
 
     def run(self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
         """Handle batches for ``duration`` seconds (None: until :meth:`stop`), holding this consumer's
-        lease so identical consumers elsewhere stand by; a failing batch is retried with backoff."""
+        lease so identical consumers elsewhere stand by; a failing batch is retried with backoff.
+
+        Producers' commits wake it at once (LISTEN on ``<schema>.pubsub``); ``idle_sleep`` is the
+        fallback poll for a lost notification."""
         self._stop_requested.clear()
         self.check()
         self._worker = worker = Worker(
             self.database, LEASE_KIND, [self.partition], self._batch, ttl=self.lease_ttl,
             idle_sleep=self.spec.idle_sleep, on_progress=on_progress,
         )
+        listener = None
+        if self.listen:
+            listener = Listener(self.database, [channel_name(self.database, HINT_CHANNEL)], lambda *_: worker.wake())
+            listener.start()
         if self._stop_requested.is_set():  # asked to stop while starting
             worker.stop()
-        return worker.run(duration)
+        try:
+            return worker.run(duration)
+        finally:
+            if listener is not None:
+                listener.stop()
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection this consumer keeps between batches (the next batch opens another)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Connection]:
+        """One transaction on this consumer's own connection (committed on success), or, for a pool the
+        caller passed, on a connection borrowed from it."""
+        if self.database.uses_your_pool:
+            with self.database.connection() as conn:
+                yield conn
+            return
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self.close()
+            conn = self._conn = self.database.connect()
+        try:
+            yield conn
+        except BaseException:
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                self.close()
+            raise
+        try:
+            conn.commit()
+        except psycopg.Error:
+            self.close()
+            raise
 
     def stop(self) -> None:
         """Ask :meth:`run` to return after the current batch (safe from a signal handler)."""
@@ -197,14 +284,21 @@ class Consumer:
             self._worker.stop()
 
     def check(self) -> Watermark:
-        """Register this consumer (watermark at zero, handler path) and return its watermark; raises
-        :class:`StreamRestored` after a restore. Waits while another transaction holds the watermark."""
-        with self._connection() as conn:
-            if not self._registered and self.handler_path is not None:
+        """Register this consumer (watermark where ``start`` says, handler path) and return its
+        watermark; raises :class:`StreamRestored` after a restore. Waits while another transaction
+        holds the watermark."""
+        with self.database.connection() as conn:
+            if not self._registered:
                 params = {"consumer_id": self.consumer_id, "branch_id": self.branch_id}
-                registered = conn.execute(q.REGISTERED_HANDLER, params).fetchone()
-                if registered is None or registered[0] != self.handler_path:
-                    conn.execute(q.REGISTER_CONSUMER, {**params, "handler": self.handler_path})
+                created = conn.execute(
+                    q.START_CONSUMER, {**params, "handler": self.handler_path, "start": self.spec.start}
+                ).fetchone()
+                if created is not None and created[0]:
+                    log.warning("consumer %s of branch %s: %s", self.consumer_id, self.branch_id, created[0])
+                if created is None and self.handler_path is not None:
+                    registered = conn.execute(q.REGISTERED_HANDLER, params).fetchone()
+                    if registered is None or registered[0] != self.handler_path:
+                        conn.execute(q.REGISTER_CONSUMER, {**params, "handler": self.handler_path})
             self._registered = True
             return lock_watermark(conn, self.consumer_id, self.branch_id)
 
@@ -212,31 +306,63 @@ class Consumer:
         if not self._registered:
             self.check()
         limit = 1 if self._one_at_a_time else self.spec.batch_size
-        with self._connection() as conn:
+        failure: BaseException | None = None
+        with self._transaction() as conn:
             if lease is not None:
                 Leases.check(conn, lease)
             before = lock_watermark(conn, self.consumer_id, self.branch_id, wait=self.wait)
-            batch = read_batch(conn, before, limit)
+            batch = read_batch(conn, before, limit, order=self.spec.order)
             if batch.events:
                 try:
                     self.handler(conn, batch.events)
-                except Exception as exc:
-                    raise self._failed(batch.events, exc) from exc
-            if batch.changed:
+                except Exception as exc:  # noqa: BLE001 - recorded below, after this transaction rolls back
+                    failure = exc
+                    conn.rollback()
+            if failure is None and batch.changed:
                 save_watermark(conn, before, batch.after)
+        if failure is not None:
+            return self._failed(lease, before, batch, failure)
         self._one_at_a_time = max(0, self._one_at_a_time - len(batch.events))
         return len(batch.events)
 
-    def _failed(self, events: list[Event], exc: Exception) -> HandlerFailed:
+    def _failed(self, lease: Lease | None, before: Watermark, batch: Batch, exc: BaseException) -> int:
+        """After the handler raised on ``batch`` (rolled back): name the event, count the attempt, and
+        park the event once it has failed ``max_attempts`` times (``on_poison="park"``)."""
+        events = batch.events
         where = f"consumer {self.consumer_id!r} of branch {self.branch_id}"
-        if len(events) == 1:
-            return HandlerFailed(f"{where}: handler failed on event {events[0].id}: {type(exc).__name__}: {exc}")
-        self._one_at_a_time = len(events)
-        return HandlerFailed(
-            f"{where}: handler failed on a batch of {len(events)} events (ids {events[0].id}..{events[-1].id}): "
-            f"{type(exc).__name__}: {exc}; retrying them one at a time"
-        )
-
-    def _connection(self) -> AbstractContextManager[psycopg.Connection]:
-        """A pooled connection whose block is one transaction, with the cmb schema first on the search_path."""
-        return self.database.connection()
+        error = f"{type(exc).__name__}: {exc}"
+        if len(events) > 1:
+            self._one_at_a_time = len(events)
+            raise HandlerFailed(
+                f"{where}: handler failed on a batch of {len(events)} events (ids {events[0].id}..{events[-1].id}): "
+                f"{error}; retrying them one at a time"
+            ) from exc
+        event = events[0]
+        trace = "".join(traceback.format_exception(exc))
+        with self._transaction() as conn:
+            if lease is not None:
+                Leases.check(conn, lease)
+            now = lock_watermark(conn, self.consumer_id, self.branch_id, wait=self.wait)
+            if now.model_dump(exclude={"failing_event", "attempts"}) != before.model_dump(exclude={"failing_event", "attempts"}):
+                raise HandlerFailed(f"{where}: handler failed on event {event.id}: {error}") from exc  # moved meanwhile
+            params = {"consumer_id": self.consumer_id, "branch_id": self.branch_id, "event_id": event.id, "error": error}
+            attempts, first_failed_at = conn.execute(q.RECORD_FAILURE, params).fetchone()
+            if attempts >= self.spec.max_attempts and self.spec.on_poison == "park":
+                conn.execute(q.PARK_EVENT, {
+                    **params, "txid": str(event.txid), "traceback": trace, "attempts": attempts,
+                    "first_failed_at": first_failed_at,
+                })
+                save_watermark(conn, before, batch.after.model_copy(update={"delivered": before.delivered}))
+                log.warning(
+                    "%s: parked event %s after %s failed attempts (%s); `cmb-dagster pubsub dead` lists it, "
+                    "`cmb-dagster pubsub replay` runs it again", where, event.id, attempts, error,
+                )
+                self._one_at_a_time = max(0, self._one_at_a_time - 1)
+                return 1
+        if attempts >= self.spec.max_attempts:
+            log.error("%s: stuck on event %s after %s failed attempts (on_poison='stop'): %s",
+                      where, event.id, attempts, error)
+        raise HandlerFailed(
+            f"{where}: handler failed on event {event.id} (attempt {attempts} of {self.spec.max_attempts}"
+            f"{', on_poison=stop' if self.spec.on_poison == 'stop' else ''}): {error}"
+        ) from exc

@@ -7,11 +7,13 @@ external asset ``pubsub/<consumer_id>/branch_<id>`` whose ``lag_events``, ``lag_
 
 import re
 import time
+from datetime import timedelta
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from dagster import (
     AssetKey,
+    Config,
     AssetObservation,
     AssetSpec,
     DefaultScheduleStatus,
@@ -29,11 +31,12 @@ from dagster import (
     sensor,
 )
 
+from pydantic import Field
+
 from cmb_dagster.database import Database
 from cmb_dagster.jobs import keep_running_sensor, worker_job
-from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.admin import consumer_lag, trim
-from cmb_dagster.pubsub.consumer import Consumer, read_batch, refuse_if_restored
+from cmb_dagster.pubsub.consumer import Consumer, read_batch, record_watermark, refuse_if_restored
 from cmb_dagster.pubsub.errors import InvalidInput
 from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, Lag, PubSubOptions, Watermark
 from cmb_dagster.resources import CmbResource
@@ -51,7 +54,11 @@ def lag_observation(lag: Lag) -> AssetObservation:
     """An observation of ``lag`` on the consumer's lag asset."""
     return AssetObservation(
         asset_key=lag_asset_key(lag.consumer_id, lag.branch_id),
-        metadata={"lag_events": lag.events, "lag_seconds": round(lag.seconds, 3), "delivered": lag.delivered},
+        metadata={
+            "lag_events": lag.events, "lag_seconds": round(lag.seconds, 3), "delivered": lag.delivered,
+            "failing_event": lag.failing_event or 0, "failed_attempts": lag.attempts, "parked_events": lag.parked,
+            "problem": lag.problem or "",
+        },
     )
 
 
@@ -70,6 +77,8 @@ def consumer_job(spec: ConsumerSpec, *, prefix: str = "cmb_") -> JobDefinition:
                         f"consumer {lag.consumer_id} (branch {lag.branch_id}): {lag.delivered} delivered, "
                         f"{lag.events} behind ({lag.seconds:.1f}s)"
                     )
+                    if lag.problem:
+                        context.log.warning(f"consumer {lag.consumer_id} (branch {lag.branch_id}): {lag.problem}")
 
         def on_progress(report: WorkerReport) -> None:
             nonlocal next_report
@@ -119,10 +128,7 @@ def pubsub_sensor(
         )
         with cmb.connection() as conn:
             refuse_if_restored(conn, state)
-            conn.execute(q.RECORD_WATERMARK, {
-                "consumer_id": consumer_id, "branch_id": branch_id, "snapshot": state.snapshot, "target": state.target,
-                "txid": str(state.txid), "event_id": state.event_id, "delivered": state.delivered,
-            })
+            record_watermark(conn, state)
             batch = read_batch(conn, state, batch_size)
             lags = consumer_lag(conn, consumer_id, branch_id)
         requests = [
@@ -142,14 +148,18 @@ def pubsub_sensor(
     return _pubsub_sensor
 
 
+class TrimConfig(Config):
+    retain_days: float = Field(default=7.0, ge=0, description="Keep events younger than this, read or not.")
+
+
 def trim_job(*, prefix: str = "cmb_") -> JobDefinition:
-    """A job deleting the pub/sub events every registered consumer of their branch has delivered."""
-    description = "Deletes the pub/sub events every registered consumer of their branch has delivered."
+    """A job deleting the pub/sub events older than ``retain_days`` that every registered consumer has read."""
+    description = "Deletes the pub/sub events older than retain_days every registered consumer of their branch has read."
 
     @op(name=f"{prefix}pubsub_trim_op", description=description)
-    def trim_op(context: OpExecutionContext, cmb: CmbResource) -> None:
+    def trim_op(context: OpExecutionContext, config: TrimConfig, cmb: CmbResource) -> None:
         with cmb.database.connect(autocommit=True) as conn:
-            deleted = trim(conn)
+            deleted = trim(conn, retain=timedelta(days=config.retain_days))
         context.log.info(f"trimmed {deleted} delivered events")
         context.add_output_metadata({"deleted": deleted})
 

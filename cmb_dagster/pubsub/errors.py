@@ -2,7 +2,6 @@
 
 from cmb_dagster.errors import CmbError, InvalidInput
 
-
 __all__ = ["ConsumerBusy", "HandlerFailed", "InvalidInput", "PubSubError", "StreamRestored"]
 
 

@@ -58,10 +58,14 @@ class Watermark(BaseModel):
     event_id: int = 0
     delivered: int = 0
     handler: str | None = None
+    failing_event: int | None = None  # the next event, while the handler keeps failing on it
+    attempts: int = 0  # failed attempts on failing_event so far
 
 
 class Lag(BaseModel):
-    """How far a consumer is behind: events committed and not yet delivered, and the oldest one's age."""
+    """How far a consumer is behind: events committed and not yet delivered, and the oldest one's age;
+    the event its handler keeps failing on (``failing_event``, ``attempts``, ``last_error``), how many
+    events it parked (``parked``, not replayed yet), and what it was told when it registered (``notice``)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -72,6 +76,39 @@ class Lag(BaseModel):
     delivered: int
     handler: str | None
     updated_at: datetime
+    failing_event: int | None = None
+    attempts: int = 0
+    last_error: str | None = None
+    parked: int = 0
+    notice: str | None = None
+
+    @property
+    def problem(self) -> str | None:
+        """One line saying why this consumer is stuck or what it skipped, or None."""
+        parts = []
+        if self.failing_event is not None:
+            parts.append(f"stuck on event {self.failing_event} after {self.attempts} failed attempts: {self.last_error}")
+        if self.parked:
+            parts.append(f"{self.parked} parked event(s): `cmb-dagster pubsub dead` lists them, `pubsub replay` retries")
+        if self.notice:
+            parts.append(self.notice)
+        return "; ".join(parts) or None
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An event a consumer parked after ``attempts`` failures, with its last error."""
+
+    consumer_id: str
+    branch_id: int
+    event: Event
+    error: str
+    traceback: str | None
+    attempts: int
+    first_failed_at: datetime
+    last_failed_at: datetime
+    parked_at: datetime
+    replayed_at: datetime | None
 
 
 class ConsumerSpec(BaseModel):
@@ -83,7 +120,22 @@ class ConsumerSpec(BaseModel):
     branch_id: int = Field(default=0, description="The branch whose events it reads.")
     handler: str = Field(description="'module:function' called as handler(conn, events).")
     batch_size: int = Field(default=1000, ge=1, le=100_000, description="Most events per handler call.")
-    idle_sleep: float = Field(default=0.1, gt=0, le=60, description="Seconds to wait when no event is ready.")
+    idle_sleep: float = Field(
+        default=1.0, gt=0, le=60,
+        description="Seconds between polls when no event is ready; a commit's NOTIFY hint wakes the consumer sooner.",
+    )
+    max_attempts: int = Field(default=10, ge=1, le=1000, description="Failed attempts on one event before on_poison applies.")
+    on_poison: Literal["park", "stop"] = Field(
+        default="park",
+        description="'park': after max_attempts, move the event to the dead letters and go on; 'stop': keep retrying it.",
+    )
+    order: Literal["snapshot", "txid"] = Field(
+        default="snapshot",
+        description="'snapshot': committed events at once; 'txid': strict txid order, waiting for every older transaction.",
+    )
+    start: Literal["beginning", "now", "earliest_kept"] = Field(
+        default="beginning", description="Where a consumer seen for the first time starts reading."
+    )
 
     @field_validator("handler")
     @classmethod

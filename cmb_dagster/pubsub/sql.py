@@ -1,4 +1,5 @@
-"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql).
+"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql and
+0008_pubsub_poison_retention.sql).
 
 Statements run on connections whose search_path starts with the cmb schema; the capture DDL, which
 lives next to a user's table, names cmb objects through ``{cmb}`` (a psycopg.sql.Identifier).
@@ -10,7 +11,7 @@ from psycopg import sql
 
 _WATERMARK_COLUMNS = """
     consumer_id, branch_id, snapshot::text, target::text, txid::text, event_id, delivered, handler,
-    pubsub_restore_problem(coalesce(target, snapshot)) AS restore_problem
+    failing_event, attempts, pubsub_restore_problem(coalesce(target, snapshot)) AS restore_problem
 """
 
 LOCK_WATERMARK = f"""
@@ -37,12 +38,29 @@ INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler) VALUES (%(consum
 ON CONFLICT (consumer_id, branch_id) DO UPDATE SET handler = EXCLUDED.handler, updated_at = now()
 """
 
+# A new consumer's watermark: at the beginning of history ('beginning', 'earliest_kept') or at the current
+# snapshot ('now'); 'beginning' notes when trim has already deleted events of the branch.
+START_CONSUMER = """
+INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler, snapshot, notice)
+SELECT %(consumer_id)s, %(branch_id)s, %(handler)s,
+       CASE WHEN %(start)s = 'now' THEN pubsub_snapshot() ELSE '1:1:'::pg_snapshot END,
+       CASE WHEN %(start)s = 'beginning' THEN
+           (SELECT format('started from the beginning of branch %%s, but trim had already deleted %%s of its events '
+                          '(up to txid %%s, last trim %%s): the consumer never sees them', t.branch_id, t.events,
+                          t.last_txid, to_char(t.last_trim_at, 'YYYY-MM-DD HH24:MI:SSOF'))
+            FROM pubsub_trimmed t WHERE t.branch_id = %(branch_id)s)
+       END
+ON CONFLICT (consumer_id, branch_id) DO NOTHING
+RETURNING notice
+"""
+
 DROP_CONSUMER = "DELETE FROM pubsub_watermarks WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s"
 
 SAVE_WATERMARK = """
 UPDATE pubsub_watermarks
 SET snapshot = %(snapshot)s::pg_snapshot, target = %(target)s::pg_snapshot, txid = %(txid)s::xid8,
-    event_id = %(event_id)s, delivered = delivered + %(count)s, updated_at = now()
+    event_id = %(event_id)s, delivered = delivered + %(count)s, updated_at = now(),
+    failing_event = NULL, attempts = 0, first_failed_at = NULL, last_failed_at = NULL, last_error = NULL
 WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 """
 
@@ -59,39 +77,121 @@ SET snapshot = EXCLUDED.snapshot, target = EXCLUDED.target, txid = EXCLUDED.txid
 
 # -- reading ------------------------------------------------------------------------------------
 
-CURRENT_SNAPSHOT = "SELECT pubsub_snapshot()::text"
 
 RESTORE_PROBLEM = "SELECT pubsub_restore_problem(%(snapshot)s::pg_snapshot)"
 
 _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.created_at"
 
-# The events of a branch that %(target)s shows committed and %(snapshot)s does not, after the position
-# (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as running
-# (an index scan per such txid), or one at or above its xmax (one index range scan): neither part
-# revisits delivered events.
+# The events of a branch that the target snapshot shows committed and %(snapshot)s does not, after the
+# position (txid, event_id), in (txid, id) order. Such a txid is either one %(snapshot)s listed as
+# running (an index scan per such txid), or one at or above its xmax (one index range scan): neither
+# part revisits delivered events.
+#
+# The target is %(target)s when a difference is half delivered, else taken here (one round trip):
+# the current snapshot, or with %(strict)s (order="txid") "h:h:", which shows committed exactly the
+# txids below h, the oldest transaction still running that may write here; no target (NULL) while h
+# is not beyond %(snapshot)s. A running txid that pg_stat_activity shows in another database cannot
+# write this stream's events and does not count (one that already ended, a prepared transaction, or
+# one whose session we may not see counts: conservative). The target is this statement's own snapshot (pubsub_statement_snapshot is STABLE): it
+# never shows committed a transaction whose events the statement cannot see. Returns one row: the target, and the events as one JSON array of
+# [id, txid, branch_id, topic, op, key, payload, created_at] (one json.loads per batch instead of two
+# jsonb decodes and a timestamp per event: the client's cost per event halves).
 READ_BATCH = f"""
-SELECT batch.id, batch.txid::text, batch.branch_id, batch.topic, batch.op, batch.key, batch.payload, batch.created_at
-FROM (
-    (SELECT {_EVENT_COLUMNS}
-     FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
-     CROSS JOIN LATERAL (
-         SELECT * FROM pubsub_events e
-         WHERE e.branch_id = %(branch_id)s AND e.txid = x AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
-         ORDER BY e.id LIMIT %(limit)s
-     ) AS e
-     WHERE pg_visible_in_snapshot(x, %(target)s::pg_snapshot)
-     ORDER BY e.txid, e.id LIMIT %(limit)s)
-    UNION ALL
-    (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
-     WHERE e.branch_id = %(branch_id)s
-       AND e.txid >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
-       AND e.txid < pg_snapshot_xmax(%(target)s::pg_snapshot)
-       AND pg_visible_in_snapshot(e.txid, %(target)s::pg_snapshot)
-       AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
-     ORDER BY e.txid, e.id LIMIT %(limit)s)
-) AS batch
-ORDER BY batch.txid, batch.id  -- as xid8: the text of txids does not sort like txids
-LIMIT %(limit)s
+WITH target AS MATERIALIZED (
+    SELECT CASE
+        WHEN %(target)s::pg_snapshot IS NOT NULL THEN %(target)s::pg_snapshot
+        WHEN NOT %(strict)s THEN pubsub_statement_snapshot()
+        ELSE (SELECT format('%%s:%%s:', m.horizon, m.horizon)::pg_snapshot
+              FROM pubsub_clock c, pubsub_statement_snapshot() AS s,
+              LATERAL (SELECT coalesce(min(x), pg_snapshot_xmax(s)) AS horizon
+                       FROM pg_snapshot_xip(s) AS x
+                       WHERE ((x::text::numeric - c.shift) %% 4294967296)::bigint NOT IN (
+                           SELECT a.backend_xid::text::bigint FROM pg_stat_activity a
+                           WHERE a.backend_xid IS NOT NULL AND a.datname IS DISTINCT FROM current_database())
+                      ) AS m
+              WHERE m.horizon > pg_snapshot_xmax(%(snapshot)s::pg_snapshot))
+    END AS t
+)
+SELECT (SELECT t::text FROM target),
+       (SELECT json_agg(json_build_array(batch.id, batch.txid::text::numeric, batch.branch_id, batch.topic, batch.op,
+                                         batch.key, batch.payload, batch.created_at)
+                        ORDER BY batch.txid, batch.id)::text  -- as xid8: the text of txids does not sort like txids
+        FROM (
+            (SELECT {_EVENT_COLUMNS}
+             FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
+             CROSS JOIN LATERAL (
+                 SELECT * FROM pubsub_events e
+                 WHERE e.branch_id = %(branch_id)s AND e.txid = x AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+                 ORDER BY e.id LIMIT %(limit)s
+             ) AS e
+             WHERE pg_visible_in_snapshot(x, (SELECT t FROM target))
+             ORDER BY e.txid, e.id LIMIT %(limit)s)
+            UNION ALL
+            (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
+             WHERE e.branch_id = %(branch_id)s
+               AND e.txid >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
+               AND e.txid < (SELECT pg_snapshot_xmax(t) FROM target)
+               AND pg_visible_in_snapshot(e.txid, (SELECT t FROM target))
+               AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
+             ORDER BY e.txid, e.id LIMIT %(limit)s)
+            ORDER BY 2, 1
+            LIMIT %(limit)s
+        ) AS batch)
+"""
+
+# -- failures and dead letters -------------------------------------------------------------------
+
+# One more failed attempt on %(event_id)s (the count starts again when the failing event changes).
+RECORD_FAILURE = """
+UPDATE pubsub_watermarks
+SET attempts = CASE WHEN failing_event = %(event_id)s THEN attempts + 1 ELSE 1 END,
+    first_failed_at = CASE WHEN failing_event = %(event_id)s THEN first_failed_at ELSE now() END,
+    failing_event = %(event_id)s, last_failed_at = now(), last_error = %(error)s, updated_at = now()
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
+RETURNING attempts, first_failed_at
+"""
+
+PARK_EVENT = """
+INSERT INTO pubsub_dead_letters (consumer_id, branch_id, event_id, txid, topic, op, key, payload, created_at,
+                                 error, traceback, attempts, first_failed_at, last_failed_at)
+SELECT %(consumer_id)s, %(branch_id)s, e.id, e.txid, e.topic, e.op, e.key, e.payload, e.created_at,
+       %(error)s, %(traceback)s, %(attempts)s, %(first_failed_at)s, now()
+FROM pubsub_events e
+WHERE e.branch_id = %(branch_id)s AND e.txid = %(txid)s::xid8 AND e.id = %(event_id)s
+ON CONFLICT (consumer_id, branch_id, event_id) DO UPDATE
+SET error = EXCLUDED.error, traceback = EXCLUDED.traceback, attempts = EXCLUDED.attempts,
+    last_failed_at = EXCLUDED.last_failed_at, parked_at = now(), replayed_at = NULL
+"""
+
+DEAD_LETTER_COLUMNS = """consumer_id, branch_id, event_id, txid::text, topic, op, key, payload, created_at,
+    error, traceback, attempts, first_failed_at, last_failed_at, parked_at, replayed_at"""
+
+DEAD_LETTERS = f"""
+SELECT {DEAD_LETTER_COLUMNS} FROM pubsub_dead_letters
+WHERE (%(consumer_id)s::text IS NULL OR consumer_id = %(consumer_id)s)
+  AND (%(branch_id)s::bigint IS NULL OR branch_id = %(branch_id)s)
+  AND (%(all)s OR replayed_at IS NULL)
+ORDER BY consumer_id, branch_id, event_id
+"""
+
+# The next parked event to replay (ids above %(after)s), locked so concurrent replays take different ones.
+NEXT_DEAD_LETTER = f"""
+SELECT {DEAD_LETTER_COLUMNS} FROM pubsub_dead_letters
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s AND replayed_at IS NULL
+  AND event_id > %(after)s AND (%(event_ids)s::bigint[] IS NULL OR event_id = ANY (%(event_ids)s::bigint[]))
+ORDER BY event_id LIMIT 1
+FOR UPDATE SKIP LOCKED
+"""
+
+DEAD_LETTER_REPLAYED = """
+UPDATE pubsub_dead_letters SET replayed_at = now()
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s AND event_id = %(event_id)s
+"""
+
+DEAD_LETTER_FAILED_AGAIN = """
+UPDATE pubsub_dead_letters
+SET attempts = attempts + 1, last_failed_at = now(), error = %(error)s, traceback = %(traceback)s
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s AND event_id = %(event_id)s
 """
 
 # -- producing ----------------------------------------------------------------------------------
@@ -162,7 +262,10 @@ DROP_CAPTURE_FUNCTION = sql.SQL("DROP FUNCTION IF EXISTS {cmb}.{function}()")
 
 # Per watermark: events committed now and not yet delivered, and the age of the oldest of them.
 LAG = """
-SELECT w.consumer_id, w.branch_id, w.delivered, w.handler, w.updated_at, behind.events, behind.seconds
+SELECT w.consumer_id, w.branch_id, w.delivered, w.handler, w.updated_at, behind.events, behind.seconds,
+       w.failing_event, w.attempts, w.last_error, w.notice,
+       (SELECT count(*) FROM pubsub_dead_letters d
+        WHERE d.consumer_id = w.consumer_id AND d.branch_id = w.branch_id AND d.replayed_at IS NULL) AS parked
 FROM pubsub_watermarks w, pubsub_snapshot() AS now,
 LATERAL (
     SELECT count(*) AS events,
@@ -183,8 +286,9 @@ ORDER BY w.consumer_id, w.branch_id
 # Consumers keep their watermark rows while trim decides; a consumer registered meanwhile waits.
 LOCK_WATERMARKS_FOR_TRIM = "LOCK TABLE pubsub_watermarks IN SHARE MODE"
 
-# Deletes up to %(limit)s events per branch that every consumer of that branch has delivered: their
-# txid shows committed in each consumer's delivered snapshot (so it is below the smallest xmax).
+# Deletes up to %(limit)s events per branch that every consumer of that branch has delivered (their
+# txid shows committed in each consumer's delivered snapshot, so it is below the smallest xmax) and
+# that are older than %(retain)s; counts them per branch in pubsub_trimmed; returns how many.
 TRIM = """
 WITH branches AS (
     SELECT branch_id, array_agg(snapshot) AS snapshots, min(pg_snapshot_xmax(snapshot)) AS xmax
@@ -194,12 +298,23 @@ WITH branches AS (
     CROSS JOIN LATERAL (
         SELECT e.branch_id, e.txid, e.id FROM pubsub_events e
         WHERE e.branch_id = b.branch_id AND e.txid < b.xmax
+          AND e.created_at < now() - %(retain)s::interval
           AND NOT EXISTS (SELECT 1 FROM unnest(b.snapshots) AS s WHERE NOT pg_visible_in_snapshot(e.txid, s))
         ORDER BY e.txid, e.id LIMIT %(limit)s
     ) AS d
+), gone AS (
+    DELETE FROM pubsub_events e USING doomed d
+    WHERE e.branch_id = d.branch_id AND e.txid = d.txid AND e.id = d.id
+    RETURNING e.branch_id, e.txid
+), counted AS (
+    SELECT branch_id, count(*) AS events, max(txid) AS last_txid FROM gone GROUP BY branch_id
+), recorded AS (
+    INSERT INTO pubsub_trimmed AS t (branch_id, events, last_txid)
+    SELECT branch_id, events, last_txid FROM counted
+    ON CONFLICT (branch_id) DO UPDATE
+    SET events = t.events + EXCLUDED.events, last_txid = greatest(t.last_txid, EXCLUDED.last_txid), last_trim_at = now()
 )
-DELETE FROM pubsub_events e USING doomed d
-WHERE e.branch_id = d.branch_id AND e.txid = d.txid AND e.id = d.id
+SELECT coalesce(sum(events), 0)::bigint FROM counted
 """
 
 # `pubsub reset`: wait out every transaction writing events and stop the clock. If the stream's txids

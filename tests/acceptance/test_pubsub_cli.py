@@ -103,7 +103,7 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
     assert again.returncode == 0 and "0 events" in again.stdout, again.stderr
     status = cli(database_url, "status")
     assert "reporter  branch 0  delivered 3  behind 0 (0.0s)  handler test_pubsub_cli:record" in status.stdout
-    assert cli(database_url, "trim").stdout.strip() == "deleted 3 delivered events"
+    assert cli(database_url, "trim", "--retain-days", "0").stdout.strip() == "deleted 3 delivered events"
     assert "nothing to re-base" in cli(database_url, "reset").stdout
     with db.connection() as conn:  # what a pg_restore into a younger cluster looks like
         conn.execute("UPDATE pubsub_clock SET system_identifier = 42")
@@ -119,4 +119,45 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
     assert "dropped consumer reporter" in cli(database_url, "drop", "reporter").stdout
     unknown = cli(database_url, "consume", "nobody", "--duration", "1")
     assert unknown.returncode == 1 and "has no registered handler" in unknown.stderr
+    db.close()
+
+
+FIXED = {"fixed": False}
+
+
+def fragile(conn, events):
+    """Raises on payload n == 1 (unless the test's marker row says the bug is fixed)."""
+    fixed = conn.execute("SELECT count(*) FROM public.fixed").fetchone()[0]
+    conn.execute("INSERT INTO public.results (event_id) SELECT unnest(%s::bigint[])", ([e.id for e in events],))
+    if not fixed and any(e.payload["n"] == 1 for e in events):
+        raise ValueError("cannot handle n=1")
+
+
+def test_cli_status_names_a_stuck_or_parked_event_and_dead_and_replay_handle_it(database_url):
+    db = Database(database_url)
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
+        conn.execute("CREATE TABLE public.fixed (ok boolean)")
+        ids = [publish(conn, 0, {"n": n}) for n in range(3)]
+    stuck = cli(database_url, "consume", "stubborn", "--handler", "test_pubsub_cli:fragile", "--on-poison", "stop",
+                "--max-attempts", "1", "--duration", "2")
+    assert stuck.returncode == 0, stuck.stderr
+    assert "stuck on event" in stuck.stderr
+    status = cli(database_url, "status").stdout
+    assert f"! stuck on event {ids[1]} after" in status and "ValueError: cannot handle n=1" in status
+    parking = cli(database_url, "consume", "tolerant", "--handler", "test_pubsub_cli:fragile", "--max-attempts", "1",
+                  "--duration", "2")
+    assert "parked event" in parking.stderr, parking.stderr
+    assert "1 parked event(s)" in cli(database_url, "status").stdout
+    dead = cli(database_url, "dead", "tolerant").stdout
+    assert f"tolerant  branch 0  event {ids[1]} (default publish)  1 attempts" in dead and "parked: ValueError" in dead
+    failing = cli(database_url, "replay", "tolerant")
+    assert failing.returncode == 1 and "replayed 0 parked events; 1 failed again" in failing.stdout
+    with db.connection() as conn:
+        conn.execute("INSERT INTO public.fixed VALUES (true)")
+    assert "replayed 1 parked events; 0 failed" in cli(database_url, "replay", "tolerant").stdout
+    assert cli(database_url, "dead").stdout.strip() == "no parked events"
+    assert "replayed" in cli(database_url, "dead", "--all").stdout
+    with psycopg.connect(database_url) as conn:  # tolerant: 0 and 2 by the consumer, 1 by the replay
+        assert conn.execute("SELECT count(*) FROM public.results").fetchone()[0] == 4
     db.close()

@@ -1,6 +1,7 @@
 import random
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 from psycopg_pool import ConnectionPool
@@ -137,11 +138,12 @@ def test_a_raising_handler_rolls_back_and_the_failing_event_is_named(db):
     assert count(db, "SELECT count(*) FROM public.results") == 0
     assert count(db, "SELECT event_id FROM pubsub_watermarks") == 0
     assert [consumer.run_once() for _ in range(3)] == [1, 1, 1]  # one at a time up to the poison
-    with pytest.raises(HandlerFailed, match=rf"failed on event {ids[3]}: ValueError: poison"):
+    with pytest.raises(HandlerFailed, match=rf"failed on event {ids[3]} \(attempt 1 of 10\): ValueError: poison"):
         consumer.run_once()
-    report = consumer.run(duration=1.2)  # the worker retries with backoff: few attempts, all failing
-    assert report.items == 0 and 1 <= report.errors <= 3
+    with pytest.raises(HandlerFailed, match=rf"failed on event {ids[3]} \(attempt 2 of 10\)"):
+        consumer.run_once()
     assert count(db, "SELECT count(*) FROM public.results") == 3
+    assert count(db, "SELECT failing_event FROM pubsub_watermarks") == ids[3]
 
 
 def test_the_watermark_lock_serialises_identical_consumers(db):
@@ -156,7 +158,12 @@ def test_the_watermark_lock_serialises_identical_consumers(db):
     done = threading.Event()
     thread = threading.Thread(target=lambda: (waiting.run_once(), done.set()))
     thread.start()
-    assert not done.wait(0.3)  # blocked while the other transaction holds the watermark
+    wait_until(  # blocked on the row lock while the other transaction holds the watermark
+        lambda: count(db, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                      " AND query LIKE '%%pubsub_watermarks%%' AND pid <> pg_backend_pid()"),
+        what="the second consumer waits for the watermark lock",
+    )
+    assert not done.is_set()
     holder.rollback()
     thread.join(5)
     assert done.is_set() and len(seen) == 1
@@ -281,17 +288,17 @@ def test_trim_keeps_what_a_registered_consumer_has_not_read(db):
     drain(fast)
     slow.run_once()
     with db.connect(autocommit=True) as conn:
-        assert trim(conn) == 0  # one transaction: slow is inside it (target snapshot), nothing below its xmin
+        assert trim(conn, retain=timedelta(0)) == 0  # one transaction: slow is inside it (target snapshot), nothing below its xmin
     drain(slow)
     with db.connection() as conn:
         publish(conn, 0, {"n": "late"})
     with db.connect(autocommit=True) as conn:
-        assert trim(conn, batch_size=3) == 10  # branch 0's read events; branch 5 has no consumer: kept
+        assert trim(conn, batch_size=3, retain=timedelta(0)) == 10  # branch 0's read events; branch 5 has no consumer: kept
         assert conn.execute("SELECT branch_id, count(*) FROM cmb.pubsub_events GROUP BY 1 ORDER BY 1").fetchall() == [
             (0, 1), (5, 10)]
         newcomer, seen = collect(db, "newcomer", 5)
         newcomer.check()  # registered: branch 5 is now held back for it
-        assert trim(conn) == 0
+        assert trim(conn, retain=timedelta(0)) == 0
     assert drain(newcomer) == 10
     with db.connection() as conn:
         assert drop_consumer(conn, "slow", 0) and not drop_consumer(conn, "slow", 0)

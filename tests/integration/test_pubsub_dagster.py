@@ -56,7 +56,8 @@ def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, datab
             "SELECT count(*), sum(amount) FROM public.pubsub_demo_orders").fetchone()
     assert defs.get_schedule_def("cmb_pubsub_trim_schedule").cron_schedule == "17 * * * *"
     with instance_for_test() as instance:
-        assert defs.get_job_def("cmb_pubsub_trim").execute_in_process(instance=instance).success
+        assert defs.get_job_def("cmb_pubsub_trim").execute_in_process(
+            instance=instance, run_config={"ops": {"cmb_pubsub_trim_op": {"config": {"retain_days": 0}}}}).success
     with db.connection() as conn:
         assert conn.execute("SELECT count(*) FROM pubsub_events WHERE branch_id = 100").fetchone() == (0,)
 
