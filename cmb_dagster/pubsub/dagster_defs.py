@@ -13,24 +13,25 @@ from typing import Any
 
 from dagster import (
     AssetKey,
-    Config,
     AssetObservation,
-    AssetSpec,
+    Config,
     DefaultScheduleStatus,
     DefaultSensorStatus,
     Definitions,
     JobDefinition,
+    ObserveResult,
     OpExecutionContext,
     RunRequest,
     ScheduleDefinition,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
+    SourceAsset,
     job,
+    observable_source_asset,
     op,
     sensor,
 )
-
 from pydantic import Field
 
 from cmb_dagster.database import Database
@@ -42,7 +43,7 @@ from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, 
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-PROGRESS_EVERY_SECONDS = 10.0
+PROGRESS_EVERY_SECONDS = 60.0  # at most one lag observation a minute, and only when a figure changed
 
 
 def lag_asset_key(consumer_id: str, branch_id: int) -> AssetKey:
@@ -68,10 +69,15 @@ def consumer_job(spec: ConsumerSpec, *, prefix: str = "cmb_") -> JobDefinition:
     def run_consumer(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         consumer = Consumer.from_spec(database, spec)
         next_report = time.monotonic() + PROGRESS_EVERY_SECONDS
+        last_seen: dict[int, tuple[object, ...]] = {}
 
         def observe() -> None:
             with database.connection() as conn:
                 for lag in consumer_lag(conn, spec.consumer_id, spec.branch_id):
+                    figures = (lag.events, lag.delivered, lag.failing_event, lag.attempts, lag.parked, lag.problem)
+                    if last_seen.get(lag.branch_id) == figures:
+                        continue
+                    last_seen[lag.branch_id] = figures
                     context.log_event(lag_observation(lag))
                     context.log.info(
                         f"consumer {lag.consumer_id} (branch {lag.branch_id}): {lag.delivered} delivered, "
@@ -187,15 +193,24 @@ def pubsub_definitions(options: PubSubOptions, *, prefix: str = "cmb_") -> Defin
         jobs=[*jobs, trim_events],
         sensors=[keep_running_sensor(j) for j in jobs],
         schedules=[trim_schedule],
-        assets=[
-            AssetSpec(
-                lag_asset_key(s.consumer_id, s.branch_id),
-                description=f"Lag of pub/sub consumer {s.consumer_id!r} on branch {s.branch_id}.",
-                group_name="cmb_pubsub",
-            )
-            for s in specs
-        ],
+        assets=[lag_asset(s) for s in specs],
     )
+
+
+def lag_asset(spec: ConsumerSpec) -> SourceAsset:
+    """An observable asset plotting a consumer's lag: its job observes it, and Observe refreshes it."""
+
+    @observable_source_asset(
+        key=lag_asset_key(spec.consumer_id, spec.branch_id),
+        description=f"Lag of pub/sub consumer {spec.consumer_id!r} on branch {spec.branch_id}.",
+        group_name="cmb_pubsub",
+    )
+    def lag(cmb: CmbResource) -> ObserveResult:
+        with cmb.connection() as conn:
+            lags = consumer_lag(conn, spec.consumer_id, spec.branch_id)
+        return ObserveResult(metadata=lag_observation(lags[0]).metadata if lags else {"lag_events": 0})
+
+    return lag
 
 
 def _name(value: str) -> str:

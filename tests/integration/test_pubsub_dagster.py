@@ -104,3 +104,9 @@ def test_definitions_refuse_consumers_whose_job_names_collide():
                                                         {"consumer_id": "a_b", "handler": "m:f"}]))
     with pytest.raises(InvalidInput, match="consumer_id"):
         cmb_definitions(pubsub=PubSubOptions(consumers=[{"consumer_id": "", "handler": "m:f"}]))
+
+
+def test_the_lag_asset_is_observable_only():
+    defs = cmb_definitions(pubsub=PubSubOptions(consumers=[demo.consumer]))
+    asset = defs.get_repository_def().source_assets_by_key[AssetKey(["pubsub", "demo_order_totals", "branch_100"])]
+    assert asset.is_observable  # an Observe button, no Materialize button that would fail
