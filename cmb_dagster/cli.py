@@ -163,14 +163,14 @@ def report_error(exc: BaseException, clean: Callable[[str], str], *, debug: bool
     """Write ``exc`` as one line on stderr (after its traceback when ``debug``); return the exit code."""
     if debug:
         click.echo(clean("".join(traceback.format_exception(exc)).rstrip("\n")), err=True)
-    message, code = describe_error(exc)
+    message, code = describe_error(exc, command)
     if code == 1 and not debug and not isinstance(exc, CmbError | click.ClickException):
         message += f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
     click.echo(f"{command}: error: {clean(message)}", err=True)
     return code
 
 
-def describe_error(exc: BaseException) -> tuple[str, int]:
+def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[str, int]:
     """One line naming what was wrong and what to check, and the exit code."""
     import psycopg
     import psycopg_pool
@@ -179,7 +179,7 @@ def describe_error(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, KeyboardInterrupt | click.exceptions.Abort):
         return "aborted", 130
     if isinstance(exc, click.UsageError):
-        where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+        where = f" (see '{exc.ctx.command_path if exc.ctx else command} --help')"
         return _one_line(exc.format_message()) + where, exc.exit_code
     if isinstance(exc, click.ClickException):
         return _one_line(exc.format_message()), exc.exit_code
