@@ -1,5 +1,7 @@
 """Issue 15 items 1 and 2: no secret of a URL or conninfo in what is shown, nor in parse errors."""
 
+import logging
+
 import pytest
 
 from cmb_dagster.database import Database
@@ -54,3 +56,18 @@ def test_a_malformed_url_is_reported_without_its_secret(url):
     with pytest.raises(ConfigError) as raised:
         Settings.from_env(database_url=url)
     assert SECRET not in str(raised.value) and "database_url" in str(raised.value)
+
+
+def test_cli_log_records_and_their_tracebacks_are_scrubbed(monkeypatch, caplog):
+    from cmb_dagster.cli import output_scrubber, scrubbed_logs
+
+    monkeypatch.setenv("CMB_DATABASE_URL", f"postgresql://u@h/d?password={SECRET}")
+    log = logging.getLogger("cmb_dagster.test")
+    with scrubbed_logs(output_scrubber()), caplog.at_level(logging.INFO):
+        log.info("connecting with %s", SECRET)
+        try:
+            raise RuntimeError(f"libpq said {SECRET}")
+        except RuntimeError:
+            log.exception("failed")
+    text = "\n".join(caplog.messages) + caplog.text
+    assert SECRET not in text and "***" in text and "RuntimeError" in text
