@@ -200,6 +200,8 @@ def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[st
         return f"the database refused the command: {_psycopg_line(exc)}; {_psycopg_hint(exc)}", 1
     if isinstance(exc, ValueError | OverflowError | TypeError):
         return f"invalid value: {_one_line(str(exc)) or type(exc).__name__}; check the command's arguments", 1
+    if isinstance(exc, ImportError):
+        return f"cannot import {exc.name or 'a module'} ({_one_line(str(exc))}); check the module:function given", 1
     if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {_one_line(str(exc))}", 1
     return f"unexpected {type(exc).__name__}: {_one_line(str(exc))}; please report it with the --debug output", 1
