@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,8 +26,13 @@ from cmb_dagster.errors import CmbError
 from cmb_dagster.eventqueue.cli import events
 from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.reactive.cli import reactive
+from cmb_dagster.secrets import scrub, secrets_of
 from cmb_dagster.settings import Settings
 from cmb_dagster.stages.cli import stages
+
+DEBUG_ENV = "CMB_DEBUG"
+SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
+"""Variables whose secrets never appear in the CLI's output, errors or logs (nor does ``PGPASSWORD``)."""
 
 
 def open_database(schema: str | None = None) -> Database:
@@ -48,10 +58,178 @@ def dagster_env(settings: Settings, db: Database) -> dict[str, str]:
     return env
 
 
-@click.group()
+class CmbGroup(click.Group):
+    """The root ``cmb-dagster`` group: whatever goes wrong in any command of any group added to it
+    (engine groups included) ends as one line on stderr and a non-zero exit code, with every secret of
+    the configured database URLs masked, in that line, in the traceback ``--debug`` adds and in logs.
+
+    Exit codes: 1 for an error, 2 for a bad command line (click's usage errors), 130 when interrupted.
+    """
+
+    debug = False
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        self.debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+        clean = output_scrubber()
+        with scrubbed_logs(clean):
+            try:
+                result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            except SystemExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - every error ends as one line, KeyboardInterrupt too
+                code = report_error(exc, clean, debug=self.debug, command=self.command_path_of(args))
+                if standalone_mode:
+                    sys.exit(code)
+                raise
+        if standalone_mode:
+            sys.exit(result if isinstance(result, int) else 0)
+        return result
+
+
+    def command_path_of(self, args: Sequence[str] | None) -> str:
+        """``cmb-dagster group command``: the command that ``args`` name, as far as they name one."""
+        words, group = ["cmb-dagster"], self
+        for arg in sys.argv[1:] if args is None else args:
+            if arg.startswith("-"):
+                continue
+            command = group.commands.get(arg) if isinstance(group, click.Group) else None
+            if command is None:
+                break
+            words.append(arg)
+            group = command
+        return " ".join(words)
+
+
+def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        root = ctx.find_root().command
+        if isinstance(root, CmbGroup):
+            root.debug = True
+
+
+@click.group(cls=CmbGroup)
 @click.version_option(package_name="cmb-dagster")
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+              help=f"On an error, print the traceback (passwords masked) before the one-line message; or set {DEBUG_ENV}=1.")
 def main() -> None:
     """cmb_dagster: reactive, event-driven pipelines for Dagster on Postgres."""
+
+
+# -- errors: one line, no secret -------------------------------------------------------------------
+
+
+def output_scrubber() -> Callable[[str], str]:
+    """A function that removes from a text the secrets of CMB_DATABASE_URL, CMB_DAGSTER_STORAGE_URL,
+    PGPASSWORD and of any URL or ``password=`` the text quotes itself."""
+    sources = [os.environ.get(name) for name in SECRET_ENV]
+    hidden = set().union(*(secrets_of(source) for source in sources))
+    if os.environ.get("PGPASSWORD"):
+        hidden.add(os.environ["PGPASSWORD"])
+    return lambda text: scrub(text, *sources, secrets=hidden)
+
+
+@contextlib.contextmanager
+def scrubbed_logs(clean: Callable[[str], str]) -> Iterator[None]:
+    """Log records made meanwhile (messages, tracebacks, stacks) carry no secret, whatever their handler."""
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken format string is logging's own error to report
+            return record
+        cleaned = clean(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        if record.exc_info and record.exc_info[1] is not None:
+            record.exc_text = clean("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        if record.stack_info:
+            record.stack_info = clean(record.stack_info)
+        return record
+
+    logging.setLogRecordFactory(factory)
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(previous)
+
+
+def report_error(exc: BaseException, clean: Callable[[str], str], *, debug: bool, command: str = "cmb-dagster") -> int:
+    """Write ``exc`` as one line on stderr (after its traceback when ``debug``); return the exit code."""
+    if debug:
+        click.echo(clean("".join(traceback.format_exception(exc)).rstrip("\n")), err=True)
+    message, code = describe_error(exc, command)
+    if code == 1 and not debug and not isinstance(exc, CmbError | click.ClickException):
+        message += f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
+    click.echo(f"{command}: error: {clean(message)}", err=True)
+    return code
+
+
+def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[str, int]:
+    """One line naming what was wrong and what to check, and the exit code."""
+    import psycopg
+    import psycopg_pool
+    import pydantic
+
+    if isinstance(exc, KeyboardInterrupt | click.exceptions.Abort):
+        return "aborted", 130
+    if isinstance(exc, click.UsageError):
+        where = f" (see '{exc.ctx.command_path if exc.ctx else command} --help')"
+        return _one_line(exc.format_message()) + where, exc.exit_code
+    if isinstance(exc, click.ClickException):
+        return _one_line(exc.format_message()), exc.exit_code
+    if isinstance(exc, CmbError):
+        return _one_line(str(exc)), 1
+    if isinstance(exc, pydantic.ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+        )
+        return f"invalid {exc.title}: {_one_line(problems)}; check the command's arguments", 1
+    if isinstance(exc, psycopg_pool.PoolTimeout):
+        return (f"no database connection available ({_one_line(str(exc))}); check that the server runs and accepts "
+                "connections and that CMB_DATABASE_URL is right"), 1
+    if isinstance(exc, psycopg.OperationalError) and not exc.sqlstate:
+        return (f"database connection failed ({_one_line(str(exc))}); check that the server runs and that "
+                "CMB_DATABASE_URL is right"), 1
+    if isinstance(exc, psycopg.Error):
+        return f"the database refused the command: {_psycopg_line(exc)}; {_psycopg_hint(exc)}", 1
+    if isinstance(exc, ValueError | OverflowError | TypeError):
+        return f"invalid value: {_one_line(str(exc)) or type(exc).__name__}; check the command's arguments", 1
+    if isinstance(exc, ImportError):
+        return f"cannot import {exc.name or 'a module'} ({_one_line(str(exc))}); check the module:function given", 1
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {_one_line(str(exc))}", 1
+    return f"unexpected {type(exc).__name__}: {_one_line(str(exc))}; please report it with the --debug output", 1
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def _psycopg_line(exc: Any) -> str:
+    diag = exc.diag
+    message = diag.message_primary or str(exc).strip().splitlines()[0]
+    detail = f" ({diag.message_detail})" if diag.message_detail else ""
+    return _one_line(f"{message}{detail}") + (f" [SQLSTATE {exc.sqlstate}]" if exc.sqlstate else "")
+
+
+def _psycopg_hint(exc: Any) -> str:
+    state = exc.sqlstate or ""
+    if state in ("42P01", "3F000", "42883"):  # undefined table, schema, function
+        return "check CMB_SCHEMA and that the schema is migrated (cmb-dagster db upgrade)"
+    if state.startswith("28") or state == "42501":
+        return "check the user and password of CMB_DATABASE_URL and the user's privileges"
+    if state.startswith(("08", "53", "57")):
+        return "check that the server runs and has room for connections"
+    return "check the command's arguments"
 
 
 @main.command()
@@ -136,12 +314,37 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
 
 
 @main.command()
-def env() -> None:
-    """Print the exports that let `dagster dev` or `dagster-daemon` run on the cmb server directly."""
+@click.option("--show-secrets", is_flag=True,
+              help="Print passwords literally (e.g. for a .env file) instead of reading them from the variables "
+                   "of the shell that evaluates the exports.")
+def env(show_secrets: bool) -> None:
+    """Print the exports that let `dagster dev` or `dagster-daemon` run on the cmb server directly.
+
+    Use as eval "$(cmb-dagster env)". Every value is shell-quoted. A password is not printed: the
+    exports read it from CMB_DATABASE_URL (or CMB_DAGSTER_STORAGE_URL) of the evaluating shell,
+    unless --show-secrets.
+    """
     settings = Settings.from_env()
     db = Database.from_settings(settings)
-    for key, value in dagster_env(settings, db).items():
-        click.echo(f"export {key}='{value}'")
+    for line in env_lines(dagster_env(settings, db), settings, show_secrets=show_secrets):
+        click.echo(line)
+
+
+def env_lines(values: dict[str, str], settings: Settings, *, show_secrets: bool) -> list[str]:
+    """``export`` lines for ``values``, each value quoted; values with a secret refer to the environment."""
+    lines = []
+    for key, value in values.items():
+        if show_secrets or not secrets_of(value):
+            lines.append(f"export {key}={shlex.quote(value)}")
+        elif os.environ.get(key) == value:
+            lines.append(f"export {key}")  # already in the environment: export it as it is, unprinted
+        elif key == "CMB_DAGSTER_STORAGE_URL" and settings.database_url and value == dagster_storage_url(settings.database_url):
+            lines.append(': "${CMB_DATABASE_URL:?is not set in this shell; cmb-dagster env refers to it for the password '
+                         '(or use --show-secrets)}"')
+            lines.append('export CMB_DAGSTER_STORAGE_URL="postgresql+psycopg2://${CMB_DATABASE_URL#*://}"')
+        else:
+            raise click.ClickException(f"{key} holds a password that cmb-dagster env does not print; use --show-secrets")
+    return lines
 
 
 @main.group()
@@ -195,15 +398,5 @@ for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):
 
 
 def run() -> None:
-    """Console-script entry point: CmbErrors become one line on stderr and exit code 1."""
-    try:
-        main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except CmbError as exc:
-        click.echo(f"cmb-dagster: error: {exc}", err=True)
-        sys.exit(1)
+    """Console-script entry point: any error becomes one line on stderr and a non-zero exit code (see CmbGroup)."""
+    main()

@@ -6,16 +6,15 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeAlias
-from urllib.parse import urlsplit
-
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from cmb_dagster import migrations
 from cmb_dagster.embedded import embedded_url
-from cmb_dagster.errors import DatabaseUnavailable
-from cmb_dagster.settings import Settings
+from cmb_dagster.errors import ConfigError, DatabaseUnavailable, InvalidDatabaseUrl
+from cmb_dagster.secrets import mask, scrub
+from cmb_dagster.settings import Settings, check_schema_name
 
 CONNECT_TIMEOUT_S = 5
 
@@ -30,8 +29,12 @@ class Database:
     """
 
     def __init__(self, url: str, *, schema: str = "cmb", max_pool_size: int = 10, migrate: bool = True) -> None:
+        check_url(url)
         self.url = url
-        self.schema = Settings(schema_name=schema).schema_name
+        try:
+            self.schema = check_schema_name(schema)
+        except ValueError as exc:
+            raise ConfigError(f"schema: {exc}") from None
         self.max_pool_size = max_pool_size
         self._migrate = migrate
         self._ready = False
@@ -160,14 +163,19 @@ class Database:
 
     @property
     def display_url(self) -> str:
-        """The URL with its password masked."""
-        return mask_password(self.url)
+        """The URL with its secrets (password, ``password=``, ``sslpassword=``) masked."""
+        return mask(self.url)
+
+    def __repr__(self) -> str:
+        return f"Database({self.display_url!r}, schema={self.schema!r})"
 
     def _raw_connect(self, *, autocommit: bool = False) -> psycopg.Connection:
         try:
             return psycopg.connect(self.url, autocommit=autocommit, **self.connect_kwargs)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(_unreachable_message(self.url, exc)) from None
+        except psycopg.ProgrammingError as exc:  # a conninfo libpq refuses; its message may quote the password
+            raise InvalidDatabaseUrl(_unreadable_message(self.url, exc)) from None
 
 
 _SHARED: dict[tuple[str | None, str, str], Database] = {}
@@ -175,17 +183,30 @@ _SHARED_LOCK = threading.Lock()
 
 
 def mask_password(url: str) -> str:
-    """``url`` with any password replaced by ``***``."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    """``url`` with its secrets masked (kept for callers of the old name; see :func:`cmb_dagster.secrets.mask`)."""
+    return mask(url)
+
+
+def check_url(url: str) -> str:
+    """``url`` if libpq can read it (a URL or key=value conninfo); :class:`InvalidDatabaseUrl` otherwise.
+
+    The error never quotes the URL's secrets (libpq's own message may: "invalid percent-encoded token").
+    """
+    if not isinstance(url, str):
+        raise InvalidDatabaseUrl(f"database URL: expected a string, got {type(url).__name__}")
+    try:
+        conninfo_to_dict(url)
+    except psycopg.Error as exc:
+        raise InvalidDatabaseUrl(_unreadable_message(url, exc)) from None
+    return url
 
 
 def server_address(url: str) -> str:
     """``host:port`` (or the socket directory) that ``url`` points at."""
-    info = conninfo_to_dict(url)
+    try:
+        info = conninfo_to_dict(url)
+    except psycopg.Error:
+        return "an unreadable address"
     host = info.get("host") or "localhost"
     port = info.get("port") or "5432"
     return f"{host}:{port}" if not str(host).startswith("/") else f"socket {host}/.s.PGSQL.{port}"
@@ -193,10 +214,17 @@ def server_address(url: str) -> str:
 
 def _unreachable_message(url: str, exc: psycopg.OperationalError) -> str:
     reason = (str(exc).strip().splitlines() or ["no answer"])[-1].strip()
-    parts = urlsplit(url)
-    if parts.password:
-        reason = reason.replace(parts.password, "***")
-    return (
+    return scrub(
         f"cannot connect to Postgres at {server_address(url)} ({reason}); "
-        "check that the server runs and that CMB_DATABASE_URL is right"
+        "check that the server runs and that CMB_DATABASE_URL is right",
+        url,
+    )
+
+
+def _unreadable_message(url: str, exc: psycopg.Error) -> str:
+    reason = (str(exc).strip().splitlines() or ["unreadable"])[0].strip()
+    return scrub(
+        f"database URL {mask(url)} cannot be read ({reason}); check CMB_DATABASE_URL "
+        "(in its user-info and parameters, write special characters of a password as %XX escapes, e.g. %40 for @)",
+        url,
     )

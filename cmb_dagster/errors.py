@@ -23,3 +23,7 @@ class SchemaTooNew(CmbError):
 
 class ConfigError(CmbError):
     """A setting is invalid."""
+
+
+class InvalidDatabaseUrl(ConfigError, InvalidInput):
+    """A database URL or conninfo string libpq cannot read (the message never shows its secrets)."""

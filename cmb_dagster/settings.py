@@ -11,12 +11,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cmb_dagster.errors import ConfigError
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+RESERVED_SCHEMAS = frozenset({"public", "information_schema"})
+"""Schema names cmb refuses besides ``pg_*``: Postgres's own, and ``public`` where users' tables live."""
+
+
+def check_schema_name(value: object) -> str:
+    """``value`` if it can hold cmb tables: a lowercase identifier, not reserved; ``ValueError`` otherwise."""
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise ValueError(
+            f"schema name {value!r} must be a lowercase SQL identifier (a-z, 0-9, _; at most 63 characters)"
+        )
+    if value.startswith("pg_") or value in RESERVED_SCHEMAS:
+        raise ValueError(
+            f"schema name {value!r} is reserved (public, information_schema and pg_* belong to Postgres "
+            "and your own tables); choose a schema of cmb's own such as 'cmb'"
+        )
+    return value
 
 
 class Settings(BaseModel):
     """Database URL (``None`` = the embedded server), schema name and the home of local state."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, hide_input_in_errors=True)  # the URL's password stays out of errors
 
     database_url: str | None = Field(default=None, description="CMB_DATABASE_URL; unset = embedded Postgres.")
     schema_name: str = Field(default="cmb", description="CMB_SCHEMA: the Postgres schema of cmb tables.")
@@ -25,15 +41,17 @@ class Settings(BaseModel):
     @field_validator("schema_name")
     @classmethod
     def _schema_is_identifier(cls, value: str) -> str:
-        if not _IDENTIFIER.match(value):
-            raise ValueError(f"schema name {value!r} must be a lowercase SQL identifier (a-z, 0-9, _)")
-        return value
+        return check_schema_name(value)
 
     @field_validator("database_url")
     @classmethod
     def _url_is_postgres(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("postgresql://", "postgres://")):
             raise ValueError("must start with postgresql:// (a libpq URL)")
+        if value:
+            from cmb_dagster.database import check_url
+
+            check_url(value)  # InvalidDatabaseUrl is a ValueError whose message hides the secrets
         return value or None
 
     @field_validator("home")
@@ -57,4 +75,4 @@ class Settings(BaseModel):
 
 
 def _one_line(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())

@@ -54,6 +54,12 @@ def _when(at: str | None, delay: float | None) -> datetime:
     return when
 
 
+def _bucket_ids(value: str | None) -> str | None:
+    if value and not all(part.strip().isdigit() for part in value.split(",")):
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of bucket ids such as 0,1,2", param_hint="'--buckets'")
+    return value
+
+
 @click.group()
 def callbacks() -> None:
     """Delayed callbacks: call a URL (or launch a Dagster job) at a given time."""
@@ -62,7 +68,7 @@ def callbacks() -> None:
 @callbacks.command()
 @_keys
 @click.option("--at", "at", help="When to call, ISO 8601 with a timezone (e.g. 2030-01-01T09:00:00Z).")
-@click.option("--in", "delay", type=float, help="When to call, in seconds from now.")
+@click.option("--in", "delay", type=click.FloatRange(0, 100 * 365.25 * 86400), help="When to call, in seconds from now.")
 @click.option("--url", "cb_url", required=True, help="http(s):// URL to POST to, or dagster://<job_name>.")
 @click.option("--context", help="JSON sent along with the call.")
 @click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
@@ -88,7 +94,7 @@ def show(owner_client_id: str, group_key: str, event_key: str) -> None:
 @click.option("--owner", "owner_client_id", help="Only this owner's events.")
 @click.option("--group", "group_key", help="Only this group's events.")
 @click.option("--status", help="pending, notified, failed, cancelled or rejected.")
-@click.option("--limit", default=100, show_default=True)
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000))
 def list_(owner_client_id: str | None, group_key: str | None, status: str | None, limit: int) -> None:
     """List events by run_at."""
     with _client() as client:
@@ -136,8 +142,9 @@ def buckets(count: int) -> None:
 
 
 @callbacks.command()
-@click.option("--buckets", "bucket_list", help="Comma-separated bucket ids (default: all, including added ones).")
-@click.option("--duration", type=float, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
+@click.option("--buckets", "bucket_list", callback=lambda ctx, param, value: _bucket_ids(value),
+              help="Comma-separated bucket ids (default: all, including added ones).")
+@click.option("--duration", type=click.FloatRange(0, min_open=True), help="Seconds to work (default: until SIGTERM or Ctrl-C).")
 @click.option("--concurrency", type=int, help="Parallel calls.")
 @click.option("--timeout", type=float, help="Seconds one call may take.")
 @click.option("--poll-interval", type=float, help="Seconds between polls of a bucket.")
@@ -151,7 +158,7 @@ def worker(bucket_list: str | None, duration: float | None, concurrency: int | N
     overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval, "lease_ttl": lease_ttl}
     settings = validated(CallbackSettings, {k: v for k, v in overrides.items() if v is not None})
     db = Database.from_settings(Settings.from_env())
-    chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None
+    chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None  # checked by _bucket_ids
     runner = CallbackWorker(db, settings, buckets=chosen)
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -184,7 +191,7 @@ def status() -> None:
 
 @callbacks.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8765, show_default=True)
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(1, 65535))
 def sink(host: str, port: int) -> None:
     """Run a local endpoint that prints every callback it receives (try callbacks without a service)."""
     from cmb_dagster.callbacks.sink import CallbackSink

@@ -8,7 +8,7 @@ from datetime import datetime
 import click
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.ctl.store import CtlStore, default_actor
+from cmb_dagster.ctl.store import MAX_HISTORY, CtlStore, default_actor
 from cmb_dagster.database import Database
 from cmb_dagster.settings import Settings
 
@@ -59,7 +59,7 @@ def get_values(entity: str | None) -> None:
 @ctl.command()
 @click.argument("entity", required=False)
 @click.argument("parameter", required=False)
-@click.option("--limit", default=20, show_default=True)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, MAX_HISTORY), help="Most changes shown.")
 @click.option("--backwards", is_flag=True, help="Only changes that moved a value backwards.")
 def history(entity: str | None, parameter: str | None, limit: int, backwards: bool) -> None:
     """Recorded changes, newest first."""

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, StringConstraints
 
 from cmb_dagster.triggers.models import ParameterKey
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+LATEST = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
+"""CTL values lie in [EARLIEST, LATEST]: a day inside Python's years 1-9999, so that any time zone
+(a session's, a chunk trigger's) shows them as a ``datetime`` again."""
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL byte (\\x00); Postgres text cannot hold one")
+    return value
+
+
+def _in_range(value: datetime) -> datetime:
+    if not EARLIEST <= value <= LATEST:
+        raise ValueError(
+            f"must lie between {EARLIEST.date().isoformat()} and {LATEST.date().isoformat()} (UTC), "
+            f"got {value.isoformat()}"
+        )
+    return value
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200), AfterValidator(_no_nul)]
+Actor = Annotated[str, StringConstraints(min_length=1, max_length=200), AfterValidator(_no_nul)]
+Moment = Annotated[AwareDatetime, AfterValidator(_in_range)]
 
 
 class CtlKey(BaseModel):
@@ -24,7 +47,7 @@ class CtlKey(BaseModel):
 class CtlValue(CtlKey):
     """A value to write: an aware datetime for one parameter."""
 
-    value: AwareDatetime
+    value: Moment
 
 
 class CtlChange(BaseModel):

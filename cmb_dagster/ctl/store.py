@@ -22,7 +22,7 @@ from pydantic import TypeAdapter, ValidationError
 from cmb_dagster import pubsub
 from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.ctl.models import CtlChange, CtlKey, CtlValue, ParameterKey
+from cmb_dagster.ctl.models import Actor, CtlChange, CtlKey, CtlValue, Name, ParameterKey
 from cmb_dagster.database import Database, DatabaseSource
 
 log = logging.getLogger("cmb_dagster.ctl")
@@ -41,6 +41,10 @@ class FeedItem:
 
 
 _KEYS = TypeAdapter(list[CtlKey])
+_ACTOR = TypeAdapter(Actor)
+_FILTER = TypeAdapter(Name | None)
+MAX_HISTORY = 100_000
+"""The most changes :meth:`CtlStore.history` returns at once."""
 
 
 def default_actor() -> str:
@@ -56,7 +60,8 @@ def _one_line(exc: ValidationError, what: str) -> str:
     problems = []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"])
-        problems.append(f"{where}: {error['msg']} (got {error.get('input')!r})")
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" + ("" if "got " in message else f" (got {error.get('input')!r})"))
     return f"invalid {what}: " + "; ".join(problems)
 
 
@@ -70,7 +75,7 @@ class CtlStore:
 
     def __init__(self, database: DatabaseSource, *, actor: str | None = None) -> None:
         self.database = Database.of(database)
-        self.actor = actor or default_actor()
+        self.actor = _checked(_ACTOR, actor or default_actor(), "actor")
 
     @contextmanager
     def _connection(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
@@ -102,7 +107,7 @@ class CtlStore:
             "entities": [r.entity for r in rows],
             "parameters": [r.parameter for r in rows],
             "values": [r.value for r in rows],
-            "by": by or self.actor,
+            "by": self.actor if by is None else _checked(_ACTOR, by, "by"),
         }
         with self._connection(conn) as c:
             with c.transaction():
@@ -142,7 +147,14 @@ class CtlStore:
         backwards_only: bool = False,
     ) -> list[CtlChange]:
         """Recorded changes, newest first, optionally of one entity / parameter or backwards moves only."""
-        params = {"entity": entity, "parameter": parameter, "limit": limit, "backwards_only": backwards_only}
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_HISTORY:
+            raise InvalidCtlInput(f"limit: must be a whole number from 1 to {MAX_HISTORY}, got {limit!r}")
+        params = {
+            "entity": _checked(_FILTER, entity, "entity"),
+            "parameter": _checked(_FILTER, parameter, "parameter"),
+            "limit": limit,
+            "backwards_only": bool(backwards_only),
+        }
         with self.database.connection() as conn:
             return [CtlChange(**row) for row in _dict_rows(conn.execute(sql.HISTORY, params))]
 
@@ -152,6 +164,7 @@ class CtlStore:
         ``read(position)`` returns the items after ``position`` in order. Their values and the new
         position commit together, so a crash re-reads nothing twice and skips nothing.
         """
+        feed = _checked(_FILTER, feed, "feed")
         with self.database.connection() as conn:
             conn.execute(sql.ENSURE_FEED, {"name": feed})
             conn.commit()
@@ -171,6 +184,7 @@ class CtlStore:
 
     def values(self, entity: str | None = None) -> list[dict[str, object]]:
         """Every current value (of one entity), with version and last writer."""
+        entity = _checked(_FILTER, entity, "entity")
         with self.database.connection() as conn:
             return _dict_rows(conn.execute(sql.LIST_VALUES, {"entity": entity}))
 
@@ -193,6 +207,14 @@ def _validate_values(values: Mapping[ParameterKey, datetime]) -> list[CtlValue]:
         except ValidationError as exc:
             raise InvalidCtlInput(_one_line(exc, f"CTL value for {key[0]!r}/{key[1]!r}") + "; nothing was written") from None
     return rows
+
+
+def _checked(adapter: TypeAdapter, value: object, field: str):  # type: ignore[no-untyped-def]
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        problems = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
+        raise InvalidCtlInput(f"{field}: {problems} (got {value!r})") from None
 
 
 def _validate_keys(pairs: Iterable[ParameterKey]) -> list[CtlKey]:

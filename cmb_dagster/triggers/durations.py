@@ -16,6 +16,8 @@ _TERM = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]+)\s*")
 _WHOLE = re.compile(r"(?:\d+(?:\.\d+)?\s*[a-z]+\s*)+")
 
 _ZERO = timedelta()
+MAX_DURATION = timedelta(days=36_525)
+"""The longest duration a trigger takes: 100 years (longer ones would overflow date arithmetic)."""
 DURATION_EXAMPLES = "'45s', '30min', '2h', '2d', '1w', '1h30min' or a timedelta"
 
 
@@ -35,7 +37,14 @@ def parse_duration(value: timedelta | str) -> timedelta:
             raise ValueError(
                 f"unknown duration unit {unit!r} in {value!r}; known units: s, min, h, d, w"
             )
-        total += float(number) * _UNITS[unit] if "." in number else int(number) * _UNITS[unit]
+        if len(number) > 12:  # more digits than any duration up to MAX_DURATION needs, in any unit
+            raise ValueError(f"duration {value!r} is too long; at most {MAX_DURATION.days} days (100 years)")
+        try:
+            total += float(number) * _UNITS[unit] if "." in number else int(number) * _UNITS[unit]
+        except OverflowError:
+            raise ValueError(f"duration {value!r} is too long; at most {MAX_DURATION.days} days (100 years)") from None
+        if total > MAX_DURATION:
+            raise ValueError(f"duration {value!r} is too long; at most {MAX_DURATION.days} days (100 years)")
     return sign * total
 
 

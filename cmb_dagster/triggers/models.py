@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from cmb_dagster.triggers.chunks import get_zone, parse_scale
-from cmb_dagster.triggers.durations import compact_duration, parse_duration
+from cmb_dagster.triggers.durations import MAX_DURATION, compact_duration, parse_duration
 
 ParameterKey = tuple[str, str]
 """A CTL parameter: ``(entity, parameter)``."""
@@ -45,6 +45,8 @@ def _positive_duration(value: object, info: ValidationInfo) -> timedelta:
         raise ValueError(f"{info.field_name}: {error}") from None
     if duration <= timedelta():
         raise ValueError(f"{info.field_name} must be a positive duration, got {value!r}")
+    if duration > MAX_DURATION:
+        raise ValueError(f"{info.field_name} must be at most {MAX_DURATION.days} days (100 years), got {value!r}")
     return duration
 
 

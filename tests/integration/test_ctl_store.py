@@ -133,3 +133,27 @@ def test_a_connection_without_the_cmb_schema_gets_a_clear_error(db):
     store = CtlStore(db)
     with psycopg.connect(db.url) as conn, pytest.raises(psycopg.errors.UndefinedTable):
         store.set("sales", "loaded_until", T0, conn=conn)
+
+
+@pytest.mark.parametrize(
+    ("values", "by", "field"),
+    [
+        ({("sa\x00les", "loaded_until"): T0}, None, "entity"),
+        ({("sales", "loaded\x00"): T0}, None, "parameter"),
+        ({("sales", "loaded_until"): T0}, "ops\x00", "by"),
+        ({("sales", "loaded_until"): datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))}, None, "value"),
+        ({("sales", "loaded_until"): datetime(9999, 12, 31, 12, tzinfo=UTC)}, None, "value"),
+        ({("sales", "loaded_until"): datetime(1, 1, 1, 1, tzinfo=timezone(timedelta(hours=5)))}, None, "value"),
+    ],
+)
+def test_nul_bytes_and_years_out_of_range_are_typed_errors_naming_the_field(db, values, by, field):
+    store = CtlStore(db)
+    with pytest.raises(InvalidCtlInput, match=rf"\b{field}: "):
+        store.set_many({("prices", "loaded_until"): T0, **values}, by=by)
+    assert store.history() == [] and events(db) == []
+    with pytest.raises(InvalidCtlInput, match="entity: .*NUL"):
+        store.history("sa\x00les")
+    with pytest.raises(InvalidCtlInput, match="limit"):
+        store.history(limit=-1)
+    edge = datetime(9999, 12, 30, tzinfo=UTC)  # the last day stays readable in any session time zone
+    assert store.set("sales", "loaded_until", edge).new_value == edge

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from cmb_dagster import migrations
-from cmb_dagster.database import mask_password, server_address
+from cmb_dagster.database import Database, mask_password, server_address
 from cmb_dagster.errors import ConfigError
 from cmb_dagster.settings import Settings
 
@@ -44,3 +44,12 @@ def test_server_address_names_host_and_port():
 def test_migrations_are_numbered_without_gaps():
     versions = [m.version for m in migrations.available()]
     assert versions == list(range(1, len(versions) + 1))
+
+
+@pytest.mark.parametrize("name", ["public", "information_schema", "pg_x", "pg_catalog", "pg_toast", "pg_temp_1"])
+def test_reserved_schema_names_are_refused_with_a_clear_message(monkeypatch, name):
+    monkeypatch.setenv("CMB_SCHEMA", name)
+    with pytest.raises(ConfigError, match=rf"schema_name: schema name '{name}' is reserved"):
+        Settings.from_env()
+    with pytest.raises(ConfigError, match="reserved"):
+        Database("postgresql://u@h/d", schema=name)

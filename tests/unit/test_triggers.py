@@ -566,3 +566,21 @@ print(sorted(
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: Delta("e", "p", "99999999999d"), "min_delta"),
+        (lambda: Delay("e", "p", "9" * 400 + "h"), "max_delay"),
+        (lambda: Delay("e", "p", "100000000000000000000000.5s"), "max_delay"),
+        (lambda: RefDelay("e", "p", "r", "q", "36526d"), "max_delay"),
+        (lambda: Delta("e", "p", timedelta(days=999_999_999)), "min_delta"),
+    ],
+)
+def test_durations_too_long_are_typed_errors_naming_the_field(make, field):
+    with pytest.raises(ValidationError) as raised:
+        make()
+    assert [error["loc"] for error in raised.value.errors()] == [(field,)]
+    assert "too long" in str(raised.value) or "at most" in str(raised.value)
+    assert Delta("e", "p", "36525d").min_delta == timedelta(days=36_525)  # 100 years is still fine
