@@ -84,7 +84,7 @@ class Due(Stage):
 
 pipeline = StageOptions(stages=[Step("first", "a", "b"), Step("second", "b", "c"), Step("third", "c", "d")],
                         shard_count=8, batch_size=500, idle_sleep=0.5)
-timers = StageOptions(stages=[Due()], shard_count=2, batch_size=1000, idle_sleep=0.5, publish=False)
+timers = StageOptions(stages=[Due()], shard_count=4, batch_size=1000, idle_sleep=0.5, publish=False)
 
 
 # -- helpers -------------------------------------------------------------------------------------
