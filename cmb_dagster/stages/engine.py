@@ -269,9 +269,9 @@ class Engine:
             dumped = stage.dump_state(result.new_state)
             if own is None or dumped != own[0]:
                 state_text, state_changed = json.dumps(dumped), True
+        if isinstance(result.timer, bool):
+            raise InvalidStageResult(f"timer: must be None, a timedelta or an aware datetime, not {result.timer}")
         due = due_of(result.timer, now, "timer")
-        if result.timer is True:
-            raise InvalidStageResult("timer: must be a timedelta or an aware datetime, not True")
         return new_payload, payload_text, state_text, state_changed, due
 
     # -- fan-out -------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ class StageStore:
     def put_many(self, entities: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
         """Create or replace many entities in one transaction; return their versions."""
         ids, texts = [], []
-        for entity_id, payload in entities.items():
+        for entity_id, payload in sorted(entities.items(), key=lambda item: str(item[0])):  # one lock order
             ids.append(check_entity_id(entity_id))
             texts.append(dump_payload(payload, f"payload of {entity_id!r}"))
         if not ids:

@@ -30,6 +30,7 @@ from cmb_dagster.workers import Lease, Worker, WorkerReport
 log = logging.getLogger("cmb_dagster.stages")
 
 STEP_SECONDS = 1.0  # a shard step stops starting batches after this, so leases are renewed in time
+CONSUMER_IDLE_SECONDS = 0.1  # a pub/sub consumer that found nothing is asked again after this (or a NOTIFY)
 
 
 class StageWorker:
@@ -63,6 +64,7 @@ class StageWorker:
         self._timer_at: float | None = None
         self._timer_lock = threading.Lock()
         self._consumers: dict[str, Consumer] = {}
+        self._consumer_idle: dict[str, float] = {}
         self._stopping = threading.Event()
 
     # -- running -------------------------------------------------------------------------------
@@ -127,7 +129,14 @@ class StageWorker:
             shard, count = (int(x) for x in partition[len("shard:"):].split("/"))
             return self.shard_step(shard, count, lease)
         consumer = self._consumers.get(partition)
-        return 0 if consumer is None else consumer.run_once()
+        if consumer is None:
+            return 0
+        now = time.monotonic()
+        if self._consumer_idle.get(partition, 0.0) > now:  # found nothing a moment ago: not every loop
+            return 0
+        handled = consumer.run_once()
+        self._consumer_idle[partition] = 0.0 if handled else now + CONSUMER_IDLE_SECONDS
+        return handled
 
     def shard_step(self, shard: int, count: int, lease: Lease | None = None) -> int:
         """Everything due in one shard, for at most about a second; returns entries handled."""
