@@ -1,6 +1,6 @@
 """Typed errors of the callbacks engine; each message names the event (or field) and what went wrong."""
 
-from cmb_dagster.errors import CmbError
+from cmb_dagster.errors import CmbError, InvalidInput
 
 
 class CallbackError(CmbError):
@@ -19,5 +19,5 @@ class CallbackConflict(CallbackError):
     """An event with these keys exists with a different payload."""
 
 
-class CallbackValidationError(CallbackError, ValueError):
+class CallbackValidationError(CallbackError, InvalidInput):
     """Bad input: the message names the field; nothing was written."""

@@ -23,8 +23,21 @@ FROM unnest(%(owners)s::text[], %(groups)s::text[], %(keys)s::text[], %(run_ats)
 CROSS JOIN (SELECT count(*) AS buckets FROM callback_buckets) AS b
 ORDER BY n.ord
 ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
-RETURNING event_id, owner_client_id, group_key, event_key
+RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
 """
+
+# The insert, and a wake-up hint (one NOTIFY per bucket, delivered at commit) for the workers of buckets
+# that got an event due before their next poll would see it. The table stays the truth.
+INSERT_EVENTS_NOTIFY = f"""
+WITH ins AS ({INSERT_EVENTS})
+SELECT event_id, owner_client_id, group_key, event_key,
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks', s.bucket_id::text))
+        FROM (SELECT DISTINCT bucket_id FROM ins WHERE run_at <= now() + make_interval(secs => %(soon)s)) AS s)
+FROM ins
+"""
+
+CHANNEL = "callbacks"  # LISTEN on cmb_dagster.notifications.channel_name(db, CHANNEL)
+NOTIFY = "SELECT pg_notify(current_schema() || '.' || 'callbacks', %(payload)s)"
 
 SELECT_EXISTING = f"""
 SELECT {EVENT_COLUMNS} FROM callback_events
@@ -126,7 +139,24 @@ UPDATE callback_buckets SET max_run_at = %(run_at)s, cursor_event_id = %(event_i
 WHERE bucket_id = %(bucket)s
 """
 
-# Outcomes of calls, in one statement. 'retry' moves run_at (never to or before the cursor's run_at, so
+# The gate a call passes just before it starts: still pending in the version polled (an update gives the
+# event a new id), due by the database's clock, and counted. The row lock it takes makes cancel, update and
+# delete wait until the calls it lets through have started.
+GATE_EVENTS = """
+UPDATE callback_events SET attempts = attempts + 1
+WHERE event_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND run_at <= clock_timestamp()
+RETURNING event_id
+"""
+
+STILL_PENDING = "SELECT event_id FROM callback_events WHERE event_id = ANY(%(ids)s::bigint[]) AND status = 'pending'"
+
+# An outcome that could not be written (e.g. a stored policy out of range): the event fails with the reason.
+FAIL_EVENT = """
+UPDATE callback_events SET status = 'failed', last_error = %(error)s, finished_at = now(), updated_at = now()
+WHERE event_id = %(event_id)s AND status = 'pending'
+"""
+
+# Outcomes of calls, in one statement (attempts were counted by the gate). 'retry' moves run_at (never to or before the cursor's run_at, so
 # query 1 finds it again) unless stop_after_delay has passed since originally_run_at: then 'failed'.
 FINISH_EVENTS = """
 WITH u AS (
@@ -149,7 +179,6 @@ SET status = s.new_status,
                                 %(cursor_run_at)s::timestamptz + interval '1 microsecond')
                   ELSE e.run_at END,
     main_retries = e.main_retries + (s.new_status = 'pending')::int,
-    attempts = e.attempts + s.tries,
     last_error = coalesce(s.error, e.last_error),
     finished_at = CASE WHEN s.new_status <> 'pending' THEN now() END,
     updated_at = now()

@@ -7,10 +7,14 @@ from datetime import UTC, datetime, timedelta
 
 from dagster import Config, DefaultScheduleStatus, Definitions, OpExecutionContext, ScheduleDefinition, job, op
 
-from cmb_dagster.callbacks import CallbackClient, RetryPolicy
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings, RetryPolicy
+from cmb_dagster.callbacks.dagster_defs import CallbackJobs
 from cmb_dagster.resources import CmbResource
 
 DEMO_SINK = "http://127.0.0.1:8765"  # where `cmb-dagster callbacks sink` listens
+# Private addresses are closed by default: open the local sink explicitly (and keep any public host open).
+SETTINGS = CallbackSettings(allowed_hosts=["*", "127.0.0.1"])
+JOBS = CallbackJobs(settings=SETTINGS)
 
 
 class DemoConfig(Config):
@@ -19,7 +23,7 @@ class DemoConfig(Config):
 
 @op(description="Schedules an HTTP callback to the local sink and a delayed run of callbacks_demo_target.")
 def schedule_demo_callbacks(context: OpExecutionContext, config: DemoConfig, cmb: CmbResource) -> None:
-    client = CallbackClient(cmb.database, buffered=False)
+    client = CallbackClient(cmb.database, SETTINGS, buffered=False)
     at = datetime.now(UTC) + timedelta(seconds=config.delay_seconds)
     key = context.run_id[:8]
     client.create("examples", "demo", f"http-{key}", at, f"{DEMO_SINK}/demo", {"hello": "from cmb_dagster"},

@@ -13,6 +13,6 @@ defs = cmb_definitions(
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
     consumers=[pubsub_example.consumer],
-    callbacks=True,
+    callbacks=callbacks_example.JOBS,  # opens 127.0.0.1 for the demo sink
 )
 defs = Definitions.merge(defs, callbacks_example.definitions)

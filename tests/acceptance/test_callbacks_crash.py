@@ -19,7 +19,9 @@ from cmb_dagster.embedded import data_dir, embedded_url, stop_embedded
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 WORKER = [*CLI, "callbacks", "worker", "--lease-ttl", "3", "--timeout", "1", "--poll-interval", "0.2", "--no-materialize"]
-FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
+FAST = CallbackSettings(
+    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+)
 
 
 def notified(db: Database) -> int:

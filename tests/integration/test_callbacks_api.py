@@ -18,11 +18,12 @@ from cmb_dagster.callbacks import (
 from cmb_dagster.callbacks.schedules import materialize_schedules
 
 URL = "http://127.0.0.1:9/cb"
+LOCAL = CallbackSettings(allowed_hosts=["127.0.0.1"])  # private addresses are closed by default
 
 
 @pytest.fixture
 def client(db):
-    with CallbackClient(db) as c:
+    with CallbackClient(db, LOCAL) as c:
         yield c
 
 
@@ -125,7 +126,7 @@ def test_notified_events_cannot_change(client, db):
 
 
 def test_buffered_creates_from_many_threads_batch_and_ids_follow_commit_order(db):
-    with CallbackClient(db, CallbackSettings(write_linger=0.02)) as client, ThreadPoolExecutor(16) as pool:
+    with CallbackClient(db, CallbackSettings(write_linger=0.02, allowed_hosts=["127.0.0.1"])) as client, ThreadPoolExecutor(16) as pool:
         ids = list(pool.map(lambda i: client.create("a", "g", f"k{i}", later(), URL), range(400)))
     assert len(set(ids)) == 400
     with db.connection() as conn:

@@ -26,7 +26,9 @@ from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.resources import CmbResource
 
-FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
+FAST = CallbackSettings(
+    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+)
 
 
 class ReportConfig(Config):
