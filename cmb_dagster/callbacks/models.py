@@ -339,7 +339,7 @@ class CallbackEvent(BaseModel):
     originally_run_at: datetime
     cb_url: str
     context: JsonValue = None
-    retry: RetryPolicy
+    retry: RetryPolicy | dict[str, Any]  # a dict only for a policy stored by an older version out of today's bounds
     attempts: int
     main_retries: int
     last_error: str | None

@@ -19,9 +19,10 @@ from datetime import datetime
 
 from cmb_dagster.callbacks import sql
 import psycopg
+from pydantic import ValidationError
 
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, Delivery, DeliveryPool, JobLauncher
-from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy
+from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, one_line
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport
@@ -245,7 +246,8 @@ class CallbackWorker:
                 policy = RetryPolicy.model_validate(retry)
             except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
                 policy = None
-                error = f"stored retry policy is invalid: {str(exc).splitlines()[0][:200]}"
+                detail = one_line(exc) if isinstance(exc, ValidationError) else type(exc).__name__
+                error = f"stored retry policy is invalid: {detail[:300]}"
             delivery = Delivery(
                 bucket_id=state.bucket_id,
                 event_id=event_id,
