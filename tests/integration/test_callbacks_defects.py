@@ -401,7 +401,7 @@ from datetime import UTC, datetime
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings
 from concurrent.futures import ThreadPoolExecutor
 url, name, sink = sys.argv[1:4]
-with CallbackClient(url, CallbackSettings(allowed_hosts=["127.0.0.1"])) as client, ThreadPoolExecutor(8) as pool:
+with CallbackClient(url, CallbackSettings(allowed_hosts=["127.0.0.1"]), buffered=False) as client, ThreadPoolExecutor(8) as pool:
     list(pool.map(lambda i: client.create("p", name, f"{name}-{i}", datetime.now(UTC), sink + "/cb"), range(250)))
 """
 
