@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import math
@@ -160,6 +161,9 @@ class CallbackSettings(BaseModel):
 
     def host_allowed(self, host: str) -> bool:
         """Whether callbacks may name ``host`` (by the name rule; addresses are checked again at call time)."""
+        return _host_allowed(host, self.allowed_hosts)
+
+    def _host_allowed(self, host: str) -> bool:
         host = host.lower().strip("[]")
         patterns = self.allowed_hosts if self.allowed_hosts is not None else (ANY_PUBLIC_HOST,)
         address = _address(host)
@@ -182,6 +186,11 @@ class CallbackSettings(BaseModel):
         return address.is_global and not address.is_multicast
 
 
+@functools.lru_cache(maxsize=4096)
+def _host_allowed(host: str, allowed_hosts: tuple[str, ...] | None) -> bool:
+    return CallbackSettings.model_construct(allowed_hosts=allowed_hosts)._host_allowed(host)
+
+
 def _hosts_from_env() -> tuple[str, ...] | None:
     value = os.environ.get(ALLOWED_HOSTS_ENV, "").strip()
     return CallbackSettings._normalise_hosts(value) if value else None
@@ -194,6 +203,7 @@ def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return None
 
 
+@functools.lru_cache(maxsize=1024)
 def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
     if pattern == ANY_PUBLIC_HOST or pattern.startswith("*."):
         return None
@@ -222,6 +232,22 @@ def _name_matches(pattern: str, host: str, address: ipaddress.IPv4Address | ipad
 
 def check_url(url: str, settings: CallbackSettings, field: str = "cb_url") -> None:
     """Raise CallbackValidationError unless ``url`` is an http(s) URL to an allowed host or ``dagster://<job>``."""
+    problem = _url_problem(url, settings.allowed_hosts)
+    if problem is not None:
+        raise CallbackValidationError(f"{field}: {problem}")
+
+
+@functools.lru_cache(maxsize=8192)
+def _url_problem(url: str, allowed_hosts: tuple[str, ...] | None) -> str | None:
+    """What is wrong with ``url`` (None: nothing); cached, as creates repeat a few URLs many times."""
+    try:
+        _check_url(url, CallbackSettings.model_construct(allowed_hosts=allowed_hosts), "")
+    except CallbackValidationError as exc:
+        return str(exc).removeprefix(": ")
+    return None
+
+
+def _check_url(url: str, settings: CallbackSettings, field: str) -> None:
     if _CONTROL.search(url):
         raise CallbackValidationError(f"{field}: control characters and spaces are not allowed in a URL")
     try:
