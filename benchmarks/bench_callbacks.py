@@ -369,20 +369,26 @@ def bench_pgqueuer_steady(url: str, sink: CallbackSink, rate: int, seconds: floa
     schedule = list(steady_run_ats(rate, seconds))
     dead: list[int] = []
 
-    async def produce() -> None:
+    async def produce() -> None:  # 8 producers on connections of their own, as cmb's 8 threads
+        import asyncpg
+        from pgqueuer.db import AsyncpgDriver
         from pgqueuer.queries import Queries
 
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            queries = Queries.from_psycopg_connection(conn)
-            for i, (at, delay) in enumerate(schedule):
+        async def part(n: int) -> None:
+            conn = await asyncpg.connect(url)
+            queries = Queries(AsyncpgDriver(conn))
+            for i, (at, delay) in enumerate(schedule[n::8]):
                 pause = at - time.monotonic()
                 if pause > 0:
                     await asyncio.sleep(pause)
                 run_at = datetime.now(UTC) + timedelta(seconds=delay)
                 payload = json.dumps({"event_id": i, "run_at": run_at.isoformat(), "context": {"delay": delay}})
                 await queries.enqueue("callback", payload.encode(), 0, timedelta(seconds=delay))
-                if i % (rate * 2) == 0:
+                if n == 0 and i % (rate // 4) == 0:
                     dead.append(dead_tuples(url, "pgqueuer"))
+            await conn.close()
+
+        await asyncio.gather(*(part(n) for n in range(8)))
 
     try:
         asyncio.run(produce())
@@ -408,7 +414,7 @@ def main() -> None:
     if args.pgqueuer_consumer:
         asyncio.run(_pgqueuer_consumer(*args.pgqueuer_consumer))
         return
-    burst, rate, seconds, create_seconds = (5_000, 200, 10, 2) if args.quick else (20_000, 1_000, 15, 3)
+    burst, rate, seconds, create_seconds = (5_000, 200, 10, 2) if args.quick else (20_000, 1_000, 10, 3)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
 
     server = server_url()

@@ -279,6 +279,7 @@ class HttpSender:
         if len(fields) < 2 or not fields[0].startswith("HTTP/1.") or not fields[1].isdigit():
             raise CallError("invalid HTTP response")
         status = int(fields[1])
+        reason = fields[2][:100] if len(fields) > 2 else ""
         headers: dict[str, str] = {}
         for line in header_text.split("\r\n"):
             name, sep, value = line.partition(":")
@@ -286,7 +287,7 @@ class HttpSender:
                 headers[name.strip().lower()] = value.strip()
         keep = fields[0] == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
         if status < 200 or status in (204, 304):
-            return status, fields[2][:100] if len(fields) > 2 else "", headers, keep  # no body (1xx is not expected for a POST without Expect)
+            return status, reason, headers, keep  # no body (1xx is not expected for a POST without Expect)
         try:
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 keep = self._read_chunked(sock, rest, limit, timeout) and keep
@@ -295,7 +296,7 @@ class HttpSender:
                 if length < 0:
                     raise CallError("invalid HTTP response")
                 if length > limit:
-                    return status, fields[2][:100] if len(fields) > 2 else "", headers, False  # not read past the limit: the connection is dropped
+                    return status, reason, headers, False  # not read past the limit: the connection is dropped
                 while len(rest) < length:
                     sock.settimeout(timeout())
                     chunk = sock.recv(min(65536, length - len(rest)))
@@ -315,7 +316,7 @@ class HttpSender:
             raise CallError("timed out") from None
         except ValueError:
             raise CallError("invalid HTTP response") from None
-        return status, fields[2][:100] if len(fields) > 2 else "", headers, keep
+        return status, reason, headers, keep
 
     @staticmethod
     def _read_chunked(sock: socket.socket, data: bytearray, limit: int, timeout: Callable[[], float]) -> bool:

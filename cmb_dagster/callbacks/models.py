@@ -314,7 +314,7 @@ def check_run_at(value: datetime, field: str = "run_at") -> datetime:
 
 def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> None:
     """Raise CallbackValidationError if ``context`` exceeds the size limit or does not fit a dagster:// target."""
-    size = len(context_json(context).encode())
+    size = 4 if context is None else len(context_json(context).encode())
     if size > settings.max_context_bytes:
         raise CallbackValidationError(f"context: {size} bytes is over the limit of {settings.max_context_bytes}")
     if dagster_job_name(cb_url) is None or context is None:

@@ -17,8 +17,8 @@ INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_ke
 SELECT nextval('callback_event_ids'),
        (hashtextextended(n.owner || chr(1) || n.grp || chr(1) || n.key, 0) & 9223372036854775807) %% b.buckets,
        n.owner, n.grp, n.key, n.run_at, n.run_at, n.url, n.context::jsonb, n.retry::jsonb, n.schedule_id
-FROM unnest(%(owners)s::text[], %(groups)s::text[], %(keys)s::text[], %(run_ats)s::timestamptz[],
-            %(urls)s::text[], %(contexts)s::text[], %(retries)s::text[], %(schedule_ids)s::bigint[])
+FROM unnest(%(owners)b::text[], %(groups)b::text[], %(keys)b::text[], %(run_ats)b::timestamptz[],
+            %(urls)b::text[], %(contexts)b::text[], %(retries)b::text[], %(schedule_ids)s::bigint[])
      WITH ORDINALITY AS n(owner, grp, key, run_at, url, context, retry, schedule_id, ord)
 CROSS JOIN (SELECT count(*) AS buckets FROM callback_buckets) AS b
 ORDER BY n.ord

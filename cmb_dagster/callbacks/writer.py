@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -112,7 +113,7 @@ def insert_events(
         "run_ats": [e.run_at for e in events],
         "urls": [e.cb_url for e in events],
         "contexts": [None if e.context is None else context_json(e.context) for e in events],
-        "retries": [e.retry.model_dump_json() for e in events],
+        "retries": [_policy_json(e.retry) for e in events],
         "schedule_ids": [schedule_id] * len(events),
     }
     params["soon"] = soon
@@ -141,6 +142,11 @@ def insert_events(
         else:
             results.append(CallbackConflict(f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"))
     return results
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_json(policy: RetryPolicy) -> str:
+    return policy.model_dump_json()  # policies are frozen and mostly shared: dumped once each
 
 
 def _same_event(event: NewCallback, other: NewCallback) -> bool:
