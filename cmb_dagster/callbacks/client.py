@@ -188,7 +188,7 @@ class CallbackClient:
             after = conn.cursor(row_factory=dict_row).execute(sql.UPDATE_EVENT, params).fetchone()
             _log(conn, "update", before, after)
             if after["run_at"] <= datetime.now(UTC) + timedelta(seconds=self.settings.poll_interval + self.settings.lookahead):
-                conn.execute(sql.NOTIFY, {"payload": str(after["bucket_id"])})
+                conn.execute(sql.NOTIFY, {"payload": f"{after['bucket_id']}:{after['run_at'].timestamp()}"})
         return CallbackEvent.model_validate(after)
 
     def cancel(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:

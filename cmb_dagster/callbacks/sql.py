@@ -26,13 +26,16 @@ ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
 RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
 """
 
-# The insert, and a wake-up hint (one NOTIFY per bucket, delivered at commit) for the workers of buckets
-# that got an event due before their next poll would see it. The table stays the truth.
+# The insert, and a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of
+# the earliest run_at>") for the workers of buckets that got an event due before their next poll would see
+# it. The table stays the truth.
 INSERT_EVENTS_NOTIFY = f"""
 WITH ins AS ({INSERT_EVENTS})
 SELECT event_id, owner_client_id, group_key, event_key,
-       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks', s.bucket_id::text))
-        FROM (SELECT DISTINCT bucket_id FROM ins WHERE run_at <= now() + make_interval(secs => %(soon)s)) AS s)
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                               s.bucket_id || ':' || extract(epoch FROM s.run_at)::text))
+        FROM (SELECT bucket_id, min(run_at) AS run_at FROM ins
+              WHERE run_at <= now() + make_interval(secs => %(soon)s) GROUP BY bucket_id) AS s)
 FROM ins
 """
 

@@ -139,10 +139,19 @@ class CallbackWorker:
         self._worker.stop()
 
     def _on_notify(self, _channel: str, payload: str | None) -> None:
-        """A hint: an event due before the next poll was created in a bucket (None: maybe in any)."""
+        """A hint: an event due before the next poll was created in a bucket (None: maybe in any).
+
+        The bucket is polled when the event enters the lookahead: at once if it is due already.
+        """
+        bucket, _, epoch = (payload or "").partition(":")
+        try:
+            due_in = float(epoch) - time.time() - self.settings.lookahead if epoch else 0.0
+        except ValueError:
+            due_in = 0.0
+        poll_at = time.monotonic() + max(0.0, due_in)
         for bucket_id, state in list(self._states.items()):
-            if payload is None or payload == str(bucket_id):
-                state.next_poll = 0.0
+            if payload is None or bucket == str(bucket_id):
+                state.next_poll = min(state.next_poll, poll_at)
         self._worker.wake()
 
     def _gate(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:

@@ -428,3 +428,24 @@ def test_ids_follow_commit_order_across_processes_while_the_poller_runs(db, data
     finally:
         running.stop()
     assert len({c.body["event_key"] for c in sink.received}) == 4 * 250
+
+
+# -- a create due before the next poll wakes its bucket's worker (LISTEN/NOTIFY) ---------------------
+
+
+def test_a_create_due_before_the_next_poll_wakes_the_worker(db, sink):
+    slow_polls = LOCAL.model_copy(update={"poll_interval": 8.0, "lease_ttl": 15.0, "lookahead": 0.5})
+    running = Running(db, slow_polls)
+    try:
+        wait_until(lambda: len(running.worker._states) == 4 and running.worker._pool is not None, what="buckets held")
+        time.sleep(0.5)  # every bucket polled once: the next polls are 8 s away
+        with CallbackClient(db, slow_polls) as client:
+            for key, delay in (("now", 0.0), ("soon", 1.0)):
+                at = datetime.now(UTC) + timedelta(seconds=delay)
+                client.create("a", "g", key, at, f"{sink.url}/cb")
+            wait_until(lambda: len(sink.received) == 2, timeout=4, what="both called long before the next poll")
+        for call in sink.received:
+            lateness = call.started - datetime.fromisoformat(call.body["run_at"]).timestamp()
+            assert 0 <= lateness < 2.0, (call.body["event_key"], lateness)
+    finally:
+        running.stop()
