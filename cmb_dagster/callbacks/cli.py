@@ -27,8 +27,10 @@ def _keys(f):  # type: ignore[no-untyped-def]
     return f
 
 
-def _client() -> CallbackClient:
-    return CallbackClient(Database.from_settings(Settings.from_env()), buffered=False)
+def _client(allow_hosts: tuple[str, ...] = ()) -> CallbackClient:
+    hosts = [h for value in allow_hosts for h in value.split(",")]
+    settings = validated(CallbackSettings, {"allowed_hosts": hosts}) if hosts else CallbackSettings()
+    return CallbackClient(Database.from_settings(Settings.from_env()), settings, buffered=False)
 
 
 def _json(value: str | None, name: str) -> Any:
@@ -72,10 +74,12 @@ def callbacks() -> None:
 @click.option("--url", "cb_url", required=True, help="http(s):// URL to POST to, or dagster://<job_name>.")
 @click.option("--context", help="JSON sent along with the call.")
 @click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
+@click.option("--allow-host", "allow_hosts", multiple=True,
+              help="Open a target for this create (as on the worker; the worker must open it too).")
 def create(owner_client_id: str, group_key: str, event_key: str, at: str | None, delay: float | None,
-           cb_url: str, context: str | None, retry: str | None) -> None:
+           cb_url: str, context: str | None, retry: str | None, allow_hosts: tuple[str, ...]) -> None:
     """Schedule a callback; print its event id."""
-    with _client() as client:
+    with _client(allow_hosts) as client:
         event_id = client.create(owner_client_id, group_key, event_key, _when(at, delay), cb_url,
                                  _json(context, "context"), _json(retry, "retry"))
     click.echo(event_id)
@@ -151,11 +155,15 @@ def buckets(count: int) -> None:
 @click.option("--lease-ttl", type=float, help="Seconds after which a dead worker's buckets are taken over.")
 @click.option("--materialize/--no-materialize", default=True, show_default=True,
               help="Also turn cron schedules into events, every 30 s.")
+@click.option("--allow-host", "allow_hosts", multiple=True,
+              help="Open a target: host name, *.domain, address or CIDR range ('*': any public host). Repeatable; "
+                   "replaces CMB_CALLBACK_ALLOWED_HOSTS. Loopback, private and link-local addresses are closed unless opened.")
 def worker(bucket_list: str | None, duration: float | None, concurrency: int | None, timeout: float | None,
-           poll_interval: float | None, lease_ttl: float | None, materialize: bool) -> None:
+           poll_interval: float | None, lease_ttl: float | None, materialize: bool, allow_hosts: tuple[str, ...]) -> None:
     """Call callbacks back, as a long-running process (SIGTERM finishes the calls in flight, then exits)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval, "lease_ttl": lease_ttl}
+    overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval, "lease_ttl": lease_ttl,
+                 "allowed_hosts": [h for value in allow_hosts for h in value.split(",")] or None}
     settings = validated(CallbackSettings, {k: v for k, v in overrides.items() if v is not None})
     db = Database.from_settings(Settings.from_env())
     chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None  # checked by _bucket_ids

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
 import psycopg
@@ -29,7 +28,9 @@ from cmb_dagster.callbacks.models import (
     NewSchedule,
     RetryPolicy,
     check_context,
+    check_run_at,
     check_url,
+    context_json,
     validated,
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
@@ -110,7 +111,7 @@ class CallbackClient:
         if not rows:
             return []
         with self.db.connection() as conn:
-            results = insert_events(conn, rows)
+            results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead)
             for result in results:
                 if isinstance(result, Exception):
                     raise result
@@ -160,6 +161,9 @@ class CallbackClient:
         )
         if changes.cb_url is not None:
             check_url(changes.cb_url, self.settings)
+        for field in ("run_at", "originally_run_at"):
+            if getattr(changes, field) is not None:
+                check_run_at(getattr(changes, field), field)
         with self.db.connection() as conn:
             conn.execute(sql.LOCK_EVENT_IDS)  # before the row lock, in the same order as inserts
             before = self._lock(conn, owner_client_id, group_key, event_key)
@@ -179,10 +183,12 @@ class CallbackClient:
                 "run_at": new_run_at,
                 "originally_run_at": changes.originally_run_at or changes.run_at or before["originally_run_at"],
                 "cb_url": url,
-                "context": None if new_context is None else json.dumps(new_context),
+                "context": None if new_context is None else context_json(new_context),
             }
             after = conn.cursor(row_factory=dict_row).execute(sql.UPDATE_EVENT, params).fetchone()
             _log(conn, "update", before, after)
+            if after["run_at"] <= datetime.now(UTC) + timedelta(seconds=self.settings.poll_interval + self.settings.lookahead):
+                conn.execute(sql.NOTIFY, {"payload": f"{after['bucket_id']}:{after['run_at'].timestamp()}"})
         return CallbackEvent.model_validate(after)
 
     def cancel(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
@@ -243,7 +249,7 @@ class CallbackClient:
             "cron": new.cron,
             "timezone": new.timezone,
             "cb_url": new.cb_url,
-            "context": None if new.context is None else json.dumps(new.context),
+            "context": None if new.context is None else context_json(new.context),
             "retry": new.retry.model_dump_json(),
             "horizon": int(new.horizon),
         }

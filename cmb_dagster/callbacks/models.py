@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
+import math
+import os
 import re
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -30,6 +33,17 @@ MAX_GROUP_LENGTH = 128
 MAX_KEY_LENGTH = 256
 MAX_URL_LENGTH = 2048
 DAGSTER_SCHEME = "dagster"
+MAX_STOP_AFTER = 366 * 86400.0  # seconds: a year of retries at most
+MAX_DELAY = 30 * 86400.0  # seconds between two main retries, at most
+MAX_FACTOR = 1000.0
+EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
+LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)  # far inside what Python and Postgres both store, retries included
+ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
+ANY_PUBLIC_HOST = "*"
+# Names refused unless listed by name: they point at this machine or at a cloud metadata service.
+_LOCAL_NAMES = ("localhost", "metadata.google.internal", "metadata")
+_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 _JOB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -56,12 +70,22 @@ class RetryPolicy(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    stop_after_delay: float = Field(default=86400.0, gt=0, description="Give up this long after originally_run_at.")
+    stop_after_delay: float = Field(
+        default=86400.0, gt=0, le=MAX_STOP_AFTER, allow_inf_nan=False,
+        description="Give up this long after originally_run_at (at most a year).",
+    )
     fast_retries: int = Field(default=2, ge=0, le=10, description="Immediate retries before rescheduling; 0 disables.")
     backoff: Literal["constant", "exponential"] = Field(default="constant", description="How main retries space out.")
-    delay: float = Field(default=60.0, gt=0, description="Constant delay, or the first exponential delay.")
-    factor: float = Field(default=2.0, ge=1.0, description="Exponential growth of the delay per main retry.")
-    max_delay: float | None = Field(default=None, gt=0, description="Cap of the exponential delay.")
+    delay: float = Field(
+        default=60.0, gt=0, le=MAX_DELAY, allow_inf_nan=False,
+        description="Constant delay, or the first exponential delay (at most 30 days).",
+    )
+    factor: float = Field(
+        default=2.0, ge=1.0, le=MAX_FACTOR, allow_inf_nan=False, description="Exponential growth of the delay per main retry."
+    )
+    max_delay: float | None = Field(
+        default=None, gt=0, le=MAX_DELAY, allow_inf_nan=False, description="Cap of the exponential delay (at most 30 days)."
+    )
 
     _to_seconds = field_validator("stop_after_delay", "delay", "max_delay", mode="before")(lambda cls, v: _seconds(v))
 
@@ -79,10 +103,14 @@ class RetryPolicy(BaseModel):
 
     def main_retry_delay(self, retries_done: int) -> float:
         """Seconds to wait before main retry number ``retries_done + 1``."""
+        cap = min(self.max_delay if self.max_delay is not None else MAX_DELAY, MAX_DELAY)
         if self.backoff == "constant":
-            return self.delay
-        delay = self.delay * self.factor ** min(retries_done, 64)
-        return min(delay, self.max_delay) if self.max_delay is not None else delay
+            return min(self.delay, cap)
+        # in logarithms: a huge factor or retry count cannot overflow
+        retries_done = max(0, retries_done)
+        if retries_done * math.log(self.factor) + math.log(self.delay) >= math.log(cap):
+            return cap
+        return min(self.delay * self.factor**retries_done, cap)
 
 
 class CallbackSettings(BaseModel):
@@ -92,9 +120,14 @@ class CallbackSettings(BaseModel):
 
     max_context_bytes: int = Field(default=64 * 1024, gt=0, description="Largest context, as compact JSON.")
     allowed_hosts: tuple[str, ...] | None = Field(
-        default=None,
-        description="If set, callback URLs must name one of these hosts: 'api.example.com', '*.example.com' or a CIDR.",
+        default_factory=lambda: _hosts_from_env(),
+        description=(
+            "Targets callbacks may call: host names, '*.domain' patterns, addresses, CIDR ranges, and '*' for any "
+            "host. None (the default, unless CMB_CALLBACK_ALLOWED_HOSTS is set) is '*'. Whatever the names, a call "
+            "only connects to a public address, or to one an address or range of this list opens (e.g. '127.0.0.1')."
+        ),
     )
+    max_response_bytes: int = Field(default=64 * 1024, gt=0, description="Response bytes read at most; the rest is dropped.")
     write_batch_size: int = Field(default=500, gt=0, description="Creates written per multi-row insert, at most.")
     write_linger: float = Field(
         default=0.0, ge=0, le=0.05, description="Seconds a write waits for more creates (0: group commit)."
@@ -112,8 +145,13 @@ class CallbackSettings(BaseModel):
     @classmethod
     def _normalise_hosts(cls, value: Any) -> Any:
         if isinstance(value, str):
-            value = [value]
-        return None if value is None else tuple(str(h).strip().lower() for h in value)
+            value = value.split(",")
+        if value is None:
+            return None
+        hosts = tuple(str(h).strip().lower().strip("[]") for h in value if str(h).strip())
+        for host in hosts:
+            _check_pattern(host)
+        return hosts
 
     @model_validator(mode="after")
     def _timeout_fits_the_lease(self) -> CallbackSettings:
@@ -122,39 +160,115 @@ class CallbackSettings(BaseModel):
         return self
 
     def host_allowed(self, host: str) -> bool:
-        """Whether callbacks may go to ``host`` (always true without an allowlist)."""
-        if self.allowed_hosts is None:
+        """Whether callbacks may name ``host`` (by the name rule; addresses are checked again at call time)."""
+        return _host_allowed(host, self.allowed_hosts)
+
+    def _host_allowed(self, host: str) -> bool:
+        host = host.lower().strip("[]")
+        patterns = self.allowed_hosts if self.allowed_hosts is not None else (ANY_PUBLIC_HOST,)
+        address = _address(host)
+        if address is not None:
+            return self.address_allowed(address) and any(_name_matches(p, host, address) for p in patterns)
+        if host in patterns:
             return True
-        host = host.lower()
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            address = None
-        for pattern in self.allowed_hosts:
-            if pattern.startswith("*.") and host.endswith(pattern[1:]):
+        if host in _LOCAL_NAMES or host.endswith(".localhost"):
+            return False  # only by name: '*' does not open them
+        return any(_name_matches(p, host, None) for p in patterns)
+
+    def address_allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        """Whether a call may connect to ``address``: a public one, or one this setting opens explicitly."""
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        for pattern in self.allowed_hosts or ():
+            network = _network(pattern)
+            if network is not None and address.version == network.version and address in network:
                 return True
-            if host == pattern:
-                return True
-            if address is not None and "/" in pattern:
-                try:
-                    if address in ipaddress.ip_network(pattern, strict=False):
-                        return True
-                except ValueError:
-                    continue
-        return False
+        return address.is_global and not address.is_multicast
+
+
+@functools.lru_cache(maxsize=4096)
+def _host_allowed(host: str, allowed_hosts: tuple[str, ...] | None) -> bool:
+    return CallbackSettings.model_construct(allowed_hosts=allowed_hosts)._host_allowed(host)
+
+
+def _hosts_from_env() -> tuple[str, ...] | None:
+    value = os.environ.get(ALLOWED_HOSTS_ENV, "").strip()
+    return CallbackSettings._normalise_hosts(value) if value else None
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    if pattern == ANY_PUBLIC_HOST or pattern.startswith("*."):
+        return None
+    try:
+        return ipaddress.ip_network(pattern, strict=False)
+    except ValueError:
+        return None
+
+
+def _check_pattern(pattern: str) -> None:
+    if pattern == ANY_PUBLIC_HOST or _network(pattern) is not None:
+        return
+    name = pattern[2:] if pattern.startswith("*.") else pattern
+    if not name or "*" in name or "/" in name or _CONTROL.search(name):
+        raise ValueError(f"{pattern!r} is not a host name, '*.domain', address, CIDR range or '*'")
+
+
+def _name_matches(pattern: str, host: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
+    if pattern == ANY_PUBLIC_HOST or pattern == host:
+        return True
+    if address is not None:
+        network = _network(pattern)
+        return network is not None and address.version == network.version and address in network
+    return pattern.startswith("*.") and host.endswith(pattern[1:])
 
 
 def check_url(url: str, settings: CallbackSettings, field: str = "cb_url") -> None:
     """Raise CallbackValidationError unless ``url`` is an http(s) URL to an allowed host or ``dagster://<job>``."""
-    parts = urlsplit(url)
+    problem = _url_problem(url, settings.allowed_hosts)
+    if problem is not None:
+        raise CallbackValidationError(f"{field}: {problem}")
+
+
+@functools.lru_cache(maxsize=8192)
+def _url_problem(url: str, allowed_hosts: tuple[str, ...] | None) -> str | None:
+    """What is wrong with ``url`` (None: nothing); cached, as creates repeat a few URLs many times."""
+    try:
+        _check_url(url, CallbackSettings.model_construct(allowed_hosts=allowed_hosts), "")
+    except CallbackValidationError as exc:
+        return str(exc).removeprefix(": ")
+    return None
+
+
+def _check_url(url: str, settings: CallbackSettings, field: str) -> None:
+    if _CONTROL.search(url):
+        raise CallbackValidationError(f"{field}: control characters and spaces are not allowed in a URL")
+    try:
+        url.encode()
+        parts = urlsplit(url)
+        port = parts.port
+    except (ValueError, UnicodeError) as exc:
+        raise CallbackValidationError(f"{field}: {url!r} is not a valid URL ({exc})") from None
     if parts.scheme == DAGSTER_SCHEME:
         if not _JOB_NAME.match(parts.netloc) or parts.path not in ("", "/"):
             raise CallbackValidationError(f"{field}: {url!r} must be dagster://<job_name>")
         return
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise CallbackValidationError(f"{field}: {url!r} must be an http(s) URL with a host, or dagster://<job_name>")
+    if port == 0:
+        raise CallbackValidationError(f"{field}: port 0 is not a port")
     if not settings.host_allowed(parts.hostname):
-        raise CallbackValidationError(f"{field}: host {parts.hostname!r} is not in the allowed hosts")
+        raise CallbackValidationError(
+            f"{field}: host {parts.hostname!r} is not allowed (loopback, link-local, private and metadata targets are "
+            f"closed unless opened: CallbackSettings(allowed_hosts=...) or {ALLOWED_HOSTS_ENV})"
+        )
 
 
 def dagster_job_name(url: str) -> str | None:
@@ -163,9 +277,44 @@ def dagster_job_name(url: str) -> str | None:
     return parts.netloc if parts.scheme == DAGSTER_SCHEME else None
 
 
+def context_json(context: Any, field: str = "context") -> str:
+    """``context`` as the compact JSON stored in Postgres jsonb; CallbackValidationError for what jsonb refuses."""
+    try:
+        text = json.dumps(context, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:
+        raise CallbackValidationError(f"{field}: NaN and Infinity are not JSON ({exc})") from None
+    except TypeError as exc:
+        raise CallbackValidationError(f"{field}: not JSON ({exc})") from None
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        raise CallbackValidationError(f"{field}: the character U+0000 cannot be stored (Postgres jsonb refuses it)")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise CallbackValidationError(f"{field}: lone surrogate characters are not valid Unicode") from None
+    return text
+
+
+def check_text(value: str, field: str) -> str:
+    """Refuse what Postgres text cannot hold (U+0000) and lone surrogates; return ``value``."""
+    if "\x00" in value:
+        raise CallbackValidationError(f"{field}: the character U+0000 is not allowed")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise CallbackValidationError(f"{field}: lone surrogate characters are not valid Unicode") from None
+    return value
+
+
+def check_run_at(value: datetime, field: str = "run_at") -> datetime:
+    """Refuse moments outside 1970..9000 UTC (Postgres and Python must both hold them, retries included)."""
+    if not EARLIEST_RUN_AT <= value < LATEST_RUN_AT:
+        raise CallbackValidationError(f"{field}: {value.isoformat()} is outside 1970-01-01..9000-01-01 UTC")
+    return value
+
+
 def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> None:
     """Raise CallbackValidationError if ``context`` exceeds the size limit or does not fit a dagster:// target."""
-    size = len(json.dumps(context, separators=(",", ":")).encode())
+    size = 4 if context is None else len(context_json(context).encode())
     if size > settings.max_context_bytes:
         raise CallbackValidationError(f"context: {size} bytes is over the limit of {settings.max_context_bytes}")
     if dagster_job_name(cb_url) is None or context is None:
@@ -191,7 +340,11 @@ class NewCallback(BaseModel):
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
 
     def check(self, settings: CallbackSettings) -> NewCallback:
-        """Apply the settings' URL allowlist and context limit; return self."""
+        """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
+        check_text(self.owner_client_id, "owner_client_id")
+        check_text(self.group_key, "group_key")
+        check_text(self.event_key, "event_key")
+        check_run_at(self.run_at)
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self
@@ -212,7 +365,7 @@ class CallbackEvent(BaseModel):
     originally_run_at: datetime
     cb_url: str
     context: JsonValue = None
-    retry: RetryPolicy
+    retry: RetryPolicy | dict[str, Any]  # a dict only for a policy stored by an older version out of today's bounds
     attempts: int
     main_retries: int
     last_error: str | None
@@ -256,7 +409,9 @@ class NewSchedule(BaseModel):
         return value
 
     def check(self, settings: CallbackSettings) -> NewSchedule:
-        """Apply the settings' URL allowlist and context limit; return self."""
+        """Apply the settings' URL policy and context limit; return self."""
+        for name in ("owner_client_id", "group_key", "schedule_key"):
+            check_text(getattr(self, name), name)
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self

@@ -17,14 +17,30 @@ INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_ke
 SELECT nextval('callback_event_ids'),
        (hashtextextended(n.owner || chr(1) || n.grp || chr(1) || n.key, 0) & 9223372036854775807) %% b.buckets,
        n.owner, n.grp, n.key, n.run_at, n.run_at, n.url, n.context::jsonb, n.retry::jsonb, n.schedule_id
-FROM unnest(%(owners)s::text[], %(groups)s::text[], %(keys)s::text[], %(run_ats)s::timestamptz[],
-            %(urls)s::text[], %(contexts)s::text[], %(retries)s::text[], %(schedule_ids)s::bigint[])
+FROM unnest(%(owners)b::text[], %(groups)b::text[], %(keys)b::text[], %(run_ats)b::timestamptz[],
+            %(urls)b::text[], %(contexts)b::text[], %(retries)b::text[], %(schedule_ids)s::bigint[])
      WITH ORDINALITY AS n(owner, grp, key, run_at, url, context, retry, schedule_id, ord)
 CROSS JOIN (SELECT count(*) AS buckets FROM callback_buckets) AS b
 ORDER BY n.ord
 ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
-RETURNING event_id, owner_client_id, group_key, event_key
+RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
 """
+
+# The insert, and a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of
+# the earliest run_at>") for the workers of buckets that got an event due before their next poll would see
+# it. The table stays the truth.
+INSERT_EVENTS_NOTIFY = f"""
+WITH ins AS ({INSERT_EVENTS})
+SELECT event_id, owner_client_id, group_key, event_key,
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                               s.bucket_id || ':' || extract(epoch FROM s.run_at)::text))
+        FROM (SELECT bucket_id, min(run_at) AS run_at FROM ins
+              WHERE run_at <= now() + make_interval(secs => %(soon)s) GROUP BY bucket_id) AS s)
+FROM ins
+"""
+
+CHANNEL = "callbacks"  # LISTEN on cmb_dagster.notifications.channel_name(db, CHANNEL)
+NOTIFY = "SELECT pg_notify(current_schema() || '.' || 'callbacks', %(payload)s)"
 
 SELECT_EXISTING = f"""
 SELECT {EVENT_COLUMNS} FROM callback_events
@@ -126,7 +142,29 @@ UPDATE callback_buckets SET max_run_at = %(run_at)s, cursor_event_id = %(event_i
 WHERE bucket_id = %(bucket)s
 """
 
-# Outcomes of calls, in one statement. 'retry' moves run_at (never to or before the cursor's run_at, so
+# The gate a call passes just before it starts: still pending in the version polled (an update gives the
+# event a new id), due by the database's clock, and counted. The row lock it takes makes cancel, update and
+# delete wait until the calls it lets through have started.
+# Its commit need not wait for the WAL flush (synchronous_commit off): the row locks are what orders it
+# before a cancel, and a cancel's own (synchronous) commit flushes the gate's commit record with it. A gate
+# lost in a crash only undercounts attempts.
+GATE_EVENTS = """
+WITH async AS (SELECT set_config('synchronous_commit', 'off', true) AS v)
+UPDATE callback_events SET attempts = attempts + 1
+WHERE event_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND run_at <= clock_timestamp()
+  AND (SELECT v FROM async) = 'off'
+RETURNING event_id
+"""
+
+STILL_PENDING = "SELECT event_id FROM callback_events WHERE event_id = ANY(%(ids)s::bigint[]) AND status = 'pending'"
+
+# An outcome that could not be written (e.g. a stored policy out of range): the event fails with the reason.
+FAIL_EVENT = """
+UPDATE callback_events SET status = 'failed', last_error = %(error)s, finished_at = now(), updated_at = now()
+WHERE event_id = %(event_id)s AND status = 'pending'
+"""
+
+# Outcomes of calls, in one statement (attempts were counted by the gate). 'retry' moves run_at (never to or before the cursor's run_at, so
 # query 1 finds it again) unless stop_after_delay has passed since originally_run_at: then 'failed'.
 FINISH_EVENTS = """
 WITH u AS (
@@ -149,7 +187,6 @@ SET status = s.new_status,
                                 %(cursor_run_at)s::timestamptz + interval '1 microsecond')
                   ELSE e.run_at END,
     main_retries = e.main_retries + (s.new_status = 'pending')::int,
-    attempts = e.attempts + s.tries,
     last_error = coalesce(s.error, e.last_error),
     finished_at = CASE WHEN s.new_status <> 'pending' THEN now() END,
     updated_at = now()

@@ -12,14 +12,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from cmb_dagster.callbacks import sql
-from cmb_dagster.callbacks.delivery import ABANDONED, Delivery, DeliveryPool, JobLauncher
-from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy
-from cmb_dagster.database import Database
+import psycopg
+from pydantic import ValidationError
+
+from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, Delivery, DeliveryPool, JobLauncher
+from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, one_line
+from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport
 
 log = logging.getLogger("cmb_dagster.callbacks")
@@ -46,6 +51,7 @@ class BucketState:
     next_poll: float = 0.0
     last_commit: float = field(default_factory=time.monotonic)
     lease_deadline: float = 0.0  # monotonic; calls that could outlast it are not started
+    lease: Lease | None = None
 
     def saved_cursor(self) -> Position:
         """The cursor to persist: never past an event still in flight."""
@@ -64,14 +70,14 @@ class CallbackWorker:
 
     def __init__(
         self,
-        db: Database,
+        db: DatabaseSource,
         settings: CallbackSettings | None = None,
         *,
         buckets: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         launcher: JobLauncher | None = None,
         owner: str | None = None,
     ) -> None:
-        self.db = db
+        self.db = db = Database.of(db)
         self.settings = settings or CallbackSettings()
         self.buckets = buckets
         self.launcher = launcher
@@ -96,8 +102,9 @@ class CallbackWorker:
 
     def run(self, duration: float | None = None) -> WorkerReport:
         """Work for ``duration`` seconds (None: until :meth:`stop`), then finish the calls in flight."""
-        self._pool = DeliveryPool(self.settings, self.launcher)
+        self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate)
         self._draining.clear()
+        listener = Listener(self.db, [channel_name(self.db, sql.CHANNEL)], self._on_notify).start()
         timer = None
         if duration is not None:
             timer = threading.Timer(duration, self.stop)
@@ -108,6 +115,7 @@ class CallbackWorker:
         finally:
             if timer is not None:
                 timer.cancel()
+            listener.stop()
             self._pool.close(timeout=self._longest_call())
         report.items = self.delivered
         return report
@@ -130,6 +138,42 @@ class CallbackWorker:
             self._worker.wake()
             time.sleep(0.02)
         self._worker.stop()
+
+    def _on_notify(self, _channel: str, payload: str | None) -> None:
+        """A hint: an event due before the next poll was created in a bucket (None: maybe in any).
+
+        The bucket is polled when the event enters the lookahead: at once if it is due already.
+        """
+        bucket, _, epoch = (payload or "").partition(":")
+        try:
+            due_in = float(epoch) - time.time() - self.settings.lookahead if epoch else 0.0
+        except ValueError:
+            due_in = 0.0
+        poll_at = time.monotonic() + max(0.0, due_in)
+        for bucket_id, state in list(self._states.items()):
+            if payload is None or bucket == str(bucket_id):
+                state.next_poll = min(state.next_poll, poll_at)
+        self._worker.wake()
+
+    def _gate(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
+        """Count and start the deliveries still pending in their polled version; return those gone."""
+        by_bucket: dict[int, list[Delivery]] = defaultdict(list)
+        for delivery in deliveries:
+            by_bucket[delivery.bucket_id].append(delivery)
+        with self.db.connection() as conn:
+            for bucket_id in by_bucket:
+                state = self._states.get(bucket_id)
+                if state is None or state.lease is None:
+                    raise LeaseLost(f"bucket {bucket_id} is not held")
+                Leases.check(conn, state.lease)
+            ids = [d.event_id for d in deliveries]
+            go_ids = {row[0] for row in conn.execute(sql.GATE_EVENTS, {"ids": ids})}
+            rest = [i for i in ids if i not in go_ids]
+            pending = {row[0] for row in conn.execute(sql.STILL_PENDING, {"ids": rest})} if rest else set()
+            go = [d for d in deliveries if d.event_id in go_ids]
+            if go:
+                start(go)  # before the commit: cancel, update and delete wait for the row locks until then
+        return [d for d in deliveries if d.event_id not in go_ids and d.event_id not in pending]
 
     def _partitions(self) -> list[str]:
         if self.buckets is None:
@@ -161,6 +205,7 @@ class CallbackWorker:
         bucket_id = int(lease.partition)
         state = self._states.get(bucket_id)
         if state is not None and state.fence == lease.fence:
+            state.lease = lease
             return state
         with self.db.connection() as conn:
             run_at, cursor_id, seen = conn.execute(sql.LOAD_WATERMARK, {"bucket": bucket_id}).fetchone()
@@ -169,6 +214,7 @@ class CallbackWorker:
         else:  # the lease lapsed and came back: continue from the saved watermark, keep the calls in flight
             with state.lock:
                 state.fence, state.cursor, state.seen_event_id = lease.fence, (run_at, cursor_id), seen
+        state.lease = lease
         return state
 
     def _poll(self, lease: Lease, state: BucketState) -> int:
@@ -206,25 +252,34 @@ class CallbackWorker:
         deadline = lambda: state.lease_deadline
         for read_at, row in fresh:
             (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
-            self._pool.submit(
-                Delivery(
-                    bucket_id=state.bucket_id,
-                    event_id=event_id,
-                    run_at=run_at,
-                    originally_run_at=originally,
-                    owner_client_id=owner,
-                    group_key=group,
-                    event_key=key,
-                    cb_url=url,
-                    context=context,
-                    retry=RetryPolicy.model_validate(retry),
-                    attempts=attempts,
-                    main_retries=main_retries,
-                    due=read_at + max(0.0, due_in),
-                    lease_deadline=deadline,
-                    on_done=lambda d, s=state: self._on_done(s, d),
-                )
+            try:
+                policy = RetryPolicy.model_validate(retry)
+            except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
+                policy = None
+                detail = one_line(exc) if isinstance(exc, ValidationError) else type(exc).__name__
+                error = f"stored retry policy is invalid: {detail[:300]}"
+            delivery = Delivery(
+                bucket_id=state.bucket_id,
+                event_id=event_id,
+                run_at=run_at,
+                originally_run_at=originally,
+                owner_client_id=owner,
+                group_key=group,
+                event_key=key,
+                cb_url=url,
+                context=context,
+                retry=policy or RetryPolicy(),
+                attempts=attempts,
+                main_retries=main_retries,
+                due=read_at + max(0.0, due_in),
+                lease_deadline=deadline,
+                on_done=lambda d, s=state: self._on_done(s, d),
             )
+            if policy is None:
+                delivery.outcome, delivery.error = FAILED, error
+                self._on_done(state, delivery)
+            else:
+                self._pool.submit(delivery)
         state.next_poll = 0.0 if full else time.monotonic() + self.settings.poll_interval
         return len(fresh)
 
@@ -238,33 +293,16 @@ class CallbackWorker:
     def _commit(self, lease: Lease, state: BucketState) -> int:
         with state.lock:
             batch, state.done = state.done, []
-        finished = [d for d in batch if d.outcome != ABANDONED]
+        finished = [d for d in batch if d.outcome not in (ABANDONED, GONE)]
         try:
-            with self.db.connection() as conn:
-                Leases.check(conn, lease)
-                with state.lock:
-                    for d in batch:
-                        state.in_flight.pop(d.event_id, None)
-                    for d in batch:  # never called: let query 1 find it again
-                        if d.outcome == ABANDONED:
-                            state.cursor = min(state.cursor, (d.run_at, d.event_id - 1))
-                    cursor, saved, seen = state.cursor, state.saved_cursor(), state.seen_event_id
-                if finished:
-                    conn.execute(
-                        sql.FINISH_EVENTS,
-                        {
-                            "ids": [d.event_id for d in finished],
-                            "outcomes": [d.outcome for d in finished],
-                            "tries": [d.tries for d in finished],
-                            "errors": [d.error for d in finished],
-                            "delays": [d.retry_delay for d in finished],
-                            "cursor_run_at": cursor[0],
-                        },
-                    )
-                conn.execute(
-                    sql.SAVE_WATERMARK,
-                    {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
-                )
+            try:
+                self._write(lease, state, batch, finished, careful=False)
+            except psycopg.Error as exc:
+                if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                    raise
+                # one outcome that cannot be written must not hold the others back: one row at a time
+                log.warning("bucket %s: outcomes could not be written together (%s); one at a time", state.bucket_id, exc)
+                self._write(lease, state, batch, finished, careful=True)
         except BaseException:
             with state.lock:  # not written: keep them (and their places) for the next try
                 for d in batch:
@@ -274,6 +312,44 @@ class CallbackWorker:
         state.last_commit = time.monotonic()
         self.delivered += sum(1 for d in finished if d.outcome != "retry")
         return len(batch)
+
+    def _write(self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool) -> None:
+        with self.db.connection() as conn:
+            Leases.check(conn, lease)
+            with state.lock:
+                for d in batch:
+                    state.in_flight.pop(d.event_id, None)
+                for d in batch:  # never called: let query 1 find it again
+                    if d.outcome == ABANDONED:
+                        state.cursor = min(state.cursor, (d.run_at, d.event_id - 1))
+                cursor, saved, seen = state.cursor, state.saved_cursor(), state.seen_event_id
+            if finished and not careful:
+                conn.execute(sql.FINISH_EVENTS, _outcomes(finished, cursor))
+            for d in finished if careful else ():
+                try:
+                    with conn.transaction():
+                        conn.execute(sql.FINISH_EVENTS, _outcomes([d], cursor))
+                except psycopg.Error as exc:
+                    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+                        raise
+                    error = f"outcome {d.outcome} could not be written: {str(exc).splitlines()[0][:200]}"
+                    log.warning("event %s: %s", d.event_id, error)
+                    conn.execute(sql.FAIL_EVENT, {"event_id": d.event_id, "error": error})
+            conn.execute(
+                sql.SAVE_WATERMARK,
+                {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
+            )
+
+
+def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:
+    return {
+        "ids": [d.event_id for d in finished],
+        "outcomes": [d.outcome for d in finished],
+        "tries": [d.tries for d in finished],
+        "errors": [d.error for d in finished],
+        "delays": [d.retry_delay for d in finished],
+        "cursor_run_at": cursor[0],
+    }
 
 
 def bucket_ids(db: Database) -> list[int]:

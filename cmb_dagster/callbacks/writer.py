@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+import functools
+import logging
 import queue
 import threading
 import time
@@ -15,8 +16,10 @@ from psycopg.rows import dict_row
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import CallbackConflict
-from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy
+from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy, context_json
 from cmb_dagster.database import Database
+
+log = logging.getLogger("cmb_dagster.callbacks")
 
 
 class EventWriter:
@@ -33,6 +36,7 @@ class EventWriter:
         self._queue: queue.SimpleQueue[tuple[NewCallback, Future[int]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.soon = settings.poll_interval + settings.lookahead  # creates due sooner wake their bucket's worker
 
     def write(self, event: NewCallback) -> int:
         """Queue ``event`` and wait until it is committed; return its id (or raise its error)."""
@@ -81,10 +85,14 @@ class EventWriter:
     def _flush(self, batch: list[tuple[NewCallback, Future[int]]]) -> None:
         try:
             with self.db.connection() as conn:
-                results = insert_events(conn, [event for event, _ in batch])
-        except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the error
-            for _, future in batch:
-                future.set_exception(exc)
+                results = insert_events(conn, [event for event, _ in batch], soon=self.soon)
+        except Exception as exc:  # noqa: BLE001 - the batch is retried one row at a time: only bad rows fail
+            if len(batch) == 1:
+                batch[0][1].set_exception(exc)
+                return
+            log.warning("a batch of %d creates failed (%s): writing them one at a time", len(batch), exc)
+            for item in batch:
+                self._flush([item])
             return
         for (_, future), result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
@@ -94,21 +102,22 @@ class EventWriter:
 
 
 def insert_events(
-    conn: psycopg.Connection, events: Sequence[NewCallback], schedule_id: int | None = None
+    conn: psycopg.Connection, events: Sequence[NewCallback], schedule_id: int | None = None, *, soon: float = 3.0
 ) -> list[int | Exception]:
     """Insert ``events`` in ``conn``'s transaction under the event-id lock; per event, its id or a conflict."""
     conn.execute(sql.LOCK_EVENT_IDS)
-    params = {
+    params: dict[str, Any] = {
         "owners": [e.owner_client_id for e in events],
         "groups": [e.group_key for e in events],
         "keys": [e.event_key for e in events],
         "run_ats": [e.run_at for e in events],
         "urls": [e.cb_url for e in events],
-        "contexts": [None if e.context is None else json.dumps(e.context) for e in events],
-        "retries": [e.retry.model_dump_json() for e in events],
+        "contexts": [None if e.context is None else context_json(e.context) for e in events],
+        "retries": [_policy_json(e.retry) for e in events],
         "schedule_ids": [schedule_id] * len(events),
     }
-    inserted = {(o, g, k): i for i, o, g, k in conn.execute(sql.INSERT_EVENTS, params)}
+    params["soon"] = soon
+    inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS_NOTIFY, params)}
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
     existing: dict[tuple[str, str, str], dict[str, Any]] = {}
     if missing:
@@ -120,16 +129,29 @@ def insert_events(
         for row in conn.cursor(row_factory=dict_row).execute(sql.SELECT_EXISTING, keys):
             existing[(row["owner_client_id"], row["group_key"], row["event_key"])] = row
     results: list[int | Exception] = []
+    first: dict[tuple[str, str, str], NewCallback] = {}  # the event of the batch that inserted a key
     for event in events:
         key = (event.owner_client_id, event.group_key, event.event_key)
         row = existing.get(key)
         if row is None:
-            results.append(inserted[key])
-        elif _same_payload(event, row):
-            results.append(row["event_id"])
+            same = first.setdefault(key, event) is event or _same_event(event, first[key])
+        else:
+            same = _same_payload(event, row)
+        if same:
+            results.append(inserted[key] if row is None else row["event_id"])
         else:
             results.append(CallbackConflict(f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"))
     return results
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_json(policy: RetryPolicy) -> str:
+    return policy.model_dump_json()  # policies are frozen and mostly shared: dumped once each
+
+
+def _same_event(event: NewCallback, other: NewCallback) -> bool:
+    return (event.run_at, event.cb_url, event.context, event.retry) == (
+        other.run_at, other.cb_url, other.context, other.retry)
 
 
 def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:

@@ -1,16 +1,21 @@
 """Callbacks example: a job that schedules a demo HTTP callback and a one-off delayed Dagster run.
 
-Run ``cmb-dagster callbacks sink`` in a terminal to watch the HTTP callbacks arrive.
+``cmb-dagster dev`` serves the local sink at http://127.0.0.1:8765 and prints each callback it receives
+(elsewhere, run ``cmb-dagster callbacks sink``).
 """
 
 from datetime import UTC, datetime, timedelta
 
 from dagster import Config, DefaultScheduleStatus, OpExecutionContext, ScheduleDefinition, job, op
 
-from cmb_dagster.callbacks import CallbackClient, RetryPolicy
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings, RetryPolicy
+from cmb_dagster.callbacks.dagster_defs import CallbackOptions
 from cmb_dagster.resources import CmbResource
 
-DEMO_SINK = "http://127.0.0.1:8765"  # where `cmb-dagster callbacks sink` listens
+DEMO_SINK = "http://127.0.0.1:8765"  # the sink `cmb-dagster dev` (or `cmb-dagster callbacks sink`) serves
+# Private addresses are closed by default: open the local sink explicitly (and keep any public host open).
+SETTINGS = CallbackSettings(allowed_hosts=["*", "127.0.0.1"])
+OPTIONS = CallbackOptions(settings=SETTINGS)
 
 
 class DemoConfig(Config):
@@ -19,7 +24,7 @@ class DemoConfig(Config):
 
 @op(description="Schedules an HTTP callback to the local sink and a delayed run of callbacks_demo_target.")
 def schedule_demo_callbacks(context: OpExecutionContext, config: DemoConfig, cmb: CmbResource) -> None:
-    client = CallbackClient(cmb.database, buffered=False)
+    client = CallbackClient(cmb.database, SETTINGS, buffered=False)
     at = datetime.now(UTC) + timedelta(seconds=config.delay_seconds)
     key = context.run_id[:8]
     client.create("examples", "demo", f"http-{key}", at, f"{DEMO_SINK}/demo", {"hello": "from cmb_dagster"},
@@ -27,7 +32,6 @@ def schedule_demo_callbacks(context: OpExecutionContext, config: DemoConfig, cmb
     message = f"launched by a callback scheduled in run {key}"
     client.create("examples", "demo", f"dagster-{key}", at + timedelta(seconds=30), "dagster://callbacks_demo_target",
                   {"run_config": {"ops": {"say_hello": {"config": {"message": message}}}}, "tags": {"cmb/demo": key}})
-    client.create_schedule("examples", "demo", "every-5-minutes", "*/5 * * * *", f"{DEMO_SINK}/every-5-minutes")
     context.log.info(f"callbacks scheduled for {at.isoformat()} (HTTP) and 30 s later (Dagster run)")
 
 

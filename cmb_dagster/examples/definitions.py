@@ -1,6 +1,6 @@
 """The example code location: what ``cmb-dagster dev`` shows a new user."""
 
-from cmb_dagster import CallbackOptions, PubSubOptions, ReactiveOptions, cmb_definitions
+from cmb_dagster import PubSubOptions, ReactiveOptions, cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
 from cmb_dagster.examples import eventqueue as eventqueue_example
 from cmb_dagster.examples import health
@@ -11,7 +11,7 @@ from cmb_dagster.examples import stages as stages_example
 defs = cmb_definitions(
     reactive=ReactiveOptions(tasks=reactive.reactive_tasks),
     pubsub=PubSubOptions(consumers=[pubsub_example.consumer]),
-    callbacks=CallbackOptions(),
+    callbacks=callbacks_example.OPTIONS,  # opens 127.0.0.1 for the demo sink
     stages=stages_example.options,
     events=eventqueue_example.options,
     jobs=[health.health_check, *reactive.example_jobs, pubsub_example.pubsub_demo_place_orders,

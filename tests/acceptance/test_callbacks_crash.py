@@ -19,7 +19,9 @@ from cmb_dagster.embedded import data_dir, embedded_url, stop_embedded
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 WORKER = [*CLI, "callbacks", "worker", "--lease-ttl", "3", "--timeout", "1", "--poll-interval", "0.2", "--no-materialize"]
-FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
+FAST = CallbackSettings(
+    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+)
 
 
 def notified(db: Database) -> int:
@@ -43,13 +45,13 @@ def cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_kill_9_mid_delivery_loses_nothing(db, database_url):
-    with CallbackSink() as sink, CallbackClient(db) as client:
+    with CallbackSink() as sink, CallbackClient(db, FAST) as client:
         start = datetime.now(UTC)
         client.create_many(
             [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
               "run_at": start + timedelta(milliseconds=5 * i), "cb_url": f"{sink.url}/slow?ms=100"} for i in range(1000)]
         )
-        env = {**os.environ, "CMB_DATABASE_URL": database_url}
+        env = {**os.environ, "CMB_DATABASE_URL": database_url, "CMB_CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
         first = subprocess.Popen(WORKER, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_until(lambda: notified(db) >= 200)
@@ -111,7 +113,7 @@ def test_worker_rides_out_a_postgres_restart(tmp_path):
 
 def test_cli_creates_shows_lists_cancels_and_deletes(database_url):
     created = cli("create", "shop", "orders", "o-1", "--in", "3600", "--url", "http://127.0.0.1:9/cb",
-                  "--context", '{"order": 1}', url=database_url)
+                  "--context", '{"order": 1}', "--allow-host", "127.0.0.1", url=database_url)
     assert created.returncode == 0, created.stderr
     assert created.stdout.strip().isdigit()
     shown = cli("show", "shop", "orders", "o-1", url=database_url)

@@ -18,11 +18,12 @@ from cmb_dagster.callbacks import (
 from cmb_dagster.callbacks.schedules import materialize_schedules
 
 URL = "http://127.0.0.1:9/cb"
+LOCAL = CallbackSettings(allowed_hosts=["127.0.0.1"])  # private addresses are closed by default
 
 
 @pytest.fixture
 def client(db):
-    with CallbackClient(db) as c:
+    with CallbackClient(db, LOCAL) as c:
         yield c
 
 
@@ -124,18 +125,14 @@ def test_notified_events_cannot_change(client, db):
     assert count(db, "callback_change_log") == 0
 
 
-def test_buffered_creates_from_many_threads_batch_and_ids_follow_commit_order(db):
-    with CallbackClient(db, CallbackSettings(write_linger=0.02)) as client, ThreadPoolExecutor(16) as pool:
+def test_buffered_creates_from_many_threads_are_written_in_batches(db):
+    # that ids follow commit order is tested where it can fail: test_callbacks_defects.py, several processes
+    with CallbackClient(db, CallbackSettings(write_linger=0.02, allowed_hosts=["127.0.0.1"])) as client, ThreadPoolExecutor(16) as pool:
         ids = list(pool.map(lambda i: client.create("a", "g", f"k{i}", later(), URL), range(400)))
     assert len(set(ids)) == 400
     with db.connection() as conn:
         batches = conn.execute("SELECT count(DISTINCT xmin::text) FROM callback_events").fetchone()[0]
-        in_xid_order = conn.execute(
-            "SELECT bool_and(ok) FROM (SELECT event_id >= lag(event_id, 1, 0::bigint) OVER (ORDER BY xmin::text::bigint, event_id)"
-            " AS ok FROM callback_events) s"
-        ).fetchone()[0]
     assert batches < 100, batches  # 400 creates in far fewer transactions
-    assert in_xid_order
 
 
 def test_buckets_spread_events_and_can_only_be_raised(client, db):

@@ -10,7 +10,9 @@ from waiting import wait_until
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
 from cmb_dagster.callbacks.sink import CallbackSink
 
-FAST = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1)
+FAST = CallbackSettings(
+    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+)
 
 
 class Running:

@@ -1,0 +1,451 @@
+"""Issue 10: promises the callbacks engine broke, each reproduced here first."""
+
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from waiting import wait_until
+
+from cmb_dagster.callbacks import (
+    CallbackClient,
+    CallbackConflict,
+    CallbackInvalidState,
+    CallbackSettings,
+    CallbackValidationError,
+    CallbackWorker,
+    NewCallback,
+    RetryPolicy,
+)
+from cmb_dagster.callbacks.sink import CallbackSink
+from cmb_dagster.errors import InvalidInput
+
+LOCAL = CallbackSettings(
+    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=2, allowed_hosts=["127.0.0.1"]
+)
+
+
+class Running:
+    def __init__(self, db, settings=LOCAL):
+        self.worker = CallbackWorker(db, settings)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.worker.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def sink():
+    with CallbackSink() as s:
+        yield s
+
+
+@pytest.fixture
+def client(db):
+    with CallbackClient(db, LOCAL) as c:
+        yield c
+
+
+@pytest.fixture
+def worker(db):
+    running = []
+    yield lambda settings=LOCAL: running.append(Running(db, settings)) or running[-1]
+    for r in running:
+        r.stop()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- 1. once cancel/update has returned, no call of the old version starts ---------------------------
+
+
+def test_no_call_of_the_old_version_starts_after_cancel_or_update_returned(client, sink, worker):
+    worker()
+    now = datetime.now(UTC)
+    trials = 60
+    run_ats = {f"k{i}": now + timedelta(seconds=1.5 + random.uniform(0, 2.5)) for i in range(trials)}
+    ids = {key: client.create("a", "g", key, at, f"{sink.url}/old", {"key": key}) for key, at in run_ats.items()}
+    results: dict[str, tuple[str, object]] = {}
+
+    def change(key: str) -> None:
+        # a random moment across the lookahead window (2 s), up to just after run_at
+        moment = run_ats[key] - timedelta(seconds=random.uniform(-0.05, 2.0))
+        time.sleep(max(0.0, (moment - datetime.now(UTC)).total_seconds()))
+        try:
+            if int(key[1:]) % 2:
+                results[key] = ("cancel", client.cancel("a", "g", key))
+            else:
+                results[key] = ("update", client.update("a", "g", key, cb_url=f"{sink.url}/new"))
+        except CallbackInvalidState:
+            results[key] = ("too late", None)  # already notified: the change was refused, nothing to check
+
+    with ThreadPoolExecutor(trials) as pool:
+        list(pool.map(change, run_ats))
+    wait_until(lambda: not client.list(status="pending"), timeout=30, what="every event finished")
+    time.sleep(0.3)  # calls on the wire arrive (a violation would come up to 2 s late: the lookahead)
+    old_calls = {c.body["event_key"] for c in sink.received if c.path == "/old" and c.body["event_id"] == ids[c.body["event_key"]]}
+    violations = []
+    for key, (action, after) in results.items():
+        # the gate counts a call before it starts: attempts == 0 on the returned event means none had started
+        if after is not None and after.attempts == 0 and key in old_calls:
+            violations.append((key, action))
+    changed = [k for k, (a, _) in results.items() if a != "too late"]
+    assert len(changed) >= trials // 2, results  # most changes landed inside the window
+    assert violations == []
+
+
+# -- 2. bounded inputs; one bad event does not stall its bucket ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("retry", "field"),
+    [
+        ({"stop_after_delay": 1e20}, "stop_after_delay"),
+        ({"delay": float("inf")}, "delay"),
+        ({"delay": float("nan")}, "delay"),
+        ({"backoff": "exponential", "factor": 1e300}, "factor"),
+        ({"backoff": "exponential", "max_delay": 1e12}, "max_delay"),
+    ],
+)
+def test_durations_and_factors_are_bounded(client, retry, field):
+    with pytest.raises(CallbackValidationError, match=field):
+        client.create("a", "g", "k", datetime.now(UTC), "http://127.0.0.1:9/cb", retry=retry)
+    assert client.list() == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"run_at": datetime.fromisoformat("9999-12-31T23:59:59-14:00")}, "run_at"),
+        ({"context": {"x": float("nan")}}, "context"),
+        ({"context": [float("inf")]}, "context"),
+        ({"context": {"x": "\ud800"}}, "context"),
+        ({"context": {"x": "a\u0000b"}}, "context"),
+        ({"context": {"\u0000": 1}}, "context"),
+        ({"event_key": "k\u0000"}, "event_key"),
+        ({"cb_url": "http://127.0.0.1:9/a\nb"}, "cb_url"),
+        ({"cb_url": "http://127.0.0.1:9/a\x00"}, "cb_url"),
+    ],
+)
+def test_what_postgres_cannot_store_is_refused_at_create(client, overrides, field):
+    args = {"owner_client_id": "a", "group_key": "g", "event_key": "k", "run_at": datetime.now(UTC),
+            "cb_url": "http://127.0.0.1:9/cb", **overrides}
+    with pytest.raises(CallbackValidationError, match=field) as raised:
+        client.create(**args)
+    assert isinstance(raised.value, InvalidInput)
+    assert client.list() == []
+
+
+def test_one_event_whose_outcome_cannot_be_written_fails_alone(client, db, sink, worker):
+    now = datetime.now(UTC)
+    for i in range(6):
+        client.create("a", "g", f"ok{i}", now, f"{sink.url}/cb")
+    client.create("a", "g", "huge", now, f"{sink.url}/fail", retry={"fast_retries": 0})
+    client.create("a", "g", "null", now, f"{sink.url}/cb")
+    client.create("a", "g", "unwritable", now, f"{sink.url}/cb")
+    with db.connection() as conn:  # as stored by an older version that accepted them
+        conn.execute("UPDATE callback_events SET bucket_id = 0")
+        conn.execute("""UPDATE callback_events SET retry = retry || '{"stop_after_delay": 1e20}' WHERE event_key = 'huge'""")
+        conn.execute("""UPDATE callback_events SET retry = retry || '{"delay": null}' WHERE event_key = 'null'""")
+        # an outcome Postgres refuses to write, whatever the reason
+        conn.execute("""
+            CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.event_key = 'unwritable' AND NEW.status = 'notified' THEN RAISE EXCEPTION 'refused'; END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER refuse BEFORE UPDATE ON callback_events FOR EACH ROW EXECUTE FUNCTION refuse();
+        """)
+    worker()
+    wait_until(lambda: not client.list(status="pending"), timeout=20, what="no event left pending")
+    statuses = {e.event_key: e.status for e in client.list()}
+    expected = {f"ok{i}": "notified" for i in range(6)}
+    assert statuses == {**expected, "huge": "failed", "null": "failed", "unwritable": "failed"}
+    assert "could not be written" in client.get("a", "g", "unwritable").last_error
+    assert "retry policy is invalid" in client.get("a", "g", "null").last_error
+    assert "stop_after_delay" in client.get("a", "g", "huge").last_error
+    assert isinstance(client.get("a", "g", "huge").retry, dict)  # still readable: show, cancel, delete work
+
+
+# -- 3. connection errors follow the retry policy -----------------------------------------------------
+
+
+def test_connection_errors_follow_the_retry_policy(client, worker):
+    url = f"http://127.0.0.1:{closed_port()}/cb"
+    client.create("a", "g", "k", datetime.now(UTC), url, retry=RetryPolicy.constant(30, fast_retries=1))
+    started = datetime.now(UTC)
+    worker()
+    event = wait_until(lambda: (e := client.get("a", "g", "k")).main_retries and e, what="a main retry")
+    time.sleep(0.5)
+    event = client.get("a", "g", "k")
+    assert event.attempts == 2 and event.main_retries == 1  # one call and one fast retry, then rescheduled
+    assert event.run_at >= started + timedelta(seconds=29)
+    assert event.last_error == "could not connect (refused, unreachable or timed out)"  # no port scanner
+
+
+def test_a_huge_exponential_factor_cannot_overflow():
+    policy = RetryPolicy.exponential(first_delay=60, factor=1000)
+    assert policy.main_retry_delay(10**9) == 30 * 86400
+
+
+# -- 4. one bad create does not fail its neighbours ---------------------------------------------------
+
+
+def test_one_bad_create_fails_alone(db):
+    settings = LOCAL.model_copy(update={"write_linger": 0.05})
+    with CallbackClient(db, settings) as client, ThreadPoolExecutor(10) as pool:
+        def create(i: int):
+            context = {"x": "\u0000"} if i == 3 else {"i": i}
+            try:
+                return client.create("a", "g", f"k{i}", datetime.now(UTC), "http://127.0.0.1:9/cb", context)
+            except Exception as exc:  # noqa: BLE001
+                return exc
+
+        results = list(pool.map(create, range(10)))
+    assert isinstance(results[3], CallbackValidationError) and "context" in str(results[3])
+    assert all(isinstance(r, int) for i, r in enumerate(results) if i != 3), results
+
+
+def test_a_batch_that_fails_anyway_is_retried_row_by_row(db):
+    settings = LOCAL.model_copy(update={"write_linger": 0.05})
+    with CallbackClient(db, settings) as client, ThreadPoolExecutor(10) as pool:
+        def create(i: int):
+            # what validation would refuse, slipped past it: Postgres text cannot hold U+0000
+            key = "bad\u0000" if i == 3 else f"k{i}"
+            event = NewCallback.model_construct(owner_client_id="a", group_key="g", event_key=key, run_at=datetime.now(UTC),
+                                                cb_url="http://127.0.0.1:9/cb", context=None, retry=RetryPolicy())
+            try:
+                return client._writer.write(event)
+            except Exception as exc:  # noqa: BLE001
+                return exc
+
+        results = list(pool.map(create, range(10)))
+    assert not isinstance(results[3], int)
+    assert all(isinstance(r, int) for i, r in enumerate(results) if i != 3), results
+
+
+# -- 5. conflicts inside one batch --------------------------------------------------------------------
+
+
+def test_conflict_inside_one_batch_is_a_conflict(db):
+    settings = LOCAL.model_copy(update={"write_linger": 0.05})
+    at = datetime.now(UTC) + timedelta(hours=1)
+    with CallbackClient(db, settings) as client, ThreadPoolExecutor(2) as pool:
+        def create(i: int):
+            try:
+                return client.create("a", "g", "same", at, f"http://127.0.0.1:9/v{i}")
+            except CallbackConflict as exc:
+                return exc
+
+        results = list(pool.map(create, range(2)))
+        assert sorted(type(r).__name__ for r in results) == ["CallbackConflict", "int"], results
+        with pytest.raises(CallbackConflict):
+            client.create_many([
+                {"owner_client_id": "a", "group_key": "g", "event_key": "pair", "run_at": at, "cb_url": "http://127.0.0.1:9/x"},
+                {"owner_client_id": "a", "group_key": "g", "event_key": "pair", "run_at": at, "cb_url": "http://127.0.0.1:9/y"},
+            ])
+        same = {"owner_client_id": "a", "group_key": "g", "event_key": "twin", "run_at": at, "cb_url": "http://127.0.0.1:9/x"}
+        first, second = client.create_many([same, same])
+        assert first == second
+
+
+# -- 6. private addresses closed by default -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8080/cb",
+        "http://[::1]/cb",
+        "http://169.254.169.254/latest/meta-data",
+        "http://metadata.google.internal/computeMetadata/v1/",
+        "http://localhost:8080/cb",
+        "http://10.0.0.5/cb",
+        "http://192.168.1.1/cb",
+        "http://172.16.0.1/cb",
+        "http://[fe80::1]/cb",
+        "http://0.0.0.0/cb",
+        "http://224.0.0.1/cb",
+        "http://[::ffff:127.0.0.1]/cb",
+    ],
+)
+def test_private_targets_are_closed_by_default(db, url, monkeypatch):
+    monkeypatch.delenv("CMB_CALLBACK_ALLOWED_HOSTS", raising=False)
+    with CallbackClient(db) as client, pytest.raises(CallbackValidationError, match="cb_url: host .* is not allowed"):
+        client.create("a", "g", "k", datetime.now(UTC), url)
+
+
+def test_public_targets_are_open_by_default(db, monkeypatch):
+    monkeypatch.delenv("CMB_CALLBACK_ALLOWED_HOSTS", raising=False)
+    with CallbackClient(db) as client:
+        assert client.create("a", "g", "k", datetime.now(UTC) + timedelta(hours=1), "https://api.example.com/cb")
+        assert client.create("a", "g", "k2", datetime.now(UTC) + timedelta(hours=1), "http://8.8.8.8/cb")
+
+
+def test_the_environment_opens_hosts_for_clients_and_workers(db, sink, monkeypatch):
+    monkeypatch.setenv("CMB_CALLBACK_ALLOWED_HOSTS", "*, 127.0.0.0/8")
+    settings = CallbackSettings(poll_interval=0.2, lease_ttl=3, timeout=1)
+    assert settings.allowed_hosts == ("*", "127.0.0.0/8")
+    with CallbackClient(db, settings) as client:
+        client.create("a", "g", "k", datetime.now(UTC), f"{sink.url}/cb")
+        running = Running(db, settings)
+        try:
+            wait_until(lambda: client.get("a", "g", "k").status == "notified")
+        finally:
+            running.stop()
+
+
+def test_the_address_connected_to_is_checked_not_the_name(db, sink, worker):
+    # 'localhost' is opened by name, its address is not: as a name rebound to 127.0.0.1 would be
+    settings = LOCAL.model_copy(update={"allowed_hosts": ("localhost",)})
+    with CallbackClient(db, settings) as client:
+        client.create("a", "g", "k", datetime.now(UTC), f"http://localhost:{sink.port}/cb")
+        worker(settings)
+        wait_until(lambda: client.get("a", "g", "k").status == "failed")
+        assert "resolves to no allowed address" in client.get("a", "g", "k").last_error
+    assert sink.received == []
+
+
+class RawServer:
+    """A TCP server answering every connection with ``respond(socket)`` on a thread of its own."""
+
+    def __init__(self, respond):
+        self.respond = respond
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.sent = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn):
+        try:
+            conn.recv(65536)
+            self.respond(self, conn)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+def drip(server, conn):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+    for _ in range(100):
+        conn.sendall(b"x")
+        time.sleep(0.2)
+
+
+def flood(server, conn):
+    conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")  # no length: to the end of the connection
+    chunk = b"x" * 65536
+    for _ in range(300 * 16):  # 300 MB
+        conn.sendall(chunk)
+        server.sent += len(chunk)
+
+
+def test_the_timeout_is_a_deadline_for_the_whole_call():
+    from cmb_dagster.callbacks.delivery import HttpSender
+
+    server = RawServer(drip)
+    try:
+        sender = HttpSender(LOCAL)
+        started = time.monotonic()
+        outcome, error = sender.post(f"http://127.0.0.1:{server.port}/cb", b"{}")
+        assert (outcome, error) == ("retry", "timed out")
+        assert time.monotonic() - started < LOCAL.timeout + 0.5
+    finally:
+        server.close()
+
+
+def test_a_response_body_is_not_read_past_the_limit():
+    from cmb_dagster.callbacks.delivery import HttpSender
+
+    server = RawServer(flood)
+    try:
+        outcome, _ = HttpSender(LOCAL).post(f"http://127.0.0.1:{server.port}/cb", b"{}")
+        assert outcome == "notified"
+        time.sleep(0.2)
+        assert server.sent < 50 * 2**20  # the client stopped reading: the rest was never sent (socket buffers aside)
+    finally:
+        server.close()
+
+
+# -- 7. ids follow commit order, with concurrent writers in several processes -----------------------
+
+CREATOR = """
+import sys
+from datetime import UTC, datetime
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings
+from concurrent.futures import ThreadPoolExecutor
+url, name, sink = sys.argv[1:4]
+with CallbackClient(url, CallbackSettings(allowed_hosts=["127.0.0.1"]), buffered=False) as client, ThreadPoolExecutor(8) as pool:
+    list(pool.map(lambda i: client.create("p", name, f"{name}-{i}", datetime.now(UTC), sink + "/cb"), range(250)))
+"""
+
+
+def test_ids_follow_commit_order_across_processes_while_the_poller_runs(db, database_url, sink):
+    # Events are created already due, by 4 processes at once, while a worker polls every 20 ms: if ids
+    # did not grow in commit order, query 2 would step over an id committed after a higher one, and
+    # that event would never be called.
+    settings = LOCAL.model_copy(update={"poll_interval": 0.02, "lookahead": 0})
+    running = Running(db, settings)
+    try:
+        creators = [
+            subprocess.Popen([sys.executable, "-c", CREATOR, database_url, f"c{n}", sink.url]) for n in range(4)
+        ]
+        for creator in creators:
+            assert creator.wait(120) == 0
+        with CallbackClient(db, LOCAL) as client:
+            total = 4 * 250
+            try:
+                wait_until(lambda: len(client.list(status="notified", limit=total)) == total, timeout=30)
+            finally:
+                pending = [e.event_key for e in client.list(status="pending", limit=total)]
+            assert pending == []
+    finally:
+        running.stop()
+    assert len({c.body["event_key"] for c in sink.received}) == 4 * 250
+
+
+# -- a create due before the next poll wakes its bucket's worker (LISTEN/NOTIFY) ---------------------
+
+
+def test_a_create_due_before_the_next_poll_wakes_the_worker(db, sink):
+    slow_polls = LOCAL.model_copy(update={"poll_interval": 8.0, "lease_ttl": 15.0, "lookahead": 0.5})
+    running = Running(db, slow_polls)
+    try:
+        wait_until(lambda: len(running.worker._states) == 4 and running.worker._pool is not None, what="buckets held")
+        time.sleep(0.5)  # every bucket polled once: the next polls are 8 s away
+        with CallbackClient(db, slow_polls) as client:
+            for key, delay in (("now", 0.0), ("soon", 1.0)):
+                at = datetime.now(UTC) + timedelta(seconds=delay)
+                client.create("a", "g", key, at, f"{sink.url}/cb")
+            wait_until(lambda: len(sink.received) == 2, timeout=4, what="both called long before the next poll")
+        for call in sink.received:
+            lateness = call.started - datetime.fromisoformat(call.body["run_at"]).timestamp()
+            assert 0 <= lateness < 2.0, (call.body["event_key"], lateness)
+    finally:
+        running.stop()
