@@ -1,4 +1,4 @@
-"""The callbacks worker: polls its buckets by the seed's two queries and calls due events back.
+"""The callbacks worker: polls its buckets by the original design's two queries and calls due events back.
 
 Per bucket it keeps, in memory, a cursor ``(run_at, event_id)`` for query 1 and the highest event id seen
 for query 2 (event ids grow in commit order: see ``sql.LOCK_EVENT_IDS``). In Postgres it keeps a

@@ -1,6 +1,6 @@
-"""Stage scheduler example: the seed's offers, with a timer stage, an enrichment stage and a notification.
+"""Stage scheduler example: the original design's offers, with a timer stage, an enrichment stage and a notification.
 
-- ``withdraw``: an active offer is withdrawn ``EXPOSURE`` after it was first seen (180 days in the seed,
+- ``withdraw``: an active offer is withdrawn ``EXPOSURE`` after it was first seen (180 days in the original design,
   2 minutes here so it visibly fires); a timer stage with its own state.
 - ``price``: enriches an offer with a computed ``predicted_price`` (asked only when ``base_price`` or
   ``category`` change).

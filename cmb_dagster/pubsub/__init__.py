@@ -9,8 +9,8 @@ results written through ``conn`` and progress commit together: exactly once.
 Why not "id > last id": ids are taken at insert time, transactions commit in another order, so a
 reader can pass id 11 while the transaction holding id 10 is still open, and never come back.
 
-Design choice: snapshot differences (PgQ's ``batch_event_sql``), not the seed's out-of-order table.
-The seed reads only events below the reading snapshot's xmin, so a single transaction left open
+Design choice: snapshot differences (PgQ's ``batch_event_sql``), not the original design's out-of-order table.
+The original design reads only events below the reading snapshot's xmin, so a single transaction left open
 anywhere (a long report, an idle session) stalls every consumer; its fix, delivering newer events
 and remembering them in an ``out_of_order`` table, writes a row per early event, needs those rows
 joined into every read and cleaned up later, and splits the delivery order in two. Instead each
@@ -48,7 +48,7 @@ history; it chooses where to begin with ``start="beginning" | "now" | "earliest_
 Poison events: after ``max_attempts`` failures on one event a consumer parks it in its dead letters
 (:func:`dead_letters`, :func:`replay`) and goes on, or, with ``on_poison="stop"``, keeps retrying and
 says so in its lag. Strict order: ``order="txid"`` delivers only events of transactions below the
-oldest one still running, in txid order (the seed's mode without out-of-order events).
+oldest one still running, in txid order (the original design's mode without out-of-order events).
 
 Hints: a statement writing events NOTIFYs ``<schema>.pubsub`` (once per transaction, on commit); a
 running consumer LISTENs and wakes at once, polling every ``idle_sleep`` only as a fallback. The same

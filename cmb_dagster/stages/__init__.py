@@ -1,4 +1,4 @@
-"""Stage scheduler (seed 001): per-entity stages with queues, timers, private state and optimistic locking.
+"""Stage scheduler: per-entity stages with queues, timers, private state and optimistic locking.
 
 Entities (any JSON object with an id) live in ``stage_entities``; stages are pure code that react to an
 entity's change or to a timer, may change the entity (a new payload or an RFC 7386 merge patch), keep a

@@ -1,4 +1,4 @@
-"""The processing engine: the seed's algorithm, one shard and one stage per transaction.
+"""The processing engine: the original design's algorithm, one shard and one stage per transaction.
 
 A batch (one transaction) of stage S in shard k:
 
@@ -289,7 +289,7 @@ class Engine:
             try:
                 answer = other.should_process(entity, other.load_state(raw[0] if raw else None))
                 due = due_of(answer, now, "should_process")
-            except Exception as exc:  # noqa: BLE001 - the seed's rule: enqueue when should_process fails
+            except Exception as exc:  # noqa: BLE001 - the original design's rule: enqueue when should_process fails
                 log.warning("stage %s: should_process failed on %r (%s: %s); enqueued anyway",
                             name, entity.id, type(exc).__name__, exc)
                 due = now

@@ -121,7 +121,7 @@ FROM now_ WHERE r.stage = now_.stage
 RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
 """
 
-# The seed's Queue.peek + loading: due entries of one stage and lane in one shard, locked for this
+# The original design's Queue.peek + loading: due entries of one stage and lane in one shard, locked for this
 # batch (SKIP LOCKED), with the entity, every stage's state of it, and the stages it is already due in.
 PEEK_AND_LOAD = """
 WITH picked AS (
@@ -191,7 +191,7 @@ ON CONFLICT (entity_id, stage) DO UPDATE SET
     updated_at = now()
 """
 
-# The seed's Queue.delete for entries done without a timer, and the timer of those that set one.
+# The original design's Queue.delete for entries done without a timer, and the timer of those that set one.
 DELETE_ENTRIES = "DELETE FROM stage_queue WHERE stage = %(stage)s AND entity_id = ANY(%(ids)b::text[])"
 SET_TIMERS = """
 UPDATE stage_queue q
@@ -200,7 +200,7 @@ FROM unnest(%(ids)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, due_at)
 WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
 """
 
-# The seed's Queue.offer: at most one entry per (entity, stage). An earlier due time wins; the main
+# The original design's Queue.offer: at most one entry per (entity, stage). An earlier due time wins; the main
 # lane wins over the low-priority one; parked entries stay parked.
 OFFER = """
 INSERT INTO stage_queue AS q (entity_id, stage, shard_id, lane, due_at)

@@ -21,7 +21,7 @@ class Stage:
 
     ``should_process(entity, state)`` is asked after every change of the entity (by the API, plain SQL
     or another stage); it must be fast and return True (enqueue now), False, or a timer (a
-    ``timedelta`` or an aware ``datetime``). If it raises, the entity is enqueued anyway (the seed's
+    ``timedelta`` or an aware ``datetime``). If it raises, the entity is enqueued anyway (the original design's
     rule), so ``process`` checks again whether there is work. ``process(entity, state)`` returns a
     :class:`StageResult`; it must have no side effects (it may run again after a conflict or a
     crash): side effects go to ``after_commit(saved)``, run after the commit at least once, keyed by
