@@ -18,16 +18,18 @@ import psycopg
 from dagster import (
     AssetKey,
     AssetObservation,
-    AssetSpec,
     ConfigurableResource,
     DagsterInstance,
     DefaultSensorStatus,
     Definitions,
+    ObserveResult,
     OpExecutionContext,
     RepositoryDefinition,
     RunsFilter,
     SensorEvaluationContext,
     SensorResult,
+    SourceAsset,
+    observable_source_asset,
     sensor,
 )
 from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
@@ -142,6 +144,17 @@ def handler_observation(s: HandlerStatus) -> AssetObservation:
     )
 
 
+def handler_asset(handler: str, description: str) -> SourceAsset:
+    """An observable asset plotting a handler's queue; Observe refreshes it (no Materialize)."""
+
+    @observable_source_asset(key=handler_asset_key(handler), description=description, group_name="cmb_eventqueue")
+    def handler_queue(cmb: CmbResource) -> ObserveResult:
+        rows = [s for s in admin.status(cmb.database) if s.handler == handler]
+        return ObserveResult(metadata=handler_observation(rows[0]).metadata if rows else {"queued": 0})
+
+    return handler_queue
+
+
 def eventqueue_definitions(
     options: EventQueueOptions, *, prefix: str = "cmb_", resource: CmbResource | None = None
 ) -> Definitions:
@@ -177,8 +190,7 @@ def eventqueue_definitions(
     return Definitions(
         jobs=workers,
         sensors=[*(keep_running_sensor(w) for w in workers), status_sensor],
-        assets=[AssetSpec(handler_asset_key(name), group_name="cmb_eventqueue",
-                          description=f"Event queue of handler {name!r} ({registry[name].kind}).")
+        assets=[handler_asset(name, f"Event queue of handler {name!r} ({registry[name].kind}).")
                 for name in registry.names],
         resources={"events": EventQueueResource(database_url=resource.database_url, schema_name=resource.schema_name)
                    if resource is not None else EventQueueResource()},

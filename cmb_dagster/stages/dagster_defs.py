@@ -11,13 +11,15 @@ from croniter import croniter
 from dagster import (
     AssetKey,
     AssetObservation,
-    AssetSpec,
     DefaultScheduleStatus,
     Definitions,
     JobDefinition,
+    ObserveResult,
     OpExecutionContext,
     ScheduleDefinition,
+    SourceAsset,
     job,
+    observable_source_asset,
     op,
 )
 
@@ -110,8 +112,18 @@ def stages_definitions(options: StageOptions, *, prefix: str = "cmb_") -> Defini
         jobs=jobs,
         sensors=[keep_running_sensor(w) for w in workers],
         schedules=schedules,
-        assets=[
-            AssetSpec(stage_asset_key(s.name), description=f"Queues and counters of stage {s.name!r}.", group_name="cmb_stages")
-            for s in options.stages
-        ],
+        assets=[stage_asset(s.name) for s in options.stages],
     )
+
+
+def stage_asset(name: str) -> SourceAsset:
+    """An observable asset plotting a stage's queues and counters; Observe refreshes it (no Materialize)."""
+
+    @observable_source_asset(
+        key=stage_asset_key(name), description=f"Queues and counters of stage {name!r}.", group_name="cmb_stages"
+    )
+    def stage_queues(cmb: CmbResource) -> ObserveResult:
+        row = next((r for r in status(cmb.database) if r.stage == name), StageStatus(stage=name))
+        return ObserveResult(metadata=stage_observation(row).metadata)
+
+    return stage_queues
