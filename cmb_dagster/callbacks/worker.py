@@ -21,7 +21,7 @@ from cmb_dagster.callbacks import sql
 import psycopg
 from pydantic import ValidationError
 
-from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, Delivery, DeliveryPool, JobLauncher
+from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
 from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, one_line
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.notifications import Listener, channel_name
@@ -32,6 +32,8 @@ log = logging.getLogger("cmb_dagster.callbacks")
 LEASE_KIND = "callbacks.bucket"
 COMMIT_EVERY = 0.1  # seconds: outcomes of calls wait at most this long (or for a full batch) to be written
 COMMIT_BATCH = 500
+REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls not logged one by one)
+FAILURES_LOGGED_PER_WINDOW = 20
 
 
 Position = tuple[datetime, int]
@@ -95,6 +97,8 @@ class CallbackWorker:
         )
         self._draining = threading.Event()
         self.delivered = 0
+        self._window_started = time.monotonic()
+        self._failures_in_window = self._failures_not_logged = 0
 
     @property
     def owner(self) -> str:
@@ -311,7 +315,29 @@ class CallbackWorker:
             raise
         state.last_commit = time.monotonic()
         self.delivered += sum(1 for d in finished if d.outcome != "retry")
+        self._report(finished)
         return len(batch)
+
+    def _report(self, finished: list[Delivery]) -> None:
+        """Log failed calls (at most ``FAILURES_LOGGED_PER_WINDOW`` per 30 s) and a progress line every 30 s."""
+        now = time.monotonic()
+        if now - self._window_started >= REPORT_EVERY_SECONDS:
+            if self._failures_not_logged:
+                log.warning("%d more failed calls in the last %.0fs were not logged one by one",
+                            self._failures_not_logged, now - self._window_started)
+            log.info("callbacks worker %s: %d calls done so far, %d failed in the last %.0fs",
+                     self.owner, self.delivered, self._failures_in_window, now - self._window_started)
+            self._window_started, self._failures_in_window, self._failures_not_logged = now, 0, 0
+        for d in finished:
+            if d.outcome not in (FAILED, RETRY):
+                continue
+            self._failures_in_window += 1
+            if self._failures_in_window > FAILURES_LOGGED_PER_WINDOW:
+                self._failures_not_logged += 1
+                continue
+            after = "gives up" if d.outcome == FAILED else f"retries in {d.retry_delay:.0f}s"
+            log.warning("callback %s/%s/%s (event %s, attempt %s) failed: %s; %s", d.owner_client_id, d.group_key,
+                        d.event_key, d.event_id, d.attempts, d.error, after)
 
     def _write(self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool) -> None:
         with self.db.connection() as conn:

@@ -201,3 +201,23 @@ def test_a_lapsed_lease_is_taken_back_and_nothing_is_lost(db, client, sink, work
         saved = conn.execute("SELECT min(max_run_at) FROM callback_buckets").fetchone()[0]
     assert saved >= now  # the saved watermark kept moving after the takebacks
     assert len({c.body["event_key"] for c in sink.received}) == 300
+
+
+def test_failed_calls_are_logged_with_their_keys_at_a_bounded_rate(db, caplog):
+    from cmb_dagster.callbacks import worker as worker_module
+
+    settings = CallbackSettings(allowed_hosts=["127.0.0.1"], poll_interval=0.05)
+    with CallbackClient(db, settings) as client:
+        for n in range(worker_module.FAILURES_LOGGED_PER_WINDOW + 5):
+            client.create("shop", "orders", f"o-{n}", datetime.now(UTC), "http://127.0.0.1:9/closed",
+                          retry=RetryPolicy.constant(3600, fast_retries=0, stop_after_delay=7200))
+        runner = CallbackWorker(db, settings)
+        with caplog.at_level("WARNING", logger="cmb_dagster.callbacks"):
+            thread = threading.Thread(target=runner.run, daemon=True)
+            thread.start()
+            wait_until(lambda: all(e.attempts for e in client.list()), timeout=30, what="every event tried once")
+            runner.stop()
+            thread.join(30)
+    lines = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
+    assert len(lines) == worker_module.FAILURES_LOGGED_PER_WINDOW
+    assert "callback shop/orders/o-" in lines[0] and "retries in" in lines[0]
