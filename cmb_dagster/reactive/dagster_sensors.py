@@ -118,13 +118,13 @@ def lookup_manual_runs(
                 values = launched_values(tags) if VALUES_TAG in tags else None
             except (ValueError, TypeError):
                 values = None
-            started = record.start_time or record.create_timestamp.timestamp()
+            started = record.start_time or _aware(record.create_timestamp).timestamp()
             found.append(
                 ManualRun(
                     task=tags[TASK_TAG],
                     run_id=record.dagster_run.run_id,
                     started_at=datetime.fromtimestamp(started, UTC),
-                    finished_at=record.update_timestamp.astimezone(UTC),
+                    finished_at=_aware(record.update_timestamp),
                     values=values,
                 )
             )
@@ -294,6 +294,11 @@ def scheduler_sensor(
         return SkipReason(_skip_text(report.summary(), [e.line() for e in report.events]))
 
     return _reactive_scheduler
+
+
+def _aware(moment: datetime) -> datetime:
+    """Run storage timestamps are UTC; some storages return them naive."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def _repository(context: SensorEvaluationContext) -> Any:
