@@ -102,13 +102,12 @@ WITH finished AS (
         updated_at = %(now)s
     FROM finished f
     WHERE t.scheduler = %(scheduler)s AND t.name = f.name AND t.status = 'launched' AND t.run_key = f.run_key
-    RETURNING t.name
+    RETURNING f.run_key, f.run_id, f.success
 )
 UPDATE reactive_launches l
 SET outcome = CASE WHEN f.success THEN 'success' ELSE 'failure' END, run_id = f.run_id, finished_at = %(now)s
-FROM finished f
+FROM tasks f
 WHERE l.scheduler = %(scheduler)s AND l.run_key = f.run_key AND l.outcome IS NULL
-  AND f.name IN (SELECT name FROM tasks)
 """
 
 END_BACKOFFS = """
@@ -167,6 +166,8 @@ WHERE scheduler = %(scheduler)s
 GROUP BY task, values_hash
 """
 
+# The INSERT reads the UPDATE's RETURNING (not a join of the two row sets: the planner guesses 100 rows for
+# jsonb_to_recordset and a nested loop over 100,000 launches took minutes).
 MARK_LAUNCHED = """
 WITH launched AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb)
@@ -178,12 +179,12 @@ WITH launched AS (
         partition_key = l.partition_key
     FROM launched l
     WHERE t.scheduler = %(scheduler)s AND t.name = l.name AND t.status = 'ready'
-    RETURNING t.name
+    RETURNING t.name, l.run_key, l.values_hash, l.attempt, l.ctl_values, l.reason, l.partition_key
 )
 INSERT INTO reactive_launches (scheduler, task, run_key, values_hash, attempt, ctl_values, reason, launched_at,
                                partition_key)
-SELECT %(scheduler)s, l.name, l.run_key, l.values_hash, l.attempt, l.ctl_values, l.reason, %(now)s, l.partition_key
-FROM launched l JOIN tasks USING (name)
+SELECT %(scheduler)s, name, run_key, values_hash, attempt, ctl_values, reason, %(now)s, partition_key
+FROM tasks
 RETURNING task
 """
 
