@@ -508,12 +508,16 @@ class TaskScheduler:
                        partition_key=partitions[e.name])
             )
         Leases.check(conn, lease)
-        rows = [
-            {"name": p.task, "run_key": p.run_key, "ctl_values": values_to_json(p.values), "values_hash": hashes[p.task],
-             "attempt": p.attempt, "reason": p.reason, "partition_key": p.partition_key}
-            for p in planned
-        ]
-        launched = {row[0] for row in conn.execute(sql.MARK_LAUNCHED, {**params, "rows": json.dumps(rows)}).fetchall()}
+        columns = {
+            "names": [p.task for p in planned],
+            "run_keys": [p.run_key for p in planned],
+            "values": [json.dumps(values_to_json(p.values)) for p in planned],
+            "hashes": [hashes[p.task] for p in planned],
+            "attempts": [p.attempt for p in planned],
+            "reasons": [p.reason for p in planned],
+            "partition_keys": [p.partition_key for p in planned],
+        }
+        launched = {row[0] for row in conn.execute(sql.MARK_LAUNCHED, {**params, **columns}).fetchall()}
         return [p for p in planned if p.task in launched]
 
     # -- evaluation ---------------------------------------------------------------------------
