@@ -74,6 +74,16 @@ def measured_tick(engine: TaskScheduler) -> dict[str, float]:
     }
 
 
+def settle(engine: TaskScheduler) -> dict[str, float]:
+    """Tick until a tick completes within its time box; the figures of all those ticks together."""
+    started, ticks = time.perf_counter(), 0
+    while True:
+        ticks += 1
+        report = engine.tick(all_succeeded)
+        if report.complete:
+            return {"seconds": round(time.perf_counter() - started, 4), "ticks": ticks}
+
+
 def scenario(url: str, tasks: int, parameters: int, changes: int, *more_changes: int) -> dict[str, object]:
     """One steady state of ``tasks``; then each change count in turn (``more_changes`` reuse the same state)."""
     db = Database(url, schema=f"bench_{uuid.uuid4().hex[:8]}", max_pool_size=4)
@@ -90,8 +100,8 @@ def scenario(url: str, tasks: int, parameters: int, changes: int, *more_changes:
         ]
         engine = TaskScheduler(db, "bench", specs, SchedulerSettings(max_concurrent_runs=10 * tasks, tick_seconds=50))
         setup_started = time.perf_counter()
-        first = measured_tick(engine)  # new definitions: every task evaluated and launched
-        measured_tick(engine)  # every run succeeded: values committed, tasks evaluated again
+        first = settle(engine)  # new definitions: every task evaluated and launched (several time boxes at 100,000)
+        settle(engine)  # every run succeeded: values committed, tasks evaluated again
         idle = measured_tick(engine)
         setup = time.perf_counter() - setup_started
         rounds = []
