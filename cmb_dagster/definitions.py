@@ -36,7 +36,7 @@ def cmb_definitions(
     resource = resource or CmbResource()
     parts = [Definitions(resources={"cmb": resource}), Definitions(**definitions)]
     if reactive is not None:
-        parts.append(reactive_definitions(reactive, resource, prefix=prefix))
+        parts.append(reactive_definitions(reactive, resource, prefix=prefix, assets=definitions.get("assets") or ()))
     if pubsub is not None:
         parts.append(pubsub_definitions(pubsub, prefix=prefix))
     if callbacks is not None:

@@ -15,6 +15,9 @@ from cmb_dagster.resources import CmbResource
 
 CTL_METADATA_KEY = "cmb/ctl"
 """Materialization metadata entry ``{parameter: aware ISO datetime}``: CTL values of the asset's entity."""
+CTL_MODE_METADATA_KEY = "cmb/ctl_mode"
+"""``"forward"`` (default: a value never moves backwards) or ``"set"`` (backwards moves are written and flagged)."""
+CTL_MODES = ("forward", "set")
 
 _METADATA_VALUES = TypeAdapter(dict[str, AwareDatetime])
 
@@ -39,16 +42,29 @@ class CtlResource(ConfigurableResource):
         return CtlStore(self.cmb.database, actor=self._actor)
 
     def set(
-        self, entity: str, parameter: str, value: datetime, *, conn: psycopg.Connection | None = None
+        self,
+        entity: str,
+        parameter: str,
+        value: datetime,
+        *,
+        conn: psycopg.Connection | None = None,
+        only_forward: bool = False,
     ) -> CtlChange | None:
-        """Set one CTL value; return the recorded change (None when it already had that value)."""
-        return self.store.set(entity, parameter, value, conn=conn)
+        """Set one CTL value; return the recorded change (None when it already had that value).
+
+        ``only_forward=True``: a value at or after ``value`` is kept (a backfill never moves CTL backwards).
+        """
+        return self.store.set(entity, parameter, value, conn=conn, only_forward=only_forward)
 
     def set_many(
-        self, values: Mapping[ParameterKey, datetime], *, conn: psycopg.Connection | None = None
+        self,
+        values: Mapping[ParameterKey, datetime],
+        *,
+        conn: psycopg.Connection | None = None,
+        only_forward: bool = False,
     ) -> list[CtlChange]:
-        """Set several CTL values atomically."""
-        return self.store.set_many(values, conn=conn)
+        """Set several CTL values atomically (``only_forward`` as in :meth:`set`)."""
+        return self.store.set_many(values, conn=conn, only_forward=only_forward)
 
     def get(self, entity: str, parameter: str) -> datetime | None:
         """The current value, or None."""
@@ -59,16 +75,34 @@ class CtlResource(ConfigurableResource):
         return self.store.get_many(pairs)
 
 
-def ctl_metadata(**values: datetime) -> dict[str, MetadataValue]:
+def ctl_metadata(
+    parameters: Mapping[str, datetime] | None = None, /, *, mode: str = "forward", **values: datetime
+) -> dict[str, MetadataValue]:
     """Materialization metadata that sets CTL values of the asset's entity (its key, e.g. ``'shop/orders'``).
+
+    ``mode="forward"`` (the default) never moves a value backwards: a backfill of an older partition
+    materialized after a newer one leaves CTL where it is. ``mode="set"`` writes the value as given (a
+    backwards move is recorded and flagged). A parameter named ``mode`` goes in the positional mapping.
 
     >>> MaterializeResult(metadata={**ctl_metadata(loaded_until=moment), "rows": 42})  # doctest: +SKIP
     """
+    if mode not in CTL_MODES:
+        raise InvalidCtlInput(f"mode: expected one of {', '.join(CTL_MODES)}, got {mode!r}")
     try:
-        checked = _METADATA_VALUES.validate_python(values)
+        checked = _METADATA_VALUES.validate_python({**(parameters or {}), **values})
     except ValidationError as exc:
         raise InvalidCtlInput(metadata_error(exc)) from None
-    return {CTL_METADATA_KEY: MetadataValue.json({p: v.isoformat() for p, v in checked.items()})}
+    metadata = {CTL_METADATA_KEY: MetadataValue.json({p: v.isoformat() for p, v in checked.items()})}
+    if mode != "forward":
+        metadata[CTL_MODE_METADATA_KEY] = MetadataValue.text(mode)
+    return metadata
+
+
+def ctl_mode_from_metadata(metadata: Mapping[str, Any]) -> str:
+    """The write mode of a materialization's ``cmb/ctl`` entry: ``forward`` unless ``cmb/ctl_mode`` says ``set``."""
+    value = metadata.get(CTL_MODE_METADATA_KEY)
+    text = getattr(value, "value", getattr(value, "text", value))
+    return "set" if text == "set" else "forward"
 
 
 def ctl_values_from_metadata(entity: str, value: Any) -> dict[ParameterKey, datetime]:

@@ -38,6 +38,7 @@ class FeedItem:
     position: int
     values: Mapping[ParameterKey, datetime]
     by: str
+    only_forward: bool = False
 
 
 _KEYS = TypeAdapter(list[CtlKey])
@@ -86,10 +87,21 @@ class CtlStore:
                 yield own
 
     def set(
-        self, entity: str, parameter: str, value: datetime, *, by: str | None = None, conn: psycopg.Connection | None = None
+        self,
+        entity: str,
+        parameter: str,
+        value: datetime,
+        *,
+        by: str | None = None,
+        conn: psycopg.Connection | None = None,
+        only_forward: bool = False,
     ) -> CtlChange | None:
-        """Set one value; return the recorded change, or None when the value was already that."""
-        changes = self.set_many({(entity, parameter): value}, by=by, conn=conn)
+        """Set one value; return the recorded change, or None when the value was already that.
+
+        ``only_forward=True`` leaves a value that is already at or after ``value`` as it is (e.g. a
+        backfill writing an older partition's value after a newer one): nothing is recorded.
+        """
+        changes = self.set_many({(entity, parameter): value}, by=by, conn=conn, only_forward=only_forward)
         return changes[0] if changes else None
 
     def set_many(
@@ -98,8 +110,12 @@ class CtlStore:
         *,
         by: str | None = None,
         conn: psycopg.Connection | None = None,
+        only_forward: bool = False,
     ) -> list[CtlChange]:
-        """Set several values atomically; return the changes recorded (unchanged values are skipped)."""
+        """Set several values atomically; return the changes recorded (unchanged values are skipped).
+
+        ``only_forward=True`` skips each value that would move its parameter backwards (or keep it).
+        """
         rows = _validate_values(values)
         if not rows:
             return []
@@ -108,6 +124,7 @@ class CtlStore:
             "parameters": [r.parameter for r in rows],
             "values": [r.value for r in rows],
             "by": self.actor if by is None else _checked(_ACTOR, by, "by"),
+            "only_forward": bool(only_forward),
         }
         with self._connection(conn) as c:
             with c.transaction():
@@ -158,11 +175,24 @@ class CtlStore:
         with self.database.connection() as conn:
             return [CtlChange(**row) for row in _dict_rows(conn.execute(sql.HISTORY, params))]
 
-    def ingest(self, feed: str, read: Callable[[int], Sequence[FeedItem]]) -> list[CtlChange] | None:
+    def ingest(
+        self,
+        feed: str,
+        read: Callable[[int], Sequence[FeedItem]],
+        *,
+        identity: str | None = None,
+        newest: int | None = None,
+        on_restart: Callable[[str], None] | None = None,
+    ) -> list[CtlChange] | None:
         """Apply the next items of a feed exactly once; None when another process is applying it.
 
         ``read(position)`` returns the items after ``position`` in order. Their values and the new
         position commit together, so a crash re-reads nothing twice and skips nothing.
+
+        ``identity`` names the storage the positions belong to (e.g. Dagster's run storage id) and
+        ``newest`` is that storage's newest position: when the identity differs from the one stored with
+        the feed, or the stored position is ahead of ``newest``, the storage is new (a fresh instance, a
+        reset database) and the feed starts again from its beginning; ``on_restart`` (and the log) says so.
         """
         feed = _checked(_FILTER, feed, "feed")
         with self.database.connection() as conn:
@@ -171,11 +201,25 @@ class CtlStore:
             row = conn.execute(sql.LOCK_FEED, {"name": feed}).fetchone()
             if row is None:
                 return None
-            items = read(row[0])
+            position, known = row
+            why = None
+            if identity is not None and known is not None and identity != known:
+                why = f"its storage changed (identity {identity}, was {known})"
+            elif newest is not None and position > newest:
+                why = f"its position {position} is ahead of the storage's newest entry {newest}"
+            if why is not None:
+                message = f"CTL feed {feed}: {why}; a new storage: reading it from its beginning"
+                log.warning(message)
+                if on_restart is not None:
+                    on_restart(message)
+                position = 0
+            if why is not None or (identity is not None and identity != known):
+                conn.execute(sql.RESET_FEED, {"name": feed, "identity": identity or known, "position": position})
+            items = read(position)
             changes = []
             for item in items:
                 try:
-                    changes.extend(self.set_many(item.values, by=item.by, conn=conn))
+                    changes.extend(self.set_many(item.values, by=item.by, conn=conn, only_forward=item.only_forward))
                 except InvalidCtlInput as exc:
                     log.warning("CTL feed %s: item %s skipped: %s", feed, item.position, exc)
             if items:
@@ -193,6 +237,14 @@ def read_values(conn: psycopg.Connection, keys: Sequence[ParameterKey]) -> dict[
     """Current values of already valid ``keys`` in one query; parameters without a value are left out."""
     params = {"entities": [k[0] for k in keys], "parameters": [k[1] for k in keys]}
     return {(entity, parameter): value for entity, parameter, value in conn.execute(sql.GET_VALUES, params)}
+
+
+def values_as_of(conn: psycopg.Connection, keys: Sequence[ParameterKey], moment: datetime) -> dict[ParameterKey, datetime]:
+    """The values of already valid ``keys`` as they were at ``moment`` (from the history of changes)."""
+    if not keys:
+        return {}
+    params = {"entities": [k[0] for k in keys], "parameters": [k[1] for k in keys], "at": moment}
+    return {(entity, parameter): value for entity, parameter, value in conn.execute(sql.VALUES_AS_OF, params)}
 
 
 def _validate_values(values: Mapping[ParameterKey, datetime]) -> list[CtlValue]:

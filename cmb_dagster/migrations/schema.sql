@@ -209,7 +209,8 @@ ALTER TABLE cmb.callback_schedules ALTER COLUMN schedule_id ADD GENERATED ALWAYS
 CREATE TABLE cmb.ctl_feeds (
     name text NOT NULL,
     "position" bigint DEFAULT 0 NOT NULL,
-    updated_at timestamp with time zone DEFAULT now() NOT NULL
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    identity text
 );
 
 CREATE TABLE cmb.ctl_history (
@@ -439,6 +440,8 @@ CREATE TABLE cmb.reactive_launches (
     run_id text,
     outcome text,
     finished_at timestamp with time zone,
+    partition_key text,
+    manual boolean DEFAULT false NOT NULL,
     CONSTRAINT reactive_launches_outcome_check CHECK ((outcome = ANY (ARRAY['success'::text, 'failure'::text])))
 );
 
@@ -454,7 +457,10 @@ ALTER SEQUENCE cmb.reactive_launches_id_seq OWNED BY cmb.reactive_launches.id;
 CREATE TABLE cmb.reactive_schedulers (
     name text NOT NULL,
     definitions_hash text NOT NULL,
-    synced_at timestamp with time zone DEFAULT now() NOT NULL
+    synced_at timestamp with time zone DEFAULT now() NOT NULL,
+    location text,
+    ticked_at timestamp with time zone,
+    manual_after timestamp with time zone
 );
 
 CREATE TABLE cmb.reactive_tasks (
@@ -480,6 +486,7 @@ CREATE TABLE cmb.reactive_tasks (
     last_success_at timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     produces jsonb DEFAULT '[]'::jsonb NOT NULL,
+    partition_key text,
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
 );
 

@@ -7,8 +7,8 @@ load Dagster on first use.
 """
 
 from cmb_dagster._lazy import lazy_names
-from cmb_dagster.reactive.admin import forget_last_values, task_states
-from cmb_dagster.reactive.errors import InvalidReactiveTask, ReactiveError
+from cmb_dagster.reactive.admin import forget_last_values, set_last_value, task_states
+from cmb_dagster.reactive.errors import InvalidReactiveTask, ReactiveError, SchedulerConflict
 from cmb_dagster.reactive.models import SchedulerSettings, TaskState
 
 __all__ = [
@@ -16,12 +16,19 @@ __all__ = [
     "ReactiveError",
     "ReactiveOptions",
     "ReactiveTask",
+    "ReactiveTriggerWarning",
+    "SchedulerConflict",
     "SchedulerSettings",
     "TaskState",
+    "evaluation_time",
     "forget_last_values",
     "launched_values",
     "reactive_definitions",
+    "reactive_sensor_context",
+    "set_last_value",
     "task_states",
+    "tick_reactive_sensor",
+    "time_window_partitioner",
 ]
 
 __getattr__ = lazy_names(
@@ -30,6 +37,11 @@ __getattr__ = lazy_names(
         "ReactiveOptions": "cmb_dagster.reactive.dagster_defs",
         "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
         "reactive_definitions": "cmb_dagster.reactive.dagster_defs",
+        "ReactiveTriggerWarning": "cmb_dagster.reactive.dagster_defs",
+        "time_window_partitioner": "cmb_dagster.reactive.dagster_defs",
         "launched_values": "cmb_dagster.reactive.dagster_sensors",
+        "evaluation_time": "cmb_dagster.reactive.dagster_sensors",
+        "reactive_sensor_context": "cmb_dagster.reactive.dagster_testing",
+        "tick_reactive_sensor": "cmb_dagster.reactive.dagster_testing",
     },
 )

@@ -2,26 +2,65 @@
 
 from __future__ import annotations
 
-from cmb_dagster.ctl.models import ParameterKey
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+
+import psycopg
+from pydantic import ValidationError
+
+from cmb_dagster.ctl.models import CtlValue, ParameterKey
 from cmb_dagster.database import Database
 from cmb_dagster.reactive import sql
+from cmb_dagster.reactive.errors import InvalidReactiveTask
 from cmb_dagster.reactive.models import TaskState
 
 
-def task_states(database: Database, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:
+@contextmanager
+def _connection(source: Database | str) -> Iterator[psycopg.Connection]:
+    database = Database.of(source)
+    try:
+        with database.connection() as conn:
+            yield conn
+    finally:
+        if database is not source:
+            database.close()
+
+
+def task_states(database: Database | str, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:
     """Stored state of reactive tasks (all, one scheduler's, or one task's)."""
-    with database.connection() as conn:
+    with _connection(database) as conn:
         cursor = conn.execute(sql.TASK_STATUS, {"scheduler": scheduler, "name": name})
         columns = [c.name for c in cursor.description or ()]
         return [TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
 
 
-def forget_last_values(database: Database, scheduler: str, name: str, parameter: ParameterKey | None = None) -> bool:
+def forget_last_values(database: Database | str, scheduler: str, name: str, parameter: ParameterKey | None = None) -> bool:
     """Forget what a task's last run saw (all, or one parameter), e.g. after a CTL value moved backwards.
 
     The task is evaluated again on the next tick; a Delta-type trigger then fires as on a first release.
     """
     path = list(parameter) if parameter else None
-    with database.connection() as conn:
+    with _connection(database) as conn:
         row = conn.execute(sql.FORGET_LAST_VALUES, {"scheduler": scheduler, "name": name, "parameter": path}).fetchone()
     return row is not None
+
+
+def set_last_value(
+    database: Database | str, scheduler: str, name: str, parameter: ParameterKey, value: datetime
+) -> dict[str, dict[str, str]] | None:
+    """Move one value a task's last run saw, into the past too; return the task's last-seen values (None: no task).
+
+    The seed's recovery for a Delta-type trigger after its CTL value moved backwards: set the last-seen value
+    to (or before) the new current value and the trigger measures new data from there. The task is
+    evaluated again on the next tick.
+    """
+    try:
+        checked = CtlValue(entity=parameter[0], parameter=parameter[1], value=value)
+    except (ValidationError, IndexError, TypeError) as exc:
+        raise InvalidReactiveTask(f"set-last: --parameter ENTITY PARAMETER and an aware --value are needed ({exc})") from None
+    params = {"scheduler": scheduler, "name": name, "entity": checked.entity, "parameter": checked.parameter,
+              "value": checked.value.isoformat()}
+    with _connection(database) as conn:
+        row = conn.execute(sql.SET_LAST_VALUE, params).fetchone()
+    return None if row is None else row[0]

@@ -7,7 +7,9 @@ import json
 import click
 
 from cmb_dagster.database import Database
-from cmb_dagster.reactive.admin import forget_last_values, task_states
+from datetime import datetime
+
+from cmb_dagster.reactive.admin import forget_last_values, set_last_value, task_states
 from cmb_dagster.settings import Settings
 
 
@@ -57,3 +59,22 @@ def forget(scheduler: str, task: str, parameter: tuple[str, str] | None) -> None
     if not forget_last_values(_database(), scheduler, task, parameter or None):
         raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
     click.echo(f"{scheduler}/{task}: last-seen values forgotten; the next tick evaluates it as on a first release")
+
+
+@reactive.command("set-last")
+@click.argument("scheduler")
+@click.argument("task")
+@click.option("--parameter", nargs=2, required=True, metavar="ENTITY PARAMETER", help="The parameter to move.")
+@click.option("--value", required=True, help="The value its last run saw, ISO 8601 with an offset (into the past too).")
+def set_last(scheduler: str, task: str, parameter: tuple[str, str], value: str) -> None:
+    """Move a task's last-seen value (after a CTL value moved backwards); it is evaluated again."""
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO 8601 date-time", param_hint="--value") from None
+    if moment.utcoffset() is None:
+        raise click.BadParameter(f"{value!r} has no UTC offset (e.g. +00:00)", param_hint="--value")
+    last = set_last_value(_database(), scheduler, task, parameter, moment)
+    if last is None:
+        raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
+    click.echo(f"{scheduler}/{task}: last-seen values now {json.dumps(last)}; the next tick evaluates it again")

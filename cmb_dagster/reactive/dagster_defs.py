@@ -1,23 +1,38 @@
 """Reactive tasks in Dagster: ``ReactiveTask`` (a job or asset selection plus a trigger) and their Definitions."""
 
 import re
-from collections.abc import Sequence
-from datetime import timedelta
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
-from dagster import AssetSelection, DefaultSensorStatus, Definitions, JobDefinition, define_asset_job
+from dagster import (
+    AssetKey,
+    AssetsDefinition,
+    AssetSelection,
+    DefaultSensorStatus,
+    Definitions,
+    JobDefinition,
+    PartitionsDefinition,
+    TimeWindowPartitionsDefinition,
+    define_asset_job,
+)
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cmb_dagster.ctl.dagster_resources import CtlResource
 from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
 from cmb_dagster.reactive.errors import InvalidReactiveTask
-from cmb_dagster.reactive.models import CtlKeys, SchedulerSettings, TaskName, TaskSpec
+from cmb_dagster.reactive.models import CtlKeys, Partitioner, SchedulerSettings, TaskName, TaskSpec
 from cmb_dagster.resources import CmbResource
-from cmb_dagster.triggers import Trigger, check
+from cmb_dagster.ctl.models import ParameterKey
+from cmb_dagster.triggers import Trigger, check, parameters
 from cmb_dagster.triggers.chunks import get_zone
 
 Job = JobDefinition | UnresolvedAssetJobDefinition
+Values = Mapping[ParameterKey, datetime]
+PartitionChoice = Callable[[Values], str]
+"""``choose(values)`` -> the partition key to launch for the CTL values the trigger fired on."""
 
 
 class ReactiveTask(BaseModel):
@@ -45,6 +60,17 @@ class ReactiveTask(BaseModel):
     produces: CtlKeys = Field(
         default=(), description="(entity, parameter) pairs the job writes to CTL; holds lower-priority tasks."
     )
+    partition: tuple[str, str] | Callable[..., str] | None = Field(
+        default=None,
+        description="For a partitioned target: the (entity, parameter) whose new values pick time-window "
+        "partitions, one run per partition in order; or a callable(values) -> partition key.",
+    )
+    run_config: Mapping[str, Any] | Callable[..., Mapping[str, Any]] | None = Field(
+        default=None, description="Run config of each launch, or a callable(values) -> run config."
+    )
+    tags: Mapping[str, str] | Callable[..., Mapping[str, str]] | None = Field(
+        default=None, description="Extra run tags, or a callable(values) -> tags (cmb/reactive/* tags win)."
+    )
 
     def __init__(
         self,
@@ -55,10 +81,15 @@ class ReactiveTask(BaseModel):
         priority: int = 0,
         timezone: str = "UTC",
         produces: Sequence[tuple[str, str]] = (),
+        partition: tuple[str, str] | Callable[..., str] | None = None,
+        run_config: Mapping[str, Any] | Callable[..., Mapping[str, Any]] | None = None,
+        tags: Mapping[str, str] | Callable[..., Mapping[str, str]] | None = None,
     ) -> None:
         try:
             super().__init__(
-                name=name, target=target, trigger=trigger, priority=priority, timezone=timezone, produces=produces
+                name=name, target=target, trigger=trigger, priority=priority, timezone=timezone, produces=produces,
+                partition=tuple(partition) if isinstance(partition, list) else partition, run_config=run_config,
+                tags=tags,
             )
         except ValidationError as exc:
             problems = "; ".join(
@@ -76,7 +107,21 @@ class ReactiveTask(BaseModel):
     def _target_is_runnable(self) -> "ReactiveTask":
         if isinstance(self.target, Sequence) and not isinstance(self.target, str) and not self.target:
             raise ValueError("target selects no asset")
+        if isinstance(self.partition, tuple) and self.partition not in parameters(self.trigger):
+            raise ValueError(
+                f"partition {self.partition[0]}/{self.partition[1]} is not read by the trigger; "
+                f"it reads {', '.join(f'{e}/{p}' for e, p in sorted(parameters(self.trigger)))}"
+            )
         return self
+
+    def run_config_for(self, values: Values) -> Mapping[str, Any] | None:
+        """The run config of a launch on ``values``."""
+        return self.run_config(values) if callable(self.run_config) else self.run_config
+
+    def tags_for(self, values: Values) -> dict[str, str]:
+        """The user's extra tags of a launch on ``values``."""
+        tags = self.tags(values) if callable(self.tags) else self.tags
+        return {str(k): str(v) for k, v in (tags or {}).items()}
 
     def job(self, prefix: str = "cmb_") -> Job:
         """The job this task launches (for an asset selection, an asset job ``<prefix>reactive_<task>``)."""
@@ -87,9 +132,27 @@ class ReactiveTask(BaseModel):
     @property
     def spec(self) -> TaskSpec:
         """The engine's view of the task."""
+        return self.spec_with()
+
+    def spec_with(self, upstream: Sequence[str] = ()) -> TaskSpec:
+        """The engine's view of the task, with the entities (asset keys) upstream of its target."""
         return TaskSpec(
-            name=self.name, trigger=self.trigger, priority=self.priority, timezone=self.timezone, produces=self.produces
+            name=self.name, trigger=self.trigger, priority=self.priority, timezone=self.timezone,
+            produces=self.produces, upstream=tuple(sorted(upstream)),
         )
+
+    def selection(self) -> AssetSelection | None:
+        """The assets the task materializes, when its target is assets (None for an op job)."""
+        if isinstance(self.target, UnresolvedAssetJobDefinition):
+            selection = self.target.selection
+            return selection if isinstance(selection, AssetSelection) else None
+        if isinstance(self.target, JobDefinition):
+            return None
+        if isinstance(self.target, AssetSelection):
+            return self.target
+        if isinstance(self.target, str):
+            return AssetSelection.assets(AssetKey.from_user_string(self.target))
+        return AssetSelection.assets(*self.target)
 
     @property
     def warnings(self) -> list[str]:
@@ -144,25 +207,44 @@ class ReactiveOptions(BaseModel):
             max_retry_backoff=self.max_retry_backoff,
         )
 
-    def definitions(self, resource: CmbResource | None = None, *, prefix: str = "cmb_") -> Definitions:
-        """The scheduler sensor, the tasks' jobs and the ``ctl`` resource."""
+    def definitions(
+        self, resource: CmbResource | None = None, *, prefix: str = "cmb_", assets: Sequence[Any] = ()
+    ) -> Definitions:
+        """The scheduler sensor, the tasks' jobs and the ``ctl`` resource.
+
+        ``assets`` (the code location's assets; ``cmb_definitions`` passes them) let a task's asset
+        selection be resolved: a partitioned target without ``partition=`` is refused, and the assets
+        upstream of a target feed the hold.
+        """
         jobs: dict[str, Any] = {}
         job_names: dict[str, str] = {}
+        graph = Definitions(assets=list(assets)).resolve_asset_graph() if assets else None
+        specs, partitioners = [], {}
         for task in self.tasks:
             job = task.job(prefix)
             if job.name in jobs and jobs[job.name] is not job:
                 raise InvalidReactiveTask(f"reactive task {task.name!r}: another job is named {job.name!r}")
             jobs.setdefault(job.name, job)
             job_names[task.name] = job.name
+            partitions_def, upstream = _target_facts(task, job, graph)
+            partitioner = _partitioner(task, partitions_def)
+            if partitioner is not None:
+                partitioners[task.name] = partitioner
+            specs.append(task.spec_with(upstream))
+            for finding in task.warnings:
+                warnings.warn(f"reactive task {task.name!r}: {finding}", ReactiveTriggerWarning, stacklevel=2)
         sensor = scheduler_sensor(
             sensor_name=f"{prefix}{self.sensor_name}",
             scheduler_name=self.name,
-            tasks=[task.spec for task in self.tasks],
+            tasks=specs,
             job_names=job_names,
             jobs=list(jobs.values()),
             settings=self.settings,
             minimum_interval_seconds=self.minimum_interval_seconds,
             default_status=self.default_status,
+            partitioners=partitioners,
+            launch_options={task.name: task for task in self.tasks},
+            findings={task.name: task.warnings for task in self.tasks if task.warnings},
         )
         return Definitions(
             jobs=list(jobs.values()), sensors=[sensor], resources={"ctl": CtlResource(cmb=resource or CmbResource())}
@@ -170,7 +252,77 @@ class ReactiveOptions(BaseModel):
 
 
 def reactive_definitions(
-    options: ReactiveOptions, resource: CmbResource | None = None, *, prefix: str = "cmb_"
+    options: ReactiveOptions, resource: CmbResource | None = None, *, prefix: str = "cmb_", assets: Sequence[Any] = ()
 ) -> Definitions:
     """Definitions for reactive tasks: one scheduler sensor, the tasks' jobs and the ``ctl`` resource."""
-    return options.definitions(resource, prefix=prefix)
+    return options.definitions(resource, prefix=prefix, assets=assets)
+
+
+class ReactiveTriggerWarning(UserWarning):
+    """A reactive task's trigger can fire without new data beyond what its last run saw (``check()``)."""
+
+
+def _target_facts(task: ReactiveTask, job: Any, graph: Any) -> tuple[PartitionsDefinition | None, list[str]]:
+    """The partitions of the task's target, and the asset keys upstream of it (as entity strings)."""
+    partitions_def = getattr(job, "partitions_def", None)
+    selection = task.selection()
+    if graph is None or selection is None:
+        return partitions_def, []
+    try:
+        keys = selection.resolve(graph)
+        ancestors = AssetSelection.assets(*keys).upstream().resolve(graph) - keys
+    except Exception as exc:  # noqa: BLE001 - dagster raises several kinds for an unknown key
+        raise InvalidReactiveTask(f"reactive task {task.name!r}: its target does not resolve: {exc}") from None
+    for key in sorted(keys, key=lambda k: k.to_user_string()):
+        node_partitions = graph.get(key).partitions_def
+        if node_partitions is not None:
+            partitions_def = partitions_def or node_partitions
+    return partitions_def, sorted(key.to_user_string() for key in ancestors)
+
+
+def _partitioner(task: ReactiveTask, partitions_def: PartitionsDefinition | None) -> Partitioner | None:
+    """How the task's launches pick their partition; refuses a partitioned target without ``partition=``."""
+    if partitions_def is None:
+        if task.partition is not None:
+            raise InvalidReactiveTask(f"reactive task {task.name!r}: partition= is given but its target is not partitioned")
+        return None
+    if task.partition is None:
+        raise InvalidReactiveTask(
+            f"reactive task {task.name!r}: its target is partitioned ({partitions_def}) but the task has no "
+            "partition=: pass partition=(entity, parameter) for time-window partitions (the partitions its new "
+            "values cover), or partition=callable(values) -> partition key"
+        )
+    if callable(task.partition):
+        choose = task.partition
+
+        def by_callable(values: Values, last: Values) -> tuple[str, dict[ParameterKey, datetime]]:
+            return str(choose(values)), dict(values)
+
+        return by_callable
+    if not isinstance(partitions_def, TimeWindowPartitionsDefinition):
+        raise InvalidReactiveTask(
+            f"reactive task {task.name!r}: partition=(entity, parameter) needs time-window partitions; "
+            f"its target has {partitions_def}: pass partition=callable(values) -> partition key"
+        )
+    return time_window_partitioner(partitions_def, task.partition)
+
+
+def time_window_partitioner(partitions_def: TimeWindowPartitionsDefinition, key: ParameterKey) -> Partitioner:
+    """One run per time window, oldest first: the window holding the first new value of ``key``.
+
+    New data of ``key`` is ``[last, current)``: the run is for the window that holds ``last`` (or, on a first
+    run, the one holding the newest data, just before ``current``); on success it commits ``key`` as the
+    window's end (at most ``current``), so the trigger fires again for the next window until it is caught up.
+    """
+    epsilon = timedelta(microseconds=1)
+
+    def choose(values: Values, last: Values) -> tuple[str, dict[ParameterKey, datetime]]:
+        current, previous = values[key], last.get(key)
+        point = previous if previous is not None and previous < current else current - epsilon
+        partition_key = partitions_def.get_partition_key_for_timestamp(point.timestamp())
+        if not partitions_def.has_partition_key(partition_key):
+            raise ValueError(f"partition {partition_key} of {key[0]}/{key[1]} = {point.isoformat()} does not exist (yet)")
+        window = partitions_def.time_window_for_partition_key(partition_key)
+        return partition_key, {**values, key: min(window.end, current)}
+
+    return choose

@@ -4,8 +4,11 @@ import json
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import UTC, datetime
+from typing import Any
 
 from dagster import (
     DagsterEventType,
@@ -23,12 +26,13 @@ from dagster import (
 )
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.reactive.models import Launch, RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.errors import SchedulerConflict
+from cmb_dagster.reactive.models import Launch, ManualRun, Partitioner, RunInfo, RunState, SchedulerSettings, TaskSpec
 from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
 from cmb_dagster.database import Database
-from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_values_from_metadata
+from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
 from cmb_dagster.resources import CmbResource
 
 SCHEDULER_TAG = "cmb/reactive/scheduler"
@@ -44,6 +48,23 @@ MAX_LOGGED_EVENTS = 500
 _MAX_TAG_LENGTH = 4000
 _FINISHED = {DagsterRunStatus.SUCCESS: RunState.SUCCESS, DagsterRunStatus.FAILURE: RunState.FAILURE,
              DagsterRunStatus.CANCELED: RunState.FAILURE}
+_IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+_TAG_FILTER_CHUNK = 500  # task names per run-storage query for hand-launched runs
+IN_FLIGHT_RUNS_PER_TICK = 500
+
+_EVALUATION_TIME: ContextVar[datetime | None] = ContextVar("cmb_reactive_evaluation_time", default=None)
+
+
+@contextmanager
+def evaluation_time(moment: datetime | None) -> Iterator[None]:
+    """Within the block, reactive sensor ticks evaluate triggers at ``moment`` instead of the clock (for tests)."""
+    if moment is not None and moment.utcoffset() is None:
+        raise ValueError(f"evaluation_time must be timezone-aware, got {moment!r}")
+    token = _EVALUATION_TIME.set(moment)
+    try:
+        yield
+    finally:
+        _EVALUATION_TIME.reset(token)
 
 
 def run_tags(scheduler: str, launch: Launch) -> dict[str, str]:
@@ -75,8 +96,64 @@ def lookup_runs(instance: DagsterInstance, scheduler: str, run_keys: Sequence[st
     return found
 
 
+def lookup_manual_runs(
+    instance: DagsterInstance, scheduler: str, tasks: Sequence[str], after: datetime | None
+) -> list[ManualRun]:
+    """Successful runs tagged ``cmb/reactive/task`` that the scheduler did not launch, updated after ``after``."""
+    found = []
+    names = sorted(tasks)
+    for start in range(0, len(names), _TAG_FILTER_CHUNK):
+        records = instance.get_run_records(
+            RunsFilter(
+                tags={TASK_TAG: names[start:start + _TAG_FILTER_CHUNK]},
+                statuses=[DagsterRunStatus.SUCCESS],
+                updated_after=after,
+            )
+        )
+        for record in records:
+            tags = record.dagster_run.tags
+            if RUN_KEY_TAG in tags or tags.get(SCHEDULER_TAG, scheduler) != scheduler:
+                continue  # a reactive run (or a re-execution of one), or another scheduler's
+            try:
+                values = launched_values(tags) if VALUES_TAG in tags else None
+            except (ValueError, TypeError):
+                values = None
+            started = record.start_time or _aware(record.create_timestamp).timestamp()
+            found.append(
+                ManualRun(
+                    task=tags[TASK_TAG],
+                    run_id=record.dagster_run.run_id,
+                    started_at=datetime.fromtimestamp(started, UTC),
+                    finished_at=_aware(record.update_timestamp),
+                    values=values,
+                )
+            )
+    return found
+
+
+def runs_in_flight_by_asset(instance: DagsterInstance, repository: Any) -> dict[str, str]:
+    """Asset keys (entity strings) that a queued or running run materializes -> that run, for the hold."""
+    busy: dict[str, str] = {}
+    for record in instance.get_run_records(RunsFilter(statuses=_IN_FLIGHT), limit=IN_FLIGHT_RUNS_PER_TICK):
+        run = record.dagster_run
+        keys = run.asset_selection
+        if keys is None and repository is not None:
+            try:
+                keys = repository.get_job(run.job_name).asset_layer.executable_asset_keys
+            except Exception:  # noqa: BLE001 - a job of another location, or no longer defined
+                keys = None
+        for key in keys or ():
+            busy.setdefault(key.to_user_string(), f"run {run.run_id} of {run.job_name}")
+    return busy
+
+
 def feed_materializations(instance: DagsterInstance, store: CtlStore, log: Callable[[str], None]) -> int | None:
-    """Apply ``cmb/ctl`` entries of new asset materializations to CTL, exactly once; None when busy."""
+    """Apply ``cmb/ctl`` entries of new asset materializations to CTL, exactly once; None when busy.
+
+    The feed's position belongs to this Dagster storage (its run storage id): a new storage (a fresh instance,
+    a reset database) is read from its beginning, and the log says so once. Values only move forward unless
+    the materialization says ``cmb/ctl_mode: set``.
+    """
 
     def read(position: int) -> list[FeedItem]:
         with warnings.catch_warnings():
@@ -90,16 +167,29 @@ def feed_materializations(instance: DagsterInstance, store: CtlStore, log: Calla
         for record in records:
             materialization = record.asset_materialization
             values: dict[ParameterKey, datetime] = {}
+            forward = True
             if materialization is not None and CTL_METADATA_KEY in materialization.metadata:
+                forward = ctl_mode_from_metadata(materialization.metadata) == "forward"
                 entity = materialization.asset_key.to_user_string()
                 try:
                     values = ctl_values_from_metadata(entity, materialization.metadata[CTL_METADATA_KEY])
                 except InvalidCtlInput as exc:
                     log(f"asset {entity} in run {record.run_id}: {exc}; this materialization sets no CTL value")
-            items.append(FeedItem(record.storage_id, values, f"dagster run {record.run_id} (asset materialization)"))
+            items.append(
+                FeedItem(record.storage_id, values, f"dagster run {record.run_id} (asset materialization)", forward)
+            )
         return items
 
-    changes = store.ingest(MATERIALIZATION_FEED, read)
+    identity = newest = None
+    try:
+        identity = instance.run_storage.get_run_storage_id()
+    except Exception:  # noqa: BLE001 - a storage without an id: positions are checked against the newest only
+        identity = None
+    try:
+        newest = instance.event_log_storage.get_maximum_record_id()
+    except Exception:  # noqa: BLE001
+        newest = None
+    changes = store.ingest(MATERIALIZATION_FEED, read, identity=identity, newest=newest or 0, on_restart=log)
     return None if changes is None else len(changes)
 
 
@@ -120,17 +210,41 @@ def scheduler_sensor(
     settings: SchedulerSettings,
     minimum_interval_seconds: int,
     default_status: DefaultSensorStatus,
+    partitioners: Mapping[str, Partitioner] | None = None,
+    launch_options: Mapping[str, Any] | None = None,
+    findings: Mapping[str, Sequence[str]] | None = None,
 ) -> SensorDefinition:
-    """The reactive scheduler sensor for ``tasks``; ``job_names`` maps each task to the job it launches."""
+    """The reactive scheduler sensor for ``tasks``; ``job_names`` maps each task to the job it launches.
+
+    ``launch_options`` maps a task to what gives its run config and extra tags (``run_config_for(values)``,
+    ``tags_for(values)``); ``findings`` are the tasks' ``check()`` warnings, logged on the first tick.
+    """
     engines: dict[tuple[str, str, str], TaskScheduler] = {}
     lock = threading.Lock()
+    task_names = [task.name for task in tasks]
+    has_upstream = any(task.upstream for task in tasks)
 
-    def engine_for(database: Database, name: str) -> TaskScheduler:
+    def engine_for(database: Database, name: str, location: str | None) -> tuple[TaskScheduler, bool]:
         key = (database.url, database.schema, name)
         with lock:
-            if key not in engines:
-                engines[key] = TaskScheduler(database, name, tasks, settings)
-            return engines[key]
+            first = key not in engines
+            if first:
+                engines[key] = TaskScheduler(
+                    database, name, tasks, settings, location=location, partitioners=partitioners
+                )
+            return engines[key], first
+
+    def request(name: str, launch: Launch) -> RunRequest:
+        options = (launch_options or {}).get(launch.task)
+        tags = {**(options.tags_for(launch.values) if options else {}), **run_tags(name, launch)}
+        run_config = options.run_config_for(launch.values) if options else None
+        return RunRequest(
+            run_key=launch.run_key,
+            job_name=job_names[launch.task],
+            tags=tags,
+            run_config=dict(run_config) if run_config else None,
+            partition_key=launch.partition_key,
+        )
 
     @sensor(
         name=sensor_name,
@@ -146,24 +260,52 @@ def scheduler_sensor(
     def _reactive_scheduler(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult | SkipReason:
         database = cmb.database
         name = scheduler_name or scheduler_name_for(context)
+        origin = context.code_location_origin
+        engine, first = engine_for(database, name, origin.location_name if origin is not None else None)
+        if first:
+            for task, lines in sorted((findings or {}).items()):
+                for line in lines:
+                    context.log.warning(f"reactive task {task!r}: {line}")
         fed = feed_materializations(context.instance, CtlStore(database, actor="dagster"), context.log.warning)
         if fed:
             context.log.info(f"{fed} CTL value(s) set from asset materializations")
-        report = engine_for(database, name).tick(lambda s, keys: lookup_runs(context.instance, s, keys))
+        instance = context.instance
+        busy = runs_in_flight_by_asset(instance, _repository(context)) if has_upstream else None
+        try:
+            report = engine.tick(
+                lambda s, keys: lookup_runs(instance, s, keys),
+                now=_EVALUATION_TIME.get() or datetime.now(UTC),
+                manual=lambda after: lookup_manual_runs(instance, name, task_names, after),
+                busy=busy,
+            )
+        except SchedulerConflict as exc:
+            context.log.warning(str(exc))
+            raise
+        for warning in report.warnings:
+            context.log.warning(warning)
         for event in report.events[:MAX_LOGGED_EVENTS]:
             context.log.info(event.line())
         if len(report.events) > MAX_LOGGED_EVENTS:
             context.log.info(f"... {len(report.events) - MAX_LOGGED_EVENTS} more; `cmb-dagster reactive status` shows every task")
         context.log.info(report.summary())
-        requests = [
-            RunRequest(run_key=launch.run_key, job_name=job_names[launch.task], tags=run_tags(name, launch))
-            for launch in report.launches
-        ]
+        requests = [request(name, launch) for launch in report.launches]
         if requests:
             return SensorResult(run_requests=requests)
         return SkipReason(_skip_text(report.summary(), [e.line() for e in report.events]))
 
     return _reactive_scheduler
+
+
+def _aware(moment: datetime) -> datetime:
+    """Run storage timestamps are UTC; some storages return them naive."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def _repository(context: SensorEvaluationContext) -> Any:
+    try:
+        return context.repository_def
+    except Exception:  # noqa: BLE001 - a context built without definitions
+        return None
 
 
 def _skip_text(summary: str, lines: list[str], limit: int = 20) -> str:

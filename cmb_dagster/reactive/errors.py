@@ -9,3 +9,7 @@ class ReactiveError(CmbError):
 
 class InvalidReactiveTask(ReactiveError, InvalidInput):
     """A reactive task definition is invalid (duplicate name, bad priority, ...); the message names it."""
+
+
+class SchedulerConflict(ReactiveError):
+    """Another code location keeps the same scheduler name with other tasks; this one refuses to tick."""

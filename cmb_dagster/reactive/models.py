@@ -42,6 +42,11 @@ class TaskSpec(BaseModel):
     priority: int = Field(default=0, ge=LOWEST_PRIORITY, lt=ABOVE_HIGHEST_PRIORITY)
     timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
     produces: CtlKeys = Field(default=(), description="(entity, parameter) pairs the task's job writes to CTL.")
+    upstream: tuple[str, ...] = Field(
+        default=(),
+        description="Entities (asset keys) upstream of the task's target: while a run materializing one is queued "
+        "or running and this task waits, lower-priority tasks are held.",
+    )
 
     @field_validator("timezone")
     @classmethod
@@ -72,6 +77,11 @@ class SchedulerSettings(BaseModel):
     launch_grace: timedelta = Field(
         default=timedelta(minutes=2), gt=timedelta(0), description="Re-request a launch whose run never appeared."
     )
+    takeover_after: timedelta = Field(
+        default=timedelta(minutes=10),
+        gt=timedelta(0),
+        description="Another code location may take a scheduler name over once its owner has not ticked for this long.",
+    )
 
     def backoff(self, failures_before: int) -> timedelta:
         """Wait after the ``failures_before + 1``-th consecutive failure."""
@@ -97,6 +107,26 @@ RunLookup = Callable[[str, Sequence[str]], Mapping[str, RunInfo]]
 
 
 @dataclass(frozen=True)
+class ManualRun:
+    """A successful run launched by hand with a task's tag: its values become the task's last-seen values."""
+
+    task: str
+    run_id: str
+    started_at: datetime
+    finished_at: datetime
+    values: dict[ParameterKey, datetime] | None = None  # from its values tag; None: CTL as of started_at
+
+
+ManualLookup = Callable[[datetime | None], Sequence[ManualRun]]
+"""``lookup(after)`` -> successful hand-launched runs that finished after ``after`` (None: all)."""
+
+Partitioner = Callable[
+    [Mapping[ParameterKey, datetime], Mapping[ParameterKey, datetime]], tuple[str, dict[ParameterKey, datetime]]
+]
+"""``partitioner(values, last)`` -> (partition key, the values that partition's run commits on success)."""
+
+
+@dataclass(frozen=True)
 class Launch:
     """A run to request: the task, its run_key and the CTL values it runs on (its trigger's inputs)."""
 
@@ -106,6 +136,7 @@ class Launch:
     values: dict[ParameterKey, datetime]
     reason: str
     relaunch: bool = False
+    partition_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +162,8 @@ class TickReport:
     evaluated: int = 0
     complete: bool = True
     busy: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    manual: int = 0
     definitions_synced: bool = False
     seconds: float = 0.0
 
@@ -147,6 +180,8 @@ class TickReport:
         parts = [f"{self.changes} CTL change(s) read", f"{self.evaluated} task(s) evaluated"]
         parts += [f"{n} {action}" for action, n in sorted(counts.items()) if action != "launched"]
         parts.append(f"{len(self.launches)} launched")
+        if self.manual:
+            parts.append(f"{self.manual} hand-launched run(s) recorded")
         if self.definitions_synced:
             parts.append("task definitions synced")
         if not self.complete:
@@ -177,3 +212,4 @@ class TaskState(BaseModel):
     backwards_note: str | None
     last_success_at: datetime | None
     produces: list[ParameterKey]
+    partition_key: str | None = None

@@ -12,9 +12,12 @@ One tick, all state in Postgres (table ``reactive_tasks``), time-boxed and resum
    progress is neither evaluated nor launched.
 5. Launch: ready tasks by priority while fewer than ``max_concurrent_runs`` reactive runs are queued or
    running; each is re-evaluated first (a Delay may have decayed while it waited for a slot).
-   Hold: while a task P with a run in flight ``produces`` a parameter read by a waiting task H, ready
+   Hold: while a task P with a run in flight ``produces`` a parameter read by a waiting task H, or any
+   run in flight (reactive, scheduled or launched by hand) materializes an asset upstream of H, ready
    tasks of lower priority than H stay ready and are not launched: the queue waits for the more
    important task. The hold is found from the runs in flight and the parameter -> tasks index.
+6. Hand-launched runs: successful runs tagged with a task's name (not launched by the scheduler) record
+   their values as the task's last-seen values, like a reactive run (the seed's manual recovery).
 
 Time alone never turns a trigger from false to true (Delay-type conditions only decay), so tasks whose
 inputs did not change need no evaluation: there is no periodic full scan.
@@ -30,22 +33,25 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 
 from cmb_dagster import pubsub
 from cmb_dagster.ctl.models import ParameterKey
-from cmb_dagster.ctl.store import CTL_BRANCH_ID, read_values, values_from_json, values_to_json
+from cmb_dagster.ctl.store import CTL_BRANCH_ID, read_values, values_as_of, values_from_json, values_to_json
 from cmb_dagster.database import Database
 from cmb_dagster.reactive import sql
-from cmb_dagster.reactive.errors import InvalidReactiveTask
+from cmb_dagster.reactive.errors import InvalidReactiveTask, SchedulerConflict
 from cmb_dagster.reactive.models import (
     ABOVE_HIGHEST_PRIORITY,
     LOWEST_PRIORITY,
     SCHEDULER_NAME,
     Launch,
+    ManualLookup,
+    ManualRun,
+    Partitioner,
     RunLookup,
     RunState,
     SchedulerSettings,
@@ -59,6 +65,7 @@ from cmb_dagster.workers import Lease, Leases
 log = logging.getLogger("cmb_dagster.reactive")
 
 LEASE_KIND = "reactive.scheduler"
+MANUAL_OVERLAP = timedelta(minutes=5)  # hand-launched runs are read again this far back (recorded once each)
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,14 @@ class _Evaluation:
     status: str  # ready, waiting, error
     explanation: str
     values: dict[ParameterKey, datetime]
+    last: dict[ParameterKey, datetime]
 
 
-def values_hash(values: Mapping[ParameterKey, datetime]) -> str:
-    """A short stable digest of CTL values (part of a run_key)."""
+def values_hash(values: Mapping[ParameterKey, datetime], partition_key: str | None = None) -> str:
+    """A short stable digest of CTL values and the partition (part of a run_key)."""
     text = json.dumps(values_to_json({k: v.astimezone(UTC) for k, v in values.items()}), sort_keys=True)
+    if partition_key is not None:
+        text += "\n" + partition_key
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -98,6 +108,8 @@ class TaskScheduler:
         settings: SchedulerSettings | None = None,
         *,
         owner: str | None = None,
+        location: str | None = None,
+        partitioners: Mapping[str, Partitioner] | None = None,
     ) -> None:
         if not SCHEDULER_NAME.match(name):
             raise InvalidReactiveTask(f"scheduler name {name!r} must be 1-50 of A-Z a-z 0-9 _ . - (not starting with . or -)")
@@ -110,10 +122,18 @@ class TaskScheduler:
         self.name = name
         self.settings = settings or SchedulerSettings()
         self.tasks = {task.name: task for task in tasks}
+        self.location = location
+        self.partitioners = dict(partitioners or {})
+        unknown = sorted(set(self.partitioners) - set(self.tasks))
+        if unknown:
+            raise InvalidReactiveTask(f"partitioners for unknown reactive task(s): {', '.join(unknown)}")
         self.index: dict[ParameterKey, list[str]] = defaultdict(list)
+        self.downstream: dict[str, list[str]] = defaultdict(list)  # entity (asset key) -> tasks it is upstream of
         for task in tasks:
             for key in sorted(parameters(task.trigger)):
                 self.index[key].append(task.name)
+            for entity in sorted(set(task.upstream)):
+                self.downstream[entity].append(task.name)
         self.definitions_hash = hashlib.sha256(
             json.dumps(sorted((t.name, t.trigger_hash, t.priority, t.produces) for t in tasks)).encode()
         ).hexdigest()[:16]
@@ -129,8 +149,21 @@ class TaskScheduler:
 
     # -- the tick -----------------------------------------------------------------------------
 
-    def tick(self, runs: RunLookup, *, now: datetime | None = None) -> TickReport:
-        """Run one time-boxed tick; return what it did. ``runs`` looks launched runs up by run_key."""
+    def tick(
+        self,
+        runs: RunLookup,
+        *,
+        now: datetime | None = None,
+        manual: ManualLookup | None = None,
+        busy: Mapping[str, str] | None = None,
+    ) -> TickReport:
+        """Run one time-boxed tick; return what it did.
+
+        ``runs`` looks launched runs up by run_key; ``now`` is the evaluation time (default: the clock);
+        ``manual`` lists successful hand-launched runs of the tasks; ``busy`` maps entities (asset keys)
+        that a run in flight materializes to a description of that run (for the hold).
+        Raises :class:`SchedulerConflict` when another code location keeps this name with other tasks.
+        """
         started = time.monotonic()
         deadline = started + self.settings.tick_seconds
         now = now or datetime.now(UTC)
@@ -146,11 +179,13 @@ class TaskScheduler:
             self._lease, self._report = lease, report
             try:
                 with self.database.connection() as conn:  # one connection for the tick, one transaction per step
-                    self._sync_definitions(conn, lease, report)
+                    self._sync_definitions(conn, lease, now, report)
                     self._read_changes(deadline, report)
                     in_flight = self._follow_runs(conn, lease, runs, now, report)
+                    if manual is not None:
+                        self._record_manual_runs(conn, lease, manual, now, report)
                     fresh = self._evaluate_marked(conn, lease, now, deadline, report)
-                    hold = self._hold(conn, in_flight)
+                    hold = self._hold(conn, in_flight, busy or {})
                     self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, report)
             finally:
                 self._lease, self._report = None, None
@@ -160,13 +195,27 @@ class TaskScheduler:
             report.seconds = time.monotonic() - started
         return report
 
-    def _sync_definitions(self, conn: psycopg.Connection, lease: Lease, report: TickReport) -> None:
-        params = {"scheduler": self.name}
+    def _sync_definitions(self, conn: psycopg.Connection, lease: Lease, now: datetime, report: TickReport) -> None:
+        params = {"scheduler": self.name, "location": self.location, "now": now}
         with conn.transaction():
-            row = conn.execute(sql.DEFINITIONS_HASH, params).fetchone()
+            row = conn.execute(sql.SCHEDULER_ROW, params).fetchone()
+            if row is not None:
+                self._refuse_a_foreign_name(*row, now)
             if row is not None and row[0] == self.definitions_hash:
+                if self.location is not None and (row[1] != self.location or row[2] is None or row[2] < now - self.settings.takeover_after / 10):
+                    conn.execute(sql.TOUCH_SCHEDULER, params)
                 return
             Leases.check(conn, lease)
+            if row is None:
+                others = conn.execute(sql.OTHER_SCHEDULERS_WITH_STATE, params).fetchall()
+                if others:
+                    names = ", ".join(f"{name!r} ({count} task(s))" for name, count in others)
+                    report.warnings.append(
+                        f"scheduler {self.name!r} starts with no remembered state, but {names} "
+                        "in the same schema has some: if this code location was renamed, pass that name as "
+                        "ReactiveOptions(name=...) to keep the tasks' last-seen values (otherwise every "
+                        "Delta-type trigger fires again as on a first release)"
+                    )
             conn.execute(sql.SAVE_DEFINITIONS_HASH, {**params, "hash": self.definitions_hash})
             specs = sorted(self.tasks.values(), key=lambda t: t.name)
             conn.execute(
@@ -183,6 +232,21 @@ class TaskScheduler:
             )
             conn.execute(sql.UNDEFINE_MISSING_TASKS, {**params, "names": [t.name for t in specs]})
         report.definitions_synced = True
+
+    def _refuse_a_foreign_name(self, definitions_hash: str, location: str | None, ticked_at: datetime | None, now: datetime) -> None:
+        """Two code locations whose scheduler names are the same (e.g. 'team a' and 'team_a') with other tasks."""
+        if self.location is None or location is None or location == self.location:
+            return
+        if definitions_hash == self.definitions_hash:
+            return  # the same tasks: a copy of the same code, nothing to fight over
+        if ticked_at is not None and ticked_at > now - self.settings.takeover_after:
+            raise SchedulerConflict(
+                f"reactive scheduler name {self.name!r} is used by code location {location!r} with other tasks "
+                f"(it ticked at {ticked_at:%Y-%m-%d %H:%M:%S %Z}); code location {self.location!r} refuses to tick "
+                "so the two do not rewrite each other's tasks. Give one of them its own "
+                "ReactiveOptions(name=...); if the location was renamed, this one takes over once the old one "
+                f"has not ticked for {self.settings.takeover_after}"
+            )
 
     def _read_changes(self, deadline: float, report: TickReport) -> None:
         while self.consumer.run_once():  # at least one batch per tick, so every tick makes progress
@@ -205,7 +269,9 @@ class TaskScheduler:
                 note = (
                     f"{key[0]}/{key[1]} moved backwards from {payload['old']} to {payload['new']} "
                     f"(by {payload.get('by')}); Delta triggers on it wait until it passes the last-seen value "
-                    f"(or forget it: cmb-dagster reactive forget {self.name} TASK)"
+                    f"(move the last-seen value back: cmb-dagster reactive set-last {self.name} TASK "
+                    f"--parameter {key[0]} {key[1]} --value VALUE, or forget it: cmb-dagster reactive forget "
+                    f"{self.name} TASK)"
                 )
                 notes.update(dict.fromkeys(names, note))
         params = {"scheduler": self.name}
@@ -225,13 +291,15 @@ class TaskScheduler:
             found = runs(self.name, [row[1] for row in launched]) if launched else {}
             finished: list[tuple[str, str, str, bool, datetime | None]] = []
             seen: list[tuple[str, str]] = []
-            for name, run_key, run_id, launched_at, attempts, ready_values, explanation, _ in launched:
+            for name, run_key, run_id, launched_at, attempts, ready_values, explanation, _, partition in launched:
                 run = found.get(run_key)
                 if run is None:
                     if launched_at <= now - self.settings.launch_grace:
                         values = values_from_json(ready_values)
                         attempt = int(run_key.rsplit(":", 1)[1])
-                        report.launches.append(Launch(name, run_key, attempt, values, explanation or "", relaunch=True))
+                        report.launches.append(
+                            Launch(name, run_key, attempt, values, explanation or "", relaunch=True, partition_key=partition)
+                        )
                         report.note(name, "relaunched", f"no run with run_key {run_key} appeared; requested again")
                     else:
                         report.note(name, "in progress", f"run {run_key} requested at {launched_at}, not yet created")
@@ -255,29 +323,53 @@ class TaskScheduler:
             if seen:
                 conn.execute(sql.NOTE_RUN_IDS, {**params, "names": [s[0] for s in seen], "run_ids": [s[1] for s in seen]})
             if finished:
-                columns = list(zip(*finished, strict=True))
-                conn.execute(
-                    sql.FINISH_RUNS,
-                    {
-                        **params,
-                        "names": list(columns[0]),
-                        "run_keys": list(columns[1]),
-                        "run_ids": list(columns[2]),
-                        "successes": list(columns[3]),
-                        "backoff_until": list(columns[4]),
-                    },
-                )
+                rows = [
+                    {"name": n, "run_key": k, "run_id": i, "success": ok, "backoff_until": b.isoformat() if b else None}
+                    for n, k, i, ok, b in finished
+                ]
+                conn.execute(sql.FINISH_RUNS, {**params, "rows": json.dumps(rows)})
             conn.execute(sql.END_BACKOFFS, params)
         done = {f[0] for f in finished}
         return {row[0]: sorted_keys(row[7]) for row in launched if row[0] not in done}
 
-    def _hold(self, conn: psycopg.Connection, in_flight: Mapping[str, tuple[ParameterKey, ...]]) -> _Hold | None:
+    def _record_manual_runs(
+        self, conn: psycopg.Connection, lease: Lease, manual: ManualLookup, now: datetime, report: TickReport
+    ) -> None:
+        """Successful hand-launched runs tagged with a task: their values become its last-seen values, once each."""
+        params: dict[str, Any] = {"scheduler": self.name, "now": now}
+        with conn.transaction():
+            row = conn.execute(sql.MANUAL_AFTER, params).fetchone()
+            after = row[0] if row else None
+            found = [run for run in manual(after - MANUAL_OVERLAP if after else None) if run.task in self.tasks]
+            if not found:
+                return
+            rows = []
+            for run in sorted(found, key=lambda r: r.finished_at):
+                keys = sorted(parameters(self.tasks[run.task].trigger))
+                values = run.values if run.values is not None else values_as_of(conn, keys, run.started_at)
+                values = {k: v for k, v in values.items() if k in set(keys)}
+                rows.append({"name": run.task, "run_key": f"manual:{run.run_id}", "run_id": run.run_id,
+                             "values": values_to_json(values), "hash": values_hash(values),
+                             "finished_at": run.finished_at.isoformat()})
+            Leases.check(conn, lease)
+            recorded = conn.execute(sql.RECORD_MANUAL_RUNS, {**params, "rows": json.dumps(rows)}).fetchall()
+            conn.execute(sql.SAVE_MANUAL_AFTER, {**params, "after": max(r.finished_at for r in found)})
+        for task, run_id, values in recorded:
+            report.manual += 1
+            report.note(task, "recorded", f"hand-launched run {run_id} succeeded: its values {json.dumps(values)} are now last-seen")
+
+    def _hold(
+        self, conn: psycopg.Connection, in_flight: Mapping[str, tuple[ParameterKey, ...]], busy: Mapping[str, str]
+    ) -> _Hold | None:
         """The highest-priority waiting task fed by a run in flight, if any (it holds the tasks below it)."""
-        producers: dict[str, str] = {}  # task reading a produced parameter -> the task in flight producing it
+        producers: dict[str, str] = {}  # waiting task -> what feeds it: a reactive task in flight, or another run
         for producer in sorted(in_flight):
             for key in in_flight[producer]:
                 for name in self.index.get(key, ()):
                     producers.setdefault(name, producer)
+        for entity in sorted(busy):
+            for name in self.downstream.get(entity, ()):
+                producers.setdefault(name, f"{busy[entity]} (materializes {entity})")
         if not producers:
             return None
         with conn.transaction():
@@ -338,7 +430,7 @@ class TaskScheduler:
                 for e in evaluations:
                     if e.status != "ready":
                         report.note(e.name, e.status, "no longer fires now that a slot is free: " + e.explanation)
-                launches = self._launch(conn, lease, params, ready, attempts_so_far)
+                launches = self._launch(conn, lease, params, ready, attempts_so_far, report)
             report.launches.extend(launches)
             for launch in launches:
                 report.note(launch.task, "launched", f"run_key {launch.run_key}: {launch.reason}")
@@ -370,15 +462,39 @@ class TaskScheduler:
         params: dict[str, Any],
         ready: list[_Evaluation],
         attempts_so_far: Mapping[str, int],
+        report: TickReport,
     ) -> list[Launch]:
         if not ready:
             return []
-        hashes = {e.name: values_hash(e.values) for e in ready}
+        shaped: list[tuple[_Evaluation, str | None]] = []
+        refused: list[_Evaluation] = []
+        for e in ready:
+            partitioner = self.partitioners.get(e.name)
+            if partitioner is None:
+                shaped.append((e, None))
+                continue
+            try:
+                key, values = partitioner(e.values, e.last)
+            except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
+                why = f"choosing the partition raised {type(exc).__name__}: {exc}"
+                refused.append(_Evaluation(e.name, "error", why + "\n" + e.explanation, {}, e.last))
+                continue
+            explanation = f"partition {key} (commits {_values_text(values)} on success)\n{e.explanation}"
+            shaped.append((_Evaluation(e.name, e.status, explanation, dict(values), e.last), key))
+        if refused:
+            self._save(conn, params, refused)
+            for e in refused:
+                report.note(e.name, "error", e.explanation)
+        ready = [e for e, _ in shaped]
+        partitions = {e.name: key for e, key in shaped}
+        if not ready:
+            return []
+        hashes = {e.name: values_hash(e.values, partitions[e.name]) for e in ready}
         previous = {
             (task, digest): count
             for task, digest, count in conn.execute(
                 sql.PREVIOUS_ATTEMPTS,
-                {**params, "names": list(hashes), "hashes": list(hashes.values())},
+                {**params, "rows": json.dumps([{"task": t, "values_hash": h} for t, h in hashes.items()])},
             ).fetchall()
         }
         planned = []
@@ -387,23 +503,21 @@ class TaskScheduler:
             reason = e.explanation
             if attempts_so_far.get(e.name):
                 reason = f"retry after {attempts_so_far[e.name]} failed run(s); " + reason
-            planned.append(Launch(e.name, f"{e.name}:{hashes[e.name]}:{attempt}", attempt, e.values, reason))
+            planned.append(
+                Launch(e.name, f"{e.name}:{hashes[e.name]}:{attempt}", attempt, e.values, reason,
+                       partition_key=partitions[e.name])
+            )
         Leases.check(conn, lease)
-        launched = {
-            row[0]
-            for row in conn.execute(
-                sql.MARK_LAUNCHED,
-                {
-                    **params,
-                    "names": [p.task for p in planned],
-                    "run_keys": [p.run_key for p in planned],
-                    "values": [json.dumps(values_to_json(p.values)) for p in planned],
-                    "hashes": [hashes[p.task] for p in planned],
-                    "attempts": [p.attempt for p in planned],
-                    "reasons": [p.reason for p in planned],
-                },
-            ).fetchall()
+        columns = {
+            "names": [p.task for p in planned],
+            "run_keys": [p.run_key for p in planned],
+            "values": [json.dumps(values_to_json(p.values)) for p in planned],
+            "hashes": [hashes[p.task] for p in planned],
+            "attempts": [p.attempt for p in planned],
+            "reasons": [p.reason for p in planned],
+            "partition_keys": [p.partition_key for p in planned],
         }
+        launched = {row[0] for row in conn.execute(sql.MARK_LAUNCHED, {**params, **columns}).fetchall()}
         return [p for p in planned if p.task in launched]
 
     # -- evaluation ---------------------------------------------------------------------------
@@ -425,35 +539,35 @@ class TaskScheduler:
     ) -> _Evaluation:
         spec = self.tasks.get(name)
         if spec is None:
-            return _Evaluation(name, "error", "not defined in this process's code (another version synced it)", {})
+            return _Evaluation(name, "error", "not defined in this process's code (another version synced it)", {}, last)
         try:
             result = evaluate(spec.trigger, now=now, current=current, last=last, timezone=spec.timezone)
             explanation = result.explanation
         except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
             log.warning("reactive task %s: evaluating %r raised %r", name, spec.trigger, exc)
-            return _Evaluation(name, "error", f"evaluating the trigger raised {type(exc).__name__}: {exc}", {})
+            return _Evaluation(name, "error", f"evaluating the trigger raised {type(exc).__name__}: {exc}", {}, last)
         if backwards_note:
             explanation += f"\nnote: {backwards_note}"
         if not result.fired:
-            return _Evaluation(name, "waiting", explanation, {})
+            return _Evaluation(name, "waiting", explanation, {}, last)
         if all(last.get(key) == value for key, value in result.used.items()):
             return _Evaluation(
                 name, "waiting",
                 explanation + "\nbut its last successful run already saw exactly these values: waiting for a change",
-                {},
+                {}, last,
             )
-        return _Evaluation(name, "ready", explanation, dict(result.used))
+        return _Evaluation(name, "ready", explanation, dict(result.used), last)
 
     def _save(self, conn: psycopg.Connection, params: dict[str, Any], evaluations: Sequence[_Evaluation]) -> None:
         if not evaluations:
             return
-        conn.execute(
-            sql.SAVE_EVALUATIONS,
-            {
-                **params,
-                "names": [e.name for e in evaluations],
-                "statuses": [e.status for e in evaluations],
-                "ready_values": [json.dumps(values_to_json(e.values)) if e.values else None for e in evaluations],
-                "explanations": [e.explanation for e in evaluations],
-            },
-        )
+        rows = [
+            {"name": e.name, "status": e.status, "ready_values": values_to_json(e.values) if e.values else None,
+             "explanation": e.explanation}
+            for e in evaluations
+        ]
+        conn.execute(sql.SAVE_EVALUATIONS, {**params, "rows": json.dumps(rows)})
+
+
+def _values_text(values: Mapping[ParameterKey, datetime]) -> str:
+    return ", ".join(f"{e}/{p}={v.isoformat()}" for (e, p), v in sorted(values.items()))

@@ -1,12 +1,33 @@
-"""Every query of the reactive scheduler (tables ``reactive_schedulers``, ``reactive_tasks``)."""
+"""Every query of the reactive scheduler (tables ``reactive_schedulers``, ``reactive_tasks``, ``reactive_launches``).
+
+Bulk writes pass their rows as one JSON array (``jsonb_to_recordset``): psycopg dumps a JSON string much
+faster than several text arrays whose every element it escapes.
+"""
 
 # -- reactive scheduler: definitions ----------------------------------------------------------
 
-DEFINITIONS_HASH = "SELECT definitions_hash FROM reactive_schedulers WHERE name = %(scheduler)s"
+SCHEDULER_ROW = """
+SELECT definitions_hash, location, ticked_at FROM reactive_schedulers WHERE name = %(scheduler)s FOR UPDATE
+"""
 
 SAVE_DEFINITIONS_HASH = """
-INSERT INTO reactive_schedulers (name, definitions_hash) VALUES (%(scheduler)s, %(hash)s)
-ON CONFLICT (name) DO UPDATE SET definitions_hash = EXCLUDED.definitions_hash, synced_at = now()
+INSERT INTO reactive_schedulers (name, definitions_hash, location, ticked_at)
+VALUES (%(scheduler)s, %(hash)s, %(location)s, %(now)s)
+ON CONFLICT (name) DO UPDATE
+SET definitions_hash = EXCLUDED.definitions_hash, synced_at = now(),
+    location = coalesce(EXCLUDED.location, reactive_schedulers.location), ticked_at = EXCLUDED.ticked_at
+"""
+
+# The owner's heartbeat (at most about once a minute): another location may take the name over when it stops.
+TOUCH_SCHEDULER = """
+UPDATE reactive_schedulers SET location = %(location)s, ticked_at = %(now)s WHERE name = %(scheduler)s
+"""
+
+# Other schedulers of this schema that remember task state (a renamed code location leaves its state behind).
+OTHER_SCHEDULERS_WITH_STATE = """
+SELECT scheduler, count(*) FROM reactive_tasks
+WHERE scheduler <> %(scheduler)s AND last_values <> '{}'::jsonb
+GROUP BY scheduler ORDER BY scheduler LIMIT 5
 """
 
 # A task whose trigger or time zone changed, or that comes back, is marked for evaluation; a new
@@ -52,7 +73,7 @@ WHERE scheduler = %(scheduler)s AND reactive_tasks.name = n.name
 # -- reactive scheduler: runs in flight --------------------------------------------------------
 
 LAUNCHED_TASKS = """
-SELECT name, run_key, run_id, launched_at, attempts, ready_values, explanation, produces
+SELECT name, run_key, run_id, launched_at, attempts, ready_values, explanation, produces, partition_key
 FROM reactive_tasks WHERE scheduler = %(scheduler)s AND status = 'launched'
 """
 
@@ -66,9 +87,8 @@ WHERE scheduler = %(scheduler)s AND reactive_tasks.name = r.name AND reactive_ta
 # evaluated again. Failure: the trigger stays armed (ready_values kept) and the task waits a backoff.
 FINISH_RUNS = """
 WITH finished AS (
-    SELECT * FROM unnest(%(names)s::text[], %(run_keys)s::text[], %(run_ids)s::text[],
-                         %(successes)s::boolean[], %(backoff_until)s::timestamptz[])
-         AS f(name, run_key, run_id, success, backoff_until)
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb)
+         AS f(name text, run_key text, run_id text, success boolean, backoff_until timestamptz)
 ), tasks AS (
     UPDATE reactive_tasks t
     SET status = CASE WHEN f.success THEN 'waiting' ELSE 'backoff' END,
@@ -82,13 +102,12 @@ WITH finished AS (
         updated_at = %(now)s
     FROM finished f
     WHERE t.scheduler = %(scheduler)s AND t.name = f.name AND t.status = 'launched' AND t.run_key = f.run_key
-    RETURNING t.name
+    RETURNING f.run_key, f.run_id, f.success
 )
 UPDATE reactive_launches l
 SET outcome = CASE WHEN f.success THEN 'success' ELSE 'failure' END, run_id = f.run_id, finished_at = %(now)s
-FROM finished f
+FROM tasks f
 WHERE l.scheduler = %(scheduler)s AND l.run_key = f.run_key AND l.outcome IS NULL
-  AND f.name IN (SELECT name FROM tasks)
 """
 
 END_BACKOFFS = """
@@ -135,35 +154,38 @@ SAVE_EVALUATIONS = """
 UPDATE reactive_tasks t
 SET status = e.status, dirty = false, ready_values = e.ready_values, explanation = e.explanation,
     evaluated_at = %(now)s, updated_at = %(now)s
-FROM unnest(%(names)s::text[], %(statuses)s::text[], %(ready_values)s::jsonb[], %(explanations)s::text[])
-     AS e(name, status, ready_values, explanation)
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, status text, ready_values jsonb, explanation text)
 WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
 """
 
 PREVIOUS_ATTEMPTS = """
 SELECT task, values_hash, count(*)::int
 FROM reactive_launches
-JOIN unnest(%(names)s::text[], %(hashes)s::text[]) AS k(task, values_hash) USING (task, values_hash)
+JOIN jsonb_to_recordset(%(rows)s::jsonb) AS k(task text, values_hash text) USING (task, values_hash)
 WHERE scheduler = %(scheduler)s
 GROUP BY task, values_hash
 """
 
+# The INSERT reads the UPDATE's RETURNING (no second join of the two row sets). Arrays, not one JSON recordset
+# here: with the JSON form this statement ran for minutes at 10,000+ launches (not understood yet).
 MARK_LAUNCHED = """
 WITH launched AS (
     SELECT * FROM unnest(%(names)s::text[], %(run_keys)s::text[], %(values)s::jsonb[], %(hashes)s::text[],
-                         %(attempts)s::int[], %(reasons)s::text[])
-         AS l(name, run_key, ctl_values, values_hash, attempt, reason)
+                         %(attempts)s::int[], %(reasons)s::text[], %(partition_keys)s::text[])
+         AS l(name, run_key, ctl_values, values_hash, attempt, reason, partition_key)
 ), tasks AS (
     UPDATE reactive_tasks t
     SET status = 'launched', run_key = l.run_key, run_id = NULL, launched_at = %(now)s, ready_values = l.ctl_values,
-        explanation = l.reason, dirty = false, evaluated_at = %(now)s, updated_at = %(now)s
+        explanation = l.reason, dirty = false, evaluated_at = %(now)s, updated_at = %(now)s,
+        partition_key = l.partition_key
     FROM launched l
     WHERE t.scheduler = %(scheduler)s AND t.name = l.name AND t.status = 'ready'
-    RETURNING t.name
+    RETURNING t.name, l.run_key, l.values_hash, l.attempt, l.ctl_values, l.reason, l.partition_key
 )
-INSERT INTO reactive_launches (scheduler, task, run_key, values_hash, attempt, ctl_values, reason, launched_at)
-SELECT %(scheduler)s, l.name, l.run_key, l.values_hash, l.attempt, l.ctl_values, l.reason, %(now)s
-FROM launched l JOIN tasks USING (name)
+INSERT INTO reactive_launches (scheduler, task, run_key, values_hash, attempt, ctl_values, reason, launched_at,
+                               partition_key)
+SELECT %(scheduler)s, name, run_key, values_hash, attempt, ctl_values, reason, %(now)s, partition_key
+FROM tasks
 RETURNING task
 """
 
@@ -172,7 +194,7 @@ RETURNING task
 TASK_STATUS = """
 SELECT scheduler, name, status, defined, dirty, priority, timezone, trigger, last_values, ready_values,
        run_key, run_id, launched_at, attempts, backoff_until, explanation, evaluated_at, backwards_note,
-       last_success_at, produces
+       last_success_at, produces, partition_key
 FROM reactive_tasks
 WHERE (%(scheduler)s::text IS NULL OR scheduler = %(scheduler)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
@@ -186,4 +208,48 @@ SET last_values = CASE WHEN %(parameter)s::text[] IS NULL THEN '{}'::jsonb
     dirty = true, backwards_note = NULL, updated_at = now()
 WHERE scheduler = %(scheduler)s AND name = %(name)s
 RETURNING name
+"""
+
+# Move one remembered value (into the past too): the seed's manual recovery for Delta-type triggers.
+SET_LAST_VALUE = """
+UPDATE reactive_tasks
+SET last_values = jsonb_set(
+        CASE WHEN last_values ? %(entity)s THEN last_values
+             ELSE last_values || jsonb_build_object(%(entity)s::text, '{}'::jsonb) END,
+        ARRAY[%(entity)s::text, %(parameter)s::text], to_jsonb(%(value)s::text)),
+    dirty = true, backwards_note = NULL, updated_at = now()
+WHERE scheduler = %(scheduler)s AND name = %(name)s
+RETURNING last_values
+"""
+
+# -- reactive scheduler: runs launched by hand -------------------------------------------------
+
+MANUAL_AFTER = "SELECT manual_after FROM reactive_schedulers WHERE name = %(scheduler)s"
+
+SAVE_MANUAL_AFTER = """
+UPDATE reactive_schedulers SET manual_after = greatest(manual_after, %(after)s) WHERE name = %(scheduler)s
+"""
+
+# Each hand-launched run is recorded once (its run_key is 'manual:<run id>'); the values it ran on become the
+# task's last-seen values and the task is evaluated again. A task with a reactive run in flight keeps it.
+RECORD_MANUAL_RUNS = """
+WITH runs AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb)
+         AS r(name text, run_key text, run_id text, "values" jsonb, hash text, finished_at timestamptz)
+), recorded AS (
+    INSERT INTO reactive_launches (scheduler, task, run_key, values_hash, attempt, ctl_values, reason, launched_at,
+                                   run_id, outcome, finished_at, manual)
+    SELECT %(scheduler)s, r.name, r.run_key, r.hash, 1, r."values", 'launched by hand', r.finished_at, r.run_id,
+           'success', r.finished_at, true
+    FROM runs r ORDER BY r.finished_at
+    ON CONFLICT (scheduler, run_key) DO NOTHING
+    RETURNING task, run_id, ctl_values
+), tasks AS (
+    UPDATE reactive_tasks t
+    SET last_values = r.ctl_values, dirty = true, backwards_note = NULL, last_success_at = %(now)s,
+        updated_at = %(now)s
+    FROM (SELECT DISTINCT ON (task) task, ctl_values FROM recorded ORDER BY task, run_id) r
+    WHERE t.scheduler = %(scheduler)s AND t.name = r.task
+)
+SELECT task, run_id, ctl_values FROM recorded
 """

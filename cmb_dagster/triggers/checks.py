@@ -37,22 +37,27 @@ def uses_last(trigger: Trigger) -> bool:
 
 
 def check(trigger: Trigger) -> list[str]:
-    """Warnings for triggers that can fire regardless of the last run, i.e. rerun the task continuously.
+    """Advice on triggers that can fire without new data beyond what the last run saw.
 
     Every way the trigger can fire should involve a Delta-type trigger (Delta or ChunkDelta):
     a single CTL trigger must be one, ``All`` needs at least one, ``Any`` needs all children to be.
+    Otherwise the task runs again after each run as soon as any value it reads changes while the
+    condition holds (the engine never reruns it on exactly the values its last run saw).
     """
-    continuous = "it does not depend on the last run, so the task will rerun as soon as each run ends"
+    again = (
+        "it does not compare with the last run's values, so the task runs again whenever any value it reads "
+        "changes while the condition holds, not once per increment of new data"
+    )
     if isinstance(trigger, CtlTriggerBase):
         if trigger.reads_last:
             return []
-        return [f"{trigger!r}: {continuous}; use Delta or ChunkDelta, or combine it with one in All(...)"]
+        return [f"{trigger!r}: {again}; use Delta or ChunkDelta, or combine it with one in All(...)"]
     if isinstance(trigger, All):
         if uses_last(trigger):
             return []
-        return [f"{trigger!r}: none of its triggers is Delta-type, {continuous}; add a Delta or ChunkDelta"]
+        return [f"{trigger!r}: none of its triggers is Delta-type: {again}; add a Delta or ChunkDelta"]
     return [
-        f"{trigger!r}: child {child!r} is not Delta-type and can fire alone, {continuous}; "
+        f"{trigger!r}: child {child!r} is not Delta-type and can fire alone: {again}; "
         "make every child of Any a Delta or ChunkDelta"
         for child in trigger.triggers
         if not child.reads_last

@@ -110,13 +110,21 @@ class Param:
         )
 
 
-def param(entity: str, parameter: str) -> Param:
+ASSET_PARAMETER = "loaded_until"
+"""The parameter a trigger reads when it names an asset key without one (what ``ctl_metadata(loaded_until=...)`` sets)."""
+
+
+def param(entity: object, parameter: str = ASSET_PARAMETER) -> Param:
     """The CTL parameter ``parameter`` of ``entity``, to build triggers on.
+
+    ``entity`` is a string or a Dagster asset key (its ``to_user_string()``, e.g. ``'shop/orders'``: the
+    entity asset materializations write with ``ctl_metadata``); ``parameter`` defaults to ``loaded_until``.
 
     >>> param("shop/orders", "loaded_until").new_chunk("day")
     ChunkDelta('shop/orders', 'loaded_until', 'day')
     """
-    return Param(entity, parameter)
+    to_user_string = getattr(entity, "to_user_string", None)
+    return Param(to_user_string() if callable(to_user_string) else str(entity), parameter)
 
 
 def all_of(*triggers: CtlTriggerBase | All) -> All:

@@ -21,17 +21,21 @@ from dagster import (
     materialize,
     op,
 )
-from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.reactive import task_states
+from cmb_dagster.reactive import task_states, tick_reactive_sensor
 from cmb_dagster.database import Database
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster import CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Any, ChunkDelay, ChunkDelta, Delay, Delta
 
-NOW = datetime.now(UTC).replace(microsecond=0)
+
+
+@pytest.fixture
+def now() -> datetime:
+    """The test's start, read when the test runs (never at import: a slow collection must not age CTL values)."""
+    return datetime.now(UTC).replace(microsecond=0)
 
 
 @op
@@ -67,13 +71,10 @@ class Harness:
         self.defs: Definitions = cmb_definitions(
             resource=resource, reactive=ReactiveOptions(tasks=tasks, **options)
         )
-        self.sensor = self.defs.get_repository_def().get_sensor_def("cmb_reactive_scheduler")
-        self.logs: list[str] = []
+        self.clock: datetime | None = None  # the evaluation time of ticks; None: the wall clock
 
     def tick(self):
-        context = build_sensor_context(instance=self.instance, resources={"cmb": self.resource}, definitions=self.defs)
-        result = self.sensor.evaluate_tick(context)
-        return result
+        return tick_reactive_sensor(self.defs, instance=self.instance, evaluation_time=self.clock)
 
     def requests(self) -> list[RunRequest]:
         return list(self.tick().run_requests or [])
@@ -96,65 +97,68 @@ class Harness:
         return {s.name: s for s in task_states(self.db, "test")}[name]
 
 
-def test_a_ctl_change_launches_the_task_with_its_values_as_tags(db, instance, resource):
+def test_a_ctl_change_launches_the_task_with_its_values_as_tags(db, instance, resource, now):
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
     first = h.tick()
     assert not first.run_requests and "sales/loaded_until has no current value yet" in first.skip_message
 
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     [request] = h.requests()
     assert request.job_name == "target"
     assert request.tags["cmb/reactive/task"] == "mart"
-    assert launched_values(request.tags) == {("sales", "loaded_until"): NOW}
+    assert launched_values(request.tags) == {("sales", "loaded_until"): now}
     assert "first run" in request.tags["cmb/reactive/reason"]
     assert request.run_key == request.tags["cmb/reactive/run_key"]
 
 
-def test_no_relaunch_while_a_run_is_queued_or_running(db, instance, resource):
+def test_no_relaunch_while_a_run_is_queued_or_running(db, instance, resource, now):
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     [request] = h.requests()
     assert h.requests() == []  # requested, run not created yet: not requested again
     run = h.start(request)
-    h.store.set("sales", "loaded_until", NOW + timedelta(hours=5))
+    h.store.set("sales", "loaded_until", now + timedelta(hours=5))
     result = h.tick()
     assert not result.run_requests
     assert f"run {run.run_id}" in result.skip_message and "queued or running" in result.skip_message
     assert h.state("mart").status == "launched" and h.state("mart").run_id == run.run_id
 
 
-def test_success_commits_the_values_as_last_seen(db, instance, resource):
+def test_success_commits_the_values_as_last_seen(db, instance, resource, now):
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     [request] = h.requests()
     h.execute(request)
     result = h.tick()
     assert not result.run_requests
     state = h.state("mart")
-    assert state.status == "waiting" and state.last_values == {"sales": {"loaded_until": NOW.isoformat()}}
+    assert state.status == "waiting" and state.last_values == {"sales": {"loaded_until": now.isoformat()}}
     assert "short by" in state.explanation
 
-    h.store.set("sales", "loaded_until", NOW + timedelta(minutes=30))
+    h.store.set("sales", "loaded_until", now + timedelta(minutes=30))
     assert h.requests() == []  # 30 min < 1 h since the last run's value
-    h.store.set("sales", "loaded_until", NOW + timedelta(hours=1))
+    h.store.set("sales", "loaded_until", now + timedelta(hours=1))
     [second] = h.requests()
-    assert launched_values(second.tags) == {("sales", "loaded_until"): NOW + timedelta(hours=1)}
+    assert launched_values(second.tags) == {("sales", "loaded_until"): now + timedelta(hours=1)}
     assert second.run_key != request.run_key
 
 
-def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resource):
+def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resource, now):
     h = Harness(
         db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))],
-        retry_backoff=timedelta(seconds=1),
+        retry_backoff=timedelta(minutes=1),
     )
-    h.store.set("sales", "loaded_until", NOW)
+    h.clock = now  # ticks evaluate at a time the test sets: no race with a short backoff
+    h.store.set("sales", "loaded_until", now)
     [first] = h.requests()
     h.execute(first, fail=True)
     result = h.tick()
     assert not result.run_requests and "failed (failure 1 in a row)" in result.skip_message
     assert h.state("mart").status == "backoff"
+    h.clock = now + timedelta(seconds=59)
     assert h.requests() == []  # still backing off
-    [retry] = wait_until(h.requests, timeout=10)
+    h.clock = now + timedelta(minutes=1)
+    [retry] = h.requests()
     assert retry.run_key != first.run_key
     assert launched_values(retry.tags) == launched_values(first.tags)  # same values, next attempt
     assert retry.tags["cmb/reactive/attempt"] == "2" and "retry after 1 failed run" in retry.tags["cmb/reactive/reason"]
@@ -163,10 +167,10 @@ def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resour
     assert h.state("mart").attempts == 0 and h.state("mart").last_values
 
 
-def test_cap_launches_highest_priority_first_and_a_freed_slot_launches_the_next(db, instance, resource):
+def test_cap_launches_highest_priority_first_and_a_freed_slot_launches_the_next(db, instance, resource, now):
     tasks = [ReactiveTask(f"t{p}", target, Delta("sales", "loaded_until", "1h"), priority=p) for p in range(5)]
     h = Harness(db, instance, resource, tasks, max_concurrent_runs=2)
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     requests = h.requests()
     assert [r.tags["cmb/reactive/task"] for r in requests] == ["t4", "t3"]
     runs = [h.start(r) for r in requests]
@@ -176,7 +180,7 @@ def test_cap_launches_highest_priority_first_and_a_freed_slot_launches_the_next(
     assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["t2"]
 
 
-def test_a_bad_task_does_not_break_the_tick_for_the_others(db, instance, resource):
+def test_a_bad_task_does_not_break_the_tick_for_the_others(db, instance, resource, now):
     broken = ChunkDelay.model_construct(  # slipped past validation: evaluating it raises
         kind="ChunkDelay", entity="sales", parameter="loaded_until", scale="fortnight", max_delay=None, timezone=None
     )
@@ -186,19 +190,19 @@ def test_a_bad_task_does_not_break_the_tick_for_the_others(db, instance, resourc
         ReactiveTask("patient", target, Delta("not_yet", "loaded_until", "1h")),
     ]
     h = Harness(db, instance, resource, tasks)
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     result = h.tick()
     assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
     assert h.state("broken").status == "error" and "raised ValueError" in h.state("broken").explanation
     assert "not_yet/loaded_until has no current value yet" in h.state("patient").explanation
 
 
-def test_only_tasks_whose_inputs_changed_are_evaluated(db, instance, resource):
+def test_only_tasks_whose_inputs_changed_are_evaluated(db, instance, resource, now):
     tasks = [ReactiveTask(f"t{i}", target, Delta(f"e{i}", "loaded_until", "1h")) for i in range(30)]
     h = Harness(db, instance, resource, tasks)
     h.tick()  # first tick: every task is new to the code location
-    h.store.set("e7", "loaded_until", NOW)
-    h.store.set("unrelated", "loaded_until", NOW)
+    h.store.set("e7", "loaded_until", now)
+    h.store.set("unrelated", "loaded_until", now)
     before = {s.name: s.evaluated_at for s in task_states(db, "test")}
     [request] = h.requests()
     after = {s.name: s.evaluated_at for s in task_states(db, "test")}
@@ -206,9 +210,9 @@ def test_only_tasks_whose_inputs_changed_are_evaluated(db, instance, resource):
     assert [name for name in before if before[name] != after[name]] == ["t7"]
 
 
-def test_a_changed_definition_is_evaluated_again_with_the_seeds_release_rules(db, instance, resource):
+def test_a_changed_definition_is_evaluated_again_with_the_seeds_release_rules(db, instance, resource, now):
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
-    h.store.set_many({("sales", "loaded_until"): NOW, ("prices", "loaded_until"): NOW})
+    h.store.set_many({("sales", "loaded_until"): now, ("prices", "loaded_until"): now})
     [request] = h.requests()
     h.execute(request)
     assert h.requests() == []  # success: nothing new
@@ -219,24 +223,24 @@ def test_a_changed_definition_is_evaluated_again_with_the_seeds_release_rules(db
     [again] = h2.requests()
     reason = again.tags["cmb/reactive/reason"]
     assert "Delta(sales/loaded_until) waits" in reason and "the parameter is new to the trigger" in reason
-    assert h2.state("mart").last_values == {"sales": {"loaded_until": NOW.isoformat()}}
+    assert h2.state("mart").last_values == {"sales": {"loaded_until": now.isoformat()}}
     # an unchanged definition in a new process is not evaluated again
     h3 = Harness(db, instance, resource, [ReactiveTask("mart", target, changed)])
     assert "definitions synced" not in h3.tick().skip_message
 
 
-def test_a_time_boxed_tick_resumes_where_it_stopped(db, instance, resource):
+def test_a_time_boxed_tick_resumes_where_it_stopped(db, instance, resource, now):
     tasks = [ReactiveTask(f"t{i:02d}", target, Delta("sales", "loaded_until", "1h")) for i in range(12)]
     h = Harness(db, instance, resource, tasks, tick_seconds=0.001, batch_size=5, max_concurrent_runs=100)
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     ticks = [h.tick() for _ in range(4)]
     launched = [r.tags["cmb/reactive/task"] for t in ticks for r in t.run_requests or []]
     assert [len(t.run_requests or []) for t in ticks] == [5, 5, 2, 0]  # one batch per tick, highest priority first
     assert sorted(launched) == [f"t{i:02d}" for i in range(12)]  # each exactly once
 
 
-def test_asset_materialization_metadata_feeds_ctl_and_bad_metadata_writes_nothing(db, instance, resource):
-    moment = NOW - timedelta(minutes=1)
+def test_asset_materialization_metadata_feeds_ctl_and_bad_metadata_writes_nothing(db, instance, resource, now):
+    moment = now - timedelta(minutes=1)
 
     @asset(key=["shop", "prices"])
     def prices() -> MaterializeResult:
@@ -257,17 +261,17 @@ def test_asset_materialization_metadata_feeds_ctl_and_bad_metadata_writes_nothin
     assert len(h.store.history("shop/prices")) == 1  # applied exactly once
 
 
-def test_ctl_resource_writes_from_an_op(db, instance, resource):
+def test_ctl_resource_writes_from_an_op(db, instance, resource, now):
     @op
     def load(ctl: CtlResource) -> None:
-        ctl.set("sales", "loaded_until", NOW)
+        ctl.set("sales", "loaded_until", now)
 
     @job
     def loader() -> None:
         load()
 
     result = loader.execute_in_process(instance=instance, resources={"ctl": CtlResource(cmb=resource)})
-    assert CtlStore(db).get("sales", "loaded_until") == NOW
+    assert CtlStore(db).get("sales", "loaded_until") == now
     [change] = CtlStore(db).history()
     assert change.changed_by == f"dagster run {result.run_id} (loader)"
 
@@ -308,12 +312,12 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
     assert "sales_report: succeeded" in tick().skip_message
 
 
-def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, resource):
+def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, resource, now):
     from cmb_dagster.reactive.scheduler import LEASE_KIND
     from cmb_dagster.workers import Leases
 
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
-    h.store.set("sales", "loaded_until", NOW)
+    h.store.set("sales", "loaded_until", now)
     other = Leases(db, LEASE_KIND, "another-daemon", ttl=30)
     assert other.acquire(["test"])
     result = h.tick()
@@ -332,19 +336,19 @@ def producer_and_readers(*, produces: bool = True, **priorities: int) -> list[Re
     ]
 
 
-def start_the_producer(h: Harness):
+def start_the_producer(h: Harness, now: datetime):
     h.tick()
-    h.store.set("erp", "exported_until", NOW)
+    h.store.set("erp", "exported_until", now)
     [request] = h.requests()
     assert request.tags["cmb/reactive/task"] == "orders"
     return h.start(request)
 
 
 @pytest.mark.parametrize("success", [True, False])
-def test_a_producer_in_flight_holds_lower_priority_tasks_until_its_run_ends(db, instance, resource, success):
+def test_a_producer_in_flight_holds_lower_priority_tasks_until_its_run_ends(db, instance, resource, success, now):
     h = Harness(db, instance, resource, producer_and_readers(low=1), retry_backoff=timedelta(hours=1))
-    run = start_the_producer(h)
-    h.store.set("sales", "loaded_until", NOW)
+    run = start_the_producer(h, now)
+    h.store.set("sales", "loaded_until", now)
     for _ in range(2):  # held tick after tick while the producer runs
         result = h.tick()
         assert not result.run_requests
@@ -354,19 +358,19 @@ def test_a_producer_in_flight_holds_lower_priority_tasks_until_its_run_ends(db, 
     assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["low"]
 
 
-def test_tasks_of_equal_or_higher_priority_than_the_waiting_task_are_not_held(db, instance, resource):
+def test_tasks_of_equal_or_higher_priority_than_the_waiting_task_are_not_held(db, instance, resource, now):
     h = Harness(db, instance, resource, producer_and_readers(low=1, peer=10, top=20))
-    start_the_producer(h)
-    h.store.set("sales", "loaded_until", NOW)
+    start_the_producer(h, now)
+    h.store.set("sales", "loaded_until", now)
     result = h.tick()
     assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["top", "peer"]
     assert h.state("low").status == "ready"
 
 
-def test_no_hold_without_produces(db, instance, resource):
+def test_no_hold_without_produces(db, instance, resource, now):
     h = Harness(db, instance, resource, producer_and_readers(produces=False, low=1))
-    start_the_producer(h)
-    h.store.set("sales", "loaded_until", NOW)
+    start_the_producer(h, now)
+    h.store.set("sales", "loaded_until", now)
     assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["low"]
 
 

@@ -521,7 +521,8 @@ def test_check_accepts_triggers_that_wait_for_new_data():
 def test_check_warns_on_single_non_delta_trigger(trigger):
     (warning,) = check(trigger)
     assert repr(trigger) in warning
-    assert "rerun" in warning
+    assert "runs again whenever any value it reads changes" in warning
+    assert "as soon as each run ends" not in warning  # the engine waits for a changed value
 
 
 def test_check_warns_on_all_without_delta_child():
