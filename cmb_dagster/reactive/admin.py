@@ -51,7 +51,7 @@ def set_last_value(
 ) -> dict[str, dict[str, str]] | None:
     """Move one value a task's last run saw, into the past too; return the task's last-seen values (None: no task).
 
-    The seed's recovery for a Delta-type trigger after its CTL value moved backwards: set the last-seen value
+    The original design's recovery for a Delta-type trigger after its CTL value moved backwards: set the last-seen value
     to (or before) the new current value and the trigger measures new data from there. The task is
     evaluated again on the next tick.
     """

@@ -17,7 +17,7 @@ One tick, all state in Postgres (table ``reactive_tasks``), time-boxed and resum
    tasks of lower priority than H stay ready and are not launched: the queue waits for the more
    important task. The hold is found from the runs in flight and the parameter -> tasks index.
 6. Hand-launched runs: successful runs tagged with a task's name (not launched by the scheduler) record
-   their values as the task's last-seen values, like a reactive run (the seed's manual recovery).
+   their values as the task's last-seen values, like a reactive run (the original design's manual recovery).
 
 Time alone never turns a trigger from false to true (Delay-type conditions only decay), so tasks whose
 inputs did not change need no evaluation: there is no periodic full scan.

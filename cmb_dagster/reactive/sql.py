@@ -210,7 +210,7 @@ WHERE scheduler = %(scheduler)s AND name = %(name)s
 RETURNING name
 """
 
-# Move one remembered value (into the past too): the seed's manual recovery for Delta-type triggers.
+# Move one remembered value (into the past too): the original design's manual recovery for Delta-type triggers.
 SET_LAST_VALUE = """
 UPDATE reactive_tasks
 SET last_values = jsonb_set(
