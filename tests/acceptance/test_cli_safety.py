@@ -62,6 +62,8 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["reactive", "forget", "nobody", "nothing"]),
     (BAD, ["reactive", "forget", "s", "t", "--parameter", "only-one"]),
     (BAD, ["reactive", "status", "--bogus"]),
+    (BAD, ["reactive", "set-last", "nobody", "nothing", "--parameter", "a/b", "p", "--value", "2024-01-01T00:00:00+00:00"]),
+    (BAD, ["reactive", "set-last", "s", "t", "--parameter", "a/b", "p", "--value", "yesterday"]),
     (BAD, ["pubsub", "consume", "unregistered", "--duration", "0.3"]),
     (BAD, ["pubsub", "consume", "c", "--handler", "no_such_module_x:f", "--duration", "0.3"]),
     (BAD, ["pubsub", "drop", "x", "--branch", "abc"]),
@@ -120,7 +122,7 @@ def check_one_line_error(result: subprocess.CompletedProcess[str], args: list[st
 @pytest.mark.parametrize("form", ["user-info", "query"])
 def test_no_password_anywhere(database_url, tmp_path, form):
     url = with_password(database_url, form)
-    env = {"CMB_DATABASE_URL": url, "CMB_HOME": str(tmp_path / "home")}
+    env = {"CMB_DATABASE_URL": url, "CMB_HOME": str(tmp_path / "home"), "CMB_CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
     results = [(args, run_cli(args, env)) for kind, args in COMMANDS if kind == GOOD]  # in order: they build on each other
     for args, result in results:
         assert result.returncode == 0, (args, result.stderr)
