@@ -128,7 +128,7 @@ def delete(owner_client_id: str, group_key: str, event_key: str, force: bool) ->
 
 
 @callbacks.command()
-@click.option("--ttl-days", default=30, show_default=True, help="Remove finished events older than this.")
+@click.option("--ttl-days", default=30, show_default=True, type=click.IntRange(0, 36500), help="Remove finished events older than this.")
 def clean(ttl_days: int) -> None:
     """Remove finished events and change_log entries older than --ttl-days."""
     with _client() as client:
@@ -149,10 +149,10 @@ def buckets(count: int) -> None:
 @click.option("--buckets", "bucket_list", callback=lambda ctx, param, value: _bucket_ids(value),
               help="Comma-separated bucket ids (default: all, including added ones).")
 @click.option("--duration", type=click.FloatRange(0, min_open=True), help="Seconds to work (default: until SIGTERM or Ctrl-C).")
-@click.option("--concurrency", type=int, help="Parallel calls.")
-@click.option("--timeout", type=float, help="Seconds one call may take.")
-@click.option("--poll-interval", type=float, help="Seconds between polls of a bucket.")
-@click.option("--lease-ttl", type=float, help="Seconds after which a dead worker's buckets are taken over.")
+@click.option("--concurrency", type=click.IntRange(1, 10_000), help="Parallel calls.")
+@click.option("--timeout", type=click.FloatRange(0.1, 3600), help="Seconds one call may take.")
+@click.option("--poll-interval", type=click.FloatRange(0.01, 3600), help="Seconds between polls of a bucket.")
+@click.option("--lease-ttl", type=click.FloatRange(1, 3600), help="Seconds after which a dead worker's buckets are taken over.")
 @click.option("--materialize/--no-materialize", default=True, show_default=True,
               help="Also turn cron schedules into events, every 30 s.")
 @click.option("--allow-host", "allow_hosts", multiple=True,

@@ -43,6 +43,8 @@ def trim(conn: psycopg.Connection, *, batch_size: int = 10_000, retain: timedelt
     """
     if not isinstance(retain, timedelta) or retain < timedelta(0):
         raise InvalidInput(f"retain: must be a timedelta >= 0, not {retain!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= 1_000_000:
+        raise InvalidInput(f"batch_size: must be an integer from 1 to 1,000,000, not {batch_size!r}")
     total = 0
     while True:
         with conn.transaction():

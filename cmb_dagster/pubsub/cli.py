@@ -30,9 +30,9 @@ def pubsub() -> None:
 @click.option("--branch", "branch_id", default=0, show_default=True, help="Branch the consumer reads.")
 @click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
 @click.option("--duration", type=float, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
-@click.option("--batch-size", default=1000, show_default=True, help="Most events per handler call.")
-@click.option("--lease-ttl", default=10.0, show_default=True, help="Seconds a standby waits after this one dies.")
-@click.option("--max-attempts", default=10, show_default=True, help="Failed attempts on one event before --on-poison applies.")
+@click.option("--batch-size", default=1000, show_default=True, type=click.IntRange(1, 100_000), help="Most events per handler call.")
+@click.option("--lease-ttl", default=10.0, show_default=True, type=click.FloatRange(1, 3600), help="Seconds a standby waits after this one dies.")
+@click.option("--max-attempts", default=10, show_default=True, type=click.IntRange(1, 1000), help="Failed attempts on one event before --on-poison applies.")
 @click.option("--on-poison", type=click.Choice(["park", "stop"]), default="park", show_default=True,
               help="park: move the event to the dead letters and go on; stop: keep retrying it.")
 @click.option("--order", type=click.Choice(["snapshot", "txid"]), default="snapshot", show_default=True,
@@ -116,8 +116,8 @@ def replay_command(consumer_id: str, branch_id: int, handler: str | None, event_
 
 
 @pubsub.command("trim")
-@click.option("--batch-size", default=10_000, show_default=True, help="Events deleted per transaction and branch.")
-@click.option("--retain-days", default=7.0, show_default=True, help="Keep events younger than this, read or not.")
+@click.option("--batch-size", default=10_000, show_default=True, type=click.IntRange(1, 1_000_000), help="Events deleted per transaction and branch.")
+@click.option("--retain-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500), help="Keep events younger than this, read or not.")
 def trim_command(batch_size: int, retain_days: float) -> None:
     """Delete the events older than --retain-days every registered consumer of their branch has delivered."""
     with _database().connect(autocommit=True) as conn:

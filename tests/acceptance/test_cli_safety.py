@@ -68,6 +68,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["pubsub", "consume", "c", "--handler", "no_such_module_x:f", "--duration", "0.3"]),
     (BAD, ["pubsub", "drop", "x", "--branch", "abc"]),
     (BAD, ["pubsub", "trim", "--batch-size", "many"]),
+    (BAD, ["pubsub", "trim", "--batch-size", "0"]),
     (BAD, ["pubsub", "reset", "--bogus"]),
     (BAD, ["pubsub", "status", "--bogus"]),
     (BAD, ["pubsub", "replay", "nobody", "--bogus"]),

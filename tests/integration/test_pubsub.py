@@ -386,3 +386,9 @@ def test_txids_crossing_a_power_of_ten_keep_their_order(db):
     consumer, seen = collect(db, batch_size=3)
     assert drain(consumer) == 12
     assert [e.id for e in seen] == ids and seen[0].txid < 10_000_000 <= seen[-1].txid
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, True, 1.5])
+def test_trim_refuses_a_batch_size_that_would_never_finish(db, batch_size):
+    with db.connect(autocommit=True) as conn, pytest.raises(InvalidInput, match="batch_size"):
+        trim(conn, batch_size=batch_size)
