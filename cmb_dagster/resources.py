@@ -10,9 +10,11 @@ from pydantic import Field
 
 from cmb_dagster.database import Database
 
-# Dagster warns about the beta `owners` parameter each time any sensor is built, i.e. every time a
-# code location loads: hundreds of identical lines in `dagster dev`'s terminal. Our sensors set no owners.
+# Dagster warns about beta APIs each time a definition using them is built, i.e. every time a code location
+# loads: hundreds of identical lines in `dagster dev`'s terminal. Our sensors set no owners; the queue and
+# lag assets are observable source assets on purpose (Observe works, there is no Materialize to fail).
 warnings.filterwarnings("ignore", message="Parameter `owners`", category=BetaWarning)
+warnings.filterwarnings("ignore", message="Function `observable_source_asset`", category=BetaWarning)
 
 
 class CmbResource(ConfigurableResource):

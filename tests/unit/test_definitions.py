@@ -1,5 +1,8 @@
 """cmb_definitions: one options object per engine, names under a prefix, the user's definitions merged in."""
 
+import subprocess
+import sys
+
 import pytest
 from dagster import Definitions, job, op
 
@@ -62,3 +65,12 @@ def test_reactive_names_take_the_prefix_too():
 def test_bad_options_are_invalid_input_naming_the_field(make):
     with pytest.raises(InvalidInput, match="workers|trim_cron|unknown"):
         make()
+
+
+def test_example_location_loads_without_beta_warnings() -> None:
+    """A code location loads in every Dagster process, many times: a warning there floods the terminal."""
+    loaded = subprocess.run(
+        [sys.executable, "-W", "default", "-c", "import cmb_dagster.examples.definitions"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert "BetaWarning" not in loaded.stderr, loaded.stderr
