@@ -162,8 +162,8 @@ def test_timers_fire_at_their_time_never_before_also_after_a_restart(db):
     assert all(store.get(f"t{i}").payload["status"] == "active" for i in range(5))
     assert by_stage(db)["withdraw"].timers == 5
     before = len(stage.calls)
-    for shard in range(8):  # the queue itself refuses entries not yet due (not only the worker's plan)
-        assert first.engine.process_batch(shard, "withdraw").taken == 0
+    # the queue itself refuses entries not yet due (not only the worker's plan)
+    assert first.engine.process_batch(range(8), ["withdraw"]).taken == 0
     assert len(stage.calls) == before
     # a new worker (a restart) fires them
     worker = StageWorker(db, [stage], listen=False, owner="second")
@@ -478,9 +478,9 @@ def test_a_shard_cannot_be_taken_over_while_a_batch_of_it_is_open(db):
     set_shard_count(db, 1)
     StageStore(db, [stage]).put("b", {})
     engine = Engine(db, [stage])
-    engine.changes_batch(0)
+    engine.changes_batch([0])
     lease = Leases(db, "stages.shard", "A", ttl=1).acquire(["shard:0/1"])["shard:0/1"]
-    batch = threading.Thread(target=engine.process_batch, args=(0, "blocking"), kwargs={"lease": lease, "shard_count": 1})
+    batch = threading.Thread(target=engine.process_batch, args=([0], ["blocking"]), kwargs={"leases": [lease], "shard_count": 1})
     batch.start()
     assert entered.wait(5)
     time.sleep(1.3)  # A's lease has expired while its batch is open
@@ -495,4 +495,4 @@ def test_a_shard_cannot_be_taken_over_while_a_batch_of_it_is_open(db):
     assert taken["shard:0/1"].fence == lease.fence + 1
     assert StageStore(db).get("b").payload == {"done": True}
     with pytest.raises(LeaseLost):  # and A's next batch is refused
-        engine.process_batch(0, "blocking", lease=lease, shard_count=1)
+        engine.process_batch([0], ["blocking"], leases=[lease], shard_count=1)
