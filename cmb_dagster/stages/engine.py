@@ -160,7 +160,7 @@ class Engine:
 
         def confirm(shard_count: int | None) -> tuple[int, int]:
             leases_held()
-            count, branch, _, _ = settings.fetchone()
+            count, branch, _, _, _ = settings.fetchone()
             if shard_count is not None and count != shard_count:
                 raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
             return count, branch

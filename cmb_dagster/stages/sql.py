@@ -90,12 +90,15 @@ RETURNING version
 
 # -- processing ----------------------------------------------------------------------------------
 
-# Inside the batch transaction: the settings row as BEGIN_WRITE does (under the engine's writer mark)
-# and a server-side limit on idling in it, so a worker hung inside process() cannot hold its shard.
+# Inside the batch transaction: the settings row as BEGIN_WRITE does (under the engine's writer mark),
+# a server-side limit on idling in it, so a worker hung inside process() cannot hold its shard, and no
+# JIT: without planner statistics the batch queries' cost estimates are high enough to trigger a JIT
+# compilation (hundreds of ms) for queries that run in a few ms.
 BEGIN_BATCH = """
 SELECT shard_count, results_branch,
        set_config('cmb.stages_writer', 'engine', true),
-       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true)
+       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
+       set_config('jit', 'off', true)
 FROM stage_settings FOR KEY SHARE
 """
 
