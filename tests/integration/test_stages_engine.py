@@ -280,6 +280,10 @@ def test_bad_input_is_refused_and_writes_nothing(db):
         store.put("p", [1, 2])  # type: ignore[arg-type]
     with pytest.raises(InvalidStageInput, match="payload of 'q': not JSON-serializable"):
         store.put_many({"ok": {"a": 1}, "q": {"a": object()}})
+    store.put("r", {"a": 1})
+    with pytest.raises(InvalidStageInput, match="patch: must be a JSON object"):
+        store.patch("r", [1])  # type: ignore[arg-type]
+    assert store.get("r").version == 1
     assert store.get("ok") is None  # nothing half-written
     with pytest.raises(EntityNotFound):
         store.patch("nobody", {"a": 1})
