@@ -89,6 +89,18 @@ class _Counts:
             self.by_stage.setdefault(stage, [0] * 6)[index] += n
 
 
+def _within_limits(rows: list[tuple[Any, ...]], limits: dict[str, int]) -> list[tuple[Any, ...]]:
+    """At most ``limits[stage]`` rows of each stage (the rest stay queued)."""
+    taken: dict[str, int] = {}
+    kept = []
+    for row in rows:
+        stage = row[1]
+        if taken.get(stage, 0) < limits[stage]:
+            taken[stage] = taken.get(stage, 0) + 1
+            kept.append(row)
+    return kept
+
+
 class Engine:
     """Runs batches of stages over shards; used by :class:`~cmb_dagster.stages.worker.StageWorker`,
     the rescan and tests."""
@@ -140,13 +152,15 @@ class Engine:
                     del limits[name]
             if not limits:
                 return report
+            shards = list(shards)
+            per_shard = -(-self.batch_size // len(shards))  # shards are hash-balanced: lock little more than used
             with conn.pipeline():  # one round trip: leases, settings and the due entries
                 confirm = self._begin(conn, leases)
                 picked = conn.execute(q.PEEK_AND_LOAD, {
-                    "shards": list(shards), "stages": list(limits), "limits": list(limits.values()),
+                    "shards": shards, "stages": list(limits), "limits": [min(n, per_shard) for n in limits.values()],
                     "limit": self.batch_size})
                 count, branch = confirm(shard_count)
-                rows = picked.fetchall()
+                rows = _within_limits(picked.fetchall(), limits)
             if rows:
                 report.taken = len(rows)
                 self._process_rows(conn, shards[0], count, branch, rows, report)
