@@ -77,7 +77,7 @@ class _Writes:
     timer_ids: list[str] = field(default_factory=list)
     timer_dues: list[datetime] = field(default_factory=list)
     published_ids: list[str] = field(default_factory=list)
-    published: list[str] = field(default_factory=list)
+    published_changed: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -266,14 +266,7 @@ class Engine:
                 writes.timer_dues.append(due)
             if self.publish:
                 writes.published_ids.append(entity.id)
-                own = states.get(stage.name)
-                writes.published.append(json.dumps({
-                    "stage": stage.name, "entity_id": entity.id,
-                    "version": entity.version + (new_payload is not None),
-                    "payload": new_payload if new_payload is not None else entity.payload,
-                    "state": json.loads(state_text) if state_changed else (own[0] if own else None),
-                    "changed": new_payload is not None,
-                }))
+                writes.published_changed.append(new_payload is not None)
         report.changed = len(saves_ids)
         report.offered = len(offers)
         report.capped = sum(c[5] for c in counts.by_stage.values())
@@ -300,8 +293,8 @@ class Engine:
                 if name in conflicted:
                     conn.execute(q.CONFLICTED, {"stage": name, "ids": conflicted[name], "max_conflicts": stage.max_conflicts})
                 if writes.published_ids:
-                    conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{name}",
-                                             "ids": writes.published_ids, "payloads": writes.published})
+                    conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{name}", "stage": name,
+                                             "ids": writes.published_ids, "changed": writes.published_changed})
             if offers:
                 self._offer(conn, shard_count, offers)
             self._count(conn, count_shard, counts)

@@ -278,11 +278,17 @@ ON CONFLICT (stage, shard_id) DO UPDATE SET
     parked = c.parked + EXCLUDED.parked, capped = c.capped + EXCLUDED.capped, updated_at = now()
 """
 
-# Post-save publication: the bulk form of cmb_dagster.pubsub.publish (same columns, same txid default).
+# Post-save publication: the bulk form of cmb_dagster.pubsub.publish (same columns, same txid default),
+# after the batch's other writes: the saved entity and the stage's state as the table holds them.
 PUBLISH = """
 INSERT INTO pubsub_events (branch_id, topic, op, key, payload)
-SELECT %(branch)s, %(topic)s, 'publish', jsonb_build_object('entity_id', u.entity_id), u.payload::jsonb
-FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
+SELECT %(branch)s, %(topic)s, 'publish', jsonb_build_object('entity_id', u.entity_id),
+       jsonb_build_object('stage', %(stage)s::text, 'entity_id', u.entity_id, 'version', e.version,
+                          'payload', e.payload, 'state', s.state, 'changed', u.changed)
+FROM unnest(%(ids)b::text[], %(changed)b::bool[]) WITH ORDINALITY AS u(entity_id, changed, n)
+JOIN stage_entities e ON e.entity_id = u.entity_id
+LEFT JOIN stage_states s ON s.entity_id = u.entity_id AND s.stage = %(stage)s::text
+ORDER BY u.n
 """
 
 # What some shards have: per stage and lane the earliest entry's due time (lane -1: the change path),
