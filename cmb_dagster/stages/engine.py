@@ -132,6 +132,9 @@ class Engine:
         stage per entity, each stage's main queue before its low-priority one."""
         names = list(self.stages) if stage_names is None else list(stage_names)
         report = BatchReport()
+        shards = list(shards)
+        if not shards:
+            return report
         limits: dict[str, int] = {}
         for name in names:
             stage = self.stages[name]
@@ -152,7 +155,6 @@ class Engine:
                     del limits[name]
             if not limits:
                 return report
-            shards = list(shards)
             per_shard = -(-self.batch_size // len(shards))  # shards are hash-balanced: lock little more than used
             with conn.pipeline():  # one round trip: leases, settings and the due entries
                 confirm = self._begin(conn, leases)
