@@ -28,3 +28,13 @@ WHERE kind = %(kind)s AND partition = %(partition)s AND owner = %(owner)s AND fe
   AND expires_at > now()
 FOR SHARE
 """
+
+# CHECK_LEASE for several partitions of one kind and owner at once: the partitions still held.
+CHECK_LEASES = """
+SELECT l.partition FROM leases l
+JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) AS u(partition, fence)
+  ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
+WHERE l.owner = %(owner)s AND l.expires_at > now()
+ORDER BY l.partition
+FOR SHARE OF l
+"""

@@ -9,6 +9,7 @@ long-running ``cmb-dagster ... worker`` process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -81,7 +82,32 @@ class Leases:
             raise LeaseLost(f"{lease.kind} partition {lease.partition!r} is no longer held by {lease.owner}")
 
 
+    @staticmethod
+    def check_many(conn: psycopg.Connection, leases: Sequence[Lease]) -> Callable[[], None]:
+        """:meth:`check` for leases of one kind and owner in one statement.
+
+        Sends the check and returns a function that raises LeaseLost unless every lease is held; in
+        pipeline mode, other statements of the transaction can be sent before it is called.
+        """
+        if not leases:
+            return lambda: None
+        if len({(lease.kind, lease.owner) for lease in leases}) != 1:
+            raise ValueError("check_many takes leases of one kind and one owner")
+        cursor = conn.execute(sql.CHECK_LEASES, {
+            "kind": leases[0].kind, "owner": leases[0].owner,
+            "partitions": [lease.partition for lease in leases], "fences": [lease.fence for lease in leases]})
+
+        def confirm() -> None:
+            held = {row[0] for row in cursor.fetchall()}
+            lost = sorted(lease.partition for lease in leases if lease.partition not in held)
+            if lost:
+                raise LeaseLost(f"{leases[0].kind} partitions {lost} are no longer held by {leases[0].owner}")
+
+        return confirm
+
+
 Step = Callable[[Lease], int]
+JointStep = Callable[[list[Lease]], int]
 
 
 @dataclass
@@ -103,6 +129,8 @@ class Worker:
     no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`). A step
     that raises is logged and its partition is retried after a growing backoff. ``partitions`` may be
     a function, asked again at every lease renewal, for partitions that can be added while it runs.
+    Partitions for which ``joint`` is true are served together: one call ``joint_step(leases)`` with
+    all of them held (one backoff for the group).
     """
 
     def __init__(
@@ -118,12 +146,18 @@ class Worker:
         max_backoff: float = 30.0,
         on_progress: Callable[[WorkerReport], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        joint: Callable[[str], bool] | None = None,
+        joint_step: JointStep | None = None,
     ) -> None:
+        if (joint is None) != (joint_step is None):
+            raise ValueError("joint and joint_step go together")
         if not callable(partitions) and not partitions:
             raise ValueError("a worker needs at least one partition")
         self.leases = Leases(db, kind, owner, ttl)
         self.partitions = partitions if callable(partitions) else list(partitions)
         self.step = step
+        self.joint = joint
+        self.joint_step = joint_step
         self.idle_sleep = idle_sleep
         self.max_backoff = max_backoff
         self.on_progress = on_progress
@@ -168,11 +202,11 @@ class Worker:
                     next_renew = now + renew_every
                     report.held = set(held)
                 handled = 0
-                for partition, lease in sorted(held.items()):
+                for partition, run_step in self._steps(held):
                     if self._stop.is_set() or retry_at.get(partition, 0) > time.monotonic():
                         continue
                     try:
-                        count = self.step(lease)
+                        count = run_step()
                     except LeaseLost as exc:
                         log.warning("%s", exc)
                         next_renew = 0.0
@@ -206,6 +240,20 @@ class Worker:
                     log.warning("could not release leases (%s); they expire in %.0fs", exc, self.leases.ttl)
             report.seconds = time.monotonic() - started
         return report
+
+
+    def _steps(self, held: dict[str, Lease]) -> list[tuple[str, Callable[[], int]]]:
+        """(partition or joint group name, step) for one round over the held partitions."""
+        steps: list[tuple[str, Callable[[], int]]] = []
+        together: list[Lease] = []
+        for partition, lease in sorted(held.items()):
+            if self.joint is not None and self.joint(partition):
+                together.append(lease)
+            else:
+                steps.append((partition, functools.partial(self.step, lease)))
+        if together:
+            steps.insert(0, ("(joint)", functools.partial(self.joint_step, together)))  # type: ignore[arg-type]
+        return steps
 
 
 _running: set[Callable[[], None]] = set()  # how to stop each worker running in this process

@@ -1,20 +1,22 @@
-"""The processing engine: the original design's algorithm, one shard and one stage per transaction.
+"""The processing engine: the original design's algorithm, many shards and stages per transaction.
 
-A batch (one transaction) of stage S in shard k:
+A batch (one transaction) of stages S1..Sn over the shards a worker holds:
 
-1. checks the worker's lease of the shard (fence, share-locked until commit) and the shard count;
-2. takes a max-parallelism slot of S if it has one (an advisory lock held until commit);
-3. peeks up to ``batch_size`` due entries of S (``FOR UPDATE SKIP LOCKED``) and loads each entity,
-   its version and every stage's state of it, in one query;
+1. checks the worker's leases of the shards (fences, share-locked until commit) and the shard count;
+2. takes a max-parallelism slot of each S that has one (an advisory lock held until commit);
+3. peeks due entries (``FOR UPDATE SKIP LOCKED``) of each stage and shard, the low-priority lane
+   only where the main one has nothing due, keeps one entry per entity (one stage works on an
+   entity at a time) up to ``batch_size``, and loads each entity, its version and every stage's
+   state of it. Steps 1 and 3 are one round trip;
 4. calls ``S.process`` for each (pure code: the transaction stays open, nothing is locked but the
    queue entries, so external writers are not blocked);
 5. locks the entities (``FOR NO KEY UPDATE``) and compares versions: the entity version and S's
    state version must be those loaded. Each entity is checked on its own: a conflicted entity keeps
    its queue entry (counted) and is loaded again by the next batch, the others commit;
-6. writes the changed entities (version + 1), S's states, S's timers (or deletes its entries), asks
+6. writes the changed entities (version + 1), the states, the timers (or deletes the entries), asks
    every other stage ``should_process`` on changed entities and offers them (an exception offers
-   anyway), publishes each saved entity + state to the pub/sub stream, and counts;
-7. commits. A crash anywhere before that leaves everything as it was.
+   anyway), publishes each saved entity + state to the pub/sub stream, counts, and commits, all in
+   one round trip. A crash anywhere before the commit leaves everything as it was.
 
 A ``process`` that raises (or returns something invalid) leaves the entity unchanged; its entry is
 retried after a doubling backoff and parked after ``max_attempts``.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -65,12 +67,38 @@ class BatchReport:
 
 
 @dataclass
+class _Writes:
+    """What a batch writes for one stage."""
+
+    state_ids: list[str] = field(default_factory=list)
+    state_texts: list[str | None] = field(default_factory=list)
+    state_flags: list[bool] = field(default_factory=list)
+    no_timer: list[str] = field(default_factory=list)
+    timer_ids: list[str] = field(default_factory=list)
+    timer_dues: list[datetime] = field(default_factory=list)
+    published_ids: list[str] = field(default_factory=list)
+    published_changed: list[bool] = field(default_factory=list)
+
+
+@dataclass
 class _Counts:
     by_stage: dict[str, list[int]] = field(default_factory=dict)  # processed, changed, conflicts, errors, parked, capped
 
     def add(self, stage: str, index: int, n: int = 1) -> None:
         if n:
             self.by_stage.setdefault(stage, [0] * 6)[index] += n
+
+
+def _within_limits(rows: list[tuple[Any, ...]], limits: dict[str, int]) -> list[tuple[Any, ...]]:
+    """At most ``limits[stage]`` rows of each stage (the rest stay queued)."""
+    taken: dict[str, int] = {}
+    kept = []
+    for row in rows:
+        stage = row[1]
+        if taken.get(stage, 0) < limits[stage]:
+            taken[stage] = taken.get(stage, 0) + 1
+            kept.append(row)
+    return kept
 
 
 class Engine:
@@ -94,160 +122,187 @@ class Engine:
         self.batch_seconds = batch_seconds
         self.idle_timeout_ms = f"{int(idle_timeout * 1000)}ms"
 
-    # -- one batch of one stage ----------------------------------------------------------------
+    # -- one batch of stages over shards ---------------------------------------------------------
 
     def process_batch(
-        self, shard: int, stage_name: str, lane: int = MAIN, *, lease: Lease | None = None,
+        self, shards: Sequence[int], stage_names: Sequence[str] | None = None, *, leases: Sequence[Lease] = (),
         shard_count: int | None = None,
     ) -> BatchReport:
-        stage = self.stages[stage_name]
+        """One transaction: due entries of ``stage_names`` (default: all) in ``shards``, at most one
+        stage per entity, each stage's main queue before its low-priority one."""
+        names = list(self.stages) if stage_names is None else list(stage_names)
         report = BatchReport()
-        limit = self.batch_size
-        if stage.rate_limit is not None:
-            limit, wait = self._take_tokens(stage, limit)
-            if limit == 0:
-                report.blocked_until = time.monotonic() + wait
-                return report
+        shards = list(shards)
+        if not shards:
+            return report
+        limits: dict[str, int] = {}
+        for name in names:
+            stage = self.stages[name]
+            limit = self.batch_size
+            if stage.rate_limit is not None:
+                limit, wait = self._take_tokens(stage, limit)
+                if limit == 0:
+                    report.blocked_until = time.monotonic() + wait
+                    continue
+            limits[name] = limit
+        if not limits:
+            return report
         with self.db.connection() as conn:
-            count, branch = self._begin(conn, lease, shard_count)
-            if stage.max_parallelism is not None:
-                key = f"cmb_dagster.stages.parallel:{stage.name}"
-                if conn.execute(q.TAKE_SLOT, {"slots": stage.max_parallelism, "key": key}).fetchone() is None:
+            for name in [n for n in limits if self.stages[n].max_parallelism is not None]:
+                key = f"cmb_dagster.stages.parallel:{name}"
+                if conn.execute(q.TAKE_SLOT, {"slots": self.stages[name].max_parallelism, "key": key}).fetchone() is None:
                     report.blocked_until = time.monotonic() + 0.05
-                    return report
-            rows = conn.execute(q.PEEK_AND_LOAD, {"shard": shard, "stage": stage.name, "lane": lane, "limit": limit}).fetchall()
-            if not rows:
+                    del limits[name]
+            if not limits:
                 return report
-            report.taken = len(rows)
-            self._process_rows(conn, stage, shard, count, branch, rows, report)
+            per_shard = -(-self.batch_size // len(shards))  # shards are hash-balanced: lock little more than used
+            with conn.pipeline():  # one round trip: leases, settings and the due entries
+                confirm = self._begin(conn, leases)
+                picked = conn.execute(q.PEEK_AND_LOAD, {
+                    "shards": shards, "stages": list(limits), "limits": [min(n, per_shard) for n in limits.values()],
+                    "limit": self.batch_size})
+                count, branch = confirm(shard_count)
+                rows = _within_limits(picked.fetchall(), limits)
+            if rows:
+                report.taken = len(rows)
+                self._process_rows(conn, shards[0], count, branch, rows, report)
         return report
 
-    def _begin(self, conn: psycopg.Connection, lease: Lease | None, shard_count: int | None) -> tuple[int, int]:
-        if lease is not None:
-            Leases.check(conn, lease)
-        count, branch, _, _ = conn.execute(q.BEGIN_BATCH, {"idle_timeout": self.idle_timeout_ms}).fetchone()
-        if shard_count is not None and count != shard_count:
-            raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
-        return count, branch
+    def _begin(self, conn: psycopg.Connection, leases: Sequence[Lease]) -> Callable[[int | None], tuple[int, int]]:
+        """Send the lease check (share-locked until commit) and the batch settings; the returned
+        function checks both and gives the shard count and the results branch."""
+        leases_held = Leases.check_many(conn, leases)
+        settings = conn.execute(q.BEGIN_BATCH, {"idle_timeout": self.idle_timeout_ms})
 
-    def _process_rows(self, conn: psycopg.Connection, stage: Stage, shard: int, shard_count: int, branch: int,
+        def confirm(shard_count: int | None) -> tuple[int, int]:
+            leases_held()
+            count, branch, _, _, _ = settings.fetchone()
+            if shard_count is not None and count != shard_count:
+                raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
+            return count, branch
+
+        return confirm
+
+    def _process_rows(self, conn: psycopg.Connection, count_shard: int, shard_count: int, branch: int,
                       rows: list[tuple[Any, ...]], report: BatchReport) -> None:
         now = datetime.now(UTC)
         deadline = time.monotonic() + self.batch_seconds
-        done: list[tuple[Entity, dict[str, Any], set[str], dict[str, Any] | None, str | None, str | None, bool, datetime | None]] = []
-        failures: list[tuple[str, str, float]] = []
-        gone: list[str] = []
+        done: list[tuple[Stage, Entity, dict[str, Any], set[str], dict[str, Any] | None, str | None, str | None, bool, datetime | None]] = []
+        failures: dict[str, list[tuple[str, str, float]]] = {}
+        gone: dict[str, list[str]] = {}
         counts = _Counts()
-        for entity_id, attempts, conflicts, version, payload, _due, states, ready in rows:
+        for entity_id, stage_name, attempts, version, payload, states, ready in rows:
+            stage = self.stages[stage_name]
             if version is None:
-                gone.append(entity_id)
+                gone.setdefault(stage_name, []).append(entity_id)
                 continue
             if time.monotonic() > deadline:  # the rest stays queued (and locked until commit)
                 break
             entity = Entity(entity_id, version, payload)
             states = states or {}
-            own = states.get(stage.name)
+            own = states.get(stage_name)
             try:
                 state = stage.load_state(own[0] if own else None)
                 result = stage.process(entity, state)
                 new_payload, payload_text, state_text, state_changed, due = self._validated(stage, entity, own, result, now)
             except Exception as exc:  # noqa: BLE001 - any failure of user code leaves the entity unchanged
                 delay = min(stage.max_backoff, stage.retry_backoff * 2 ** attempts)
-                failures.append((entity_id, f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT], delay))
+                failures.setdefault(stage_name, []).append((entity_id, f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT], delay))
+                counts.add(stage_name, 3)
                 if attempts + 1 >= stage.max_attempts:
                     report.parked += 1
+                    counts.add(stage_name, 4)
                     log.error("stage %s: entity %r parked after %d attempts: %s: %s",
-                              stage.name, entity_id, attempts + 1, type(exc).__name__, exc)
+                              stage_name, entity_id, attempts + 1, type(exc).__name__, exc)
                 else:
                     log.warning("stage %s: entity %r failed (attempt %d of %d, retry in %.1fs): %s: %s",
-                                stage.name, entity_id, attempts + 1, stage.max_attempts, delay, type(exc).__name__, exc)
+                                stage_name, entity_id, attempts + 1, stage.max_attempts, delay, type(exc).__name__, exc)
                 continue
-            done.append((entity, states, set(ready or ()), new_payload, payload_text, state_text, state_changed, due))
+            done.append((stage, entity, states, set(ready or ()), new_payload, payload_text, state_text, state_changed, due))
         report.processed = len(done)
-        report.errors = len(failures)
+        report.errors = sum(len(f) for f in failures.values())
 
         ok: list[Any] = []
-        conflicted: list[str] = []
+        conflicted: dict[str, list[str]] = {}
         if done:
-            current = {r[0]: (r[1], r[2]) for r in conn.execute(q.CHECK_VERSIONS, {"stage": stage.name, "ids": sorted(d[0].id for d in done)})}
+            ids = [d[1].id for d in done]
+            with conn.pipeline():  # lock first, then read the versions in a snapshot taken after the locks
+                conn.execute(q.LOCK_PROCESSED, {"ids": sorted(ids)})
+                current = {(r[0], r[1]): (r[2], r[3]) for r in conn.execute(
+                    q.CHECK_VERSIONS, {"ids": ids, "stages": [d[0].name for d in done]})}
             for item in done:
-                entity, states = item[0], item[1]
+                stage, entity, states = item[0], item[1], item[2]
                 own = states.get(stage.name)
                 loaded_state_version = own[1] if own else 0
-                now_version = current.get(entity.id)
+                now_version = current.get((entity.id, stage.name))
                 if now_version is None:
-                    gone.append(entity.id)
+                    gone.setdefault(stage.name, []).append(entity.id)
                 elif now_version != (entity.version, loaded_state_version):
-                    conflicted.append(entity.id)
+                    conflicted.setdefault(stage.name, []).append(entity.id)
+                    counts.add(stage.name, 2)
                 else:
                     ok.append(item)
-        report.conflicts = len(conflicted)
+        report.conflicts = sum(len(c) for c in conflicted.values())
 
         saves_ids, saves_payloads = [], []
-        state_ids, state_texts, state_flags = [], [], []
-        no_timer, timer_ids, timer_dues = list(gone), [], []
+        by_stage: dict[str, _Writes] = {}
         offers: list[tuple[str, str, datetime]] = []
-        published_ids, published = [], []
-        for entity, states, ready, new_payload, payload_text, state_text, state_changed, due in ok:
+        for stage, entity, states, ready, new_payload, payload_text, state_text, state_changed, due in ok:
+            writes = by_stage.setdefault(stage.name, _Writes())
             if new_payload is not None:
                 saves_ids.append(entity.id)
                 saves_payloads.append(payload_text)
                 new_entity = Entity(entity.id, entity.version + 1, new_payload)
                 fields = changed_fields(entity.payload, new_payload)
                 offers.extend(self._ask(new_entity, states, ready, fields, now, counts, skip=stage.name))
+                counts.add(stage.name, 1)
+            counts.add(stage.name, 0)
             if state_changed or stage.max_triggers is not None:
-                state_ids.append(entity.id)
-                state_texts.append(state_text)
-                state_flags.append(state_changed)
+                writes.state_ids.append(entity.id)
+                writes.state_texts.append(state_text)
+                writes.state_flags.append(state_changed)
             if due is None:
-                no_timer.append(entity.id)
+                writes.no_timer.append(entity.id)
             else:
-                timer_ids.append(entity.id)
-                timer_dues.append(due)
+                writes.timer_ids.append(entity.id)
+                writes.timer_dues.append(due)
             if self.publish:
-                published_ids.append(entity.id)
-                own = states.get(stage.name)
-                published.append(json.dumps({
-                    "stage": stage.name, "entity_id": entity.id,
-                    "version": entity.version + (new_payload is not None),
-                    "payload": new_payload if new_payload is not None else entity.payload,
-                    "state": json.loads(state_text) if state_changed else (own[0] if own else None),
-                    "changed": new_payload is not None,
-                }))
+                writes.published_ids.append(entity.id)
+                writes.published_changed.append(new_payload is not None)
         report.changed = len(saves_ids)
         report.offered = len(offers)
-        counts.add(stage.name, 0, len(ok))
-        counts.add(stage.name, 1, len(saves_ids))
-        counts.add(stage.name, 2, len(conflicted))
-        counts.add(stage.name, 3, len(failures))
-        counts.add(stage.name, 4, report.parked)
         report.capped = sum(c[5] for c in counts.by_stage.values())
 
         with conn.pipeline():
             if saves_ids:
                 conn.execute(q.SAVE_ENTITIES, {"ids": saves_ids, "payloads": saves_payloads})
-            if state_ids:
-                conn.execute(q.SAVE_STATES, {"stage": stage.name, "ids": state_ids, "states": state_texts,
-                                             "changed": state_flags, "window": stage.trigger_window})
-            if no_timer:
-                conn.execute(q.DELETE_ENTRIES, {"stage": stage.name, "ids": no_timer})
-            if timer_ids:
-                conn.execute(q.SET_TIMERS, {"stage": stage.name, "ids": timer_ids, "dues": timer_dues})
+            for name in sorted(set(by_stage) | set(gone) | set(failures) | set(conflicted)):
+                stage = self.stages[name]
+                writes = by_stage.get(name, _Writes())
+                if writes.state_ids:
+                    conn.execute(q.SAVE_STATES, {"stage": name, "ids": writes.state_ids, "states": writes.state_texts,
+                                                 "changed": writes.state_flags, "window": stage.trigger_window})
+                no_timer = writes.no_timer + gone.get(name, [])
+                if no_timer:
+                    conn.execute(q.DELETE_ENTRIES, {"stage": name, "ids": no_timer})
+                if writes.timer_ids:
+                    conn.execute(q.SET_TIMERS, {"stage": name, "ids": writes.timer_ids, "dues": writes.timer_dues})
+                if name in failures:
+                    failed = failures[name]
+                    conn.execute(q.FAILED, {"stage": name, "max_attempts": stage.max_attempts,
+                                            "ids": [f[0] for f in failed], "errors": [f[1] for f in failed],
+                                            "delays": [f[2] for f in failed]})
+                if name in conflicted:
+                    conn.execute(q.CONFLICTED, {"stage": name, "ids": conflicted[name], "max_conflicts": stage.max_conflicts})
+                if writes.published_ids:
+                    conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{name}", "stage": name,
+                                             "ids": writes.published_ids, "changed": writes.published_changed})
             if offers:
                 self._offer(conn, shard_count, offers)
-            if failures:
-                conn.execute(q.FAILED, {"stage": stage.name, "max_attempts": stage.max_attempts,
-                                        "ids": [f[0] for f in failures], "errors": [f[1] for f in failures],
-                                        "delays": [f[2] for f in failures]})
-            if conflicted:
-                conn.execute(q.CONFLICTED, {"stage": stage.name, "ids": conflicted, "max_conflicts": stage.max_conflicts})
-            if published_ids:
-                conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{stage.name}",
-                                         "ids": published_ids, "payloads": published})
-            self._count(conn, shard, counts)
-        if conflicted:
-            log.info("stage %s: %d of %d entities changed while processed; they run again on the new version",
-                     stage.name, len(conflicted), len(done))
+            self._count(conn, count_shard, counts)
+            conn.commit()
+        for name, ids in conflicted.items():
+            log.info("stage %s: %d entities changed while processed; they run again on the new version", name, len(ids))
 
     def _validated(self, stage: Stage, entity: Entity, own: Any, result: Any, now: datetime):  # type: ignore[no-untyped-def]
         if not isinstance(result, StageResult):
@@ -313,11 +368,14 @@ class Engine:
             "dues": [o[2] for o in offers],
         })
 
-    def changes_batch(self, shard: int, *, lease: Lease | None = None, shard_count: int | None = None) -> int:
+    def changes_batch(self, shards: Sequence[int], *, leases: Sequence[Lease] = (), shard_count: int | None = None) -> int:
         """Ask the stages about entities changed through the API or plain SQL (the change path)."""
         with self.db.connection() as conn:
-            count, _ = self._begin(conn, lease, shard_count)
-            rows = conn.execute(q.PEEK_CHANGES, {"shard": shard, "limit": self.batch_size}).fetchall()
+            with conn.pipeline():
+                confirm = self._begin(conn, leases)
+                picked = conn.execute(q.PEEK_CHANGES, {"shards": list(shards), "limit": self.batch_size})
+                count, _ = confirm(shard_count)
+                rows = picked.fetchall()
             if not rows:
                 return 0
             now = datetime.now(UTC)
@@ -332,7 +390,8 @@ class Engine:
                 if offers:
                     self._offer(conn, count, offers)
                 conn.execute(q.DELETE_CHANGES, {"ids": [r[0] for r in rows]})
-                self._count(conn, shard, counts)
+                self._count(conn, shards[0], counts)
+                conn.commit()
         return len(rows)
 
     # -- limits, counters ----------------------------------------------------------------------
@@ -358,11 +417,11 @@ class Engine:
 
     # -- planning, rescan ----------------------------------------------------------------------
 
-    def plan(self, shard: int) -> tuple[dict[tuple[str, int], float], bool]:
-        """Seconds until the earliest entry of each (stage, lane) of ``shard`` is due (<= 0: due now),
+    def plan(self, shards: Sequence[int]) -> tuple[dict[tuple[str, int], float], bool]:
+        """Seconds until the earliest entry of each (stage, lane) in ``shards`` is due (<= 0: due now),
         and whether the change path has entries."""
         with self.db.connection() as conn:
-            rows = conn.execute(q.PLAN, {"shard": shard, "stages": list(self.stages)}).fetchall()
+            rows = conn.execute(q.PLAN, {"shards": list(shards), "stages": list(self.stages)}).fetchall()
         waits: dict[tuple[str, int], float] = {}
         changes = False
         for stage, lane, due, now in rows:

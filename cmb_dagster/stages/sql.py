@@ -90,12 +90,15 @@ RETURNING version
 
 # -- processing ----------------------------------------------------------------------------------
 
-# Inside the batch transaction: the settings row as BEGIN_WRITE does (under the engine's writer mark)
-# and a server-side limit on idling in it, so a worker hung inside process() cannot hold its shard.
+# Inside the batch transaction: the settings row as BEGIN_WRITE does (under the engine's writer mark),
+# a server-side limit on idling in it, so a worker hung inside process() cannot hold its shard, and no
+# JIT: without planner statistics the batch queries' cost estimates are high enough to trigger a JIT
+# compilation (hundreds of ms) for queries that run in a few ms.
 BEGIN_BATCH = """
 SELECT shard_count, results_branch,
        set_config('cmb.stages_writer', 'engine', true),
-       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true)
+       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
+       set_config('jit', 'off', true)
 FROM stage_settings FOR KEY SHARE
 """
 
@@ -121,35 +124,58 @@ FROM now_ WHERE r.stage = now_.stage
 RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
 """
 
-# The original design's Queue.peek + loading: due entries of one stage and lane in one shard, locked for this
-# batch (SKIP LOCKED), with the entity, every stage's state of it, and the stages it is already due in.
+# The original design's Queue.peek + loading, over several shards and stages: each (shard, stage)'s due
+# entries (the low-priority lane only where the main one has nothing due), locked for this batch (SKIP
+# LOCKED); of those, one entry per entity (one stage at a time on an entity), the earliest due first,
+# with the entity, every stage's state of it, and the stages it is already due in.
 PEEK_AND_LOAD = """
 WITH picked AS (
-    SELECT q.entity_id, q.attempts, q.conflicts, q.due_at
-    FROM stage_queue q
-    WHERE q.shard_id = %(shard)s AND q.stage = %(stage)s AND q.lane = %(lane)s
-      AND q.parked_at IS NULL AND q.due_at <= now()
-    ORDER BY q.due_at
+    SELECT q.entity_id, q.stage, q.attempts, q.due_at
+    FROM unnest(%(shards)b::int[]) AS sh(shard_id)
+    CROSS JOIN unnest(%(stages)b::text[], %(limits)b::int[]) AS st(stage, lim)
+    CROSS JOIN (VALUES (0::smallint), (1::smallint)) AS ln(lane)
+    CROSS JOIN LATERAL (
+        SELECT q.entity_id, q.stage, q.attempts, q.due_at
+        FROM stage_queue q
+        WHERE q.shard_id = sh.shard_id AND q.stage = st.stage AND q.lane = ln.lane
+          AND q.parked_at IS NULL AND q.due_at <= now()
+          AND (ln.lane = 0 OR NOT EXISTS (
+                SELECT 1 FROM stage_queue m
+                WHERE m.shard_id = sh.shard_id AND m.stage = st.stage AND m.lane = 0
+                  AND m.parked_at IS NULL AND m.due_at <= now()))
+        ORDER BY q.due_at
+        LIMIT st.lim
+        FOR UPDATE SKIP LOCKED
+    ) q
+), chosen AS (
+    SELECT * FROM (SELECT DISTINCT ON (entity_id) * FROM picked ORDER BY entity_id, due_at, stage) one
+    ORDER BY due_at
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
 )
-SELECT p.entity_id, p.attempts, p.conflicts, e.version, e.payload, p.due_at,
+SELECT p.entity_id, p.stage, p.attempts, e.version, e.payload,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
                                 extract(epoch FROM s.window_start)))
         FROM stage_states s WHERE s.entity_id = p.entity_id),
        (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
         FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
-FROM picked p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
+FROM chosen p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
+ORDER BY p.due_at
 """
 
-# The change path's batch: changed entities of one shard, with every state and the stages queued.
+# The change path's batch: changed entities of some shards, with every state and the stages queued.
 PEEK_CHANGES = """
 WITH picked AS (
-    SELECT c.entity_id, c.fields FROM stage_changes c
-    WHERE c.shard_id = %(shard)s
-    ORDER BY c.changed_at
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+    SELECT c.entity_id, c.fields, c.changed_at
+    FROM unnest(%(shards)b::int[]) AS sh(shard_id)
+    CROSS JOIN LATERAL (
+        SELECT c.entity_id, c.fields, c.changed_at FROM stage_changes c
+        WHERE c.shard_id = sh.shard_id
+        ORDER BY c.changed_at
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) c
+), chosen AS (
+    SELECT * FROM picked ORDER BY changed_at LIMIT %(limit)s
 )
 SELECT p.entity_id, p.fields, e.version, e.payload,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
@@ -157,18 +183,21 @@ SELECT p.entity_id, p.fields, e.version, e.payload,
         FROM stage_states s WHERE s.entity_id = p.entity_id),
        (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
         FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
-FROM picked p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
+FROM chosen p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
 """
 
 DELETE_CHANGES = "DELETE FROM stage_changes WHERE entity_id = ANY(%(ids)b::text[])"
 
-# The optimistic check: lock the entities processed, read their versions and this stage's state version.
+# The optimistic check, in two statements sent together: lock the entities processed, then (a new
+# snapshot, taken after the locks) read their versions and the processing stage's state version.
+LOCK_PROCESSED = """
+SELECT 1 FROM stage_entities WHERE entity_id = ANY(%(ids)b::text[]) ORDER BY entity_id FOR NO KEY UPDATE
+"""
 CHECK_VERSIONS = """
-SELECT e.entity_id, e.version, coalesce(s.version, 0)
-FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = %(stage)s
-WHERE e.entity_id = ANY(%(ids)b::text[])
-ORDER BY e.entity_id
-FOR NO KEY UPDATE OF e
+SELECT u.entity_id, u.stage, e.version, coalesce(s.version, 0)
+FROM unnest(%(ids)b::text[], %(stages)b::text[]) AS u(entity_id, stage)
+JOIN stage_entities e ON e.entity_id = u.entity_id
+LEFT JOIN stage_states s ON s.entity_id = u.entity_id AND s.stage = u.stage
 """
 
 SAVE_ENTITIES = """
@@ -249,22 +278,32 @@ ON CONFLICT (stage, shard_id) DO UPDATE SET
     parked = c.parked + EXCLUDED.parked, capped = c.capped + EXCLUDED.capped, updated_at = now()
 """
 
-# Post-save publication: the bulk form of cmb_dagster.pubsub.publish (same columns, same txid default).
+# Post-save publication: the bulk form of cmb_dagster.pubsub.publish (same columns, same txid default),
+# after the batch's other writes: the saved entity and the stage's state as the table holds them.
 PUBLISH = """
 INSERT INTO pubsub_events (branch_id, topic, op, key, payload)
-SELECT %(branch)s, %(topic)s, 'publish', jsonb_build_object('entity_id', u.entity_id), u.payload::jsonb
-FROM unnest(%(ids)b::text[], %(payloads)b::text[]) AS u(entity_id, payload)
+SELECT %(branch)s, %(topic)s, 'publish', jsonb_build_object('entity_id', u.entity_id),
+       jsonb_build_object('stage', %(stage)s::text, 'entity_id', u.entity_id, 'version', e.version,
+                          'payload', e.payload, 'state', s.state, 'changed', u.changed)
+FROM unnest(%(ids)b::text[], %(changed)b::bool[]) WITH ORDINALITY AS u(entity_id, changed, n)
+JOIN stage_entities e ON e.entity_id = u.entity_id
+LEFT JOIN stage_states s ON s.entity_id = u.entity_id AND s.stage = %(stage)s::text
+ORDER BY u.n
 """
 
-# What a shard has: per stage and lane the earliest entry's due time (lane -1: the change path), and
-# the server's clock, so a worker runs only the batches that have work and sleeps until the next timer.
+# What some shards have: per stage and lane the earliest entry's due time (lane -1: the change path),
+# and the server's clock, so a worker runs only the batches that have work and sleeps until the next timer.
 PLAN = """
-SELECT st, ln, (SELECT min(q.due_at) FROM stage_queue q
-                WHERE q.shard_id = %(shard)s AND q.stage = st AND q.lane = ln AND q.parked_at IS NULL),
-       clock_timestamp()
-FROM unnest(%(stages)b::text[]) AS st, (VALUES (0::smallint), (1::smallint)) AS l(ln)
+SELECT st, ln, min(d.due_at), clock_timestamp()
+FROM unnest(%(stages)b::text[]) AS st, (VALUES (0::smallint), (1::smallint)) AS l(ln),
+     unnest(%(shards)b::int[]) AS sh(shard_id),
+     LATERAL (SELECT min(q.due_at) AS due_at FROM stage_queue q
+              WHERE q.shard_id = sh.shard_id AND q.stage = st AND q.lane = ln AND q.parked_at IS NULL) d
+GROUP BY st, ln
 UNION ALL
-SELECT '', -1, (SELECT min(c.changed_at) FROM stage_changes c WHERE c.shard_id = %(shard)s), clock_timestamp()
+SELECT '', -1, min(d.changed_at), clock_timestamp()
+FROM unnest(%(shards)b::int[]) AS sh(shard_id),
+     LATERAL (SELECT min(c.changed_at) AS changed_at FROM stage_changes c WHERE c.shard_id = sh.shard_id) d
 """
 
 

@@ -88,6 +88,8 @@ class StageStore:
 
         ``version``: only if the entity is at this version (else :class:`VersionConflict`)."""
         check_entity_id(entity_id)
+        if not isinstance(patch, Mapping):
+            raise InvalidStageInput(f"patch: must be a JSON object (an RFC 7386 merge patch), not {type(patch).__name__}")
         dump_payload(dict(patch), "patch")
         self._ensure_capture()
         with self.db.connection() as conn:

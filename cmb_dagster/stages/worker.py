@@ -2,9 +2,10 @@
 
 Partitions: ``shard:<id>/<count>`` per shard (the count is part of the name, so a re-shard gives new
 leases), ``capture`` (the pub/sub consumer that puts writes bypassing the API on the change path) and
-``after_commit:<stage>`` per stage with an after-commit handler. Each shard step asks the database what
-is due (one query), runs the change path, then each stage's main queue, and its low-priority queue only
-when the main one has nothing due. Idle, the worker sleeps until the next timer (a wake-up timer), a
+``after_commit:<stage>`` per stage with an after-commit handler. The held shards are served together:
+a step asks the database what is due in all of them (one query), runs the change path, then batches
+over all shards and all stages due (a stage with a rate limit or max parallelism in batches of its
+own), each stage's low-priority queue only where its main one has nothing due. Idle, the worker sleeps until the next timer (a wake-up timer), a
 NOTIFY from a writer, or ``idle_sleep``.
 """
 
@@ -90,6 +91,7 @@ class StageWorker:
         self._worker = worker = Worker(
             self.db, LEASE_KIND, self.partitions, self.step, owner=self.owner, ttl=self.options.lease_ttl,
             idle_sleep=self.options.idle_sleep, on_progress=on_progress,
+            joint=lambda partition: partition.startswith("shard:"), joint_step=self.joint_step,
         )
         if self._stopping.is_set():
             worker.stop()
@@ -124,10 +126,8 @@ class StageWorker:
     # -- steps ---------------------------------------------------------------------------------
 
     def step(self, lease: Lease) -> int:
+        """One pub/sub consumer partition (shards are served together by :meth:`shards_step`)."""
         partition = lease.partition
-        if partition.startswith("shard:"):
-            shard, count = (int(x) for x in partition[len("shard:"):].split("/"))
-            return self.shard_step(shard, count, lease)
         consumer = self._consumers.get(partition)
         if consumer is None:
             return 0
@@ -138,45 +138,56 @@ class StageWorker:
         self._consumer_idle[partition] = 0.0 if handled else now + CONSUMER_IDLE_SECONDS
         return handled
 
-    def shard_step(self, shard: int, count: int, lease: Lease | None = None) -> int:
-        """Everything due in one shard, for at most about a second; returns entries handled."""
+    def joint_step(self, leases: list[Lease]) -> int:
+        """Every held shard in one step (their leases are checked together in each batch)."""
+        by_count: dict[int, list[tuple[int, Lease]]] = {}
+        for lease in leases:
+            shard, count = (int(x) for x in lease.partition[len("shard:"):].split("/"))
+            by_count.setdefault(count, []).append((shard, lease))
+        handled = 0
+        for count, held in by_count.items():  # one count, but for the moment of a re-shard
+            handled += self.shards_step([s for s, _ in held], count, [lease for _, lease in held])
+        return handled
+
+    def shards_step(self, shards: Sequence[int], count: int, leases: Sequence[Lease] = ()) -> int:
+        """Everything due in ``shards``, for at most about a second; returns entries handled."""
         deadline = time.monotonic() + STEP_SECONDS
-        waits, changes = self.engine.plan(shard)
+        waits, changes = self.engine.plan(shards)
         handled = 0
         while changes and time.monotonic() < deadline:
-            n = self.engine.changes_batch(shard, lease=lease, shard_count=count)
+            n = self.engine.changes_batch(shards, leases=leases, shard_count=count)
             handled += n
             changes = n >= self.engine.batch_size
         if handled:  # the change path may have queued entries due now
-            waits, _ = self.engine.plan(shard)
+            waits, _ = self.engine.plan(shards)
+        now = time.monotonic()
+        due: list[str] = []
         for name in self.stages:
-            now = time.monotonic()
             if self._blocked.get(name, 0.0) > now:
                 self._wake_at(self._blocked[name])
                 continue
-            for lane in (MAIN, LOW):
-                wait = waits.get((name, lane))
-                if wait is None:
-                    continue
-                if wait > 0:
-                    self._wake_at(now + wait)
-                    continue
-                taken = self._drain(shard, count, name, lane, lease, deadline)
-                handled += taken
-                if lane == MAIN and taken:
-                    break  # the low-priority queue only when the main queue has nothing due
+            lane_waits = [w for w in (waits.get((name, MAIN)), waits.get((name, LOW))) if w is not None]
+            if any(w <= 0 for w in lane_waits):
+                due.append(name)
+            elif lane_waits:
+                self._wake_at(now + min(lane_waits))
+        free = [n for n in due if self.stages[n].rate_limit is None and self.stages[n].max_parallelism is None]
+        groups = ([free] if free else []) + [[n] for n in due if n not in free]  # a limited stage alone
+        for names in groups:
+            handled += self._drain(shards, count, names, leases, deadline)
         return handled
 
-    def _drain(self, shard: int, count: int, name: str, lane: int, lease: Lease | None, deadline: float) -> int:
+    def _drain(self, shards: Sequence[int], count: int, names: list[str], leases: Sequence[Lease], deadline: float) -> int:
         handled = 0
         while time.monotonic() < deadline:
-            report = self.engine.process_batch(shard, name, lane, lease=lease, shard_count=count)
+            report = self.engine.process_batch(shards, names, leases=leases, shard_count=count)
             handled += report.taken
             if report.blocked_until is not None:
-                self._blocked[name] = report.blocked_until
+                for name in names:
+                    self._blocked[name] = report.blocked_until
                 self._wake_at(report.blocked_until)
                 break
-            if report.taken < self.engine.batch_size:
+            if report.taken == 0:
                 break
         return handled
 

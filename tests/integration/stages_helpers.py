@@ -58,7 +58,7 @@ def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int
     for _ in range(rounds):
         count = shard_count(worker.db)
         n = worker._consumers["capture"].run_once()
-        n += sum(worker.shard_step(s, count) for s in range(count))
+        n += worker.shards_step(range(count), count)
         for key, consumer in worker._consumers.items():
             if key != "capture":
                 n += consumer.run_once()

@@ -82,8 +82,7 @@ def test_after_commit_runs_at_least_once_with_the_event_id(db):
     worker = StageWorker(db, [stage], listen=False)
     worker.setup()
     for _ in range(2):  # the change path, then the stage
-        for shard in range(8):
-            worker.shard_step(shard, 8)
+        worker.shards_step(range(8), 8)
     consumer = worker._consumers["after_commit:notifies"]
     for _ in range(3):
         try:

@@ -89,6 +89,8 @@ def test_concurrent_external_writes_never_lose_to_a_stage_result(database_url):
     rng = random.Random(12)
     external = psycopg.connect(database_url, autocommit=True)
     writes: list[int] = []
+    last_x: dict[str, int] = {}
+    a_bumps: dict[str, int] = {}
 
     class Racing(Step):
         def process(self, entity: Entity, state: Seen) -> StageResult:
@@ -98,9 +100,11 @@ def test_concurrent_external_writes_never_lose_to_a_stage_result(database_url):
                 external.execute("UPDATE cmb.stage_entities SET payload = jsonb_set(payload, '{x}', %s::jsonb) "
                                  "WHERE entity_id = %s", (str(bump), entity.id))
                 writes.append(bump)
+                last_x[entity.id] = bump
             if rng.random() < 0.1:
                 external.execute("UPDATE cmb.stage_entities SET payload = jsonb_set(payload, '{a}', "
                                  "to_jsonb((payload->>'a')::int + 100)) WHERE entity_id = %s", (entity.id,))
+                a_bumps[entity.id] = a_bumps.get(entity.id, 0) + 1
             return result
 
     stages = [Racing("first", "a", "b"), Racing("second", "b", "c"), Racing("third", "c", "d")]
@@ -111,6 +115,8 @@ def test_concurrent_external_writes_never_lose_to_a_stage_result(database_url):
     for i in range(40):
         p = store.get(f"e{i}").payload
         assert p["b"] == p["a"] + 1 and p["c"] == p["a"] + 2 and p["d"] == p["a"] + 3, p
+        # no external write was overwritten by a stage result computed before it
+        assert p.get("x") == last_x.get(f"e{i}") and p["a"] == i + 100 * a_bumps.get(f"e{i}", 0), p
     conflicts = sum(s.conflicts for s in status(db))
     assert conflicts > 0
     # every committed result was computed from the version it replaced: the state remembers it
@@ -162,8 +168,8 @@ def test_timers_fire_at_their_time_never_before_also_after_a_restart(db):
     assert all(store.get(f"t{i}").payload["status"] == "active" for i in range(5))
     assert by_stage(db)["withdraw"].timers == 5
     before = len(stage.calls)
-    for shard in range(8):  # the queue itself refuses entries not yet due (not only the worker's plan)
-        assert first.engine.process_batch(shard, "withdraw").taken == 0
+    # the queue itself refuses entries not yet due (not only the worker's plan)
+    assert first.engine.process_batch(range(8), ["withdraw"]).taken == 0
     assert len(stage.calls) == before
     # a new worker (a restart) fires them
     worker = StageWorker(db, [stage], listen=False, owner="second")
@@ -274,6 +280,10 @@ def test_bad_input_is_refused_and_writes_nothing(db):
         store.put("p", [1, 2])  # type: ignore[arg-type]
     with pytest.raises(InvalidStageInput, match="payload of 'q': not JSON-serializable"):
         store.put_many({"ok": {"a": 1}, "q": {"a": object()}})
+    store.put("r", {"a": 1})
+    with pytest.raises(InvalidStageInput, match="patch: must be a JSON object"):
+        store.patch("r", [1])  # type: ignore[arg-type]
+    assert store.get("r").version == 1
     assert store.get("ok") is None  # nothing half-written
     with pytest.raises(EntityNotFound):
         store.patch("nobody", {"a": 1})
@@ -478,9 +488,9 @@ def test_a_shard_cannot_be_taken_over_while_a_batch_of_it_is_open(db):
     set_shard_count(db, 1)
     StageStore(db, [stage]).put("b", {})
     engine = Engine(db, [stage])
-    engine.changes_batch(0)
+    engine.changes_batch([0])
     lease = Leases(db, "stages.shard", "A", ttl=1).acquire(["shard:0/1"])["shard:0/1"]
-    batch = threading.Thread(target=engine.process_batch, args=(0, "blocking"), kwargs={"lease": lease, "shard_count": 1})
+    batch = threading.Thread(target=engine.process_batch, args=([0], ["blocking"]), kwargs={"leases": [lease], "shard_count": 1})
     batch.start()
     assert entered.wait(5)
     time.sleep(1.3)  # A's lease has expired while its batch is open
@@ -495,4 +505,4 @@ def test_a_shard_cannot_be_taken_over_while_a_batch_of_it_is_open(db):
     assert taken["shard:0/1"].fence == lease.fence + 1
     assert StageStore(db).get("b").payload == {"done": True}
     with pytest.raises(LeaseLost):  # and A's next batch is refused
-        engine.process_batch(0, "blocking", lease=lease, shard_count=1)
+        engine.process_batch([0], ["blocking"], leases=[lease], shard_count=1)

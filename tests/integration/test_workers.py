@@ -20,6 +20,41 @@ def test_a_partition_has_one_owner_until_its_lease_expires(db):
             Leases.check(conn, held_a["p1"])
 
 
+def test_check_many_refuses_when_any_lease_moved(db):
+    a = Leases(db, "test.kind", owner="a", ttl=0.5)
+    held = a.acquire(["p1", "p2"])
+    with db.connection() as conn:
+        Leases.check_many(conn, list(held.values()))()  # both held: no error
+    a.ttl = 60
+    a.acquire(["p1"])  # p1 renewed, p2 left to expire and taken over
+    b = Leases(db, "test.kind", owner="b", ttl=60)
+    wait_until(lambda: "p2" in b.acquire(["p2"]), timeout=5)
+    with db.connection() as conn:
+        with pytest.raises(LeaseLost, match="p2"):
+            Leases.check_many(conn, list(held.values()))()
+
+
+def test_joint_partitions_are_stepped_together(db):
+    seen: list[list[str]] = []
+    singles: list[str] = []
+    worker: Worker
+
+    def joint_step(leases):
+        seen.append(sorted(lease.partition for lease in leases))
+        worker.stop()
+        return 0
+
+    def step(lease):
+        singles.append(lease.partition)
+        return 0
+
+    worker = Worker(db, "test.joint", ["s:1", "s:2", "other"], step, ttl=5, idle_sleep=0.01,
+                    joint=lambda p: p.startswith("s:"), joint_step=joint_step)
+    worker.run(5)
+    assert seen == [["s:1", "s:2"]]
+    assert "s:1" not in singles and "s:2" not in singles
+
+
 def test_release_hands_over_at_once(db):
     a = Leases(db, "test.kind", owner="a", ttl=60)
     b = Leases(db, "test.kind", owner="b", ttl=60)
