@@ -241,11 +241,11 @@ def test_seed_example_delta_waits_chunk_delta_fires():
     assert not exact.fired
     assert chunked.fired
     assert exact.explanation == (
-        "Delta(sales.orders/loaded_until) waits: current − last = "
+        "Delta(sales.orders/loaded_until, 2d) waits: current − last = "
         "2021-04-25 03:27:33+00:00 − 2021-04-23 03:51:16+00:00 = 1 day, 23:36:17 < 2 days (short by 0:23:43)"
     )
     assert chunked.explanation == (
-        "ChunkDelta(sales.orders/loaded_until, day in UTC) fires: current 2021-04-25 03:27:33+00:00 is in chunk "
+        "ChunkDelta(sales.orders/loaded_until, day in UTC, 2) fires: current 2021-04-25 03:27:33+00:00 is in chunk "
         "2021-04-25, last 2021-04-23 03:51:16+00:00 in chunk 2021-04-23: 2 chunks apart >= 2"
     )
 
