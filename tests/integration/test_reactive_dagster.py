@@ -97,7 +97,7 @@ class Location:
             warnings.simplefilter("ignore", ReactiveTriggerWarning)
             self.defs = cmb_definitions(
                 resource=resource, assets=list(assets),
-                reactive=ReactiveOptions(tasks=tasks, name=name, retry_backoff=timedelta(0), **options),
+                reactive=ReactiveOptions(tasks=tasks, name=name, **{"retry_backoff": timedelta(0), **options}),
             )
         self.clock = datetime.now(UTC)
 
@@ -188,6 +188,45 @@ def test_a_partition_callable_picks_the_key_and_run_config_and_tags_follow_the_v
     assert by_task["plain"].partition_key is None and by_task["plain"].tags["team"] == "ops"
     assert by_task["plain"].run_config == {"ops": {"work": {"config": {}}}}
     assert loc.run(by_task["plain"]) and SEEN == [("op", "ops")]
+
+
+def test_a_failing_tags_run_config_or_partition_callable_backs_off_that_task_alone(db, instance, resource, capfd):
+    broken = {"tags", "run_config", "partition"}
+
+    def fails(what: str, result):
+        def call(values):
+            if what in broken:
+                raise RuntimeError(f"no {what} today")
+            return result(values)
+        return call
+
+    tasks = [
+        ReactiveTask("bad_tags", plain, Delta(*ORDERS, "1h"), tags=fails("tags", lambda v: {"team": "shop"})),
+        ReactiveTask("bad_config", plain, Delta(*ORDERS, "1h"), run_config=fails("run_config", lambda v: {})),
+        ReactiveTask("bad_partition", [daily_mart], Delta(*ORDERS, "1h"),
+                     partition=fails("partition", lambda v: v[ORDERS].strftime("%Y-%m-%d"))),
+        ReactiveTask("good", plain, Delta(*ORDERS, "1h")),
+    ]
+    loc = Location(db, instance, resource, tasks, assets=[daily_mart], retry_backoff=timedelta(minutes=1))
+    loc.store.set(*ORDERS, utc(2024, 3, 5, 6))
+    assert [r.tags["cmb/reactive/task"] for r in loc.requests()] == ["good"]
+    logged = capfd.readouterr().err
+    for name, what in (("bad_tags", "run config or tags"), ("bad_config", "run config or tags"),
+                       ("bad_partition", "choosing the partition")):
+        state = loc.state(name)
+        assert state.status == "backoff" and state.explanation.startswith("error: ")
+        assert f"{what} raised RuntimeError" in state.explanation and "retry after 0:01:00" in state.explanation
+        assert f"{name}: error - error: " in logged
+    status = CliRunner().invoke(reactive_cli, ["status", "test", "bad_tags"],
+                                env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
+    assert status.exit_code == 0 and "no tags today" in status.output, status.output
+
+    broken.clear()
+    assert loc.requests() == []  # backing off
+    loc.clock += timedelta(minutes=1)
+    again = {r.tags["cmb/reactive/task"]: r for r in loc.requests()}
+    assert sorted(again) == ["bad_config", "bad_partition", "bad_tags"]
+    assert again["bad_tags"].tags["team"] == "shop" and again["bad_partition"].partition_key == "2024-03-05"
 
 
 # -- manual recovery -----------------------------------------------------------------------------
