@@ -460,6 +460,7 @@ class TaskScheduler:
             with conn.transaction():
                 limit = cap - in_flight
                 rows = conn.execute(sql.READY_TASKS, {**params, **launchable, "limit": limit}).fetchall()
+                rows = [r for r in rows if r[0] not in fresh]  # ready before and evaluated again in this tick
                 if not rows and not pending:
                     break
                 candidates = [(r[4], r[0]) for r in rows] + [(self.tasks[e.name].priority, e.name) for e in pending]
