@@ -98,14 +98,17 @@ class Harness:
 
 
 def test_a_ctl_change_launches_the_task_with_short_tags_and_its_values_and_reason_in_the_runs_log(
-    db, instance, resource, now
+    db, instance, resource, now, capfd
 ):
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
     first = h.tick()
     assert not first.run_requests and "sales/loaded_until has no current value yet" in first.skip_message
 
     h.store.set("sales", "loaded_until", now)
+    capfd.readouterr()
     [request] = h.requests()
+    [line] = [line for line in capfd.readouterr().err.splitlines() if " - mart: " in line]  # once per launch
+    assert " - mart: launched - " in line and "Delta(sales/loaded_until, 1h) fires" in line
     assert request.job_name == "target"
     assert request.tags["cmb/reactive/task"] == "mart"
     assert launched_values(request.tags, resource) == {("sales", "loaded_until"): now}
