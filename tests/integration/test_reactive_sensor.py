@@ -324,6 +324,8 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
     assert set(launched_values(request.tags, resource)) == {example.ORDERS, example.PRICES}
     result = defs.get_job_def("sales_report").execute_in_process(instance=instance, tags=request.tags)
     assert result.success
+    logged = [e.message or "" for e in instance.all_logs(result.run_id)]
+    assert any("sales report for orders up to 2" in m and "None" not in m for m in logged), logged
     assert "sales_report: succeeded" in tick().skip_message
 
 
