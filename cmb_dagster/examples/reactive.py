@@ -23,7 +23,7 @@ from dagster import (
     sensor,
 )
 
-from cmb_dagster import CtlResource, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster import CmbResource, CtlResource, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.triggers import All, ChunkDelta, Delay
 
 ORDERS = ("shop/orders", "loaded_until")
@@ -63,12 +63,9 @@ def example_loaders(context: SensorEvaluationContext) -> list[RunRequest]:
 
 
 @op(description="Builds the report for the CTL values the reactive scheduler launched it on.")
-def build_sales_report(context: OpExecutionContext) -> None:
-    values = launched_values(context.run.tags)
-    context.log.info(
-        f"sales report for orders up to {values.get(ORDERS)} with prices as of {values.get(PRICES)} "
-        f"(why: {context.run.tags.get('cmb/reactive/reason', '?')})"
-    )
+def build_sales_report(context: OpExecutionContext, cmb: CmbResource) -> None:
+    values = launched_values(context.run.tags, cmb)  # why it runs: the run's first log entry
+    context.log.info(f"sales report for orders up to {values.get(ORDERS)} with prices as of {values.get(PRICES)}")
 
 
 @job(description="Reactive: runs when orders reach a new 5-minute chunk and prices are fresh.")

@@ -10,6 +10,7 @@ import psycopg
 from pydantic import ValidationError
 
 from cmb_dagster.ctl.models import CtlValue, ParameterKey
+from cmb_dagster.ctl.store import values_from_json
 from cmb_dagster.database import Database
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveTask
@@ -64,3 +65,10 @@ def set_last_value(
     with _connection(database) as conn:
         row = conn.execute(sql.SET_LAST_VALUE, params).fetchone()
     return None if row is None else row[0]
+
+
+def launch_values(database: Database | str, scheduler: str, run_key: str) -> dict[ParameterKey, datetime]:
+    """The CTL values a reactive run was launched on, by its run_key (empty when no such launch is recorded)."""
+    with _connection(database) as conn:
+        row = conn.execute(sql.LAUNCH_VALUES, {"scheduler": scheduler, "run_key": run_key}).fetchone()
+    return values_from_json(row[0]) if row else {}

@@ -16,6 +16,7 @@ from dagster import (
     DagsterRunStatus,
     DefaultSensorStatus,
     EventRecordsFilter,
+    MetadataValue,
     RunRequest,
     RunsFilter,
     SensorDefinition,
@@ -24,14 +25,26 @@ from dagster import (
     SkipReason,
     sensor,
 )
+from dagster._core.events import EngineEventData
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.reactive.errors import SchedulerConflict
-from cmb_dagster.reactive.models import Launch, ManualRun, Partitioner, RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.admin import launch_values
+from cmb_dagster.reactive.models import (
+    Launch,
+    LaunchOptions,
+    ManualRun,
+    Partitioner,
+    RunInfo,
+    RunState,
+    SchedulerSettings,
+    SeenRun,
+    TaskSpec,
+)
 from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
 from cmb_dagster.resources import CmbResource
 
@@ -39,13 +52,11 @@ SCHEDULER_TAG = "cmb/reactive/scheduler"
 TASK_TAG = "cmb/reactive/task"
 RUN_KEY_TAG = "cmb/reactive/run_key"
 ATTEMPT_TAG = "cmb/reactive/attempt"
-VALUES_TAG = "cmb/reactive/values"
-REASON_TAG = "cmb/reactive/reason"
+VALUES_TAG = "cmb/reactive/values"  # optional on a run launched by hand: the values it records on success
 
 MATERIALIZATION_FEED = "dagster.asset_materializations"
 MATERIALIZATIONS_PER_TICK = 1000
 MAX_LOGGED_EVENTS = 500
-_MAX_TAG_LENGTH = 4000
 _FINISHED = {DagsterRunStatus.SUCCESS: RunState.SUCCESS, DagsterRunStatus.FAILURE: RunState.FAILURE,
              DagsterRunStatus.CANCELED: RunState.FAILURE}
 _IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
@@ -68,19 +79,27 @@ def evaluation_time(moment: datetime | None) -> Iterator[None]:
 
 
 def run_tags(scheduler: str, launch: Launch) -> dict[str, str]:
-    """Tags of a reactive run: which task, which attempt, and the CTL values it runs on."""
+    """Tags of a reactive run: which scheduler, task and attempt (its values and reason are in its first log entry)."""
     return {
         SCHEDULER_TAG: scheduler,
         TASK_TAG: launch.task,
         RUN_KEY_TAG: launch.run_key,
         ATTEMPT_TAG: str(launch.attempt),
-        VALUES_TAG: json.dumps(values_to_json(launch.values), sort_keys=True),
-        REASON_TAG: launch.reason[:_MAX_TAG_LENGTH],
     }
 
 
-def launched_values(tags: Mapping[str, str]) -> dict[ParameterKey, datetime]:
-    """The CTL values a reactive run was launched on, from its tags (``context.run.tags`` in an op)."""
+def launched_values(
+    tags: Mapping[str, str], database: "CmbResource | DatabaseSource | None" = None
+) -> dict[ParameterKey, datetime]:
+    """The CTL values a run was launched on (``launched_values(context.run.tags)`` in an op).
+
+    A reactive run's values are read from its launch record in the cmb database (``database``; default: the
+    environment's, as ``CmbResource()``); a run launched by hand has those of its ``cmb/reactive/values`` tag, if any.
+    """
+    if RUN_KEY_TAG in tags and SCHEDULER_TAG in tags:
+        source = database if database is not None else CmbResource()
+        db = source.database if isinstance(source, CmbResource) else Database.of(source)
+        return launch_values(db, tags[SCHEDULER_TAG], tags[RUN_KEY_TAG])
     return values_from_json(json.loads(tags.get(VALUES_TAG, "{}")))
 
 
@@ -115,8 +134,8 @@ def lookup_manual_runs(
             if RUN_KEY_TAG in tags or tags.get(SCHEDULER_TAG, scheduler) != scheduler:
                 continue  # a reactive run (or a re-execution of one), or another scheduler's
             try:
-                values = launched_values(tags) if VALUES_TAG in tags else None
-            except (ValueError, TypeError):
+                values = values_from_json(json.loads(tags[VALUES_TAG])) if VALUES_TAG in tags else None
+            except (ValueError, TypeError, AttributeError):
                 values = None
             started = record.start_time or _aware(record.create_timestamp).timestamp()
             found.append(
@@ -230,21 +249,30 @@ def scheduler_sensor(
             first = key not in engines
             if first:
                 engines[key] = TaskScheduler(
-                    database, name, tasks, settings, location=location, partitioners=partitioners
+                    database, name, tasks, settings, location=location, partitioners=partitioners,
+                    launch_options=options_of,
                 )
             return engines[key], first
 
+    def options_for(task: Any) -> LaunchOptions:
+        return lambda values: (task.run_config_for(values), task.tags_for(values))
+
+    options_of = {name: options_for(task) for name, task in (launch_options or {}).items()}
+    warned: set[str] = set()  # warnings already logged by this process: once each, not on every tick
+
     def request(name: str, launch: Launch) -> RunRequest:
-        options = (launch_options or {}).get(launch.task)
-        tags = {**(options.tags_for(launch.values) if options else {}), **run_tags(name, launch)}
-        run_config = options.run_config_for(launch.values) if options else None
         return RunRequest(
             run_key=launch.run_key,
             job_name=job_names[launch.task],
-            tags=tags,
-            run_config=dict(run_config) if run_config else None,
+            tags={**launch.tags, **run_tags(name, launch)},
+            run_config=dict(launch.run_config) if launch.run_config else None,
             partition_key=launch.partition_key,
         )
+
+    def warn_once(context: SensorEvaluationContext, text: str) -> None:
+        if text not in warned:
+            warned.add(text)
+            context.log.warning(text)
 
     @sensor(
         name=sensor_name,
@@ -279,10 +307,12 @@ def scheduler_sensor(
                 busy=busy,
             )
         except SchedulerConflict as exc:
-            context.log.warning(str(exc))
+            warn_once(context, str(exc))
             raise
         for warning in report.warnings:
-            context.log.warning(warning)
+            warn_once(context, warning)
+        for seen in report.seen_runs:
+            log_launch(instance, job_names.get(seen.task), seen)
         for event in report.events[:MAX_LOGGED_EVENTS]:
             context.log.info(event.line())
         if len(report.events) > MAX_LOGGED_EVENTS:
@@ -294,6 +324,24 @@ def scheduler_sensor(
         return SkipReason(_skip_text(report.summary(), [e.line() for e in report.events]))
 
     return _reactive_scheduler
+
+
+def log_launch(instance: DagsterInstance, job_name: str | None, seen: SeenRun) -> None:
+    """Write why a reactive run was launched, and on which CTL values, into the run's own log."""
+    values = values_to_json(seen.values)
+    instance.report_engine_event(
+        f"reactive task {seen.task}: launched on {_values_line(seen.values)}\n{seen.reason}",
+        run_id=seen.run_id,
+        job_name=job_name,
+        engine_event_data=EngineEventData(
+            metadata={"task": seen.task, "run_key": seen.run_key, "values": MetadataValue.json(values),
+                      "reason": MetadataValue.text(seen.reason)}
+        ),
+    )
+
+
+def _values_line(values: Mapping[ParameterKey, datetime]) -> str:
+    return ", ".join(f"{e}/{p} = {v.isoformat()}" for (e, p), v in sorted(values.items())) or "no values"
 
 
 def _aware(moment: datetime) -> datetime:

@@ -126,6 +126,10 @@ Partitioner = Callable[
 """``partitioner(values, last)`` -> (partition key, the values that partition's run commits on success)."""
 
 
+LaunchOptions = Callable[[Mapping[ParameterKey, datetime]], tuple[Mapping[str, Any] | None, Mapping[str, str]]]
+"""``options(values)`` -> (run config, extra run tags) of a launch on ``values``."""
+
+
 @dataclass(frozen=True)
 class Launch:
     """A run to request: the task, its run_key and the CTL values it runs on (its trigger's inputs)."""
@@ -137,6 +141,19 @@ class Launch:
     reason: str
     relaunch: bool = False
     partition_key: str | None = None
+    run_config: Mapping[str, Any] | None = None
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SeenRun:
+    """A launched run seen for the first time: what to write in its log (why it runs, on which values)."""
+
+    task: str
+    run_id: str
+    run_key: str
+    values: dict[ParameterKey, datetime]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -164,6 +181,7 @@ class TickReport:
     busy: str | None = None
     warnings: list[str] = field(default_factory=list)
     manual: int = 0
+    seen_runs: list[SeenRun] = field(default_factory=list)
     definitions_synced: bool = False
     seconds: float = 0.0
 

@@ -49,12 +49,14 @@ from cmb_dagster.reactive.models import (
     LOWEST_PRIORITY,
     SCHEDULER_NAME,
     Launch,
+    LaunchOptions,
     ManualLookup,
     ManualRun,
     Partitioner,
     RunLookup,
     RunState,
     SchedulerSettings,
+    SeenRun,
     TaskSpec,
     TickReport,
     sorted_keys,
@@ -75,6 +77,10 @@ class _Hold:
     task: str
     priority: int
     producer: str
+
+
+class _LaunchError(Exception):
+    """A ready task's launch cannot be shaped (its partition, run config or tags raised)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class TaskScheduler:
         owner: str | None = None,
         location: str | None = None,
         partitioners: Mapping[str, Partitioner] | None = None,
+        launch_options: Mapping[str, LaunchOptions] | None = None,
     ) -> None:
         if not SCHEDULER_NAME.match(name):
             raise InvalidReactiveTask(f"scheduler name {name!r} must be 1-50 of A-Z a-z 0-9 _ . - (not starting with . or -)")
@@ -124,9 +131,10 @@ class TaskScheduler:
         self.tasks = {task.name: task for task in tasks}
         self.location = location
         self.partitioners = dict(partitioners or {})
-        unknown = sorted(set(self.partitioners) - set(self.tasks))
+        self.launch_options = dict(launch_options or {})
+        unknown = sorted((set(self.partitioners) | set(self.launch_options)) - set(self.tasks))
         if unknown:
-            raise InvalidReactiveTask(f"partitioners for unknown reactive task(s): {', '.join(unknown)}")
+            raise InvalidReactiveTask(f"partitioners or launch options for unknown reactive task(s): {', '.join(unknown)}")
         self.index: dict[ParameterKey, list[str]] = defaultdict(list)
         self.downstream: dict[str, list[str]] = defaultdict(list)  # entity (asset key) -> tasks it is upstream of
         for task in tasks:
@@ -184,9 +192,9 @@ class TaskScheduler:
                     in_flight = self._follow_runs(conn, lease, runs, now, report)
                     if manual is not None:
                         self._record_manual_runs(conn, lease, manual, now, report)
-                    fresh = self._evaluate_marked(conn, lease, now, deadline, report)
-                    hold = self._hold(conn, in_flight, busy or {})
-                    self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, report)
+                    fresh, failures = self._evaluate_marked(conn, lease, now, deadline, report)
+                    hold = self._hold(conn, in_flight, busy or {}, fresh)
+                    self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, failures, report)
             finally:
                 self._lease, self._report = None, None
                 self.leases.release([self.name])
@@ -297,8 +305,14 @@ class TaskScheduler:
                     if launched_at <= now - self.settings.launch_grace:
                         values = values_from_json(ready_values)
                         attempt = int(run_key.rsplit(":", 1)[1])
+                        try:
+                            run_config, tags = self._options(name, values)
+                        except _LaunchError as exc:
+                            report.note(name, "error", f"run {run_key} cannot be requested again: {exc}")
+                            continue
                         report.launches.append(
-                            Launch(name, run_key, attempt, values, explanation or "", relaunch=True, partition_key=partition)
+                            Launch(name, run_key, attempt, values, explanation or "", relaunch=True,
+                                   partition_key=partition, run_config=run_config, tags=tags)
                         )
                         report.note(name, "relaunched", f"no run with run_key {run_key} appeared; requested again")
                     else:
@@ -307,7 +321,13 @@ class TaskScheduler:
                     if run.run_id != run_id:
                         seen.append((name, run.run_id))
                     report.note(name, "in progress", f"run {run.run_id} ({run_key}) is queued or running")
-                elif run.state is RunState.SUCCESS:
+                if run is not None and run.run_id != run_id:
+                    report.seen_runs.append(
+                        SeenRun(name, run.run_id, run_key, values_from_json(ready_values), explanation or "")
+                    )
+                if run is None or run.state is RunState.ACTIVE:
+                    continue
+                if run.state is RunState.SUCCESS:
                     finished.append((name, run_key, run.run_id, True, None))
                     report.note(name, "succeeded", f"run {run.run_id} succeeded: its CTL values are now last-seen")
                 else:
@@ -359,9 +379,14 @@ class TaskScheduler:
             report.note(task, "recorded", f"hand-launched run {run_id} succeeded: its values {json.dumps(values)} are now last-seen")
 
     def _hold(
-        self, conn: psycopg.Connection, in_flight: Mapping[str, tuple[ParameterKey, ...]], busy: Mapping[str, str]
+        self,
+        conn: psycopg.Connection,
+        in_flight: Mapping[str, tuple[ParameterKey, ...]],
+        busy: Mapping[str, str],
+        ready: Mapping[str, _Evaluation],
     ) -> _Hold | None:
-        """The highest-priority waiting task fed by a run in flight, if any (it holds the tasks below it)."""
+        """The highest-priority waiting task fed by a run in flight, if any (it holds the tasks below it);
+        ``ready`` tasks, found ready in this tick and not saved yet, do not wait."""
         producers: dict[str, str] = {}  # waiting task -> what feeds it: a reactive task in flight, or another run
         for producer in sorted(in_flight):
             for key in in_flight[producer]:
@@ -370,6 +395,7 @@ class TaskScheduler:
         for entity in sorted(busy):
             for name in self.downstream.get(entity, ()):
                 producers.setdefault(name, f"{busy[entity]} (materializes {entity})")
+        producers = {name: producer for name, producer in producers.items() if name not in ready}
         if not producers:
             return None
         with conn.transaction():
@@ -378,28 +404,38 @@ class TaskScheduler:
 
     def _evaluate_marked(
         self, conn: psycopg.Connection, lease: Lease, now: datetime, deadline: float, report: TickReport
-    ) -> dict[str, _Evaluation]:
-        """Evaluate the marked tasks in batches until none is left or the time box ends; return the ready ones."""
-        params: dict[str, Any] = {"scheduler": self.name, "now": now, "limit": self.settings.batch_size}
+    ) -> tuple[dict[str, _Evaluation], dict[str, int]]:
+        """Evaluate the marked tasks in batches until none is left or the time box ends; return the ready ones
+        and their failed runs in a row."""
+        params: dict[str, Any] = {
+            "scheduler": self.name, "now": now, "limit": self.settings.batch_size, "after_priority": None,
+            "after_name": None,
+        }
         ready: dict[str, _Evaluation] = {}
+        failures: dict[str, int] = {}
         while True:
             with conn.transaction():
                 rows = conn.execute(sql.DIRTY_TASKS, params).fetchall()
                 if not rows:
-                    return ready
+                    return ready, failures
                 evaluations = self._evaluate(conn, [(r[0], r[1], r[2]) for r in rows], now)
                 Leases.check(conn, lease)
-                self._save(conn, params, evaluations)
+                # ready tasks stay dirty: the launch step launches or saves them (a crash meanwhile re-evaluates them)
+                self._save(conn, params, [e for e in evaluations if e.status != "ready"])
+            params["after_priority"], params["after_name"] = rows[-1][3], rows[-1][0]
             report.evaluated += len(evaluations)
+            attempts = {r[0]: r[4] for r in rows}
             for e in evaluations:
-                report.note(e.name, e.status, e.explanation)
                 if e.status == "ready":
                     ready[e.name] = e
+                    failures[e.name] = attempts[e.name]
+                else:
+                    report.note(e.name, e.status, e.explanation)
             if len(rows) < self.settings.batch_size:
-                return ready
+                return ready, failures
             if time.monotonic() >= deadline:
                 report.complete = False
-                return ready
+                return ready, failures
 
     def _launch_ready(
         self,
@@ -409,23 +445,32 @@ class TaskScheduler:
         in_flight: int,
         hold: _Hold | None,
         fresh: Mapping[str, _Evaluation],
+        failures: Mapping[str, int],
         report: TickReport,
     ) -> None:
-        """Launch ready tasks by priority under the cap and above a hold; those not evaluated in this tick are
-        evaluated again."""
+        """Launch ready tasks by priority under the cap and above a hold: those evaluated in this tick (not saved
+        yet) and those left ready by earlier ticks (evaluated again first); the rest are saved as ready."""
         cap = self.settings.max_concurrent_runs
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
-        launchable = {"min_priority": hold.priority if hold else LOWEST_PRIORITY, "max_priority": ABOVE_HIGHEST_PRIORITY}
+        floor = hold.priority if hold else LOWEST_PRIORITY
+        launchable = {"min_priority": floor, "max_priority": ABOVE_HIGHEST_PRIORITY}
+        pending = sorted((e for e in fresh.values() if self.tasks[e.name].priority >= floor), key=self._order)
+        unsaved = [e for e in fresh.values() if self.tasks[e.name].priority < floor]
         while in_flight < cap:
             with conn.transaction():
-                rows = conn.execute(sql.READY_TASKS, {**params, **launchable, "limit": cap - in_flight}).fetchall()
-                if not rows:
+                limit = cap - in_flight
+                rows = conn.execute(sql.READY_TASKS, {**params, **launchable, "limit": limit}).fetchall()
+                rows = [r for r in rows if r[0] not in fresh]  # ready before and evaluated again in this tick
+                if not rows and not pending:
                     break
-                attempts_so_far = {r[0]: r[3] for r in rows}
-                stale = [(r[0], r[1], r[2]) for r in rows if r[0] not in fresh]
+                candidates = [(r[4], r[0]) for r in rows] + [(self.tasks[e.name].priority, e.name) for e in pending]
+                names = {name for _, name in sorted(candidates, key=lambda c: (-c[0], c[1]))[:limit]}
+                stale = [(r[0], r[1], r[2]) for r in rows if r[0] in names]
+                attempts_so_far = {**failures, **{r[0]: r[3] for r in rows}}
                 evaluations = self._evaluate(conn, stale, now) if stale else []
-                ready = [fresh[r[0]] for r in rows if r[0] in fresh] + [e for e in evaluations if e.status == "ready"]
-                ready.sort(key=lambda e: (-self.tasks[e.name].priority, e.name))
+                ready = [e for e in pending if e.name in names] + [e for e in evaluations if e.status == "ready"]
+                pending = [e for e in pending if e.name not in names]
+                ready.sort(key=self._order)
                 self._save(conn, params, [e for e in evaluations if e.status != "ready"])
                 for e in evaluations:
                     if e.status != "ready":
@@ -435,6 +480,10 @@ class TaskScheduler:
             for launch in launches:
                 report.note(launch.task, "launched", f"run_key {launch.run_key}: {launch.reason}")
             in_flight += len(launches)
+        if pending or unsaved:
+            with conn.transaction():
+                Leases.check(conn, lease)
+                self._save(conn, params, [*pending, *unsaved])
         if hold:
             held = {"min_priority": LOWEST_PRIORITY, "max_priority": hold.priority}
             why = f"waiting for {hold.producer} which feeds higher-priority {hold.task} (priority {hold.priority})"
@@ -442,6 +491,9 @@ class TaskScheduler:
         if in_flight >= cap:
             why = f"ready, waits for a slot: {in_flight}/{cap} reactive runs queued or running"
             self._note_not_launched(conn, {**params, **launchable}, "capped", why, report)
+
+    def _order(self, evaluation: _Evaluation) -> tuple[int, str]:
+        return -self.tasks[evaluation.name].priority, evaluation.name
 
     def _note_not_launched(
         self, conn: psycopg.Connection, params: dict[str, Any], action: str, why: str, report: TickReport
@@ -455,41 +507,61 @@ class TaskScheduler:
         if waiting > len(shown):
             report.note("...", action, f"{waiting - len(shown)} more ready task(s): {why}")
 
+    def _options(self, name: str, values: Mapping[ParameterKey, datetime]) -> tuple[Mapping[str, Any] | None, dict[str, str]]:
+        """The run config and extra tags of a launch of ``name`` on ``values``; :class:`_LaunchError` if they fail."""
+        options = self.launch_options.get(name)
+        if options is None:
+            return None, {}
+        try:
+            run_config, tags = options(values)
+            return run_config, {str(k): str(v) for k, v in (tags or {}).items()}
+        except Exception as exc:  # noqa: BLE001 - the user's callable: one bad task must not break the tick
+            raise _LaunchError(f"its run config or tags raised {type(exc).__name__}: {exc}") from exc
+
+    def _shape(self, e: _Evaluation) -> tuple[_Evaluation, str | None, Mapping[str, Any] | None, dict[str, str]]:
+        """The launch's partition, the values it commits, its run config and tags; :class:`_LaunchError` if one fails."""
+        key = None
+        partitioner = self.partitioners.get(e.name)
+        if partitioner is not None:
+            try:
+                key, values = partitioner(e.values, e.last)
+            except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
+                raise _LaunchError(f"choosing the partition raised {type(exc).__name__}: {exc}") from exc
+            explanation = f"partition {key} (commits {_values_text(values)} on success)\n{e.explanation}"
+            e = _Evaluation(e.name, e.status, explanation, dict(values), e.last)
+        run_config, tags = self._options(e.name, e.values)
+        return e, key, run_config, tags
+
     def _launch(
         self,
         conn: psycopg.Connection,
         lease: Lease,
         params: dict[str, Any],
-        ready: list[_Evaluation],
+        candidates: list[_Evaluation],
         attempts_so_far: Mapping[str, int],
         report: TickReport,
     ) -> list[Launch]:
-        if not ready:
+        """Record launches of the ready ``candidates``; one whose launch cannot be shaped backs off with the error."""
+        if not candidates:
             return []
-        shaped: list[tuple[_Evaluation, str | None]] = []
-        refused: list[_Evaluation] = []
-        for e in ready:
-            partitioner = self.partitioners.get(e.name)
-            if partitioner is None:
-                shaped.append((e, None))
-                continue
+        shaped = []
+        refused = []
+        for candidate in candidates:
             try:
-                key, values = partitioner(e.values, e.last)
-            except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
-                why = f"choosing the partition raised {type(exc).__name__}: {exc}"
-                refused.append(_Evaluation(e.name, "error", why + "\n" + e.explanation, {}, e.last))
-                continue
-            explanation = f"partition {key} (commits {_values_text(values)} on success)\n{e.explanation}"
-            shaped.append((_Evaluation(e.name, e.status, explanation, dict(values), e.last), key))
+                shaped.append(self._shape(candidate))
+            except _LaunchError as exc:
+                attempts = attempts_so_far.get(candidate.name, 0)
+                backoff = self.settings.backoff(attempts)
+                why = f"error: {exc}; not launched, retry after {backoff} at {params['now'] + backoff}"
+                refused.append({"name": candidate.name, "explanation": why + "\n" + candidate.explanation,
+                                "backoff_until": (params["now"] + backoff).isoformat()})
+                report.note(candidate.name, "error", why)
         if refused:
-            self._save(conn, params, refused)
-            for e in refused:
-                report.note(e.name, "error", e.explanation)
-        ready = [e for e, _ in shaped]
-        partitions = {e.name: key for e, key in shaped}
-        if not ready:
+            Leases.check(conn, lease)
+            conn.execute(sql.LAUNCH_REFUSED, {**params, "rows": json.dumps(refused)})
+        if not shaped:
             return []
-        hashes = {e.name: values_hash(e.values, partitions[e.name]) for e in ready}
+        hashes = {e.name: values_hash(e.values, key) for e, key, _, _ in shaped}
         previous = {
             (task, digest): count
             for task, digest, count in conn.execute(
@@ -498,14 +570,14 @@ class TaskScheduler:
             ).fetchall()
         }
         planned = []
-        for e in ready:
+        for e, key, run_config, tags in shaped:
             attempt = previous.get((e.name, hashes[e.name]), 0) + 1
             reason = e.explanation
             if attempts_so_far.get(e.name):
                 reason = f"retry after {attempts_so_far[e.name]} failed run(s); " + reason
             planned.append(
                 Launch(e.name, f"{e.name}:{hashes[e.name]}:{attempt}", attempt, e.values, reason,
-                       partition_key=partitions[e.name])
+                       partition_key=key, run_config=run_config, tags=tags)
             )
         Leases.check(conn, lease)
         columns = {

@@ -117,17 +117,21 @@ WHERE scheduler = %(scheduler)s AND status = 'backoff' AND backoff_until <= %(no
 
 # -- reactive scheduler: evaluation and launch -------------------------------------------------
 
+# In (priority DESC, name) order after the last task read: a ready task stays dirty until the launch step.
 DIRTY_TASKS = """
-SELECT name, last_values, backwards_note
+SELECT name, last_values, backwards_note, priority, attempts
 FROM reactive_tasks
 WHERE scheduler = %(scheduler)s AND dirty AND defined AND status NOT IN ('launched', 'backoff')
+  AND (%(after_name)s::text IS NULL
+       OR priority <= %(after_priority)s::int
+          AND (priority < %(after_priority)s::int OR name > %(after_name)s::text))
 ORDER BY priority DESC, name
 LIMIT %(limit)s
 """
 
 # Ready tasks with a priority in [min_priority, max_priority): a hold launches none below a bound.
 READY_TASKS = """
-SELECT name, last_values, backwards_note, attempts
+SELECT name, last_values, backwards_note, attempts, priority
 FROM reactive_tasks
 WHERE scheduler = %(scheduler)s AND status = 'ready' AND defined
   AND priority >= %(min_priority)s::bigint AND priority < %(max_priority)s::bigint
@@ -158,6 +162,15 @@ FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, status text, ready_valu
 WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
 """
 
+# A ready task whose launch could not be shaped (its partition, run config or tags raised) backs off.
+LAUNCH_REFUSED = """
+UPDATE reactive_tasks t
+SET status = 'backoff', dirty = false, ready_values = NULL, explanation = e.explanation, attempts = t.attempts + 1,
+    backoff_until = e.backoff_until, evaluated_at = %(now)s, updated_at = %(now)s
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, explanation text, backoff_until timestamptz)
+WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
+"""
+
 PREVIOUS_ATTEMPTS = """
 SELECT task, values_hash, count(*)::int
 FROM reactive_launches
@@ -179,7 +192,7 @@ WITH launched AS (
         explanation = l.reason, dirty = false, evaluated_at = %(now)s, updated_at = %(now)s,
         partition_key = l.partition_key
     FROM launched l
-    WHERE t.scheduler = %(scheduler)s AND t.name = l.name AND t.status = 'ready'
+    WHERE t.scheduler = %(scheduler)s AND t.name = l.name AND t.status NOT IN ('launched', 'backoff')
     RETURNING t.name, l.run_key, l.values_hash, l.attempt, l.ctl_values, l.reason, l.partition_key
 )
 INSERT INTO reactive_launches (scheduler, task, run_key, values_hash, attempt, ctl_values, reason, launched_at,
@@ -252,4 +265,10 @@ WITH runs AS (
     WHERE t.scheduler = %(scheduler)s AND t.name = r.task
 )
 SELECT task, run_id, ctl_values FROM recorded
+"""
+
+# -- reactive runs: the values a launch ran on -------------------------------------------------
+
+LAUNCH_VALUES = """
+SELECT ctl_values FROM reactive_launches WHERE scheduler = %(scheduler)s AND run_key = %(run_key)s
 """

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from cmb_dagster.triggers.chunks import chunk_of, get_zone, parse_scale
-from cmb_dagster.triggers.durations import human_duration
+from cmb_dagster.triggers.durations import compact_duration, human_duration
 from cmb_dagster.triggers.models import (
     AggregateBase,
     All,
@@ -115,12 +115,17 @@ def _evaluate(trigger: Trigger, inputs: _Inputs) -> TriggerResult:
 
 
 def _label(trigger: CtlTriggerBase, task_timezone: str) -> str:
-    """``'ChunkDelta(sales/loaded_until, day in Europe/Moscow)'``: the trigger's kind and what it watches."""
+    """``'Delay(shop/prices/loaded_until, 2h)'``, ``'ChunkDelta(sales/loaded_until, day in Europe/Moscow, 1)'``:
+    the trigger's kind, what it watches and its threshold."""
     watched = display_key(trigger.key)
     if isinstance(trigger, RefDelay | ChunkRefDelay):
         watched += f" behind {display_key(trigger.ref_key)}"
-    if isinstance(trigger, ChunkDelta | ChunkDelay | ChunkRefDelay):
-        watched += f", {trigger.scale} in {trigger.timezone or task_timezone}"
+    if isinstance(trigger, ChunkDelta):
+        watched += f", {trigger.scale} in {trigger.timezone or task_timezone}, {trigger.min_delta or 1}"
+    elif isinstance(trigger, ChunkDelay | ChunkRefDelay):
+        watched += f", {trigger.scale} in {trigger.timezone or task_timezone}, {trigger.max_delay or 0}"
+    else:
+        watched += f", {compact_duration(trigger.min_delta if isinstance(trigger, Delta) else trigger.max_delay)}"
     return f"{trigger.kind}({watched})"
 
 

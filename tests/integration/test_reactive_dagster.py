@@ -97,7 +97,7 @@ class Location:
             warnings.simplefilter("ignore", ReactiveTriggerWarning)
             self.defs = cmb_definitions(
                 resource=resource, assets=list(assets),
-                reactive=ReactiveOptions(tasks=tasks, name=name, retry_backoff=timedelta(0), **options),
+                reactive=ReactiveOptions(tasks=tasks, name=name, **{"retry_backoff": timedelta(0), **options}),
             )
         self.clock = datetime.now(UTC)
 
@@ -151,7 +151,7 @@ def test_a_monthly_partitioned_asset_gets_each_new_month_in_order_committed_per_
     loc.store.set(*ORDERS, utc(2024, 4, 2))  # January's end, February and March arrived at once
     requests = drain(loc)
     assert [r.partition_key for r in requests] == ["2024-01-01", "2024-02-01", "2024-03-01"]
-    assert [launched_values(r.tags)[ORDERS] for r in requests] == [utc(2024, 2, 1), utc(2024, 3, 1), utc(2024, 4, 1)]
+    assert [launched_values(r.tags, resource)[ORDERS] for r in requests] == [utc(2024, 2, 1), utc(2024, 3, 1), utc(2024, 4, 1)]
     assert SEEN == [("monthly", "2024-01-01"), ("monthly", "2024-01-01"), ("monthly", "2024-02-01"),
                     ("monthly", "2024-03-01")]
     state = loc.state("monthly")
@@ -169,7 +169,7 @@ def test_a_daily_partitioned_asset_gets_one_run_per_new_day_and_a_failure_stops_
     loc.store.set(*ORDERS, utc(2024, 3, 3, 12))
     requests = drain(loc)
     assert [r.partition_key for r in requests] == ["2024-03-01", "2024-03-02", "2024-03-03"]
-    assert launched_values(requests[-1].tags)[ORDERS] == utc(2024, 3, 3, 12)  # the partial day, up to the value
+    assert launched_values(requests[-1].tags, resource)[ORDERS] == utc(2024, 3, 3, 12)  # the partial day, up to the value
     assert loc.state("daily").last_values == {"shop/orders": {"loaded_until": "2024-03-03T12:00:00+00:00"}}
 
 
@@ -188,6 +188,45 @@ def test_a_partition_callable_picks_the_key_and_run_config_and_tags_follow_the_v
     assert by_task["plain"].partition_key is None and by_task["plain"].tags["team"] == "ops"
     assert by_task["plain"].run_config == {"ops": {"work": {"config": {}}}}
     assert loc.run(by_task["plain"]) and SEEN == [("op", "ops")]
+
+
+def test_a_failing_tags_run_config_or_partition_callable_backs_off_that_task_alone(db, instance, resource, capfd):
+    broken = {"tags", "run_config", "partition"}
+
+    def fails(what: str, result):
+        def call(values):
+            if what in broken:
+                raise RuntimeError(f"no {what} today")
+            return result(values)
+        return call
+
+    tasks = [
+        ReactiveTask("bad_tags", plain, Delta(*ORDERS, "1h"), tags=fails("tags", lambda v: {"team": "shop"})),
+        ReactiveTask("bad_config", plain, Delta(*ORDERS, "1h"), run_config=fails("run_config", lambda v: {})),
+        ReactiveTask("bad_partition", [daily_mart], Delta(*ORDERS, "1h"),
+                     partition=fails("partition", lambda v: v[ORDERS].strftime("%Y-%m-%d"))),
+        ReactiveTask("good", plain, Delta(*ORDERS, "1h")),
+    ]
+    loc = Location(db, instance, resource, tasks, assets=[daily_mart], retry_backoff=timedelta(minutes=1))
+    loc.store.set(*ORDERS, utc(2024, 3, 5, 6))
+    assert [r.tags["cmb/reactive/task"] for r in loc.requests()] == ["good"]
+    logged = capfd.readouterr().err
+    for name, what in (("bad_tags", "run config or tags"), ("bad_config", "run config or tags"),
+                       ("bad_partition", "choosing the partition")):
+        state = loc.state(name)
+        assert state.status == "backoff" and state.explanation.startswith("error: ")
+        assert f"{what} raised RuntimeError" in state.explanation and "retry after 0:01:00" in state.explanation
+        assert f"{name}: error - error: " in logged
+    status = CliRunner().invoke(reactive_cli, ["status", "test", "bad_tags"],
+                                env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
+    assert status.exit_code == 0 and "no tags today" in status.output, status.output
+
+    broken.clear()
+    assert loc.requests() == []  # backing off
+    loc.clock += timedelta(minutes=1)
+    again = {r.tags["cmb/reactive/task"]: r for r in loc.requests()}
+    assert sorted(again) == ["bad_config", "bad_partition", "bad_tags"]
+    assert again["bad_tags"].tags["team"] == "shop" and again["bad_partition"].partition_key == "2024-03-05"
 
 
 # -- manual recovery -----------------------------------------------------------------------------
@@ -210,8 +249,8 @@ def test_set_last_into_the_past_makes_a_delta_task_fire_again_after_a_backwards_
     )
     assert result.exit_code == 0, result.output
     [again] = loc.requests()
-    assert launched_values(again.tags) == {ORDERS: utc(2024, 5, 3)}
-    assert "2024-05-01" in again.tags["cmb/reactive/reason"]
+    assert launched_values(again.tags, resource) == {ORDERS: utc(2024, 5, 3)}
+    assert "2024-05-01" in loc.state("mart").explanation
     assert set_last_value(db, "test", "nope", ORDERS, utc(2024, 1, 1)) is None
     bad = CliRunner().invoke(reactive_cli, ["set-last", "test", "mart", "--parameter", *ORDERS, "--value", "2024-05-01"],
                              env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
@@ -251,7 +290,7 @@ def test_a_backfill_never_moves_asset_sourced_ctl_backwards_and_downstream_delta
     loc = Location(db, instance, resource, [ReactiveTask("mart", plain, Delta(*ORDERS, "1h"))], assets=[orders_loader])
     assert materialize([orders_loader], instance=instance, partition_key="2024-03-10").success
     [first] = loc.requests()
-    assert launched_values(first.tags) == {ORDERS: utc(2024, 3, 11)}
+    assert launched_values(first.tags, resource) == {ORDERS: utc(2024, 3, 11)}
     assert loc.run(first)
     for day in range(1, 5):  # a backfill of older days, after the newest one
         assert materialize([orders_loader], instance=instance, partition_key=f"2024-03-0{day}").success
@@ -260,7 +299,7 @@ def test_a_backfill_never_moves_asset_sourced_ctl_backwards_and_downstream_delta
     assert not loc.store.history(*ORDERS, backwards_only=True)
     assert materialize([orders_loader], instance=instance, partition_key="2024-03-11").success
     [second] = loc.requests()  # new data still fires the Delta task downstream
-    assert launched_values(second.tags) == {ORDERS: utc(2024, 3, 12)}
+    assert launched_values(second.tags, resource) == {ORDERS: utc(2024, 3, 12)}
 
 
 def test_mode_set_writes_a_backwards_value_and_flags_it(db, instance, resource):

@@ -97,18 +97,33 @@ class Harness:
         return {s.name: s for s in task_states(self.db, "test")}[name]
 
 
-def test_a_ctl_change_launches_the_task_with_its_values_as_tags(db, instance, resource, now):
+def test_a_ctl_change_launches_the_task_with_short_tags_and_its_values_and_reason_in_the_runs_log(
+    db, instance, resource, now, capfd
+):
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
     first = h.tick()
     assert not first.run_requests and "sales/loaded_until has no current value yet" in first.skip_message
 
     h.store.set("sales", "loaded_until", now)
+    capfd.readouterr()
     [request] = h.requests()
+    [line] = [line for line in capfd.readouterr().err.splitlines() if " - mart: " in line]  # once per launch
+    assert " - mart: launched - " in line and "Delta(sales/loaded_until, 1h) fires" in line
     assert request.job_name == "target"
     assert request.tags["cmb/reactive/task"] == "mart"
-    assert launched_values(request.tags) == {("sales", "loaded_until"): now}
-    assert "first run" in request.tags["cmb/reactive/reason"]
+    assert launched_values(request.tags, resource) == {("sales", "loaded_until"): now}
+    assert sorted(k for k in request.tags if k.startswith("cmb/")) == [
+        "cmb/reactive/attempt", "cmb/reactive/run_key", "cmb/reactive/scheduler", "cmb/reactive/task"
+    ]
     assert request.run_key == request.tags["cmb/reactive/run_key"]
+    run = h.start(request)
+    h.tick()
+    h.tick()
+    [entry] = [e for e in instance.all_logs(run.run_id) if "reactive task mart" in (e.message or "")]
+    assert f"launched on sales/loaded_until = {now.isoformat()}" in entry.message and "first run" in entry.message
+    metadata = entry.dagster_event.engine_event_data.metadata
+    assert metadata["values"].value == {"sales": {"loaded_until": now.isoformat()}}
+    assert "first run" in metadata["reason"].value
 
 
 def test_no_relaunch_while_a_run_is_queued_or_running(db, instance, resource, now):
@@ -139,7 +154,7 @@ def test_success_commits_the_values_as_last_seen(db, instance, resource, now):
     assert h.requests() == []  # 30 min < 1 h since the last run's value
     h.store.set("sales", "loaded_until", now + timedelta(hours=1))
     [second] = h.requests()
-    assert launched_values(second.tags) == {("sales", "loaded_until"): now + timedelta(hours=1)}
+    assert launched_values(second.tags, resource) == {("sales", "loaded_until"): now + timedelta(hours=1)}
     assert second.run_key != request.run_key
 
 
@@ -160,8 +175,8 @@ def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resour
     h.clock = now + timedelta(minutes=1)
     [retry] = h.requests()
     assert retry.run_key != first.run_key
-    assert launched_values(retry.tags) == launched_values(first.tags)  # same values, next attempt
-    assert retry.tags["cmb/reactive/attempt"] == "2" and "retry after 1 failed run" in retry.tags["cmb/reactive/reason"]
+    assert launched_values(retry.tags, resource) == launched_values(first.tags, resource)  # same values, next attempt
+    assert retry.tags["cmb/reactive/attempt"] == "2" and "retry after 1 failed run" in h.state("mart").explanation
     h.execute(retry)
     h.tick()
     assert h.state("mart").attempts == 0 and h.state("mart").last_values
@@ -221,8 +236,8 @@ def test_a_changed_definition_is_evaluated_again_with_the_seeds_release_rules(db
     changed = Any(Delta("sales", "loaded_until", "1h"), ChunkDelta("prices", "loaded_until", "day"))
     h2 = Harness(db, instance, resource, [ReactiveTask("mart", target, changed)])
     [again] = h2.requests()
-    reason = again.tags["cmb/reactive/reason"]
-    assert "Delta(sales/loaded_until) waits" in reason and "the parameter is new to the trigger" in reason
+    reason = h2.state("mart").explanation
+    assert "Delta(sales/loaded_until, 1h) waits" in reason and "the parameter is new to the trigger" in reason
     assert h2.state("mart").last_values == {"sales": {"loaded_until": now.isoformat()}}
     # an unchanged definition in a new process is not evaluated again
     h3 = Harness(db, instance, resource, [ReactiveTask("mart", target, changed)])
@@ -253,7 +268,7 @@ def test_asset_materialization_metadata_feeds_ctl_and_bad_metadata_writes_nothin
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delay("shop/prices", "loaded_until", "10min"))])
     assert materialize([prices, broken], instance=instance).success
     [request] = h.requests()  # the same tick applied the metadata and launched
-    assert launched_values(request.tags) == {("shop/prices", "loaded_until"): moment}
+    assert launched_values(request.tags, resource) == {("shop/prices", "loaded_until"): moment}
     assert h.store.get("shop/broken", "loaded_until") is None
     [change] = h.store.history("shop/prices")
     assert change.changed_by.startswith("dagster run ")
@@ -302,13 +317,15 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
     loaders = defs.get_repository_def().get_sensor_def("example_loaders").evaluate_tick(build_sensor_context(instance=instance))
     assert sorted(r.job_name for r in loaders.run_requests) == ["orders_loader", "prices_loader"]
     assert defs.get_job_def("orders_loader").execute_in_process(instance=instance).success
-    assert "ChunkDelta(shop/orders/loaded_until, 5min in UTC) fires" in tick().skip_message  # prices not loaded yet
+    assert "ChunkDelta(shop/orders/loaded_until, 5min in UTC, 1) fires" in tick().skip_message  # prices not loaded yet
     assert defs.get_job_def("prices_loader").execute_in_process(instance=instance).success
     [request] = tick().run_requests
     assert request.job_name == "sales_report"
-    assert set(launched_values(request.tags)) == {example.ORDERS, example.PRICES}
+    assert set(launched_values(request.tags, resource)) == {example.ORDERS, example.PRICES}
     result = defs.get_job_def("sales_report").execute_in_process(instance=instance, tags=request.tags)
     assert result.success
+    logged = [e.message or "" for e in instance.all_logs(result.run_id)]
+    assert any("sales report for orders up to 2" in m and "None" not in m for m in logged), logged
     assert "sales_report: succeeded" in tick().skip_message
 
 

@@ -241,11 +241,11 @@ def test_seed_example_delta_waits_chunk_delta_fires():
     assert not exact.fired
     assert chunked.fired
     assert exact.explanation == (
-        "Delta(sales.orders/loaded_until) waits: current − last = "
+        "Delta(sales.orders/loaded_until, 2d) waits: current − last = "
         "2021-04-25 03:27:33+00:00 − 2021-04-23 03:51:16+00:00 = 1 day, 23:36:17 < 2 days (short by 0:23:43)"
     )
     assert chunked.explanation == (
-        "ChunkDelta(sales.orders/loaded_until, day in UTC) fires: current 2021-04-25 03:27:33+00:00 is in chunk "
+        "ChunkDelta(sales.orders/loaded_until, day in UTC, 2) fires: current 2021-04-25 03:27:33+00:00 is in chunk "
         "2021-04-25, last 2021-04-23 03:51:16+00:00 in chunk 2021-04-23: 2 chunks apart >= 2"
     )
 
@@ -585,3 +585,19 @@ def test_durations_too_long_are_typed_errors_naming_the_field(make, field):
     assert [error["loc"] for error in raised.value.errors()] == [(field,)]
     assert "too long" in str(raised.value) or "at most" in str(raised.value)
     assert Delta("e", "p", "36525d").min_delta == timedelta(days=36_525)  # 100 years is still fine
+
+
+@pytest.mark.parametrize(
+    ("trigger", "label"),
+    [
+        (Delay("shop/prices", "loaded_until", "2h"), "Delay(shop/prices/loaded_until, 2h)"),
+        (Delta("shop/prices", "loaded_until", "1d12h"), "Delta(shop/prices/loaded_until, 1d12h)"),
+        (RefDelay("mart", "loaded_until", "shop/prices", "loaded_until", "30min"),
+         "RefDelay(mart/loaded_until behind shop/prices/loaded_until, 30min)"),
+        (ChunkDelta("shop/prices", "loaded_until", "day", 2), "ChunkDelta(shop/prices/loaded_until, day in UTC, 2)"),
+        (ChunkDelay("shop/prices", "loaded_until", "hour"), "ChunkDelay(shop/prices/loaded_until, hour in UTC, 0)"),
+    ],
+)
+def test_explanations_name_each_triggers_threshold(trigger, label):
+    values = {("shop/prices", "loaded_until"): NOW, ("mart", "loaded_until"): NOW}
+    assert run(trigger, values, values).explanation.startswith(label + " ")
