@@ -12,7 +12,7 @@ import click
 from cmb_dagster.callbacks.admin import callback_counts
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackValidationError
-from cmb_dagster.callbacks.models import CallbackSettings, validated
+from cmb_dagster.callbacks.models import MAX_BUCKETS, CallbackSettings, validated
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
 from cmb_dagster.database import Database
@@ -137,9 +137,9 @@ def clean(ttl_days: int) -> None:
 
 
 @callbacks.command()
-@click.argument("count", type=int)
+@click.argument("count", type=click.IntRange(1, MAX_BUCKETS))
 def buckets(count: int) -> None:
-    """Raise the number of buckets to COUNT (existing events keep their bucket)."""
+    """Set the number of buckets to COUNT (1 to 4096); pending events of removed buckets move to the rest."""
     with _client() as client:
         ids = client.set_bucket_count(count)
     click.echo(f"{len(ids)} buckets")

@@ -37,7 +37,7 @@ from cmb_dagster.callbacks.admin import callback_counts
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.callbacks.schedules import materialize_schedules
-from cmb_dagster.callbacks.worker import CallbackWorker, bucket_ids
+from cmb_dagster.callbacks.worker import CallbackWorker, served_bucket_ids
 from cmb_dagster.database import Database
 from cmb_dagster.jobs import keep_running_sensor, worker_job
 from cmb_dagster.models import Options
@@ -128,8 +128,8 @@ class DagsterRunLauncher:
 
 def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untyped-def]
     def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
-        def buckets() -> list[int]:  # asked at each lease renewal: raised bucket counts are picked up
-            return [b for b in bucket_ids(database) if b % options.workers == index]
+        def buckets() -> list[int]:  # asked at each lease renewal: a raised or lowered count is picked up
+            return [b for b in served_bucket_ids(database) if b % options.workers == index]
 
         worker = CallbackWorker(
             database, options.settings, buckets=buckets, launcher=DagsterRunLauncher.from_context(context)

@@ -38,6 +38,7 @@ MAX_DELAY = 30 * 86400.0  # seconds between two main retries, at most
 MAX_FACTOR = 1000.0
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)  # far inside what Python and Postgres both store, retries included
+MAX_BUCKETS = 4096  # each bucket is a row, a lease and a poll per poll_interval
 ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
 ANY_PUBLIC_HOST = "*"
 # Names refused unless listed by name: they point at this machine or at a cloud metadata service.
