@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from cmb_dagster.callbacks import sql
-from cmb_dagster.callbacks.models import MAX_BUCKETS, CallbackCounts, validated
+from cmb_dagster.callbacks.models import MAX_BUCKETS, BucketSetCounts, CallbackCounts, validated
 from cmb_dagster.callbacks.worker import move_stranded_events
 from cmb_dagster.database import Database, DatabaseSource
 
@@ -20,6 +20,14 @@ def callback_counts(database: DatabaseSource) -> CallbackCounts:
         cursor = conn.execute(sql.STATUS_COUNTS)
         columns = [c.name for c in cursor.description or ()]
         return CallbackCounts(**dict(zip(columns, cursor.fetchone(), strict=True)))
+
+
+def bucket_set_counts(database: DatabaseSource, sets: int) -> list[BucketSetCounts]:
+    """Per bucket set (set i: the buckets with id % sets == i, one worker job's), the figures its observations plot."""
+    with Database.of(database).connection() as conn:
+        cursor = conn.execute(sql.BUCKET_SET_COUNTS, {"sets": sets})
+        columns = [c.name for c in cursor.description or ()]
+        return [BucketSetCounts(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
 
 
 def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:

@@ -465,3 +465,15 @@ class CallbackCounts(BaseModel):
     rejected: int
     cancelled: int
     oldest_overdue_seconds: float
+
+
+class BucketSetCounts(BaseModel):
+    """What one worker job's buckets hold: pending and overdue events, the oldest overdue age, outcomes of the last hour."""
+
+    bucket_set: int
+    pending: int
+    overdue: int
+    oldest_overdue_seconds: float
+    notified_last_hour: int
+    failed_last_hour: int
+    rejected_last_hour: int

@@ -369,3 +369,30 @@ SELECT count(*) FILTER (WHERE status = 'pending')                   AS pending,
                                                                     AS oldest_overdue_seconds
 FROM callback_events
 """
+
+# Per bucket set (bucket_id % sets): pending, overdue and the oldest overdue age from the pending index;
+# outcomes of the last hour from the outcomes index (both scans are bounded by their index conditions).
+BUCKET_SET_COUNTS = """
+WITH p AS (
+    SELECT bucket_id %% %(sets)s AS bucket_set, count(*) AS pending,
+           count(*) FILTER (WHERE run_at < now()) AS overdue,
+           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at < now())) AS oldest
+    FROM callback_events
+    WHERE status = 'pending' AND bucket_id >= 0
+    GROUP BY 1
+), f AS (
+    SELECT bucket_id %% %(sets)s AS bucket_set,
+           count(*) FILTER (WHERE status = 'notified') AS notified,
+           count(*) FILTER (WHERE status = 'failed') AS failed,
+           count(*) FILTER (WHERE status = 'rejected') AS rejected
+    FROM callback_events
+    WHERE status <> 'pending' AND finished_at > now() - interval '1 hour' AND finished_at <= now()  -- a range: the index
+    GROUP BY 1
+)
+SELECT s.bucket_set, coalesce(p.pending, 0) AS pending, coalesce(p.overdue, 0) AS overdue,
+       coalesce(p.oldest, 0)::float8 AS oldest_overdue_seconds, coalesce(f.notified, 0) AS notified_last_hour,
+       coalesce(f.failed, 0) AS failed_last_hour, coalesce(f.rejected, 0) AS rejected_last_hour
+FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
+LEFT JOIN p USING (bucket_set) LEFT JOIN f USING (bucket_set)
+ORDER BY s.bucket_set
+"""
