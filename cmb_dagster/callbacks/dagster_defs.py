@@ -60,8 +60,8 @@ class CallbackOptions(Options):
     settings: CallbackSettings = Field(default_factory=CallbackSettings)
     cleanup_cron: str = Field(default="0 21 * * *", description="When the cleanup runs (every evening by default).")
     cleanup_timezone: str = "UTC"
-    ttl_days: int = Field(default=30, ge=0, description="Finished events and change_log older than this are removed.")
-    materialize_interval_seconds: int = Field(default=30, ge=5, description="How often schedules are materialized.")
+    ttl_days: int = Field(default=30, ge=0, le=36500, description="Finished events and change_log older than this are removed.")
+    materialize_interval_seconds: int = Field(default=30, ge=5, le=86400, description="How often schedules are materialized.")
 
     @field_validator("cleanup_cron")
     @classmethod
@@ -147,7 +147,7 @@ def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untype
 class CleanupConfig(Config):
     """How old finished events and change_log entries must be to be removed."""
 
-    ttl_days: int = Field(default=30, ge=0)
+    ttl_days: int = Field(default=30, ge=0, le=36500)
 
 
 def callback_definitions(options: CallbackOptions, *, prefix: str = "cmb_") -> Definitions:
