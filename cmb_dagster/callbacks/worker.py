@@ -168,7 +168,7 @@ class CallbackWorker:
         for delivery in deliveries:
             by_bucket[delivery.bucket_id].append(delivery)
         with self.db.connection() as conn:
-            for bucket_id in by_bucket:
+            for bucket_id in sorted(by_bucket):  # in lease order, as renewals lock them: no deadlock
                 state = self._states.get(bucket_id)
                 if state is None or state.lease is None:
                     raise LeaseLost(f"bucket {bucket_id} is not held")
@@ -224,8 +224,9 @@ class CallbackWorker:
         moved = move_bucket_events(self.db, lease)
         if moved:
             log.info("bucket %s was removed: %d pending events moved to the remaining buckets", lease.partition, moved)
-        self._states.pop(state.bucket_id, None)
-        self._moved.add((state.bucket_id, lease.fence))
+        if moved < MOVE_BATCH:  # all moved; otherwise the next step moves the next batch
+            self._states.pop(state.bucket_id, None)
+            self._moved.add((state.bucket_id, lease.fence))
         return handled + moved
 
     def _state(self, lease: Lease) -> BucketState:
@@ -428,21 +429,22 @@ def move_stranded_events(db: Database) -> int:
         stranded = [str(row[0]) for row in conn.execute(sql.STRANDED_BUCKETS)]
     leases = Leases(db, LEASE_KIND, owner=f"cmb-buckets:{default_owner()}", ttl=60)
     held = leases.acquire(stranded) if stranded else {}
+    moved = 0
     try:
-        return sum(move_bucket_events(db, lease) for lease in held.values())
+        for partition, lease in held.items():
+            while (batch := move_bucket_events(db, lease)) == MOVE_BATCH:
+                moved += batch
+                lease = leases.acquire([partition])[partition]  # renewed between batches
+            moved += batch
     finally:
         if held:
             leases.release(held)
+    return moved
 
 
 def move_bucket_events(db: Database, lease: Lease) -> int:
-    """Move the pending events of the removed bucket ``lease`` holds to live buckets; return how many."""
-    moved = 0
-    while True:
-        with db.connection() as conn:
-            conn.execute(sql.LOCK_EVENT_IDS)  # new ids in commit order, as for inserts
-            Leases.check(conn, lease)
-            batch = conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": MOVE_BATCH}).fetchone()[0]
-        moved += batch
-        if batch < MOVE_BATCH:
-            return moved
+    """Move up to MOVE_BATCH pending events of the removed bucket ``lease`` holds to live buckets; return how many."""
+    with db.connection() as conn:
+        conn.execute(sql.LOCK_EVENT_IDS)  # new ids in commit order, as for inserts
+        Leases.check(conn, lease)
+        return conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": MOVE_BATCH}).fetchone()[0]

@@ -8,6 +8,7 @@ import pytest
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
+from cmb_dagster.callbacks import worker as worker_module
 from cmb_dagster.callbacks.errors import CallbackValidationError
 from cmb_dagster.callbacks.sink import CallbackSink
 
@@ -171,9 +172,11 @@ def test_raised_buckets_are_served_without_restarting_workers(client, sink, work
     assert len(sink.received) == 120
 
 
-def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, client, sink, workers):
+def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, client, sink, workers, monkeypatch):
+    monkeypatch.setattr(worker_module, "MOVE_BATCH", 7)  # several batches per bucket
     client.set_bucket_count(8)
-    workers(), workers()
+    steady = FAST.model_copy(update={"lease_ttl": 10})  # no lease lapses on a loaded machine (those call again)
+    workers(settings=steady), workers(settings=steady)
     now = datetime.now(UTC)
     client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
                          "run_at": now + timedelta(milliseconds=10 * i - 1000), "cb_url": f"{sink.url}/slow?ms=150"}
@@ -195,7 +198,8 @@ def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, 
         assert conn.execute("SELECT count(*) FROM callback_buckets").fetchone()[0] == 3
 
 
-def test_lowered_buckets_no_worker_holds_move_at_once_behind_the_receiving_cursor_and_fire_once(client, sink, workers):
+def test_lowered_buckets_no_worker_holds_move_at_once_behind_the_receiving_cursor_and_fire_once(client, sink, workers, monkeypatch):
+    monkeypatch.setattr(worker_module, "MOVE_BATCH", 7)  # several batches per bucket
     client.set_bucket_count(6)
     past = datetime.now(UTC) - timedelta(minutes=1)
     client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
