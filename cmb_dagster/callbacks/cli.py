@@ -9,10 +9,11 @@ from typing import Any
 
 import click
 
+from cmb_dagster.cli_ranges import DAY, DURATION, FloatRange
 from cmb_dagster.callbacks.admin import callback_counts
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackValidationError
-from cmb_dagster.callbacks.models import CallbackSettings, validated
+from cmb_dagster.callbacks.models import MAX_BUCKETS, CallbackSettings, validated
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
 from cmb_dagster.database import Database
@@ -70,7 +71,7 @@ def callbacks() -> None:
 @callbacks.command()
 @_keys
 @click.option("--at", "at", help="When to call, ISO 8601 with a timezone (e.g. 2030-01-01T09:00:00Z).")
-@click.option("--in", "delay", type=click.FloatRange(0, 100 * 365.25 * 86400), help="When to call, in seconds from now.")
+@click.option("--in", "delay", type=FloatRange(0, 100 * 365.25 * DAY), help="When to call, in seconds from now.")
 @click.option("--url", "cb_url", required=True, help="http(s):// URL to POST to, or dagster://<job_name>.")
 @click.option("--context", help="JSON sent along with the call.")
 @click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
@@ -137,9 +138,9 @@ def clean(ttl_days: int) -> None:
 
 
 @callbacks.command()
-@click.argument("count", type=int)
+@click.argument("count", type=click.IntRange(1, MAX_BUCKETS))
 def buckets(count: int) -> None:
-    """Raise the number of buckets to COUNT (existing events keep their bucket)."""
+    """Set the number of buckets to COUNT (1 to 4096); pending events of removed buckets move to the rest."""
     with _client() as client:
         ids = client.set_bucket_count(count)
     click.echo(f"{len(ids)} buckets")
@@ -148,11 +149,11 @@ def buckets(count: int) -> None:
 @callbacks.command()
 @click.option("--buckets", "bucket_list", callback=lambda ctx, param, value: _bucket_ids(value),
               help="Comma-separated bucket ids (default: all, including added ones).")
-@click.option("--duration", type=click.FloatRange(0, min_open=True), help="Seconds to work (default: until SIGTERM or Ctrl-C).")
+@click.option("--duration", type=DURATION, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
 @click.option("--concurrency", type=click.IntRange(1, 10_000), help="Parallel calls.")
-@click.option("--timeout", type=click.FloatRange(0.1, 3600), help="Seconds one call may take.")
-@click.option("--poll-interval", type=click.FloatRange(0.01, 3600), help="Seconds between polls of a bucket.")
-@click.option("--lease-ttl", type=click.FloatRange(1, 3600), help="Seconds after which a dead worker's buckets are taken over.")
+@click.option("--timeout", type=FloatRange(0.1, 3600), help="Seconds one call may take.")
+@click.option("--poll-interval", type=FloatRange(0.01, 3600), help="Seconds between polls of a bucket.")
+@click.option("--lease-ttl", type=FloatRange(1, 3600), help="Seconds after which a dead worker's buckets are taken over.")
 @click.option("--materialize/--no-materialize", default=True, show_default=True,
               help="Also turn cron schedules into events, every 30 s.")
 @click.option("--allow-host", "allow_hosts", multiple=True,

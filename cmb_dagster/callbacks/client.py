@@ -13,6 +13,7 @@ from psycopg.types.json import Jsonb
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue
 
 from cmb_dagster.callbacks import sql
+from cmb_dagster.callbacks.admin import set_bucket_count
 from cmb_dagster.callbacks.errors import (
     CallbackConflict,
     CallbackInvalidState,
@@ -305,15 +306,12 @@ class CallbackClient:
         return bucket_ids(self.db)
 
     def set_bucket_count(self, count: int) -> list[int]:
-        """Raise the number of buckets to ``count`` (existing events keep theirs); return the bucket ids."""
-        with self.db.connection() as conn:
-            conn.execute(sql.LOCK_BUCKETS)
-            current = len([row for row in conn.execute(sql.BUCKET_IDS)])
-            if count < current:
-                raise CallbackValidationError(f"count: buckets can only be raised ({current} now, asked {count})")
-            if count > current:
-                conn.execute(sql.ADD_BUCKETS, {"count": count})
-        return self.bucket_ids()
+        """Set the number of buckets (1 to 4,096) while workers run; return the bucket ids.
+
+        Raising adds empty buckets. Lowering moves the pending events of the removed ones to the rest,
+        each called once (see :func:`cmb_dagster.callbacks.admin.set_bucket_count`).
+        """
+        return set_bucket_count(self.db, count)
 
     def clean(self, ttl_days: int = 30) -> CleanReport:
         """Delete finished events whose run_at is older than ``ttl_days``, and change_log entries as old."""

@@ -1,6 +1,7 @@
 """Dagster shell of the callbacks engine: worker jobs and their keepers, cleanup, the schedules materializer,
 and the launcher that turns ``dagster://<job>`` callbacks into queued runs."""
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,11 +34,11 @@ from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from dagster._core.run_coordinator import QueuedRunCoordinator
 from pydantic import Field, field_validator
 
-from cmb_dagster.callbacks.admin import callback_counts
+from cmb_dagster.callbacks.admin import bucket_set_counts
 from cmb_dagster.callbacks.client import CallbackClient
-from cmb_dagster.callbacks.models import CallbackSettings
+from cmb_dagster.callbacks.models import BucketSetCounts, CallbackSettings
 from cmb_dagster.callbacks.schedules import materialize_schedules
-from cmb_dagster.callbacks.worker import CallbackWorker, bucket_ids
+from cmb_dagster.callbacks.worker import CallbackWorker, served_bucket_ids
 from cmb_dagster.database import Database
 from cmb_dagster.jobs import keep_running_sensor, worker_job
 from cmb_dagster.models import Options
@@ -59,8 +60,8 @@ class CallbackOptions(Options):
     settings: CallbackSettings = Field(default_factory=CallbackSettings)
     cleanup_cron: str = Field(default="0 21 * * *", description="When the cleanup runs (every evening by default).")
     cleanup_timezone: str = "UTC"
-    ttl_days: int = Field(default=30, ge=0, description="Finished events and change_log older than this are removed.")
-    materialize_interval_seconds: int = Field(default=30, ge=5, description="How often schedules are materialized.")
+    ttl_days: int = Field(default=30, ge=0, le=36500, description="Finished events and change_log older than this are removed.")
+    materialize_interval_seconds: int = Field(default=30, ge=5, le=86400, description="How often schedules are materialized.")
 
     @field_validator("cleanup_cron")
     @classmethod
@@ -68,6 +69,10 @@ class CallbackOptions(Options):
         if not croniter.is_valid(value):
             raise ValueError(f"{value!r} is not a valid cron expression")
         return value
+
+    def counts_asset_key(self, index: int) -> AssetKey:
+        """The observable asset of the events worker job ``index`` serves."""
+        return AssetKey(["callbacks", "events" if self.workers == 1 else f"events_{index}_of_{self.workers}"])
 
     def worker_job_name(self, index: int, prefix: str = "cmb_") -> str:
         """Name of worker job ``index``."""
@@ -128,8 +133,8 @@ class DagsterRunLauncher:
 
 def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untyped-def]
     def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
-        def buckets() -> list[int]:  # asked at each lease renewal: raised bucket counts are picked up
-            return [b for b in bucket_ids(database) if b % options.workers == index]
+        def buckets() -> list[int]:  # asked at each lease renewal: a raised or lowered count is picked up
+            return [b for b in served_bucket_ids(database) if b % options.workers == index]
 
         worker = CallbackWorker(
             database, options.settings, buckets=buckets, launcher=DagsterRunLauncher.from_context(context)
@@ -142,7 +147,7 @@ def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untype
 class CleanupConfig(Config):
     """How old finished events and change_log entries must be to be removed."""
 
-    ttl_days: int = Field(default=30, ge=0)
+    ttl_days: int = Field(default=30, ge=0, le=36500)
 
 
 def callback_definitions(options: CallbackOptions, *, prefix: str = "cmb_") -> Definitions:
@@ -188,27 +193,36 @@ def callback_definitions(options: CallbackOptions, *, prefix: str = "cmb_") -> D
     return Definitions(
         jobs=[*workers, cleanup_job],
         schedules=[cleanup_schedule],
-        sensors=[*(keep_running_sensor(w) for w in workers), materializer, counts_sensor(prefix=prefix)],
-        assets=[counts_asset()],
+        sensors=[*(keep_running_sensor(w) for w in workers), materializer, counts_sensor(options, prefix=prefix)],
+        assets=counts_assets(options),
     )
 
 
-COUNTS_ASSET_KEY = AssetKey(["callbacks", "events"])
-COUNTS_DESCRIPTION = "Callback events per status: pending, overdue (due and not yet called), notified, failed, rejected."
+COUNTS_DESCRIPTION = (
+    "Callback events of the buckets one worker job serves: pending, overdue (due and not yet called) and the age of "
+    "the oldest overdue one; notified, failed and rejected in the last hour."
+)
 
 
-def counts_asset() -> SourceAsset:
-    """An observable asset whose observations plot the callback events per status; Observe refreshes it."""
+def counts_assets(options: CallbackOptions) -> list[SourceAsset]:
+    """One observable asset per bucket set, whose observations plot its events; Observe refreshes it."""
+    return [_counts_asset(options, index) for index in range(options.workers)]
 
-    @observable_source_asset(key=COUNTS_ASSET_KEY, group_name="cmb_callbacks", description=COUNTS_DESCRIPTION)
+
+def _counts_asset(options: CallbackOptions, index: int) -> SourceAsset:
+    @observable_source_asset(
+        key=options.counts_asset_key(index),
+        group_name="cmb_callbacks",
+        description=f"{COUNTS_DESCRIPTION} Buckets with id % {options.workers} == {index}.",
+    )
     def callback_events(cmb: CmbResource) -> ObserveResult:
-        return ObserveResult(metadata=callback_counts(cmb.database).model_dump())
+        return ObserveResult(metadata=_figures(bucket_set_counts(cmb.database, options.workers)[index]))
 
     return callback_events
 
 
-def counts_sensor(*, prefix: str = "cmb_", minimum_interval_seconds: int = 60) -> SensorDefinition:
-    """Observes the callback events per status once a minute, and only when a figure changed."""
+def counts_sensor(options: CallbackOptions, *, prefix: str = "cmb_", minimum_interval_seconds: int = 60) -> SensorDefinition:
+    """Observes each bucket set's events at most once a minute: when a figure changed, or while some are overdue."""
 
     @sensor(
         name=f"{prefix}callbacks_observer",
@@ -217,12 +231,21 @@ def counts_sensor(*, prefix: str = "cmb_", minimum_interval_seconds: int = 60) -
         description=COUNTS_DESCRIPTION,
     )
     def observer(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult | SkipReason:
-        counts = callback_counts(cmb.database)
-        figures = counts.model_dump_json(exclude={"oldest_overdue_seconds"})
-        if counts.overdue == 0 and figures == context.cursor:
+        previous = json.loads(context.cursor or "{}")
+        latest, observations = {}, []
+        for counts in bucket_set_counts(cmb.database, options.workers):
+            key = str(counts.bucket_set)
+            latest[key] = counts.model_dump_json(exclude={"oldest_overdue_seconds"})
+            if counts.overdue or latest[key] != previous.get(key):
+                observations.append(
+                    AssetObservation(asset_key=options.counts_asset_key(counts.bucket_set), metadata=_figures(counts))
+                )
+        if not observations:
             return SkipReason("no change")
-        return SensorResult(
-            asset_events=[AssetObservation(asset_key=COUNTS_ASSET_KEY, metadata=counts.model_dump())], cursor=figures
-        )
+        return SensorResult(asset_events=observations, cursor=json.dumps(latest))
 
     return observer
+
+
+def _figures(counts: BucketSetCounts) -> dict[str, float]:
+    return counts.model_dump(exclude={"bucket_set"})

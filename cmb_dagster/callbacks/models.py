@@ -38,6 +38,7 @@ MAX_DELAY = 30 * 86400.0  # seconds between two main retries, at most
 MAX_FACTOR = 1000.0
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)  # far inside what Python and Postgres both store, retries included
+MAX_BUCKETS = 4096  # each bucket is a row, a lease and a poll per poll_interval
 ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
 ANY_PUBLIC_HOST = "*"
 # Names refused unless listed by name: they point at this machine or at a cloud metadata service.
@@ -118,7 +119,7 @@ class CallbackSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_context_bytes: int = Field(default=64 * 1024, gt=0, description="Largest context, as compact JSON.")
+    max_context_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 1024 * 1024, description="Largest context, as compact JSON.")
     allowed_hosts: tuple[str, ...] | None = Field(
         default_factory=lambda: _hosts_from_env(),
         description=(
@@ -127,19 +128,19 @@ class CallbackSettings(BaseModel):
             "only connects to a public address, or to one an address or range of this list opens (e.g. '127.0.0.1')."
         ),
     )
-    max_response_bytes: int = Field(default=64 * 1024, gt=0, description="Response bytes read at most; the rest is dropped.")
-    write_batch_size: int = Field(default=500, gt=0, description="Creates written per multi-row insert, at most.")
+    max_response_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 1024 * 1024, description="Response bytes read at most; the rest is dropped.")
+    write_batch_size: int = Field(default=500, gt=0, le=10_000, description="Creates written per multi-row insert, at most.")
     write_linger: float = Field(
         default=0.0, ge=0, le=0.05, description="Seconds a write waits for more creates (0: group commit)."
     )
-    poll_interval: float = Field(default=1.0, gt=0, description="Seconds between polls of a bucket.")
+    poll_interval: float = Field(default=1.0, gt=0, le=60, description="Seconds between polls of a bucket.")
     lookahead: float = Field(default=2.0, ge=0, le=10, description="Poll events due within this many seconds.")
-    poll_batch_size: int = Field(default=1000, gt=0, description="Events fetched per poll query.")
-    max_in_flight: int = Field(default=5000, gt=0, description="Events a worker holds in memory at most.")
+    poll_batch_size: int = Field(default=1000, gt=0, le=10_000, description="Events fetched per poll query.")
+    max_in_flight: int = Field(default=5000, gt=0, le=1_000_000, description="Events a worker holds in memory at most.")
     concurrency: int = Field(default=32, gt=0, le=512, description="Parallel callback calls per worker.")
     timeout: float = Field(default=5.0, gt=0, le=60, description="Seconds one HTTP call may take.")
-    fast_retry_pause: float = Field(default=0.1, ge=0, description="Pause before the first fast retry (doubles).")
-    lease_ttl: float = Field(default=15.0, gt=1, description="A dead worker's buckets are taken over after this.")
+    fast_retry_pause: float = Field(default=0.1, ge=0, le=10, description="Pause before the first fast retry (doubles).")
+    lease_ttl: float = Field(default=15.0, gt=1, le=3600, description="A dead worker's buckets are taken over after this.")
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
@@ -464,3 +465,15 @@ class CallbackCounts(BaseModel):
     rejected: int
     cancelled: int
     oldest_overdue_seconds: float
+
+
+class BucketSetCounts(BaseModel):
+    """What one worker job's buckets hold: pending and overdue events, the oldest overdue age, outcomes of the last hour."""
+
+    bucket_set: int
+    pending: int
+    overdue: int
+    oldest_overdue_seconds: float
+    notified_last_hour: int
+    failed_last_hour: int
+    rejected_last_hour: int

@@ -205,6 +205,48 @@ INSERT INTO callback_buckets (bucket_id)
 SELECT generate_series((SELECT count(*) FROM callback_buckets), %(count)s - 1)
 """
 
+# Lowering the count: the rows of removed buckets go; inserts read the count under LOCK_EVENT_IDS, so each one
+# lands in a bucket that exists when it commits. Pending events of removed buckets stay put until
+# MOVE_EVENTS (run by whoever holds the removed bucket's lease) gives them a live bucket.
+REMOVE_BUCKETS = "DELETE FROM callback_buckets WHERE bucket_id >= %(count)s"
+
+# Buckets removed by a lowering that still have pending events, ascending (one index probe per bucket).
+STRANDED_BUCKETS = """
+WITH RECURSIVE s(bucket_id) AS (
+    SELECT min(bucket_id) FROM callback_events
+    WHERE status = 'pending' AND bucket_id >= (SELECT count(*) FROM callback_buckets)
+    UNION ALL
+    SELECT (SELECT min(e.bucket_id) FROM callback_events e WHERE e.status = 'pending' AND e.bucket_id > s.bucket_id)
+    FROM s WHERE s.bucket_id IS NOT NULL
+)
+SELECT bucket_id FROM s WHERE bucket_id IS NOT NULL
+"""
+
+# A batch of a removed bucket's pending events moves to the live bucket its keys hash to, under LOCK_EVENT_IDS
+# and a new id: the receiving poller sees them as freshly inserted (query 1 or 2, whatever its cursor), and a
+# call of an old id can neither pass the gate nor write an outcome. Nothing moves if the bucket is live again.
+MOVE_EVENTS = """
+WITH live AS (SELECT count(*) AS buckets FROM callback_buckets),
+moving AS (
+    SELECT event_id FROM callback_events
+    WHERE bucket_id = %(bucket)s AND status = 'pending' AND %(bucket)s >= (SELECT buckets FROM live)
+    ORDER BY run_at, event_id
+    LIMIT %(limit)s
+    FOR UPDATE
+), moved AS (
+    UPDATE callback_events e
+    SET event_id = nextval('callback_event_ids'),
+        bucket_id = (hashtextextended(e.owner_client_id || chr(1) || e.group_key || chr(1) || e.event_key, 0)
+                     & 9223372036854775807) %% (SELECT buckets FROM live)
+    FROM moving WHERE e.event_id = moving.event_id
+    RETURNING e.bucket_id, e.run_at
+)
+SELECT count(*)::int,
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks', m.bucket_id || ':' || extract(epoch FROM m.run_at)::text))
+        FROM (SELECT bucket_id, min(run_at) AS run_at FROM moved GROUP BY bucket_id) AS m)
+FROM moved
+"""
+
 BUCKET_STATS = """
 SELECT b.bucket_id, b.max_run_at, b.max_event_id, count(e.event_id) AS pending
 FROM callback_buckets b LEFT JOIN callback_events e ON e.bucket_id = b.bucket_id AND e.status = 'pending'
@@ -326,4 +368,31 @@ SELECT count(*) FILTER (WHERE status = 'pending')                   AS pending,
        coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE status = 'pending' AND run_at < now())), 0)
                                                                     AS oldest_overdue_seconds
 FROM callback_events
+"""
+
+# Per bucket set (bucket_id % sets): pending, overdue and the oldest overdue age from the pending index;
+# outcomes of the last hour from the outcomes index (both scans are bounded by their index conditions).
+BUCKET_SET_COUNTS = """
+WITH p AS (
+    SELECT bucket_id %% %(sets)s AS bucket_set, count(*) AS pending,
+           count(*) FILTER (WHERE run_at < now()) AS overdue,
+           extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at < now())) AS oldest
+    FROM callback_events
+    WHERE status = 'pending' AND bucket_id >= 0
+    GROUP BY 1
+), f AS (
+    SELECT bucket_id %% %(sets)s AS bucket_set,
+           count(*) FILTER (WHERE status = 'notified') AS notified,
+           count(*) FILTER (WHERE status = 'failed') AS failed,
+           count(*) FILTER (WHERE status = 'rejected') AS rejected
+    FROM callback_events
+    WHERE status <> 'pending' AND finished_at > now() - interval '1 hour' AND finished_at <= now()  -- a range: the index
+    GROUP BY 1
+)
+SELECT s.bucket_set, coalesce(p.pending, 0) AS pending, coalesce(p.overdue, 0) AS overdue,
+       coalesce(p.oldest, 0)::float8 AS oldest_overdue_seconds, coalesce(f.notified, 0) AS notified_last_hour,
+       coalesce(f.failed, 0) AS failed_last_hour, coalesce(f.rejected, 0) AS rejected_last_hour
+FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
+LEFT JOIN p USING (bucket_set) LEFT JOIN f USING (bucket_set)
+ORDER BY s.bucket_set
 """

@@ -22,10 +22,10 @@ import psycopg
 from pydantic import ValidationError
 
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
-from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, one_line
+from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.notifications import Listener, channel_name
-from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport
+from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -34,6 +34,7 @@ COMMIT_EVERY = 0.1  # seconds: outcomes of calls wait at most this long (or for 
 COMMIT_BATCH = 500
 REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls not logged one by one)
 FAILURES_LOGGED_PER_WINDOW = 20
+MOVE_BATCH = 5000  # events of a removed bucket moved per transaction (inserts wait for each one)
 
 
 Position = tuple[datetime, int]
@@ -84,6 +85,8 @@ class CallbackWorker:
         self.buckets = buckets
         self.launcher = launcher
         self._states: dict[int, BucketState] = {}
+        self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
+        self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
         self._worker = Worker(
             db,
@@ -165,7 +168,7 @@ class CallbackWorker:
         for delivery in deliveries:
             by_bucket[delivery.bucket_id].append(delivery)
         with self.db.connection() as conn:
-            for bucket_id in by_bucket:
+            for bucket_id in sorted(by_bucket):  # in lease order, as renewals lock them: no deadlock
                 state = self._states.get(bucket_id)
                 if state is None or state.lease is None:
                     raise LeaseLost(f"bucket {bucket_id} is not held")
@@ -180,11 +183,13 @@ class CallbackWorker:
         return [d for d in deliveries if d.event_id not in go_ids and d.event_id not in pending]
 
     def _partitions(self) -> list[str]:
+        self._live, self._moved = set(bucket_ids(self.db)), set()
         if self.buckets is None:
-            ids = bucket_ids(self.db)
+            ids = served_bucket_ids(self.db)
         else:
             ids = list(self.buckets() if callable(self.buckets) else self.buckets)
-        return [str(b) for b in ids]
+        busy = [b for b, state in self._states.items() if state.in_flight or state.done]  # kept until written
+        return [str(b) for b in sorted({*ids, *busy})]
 
     def _longest_call(self) -> float:
         # no call starts once the lease could lapse before it ends, and no poll extends it while draining
@@ -194,6 +199,8 @@ class CallbackWorker:
 
     def step(self, lease: Lease) -> int:
         """Write finished outcomes, then poll when due; return how many events this handled."""
+        if int(lease.partition) not in self._live:
+            return self._retire(lease)
         state = self._state(lease)
         now = time.monotonic()
         handled = 0
@@ -205,6 +212,23 @@ class CallbackWorker:
             handled += self._poll(lease, state)
         return handled
 
+    def _retire(self, lease: Lease) -> int:
+        """A removed bucket: write the outcomes of its calls, then, none left in flight, move its pending events."""
+        if (int(lease.partition), lease.fence) in self._moved:
+            return 0
+        state = self._state(lease)
+        handled = self._commit(lease, state) if state.done else 0
+        with state.lock:
+            if state.in_flight or state.done:
+                return handled
+        moved = move_bucket_events(self.db, lease)
+        if moved:
+            log.info("bucket %s was removed: %d pending events moved to the remaining buckets", lease.partition, moved)
+        if moved < MOVE_BATCH:  # all moved; otherwise the next step moves the next batch
+            self._states.pop(state.bucket_id, None)
+            self._moved.add((state.bucket_id, lease.fence))
+        return handled + moved
+
     def _state(self, lease: Lease) -> BucketState:
         bucket_id = int(lease.partition)
         state = self._states.get(bucket_id)
@@ -212,7 +236,8 @@ class CallbackWorker:
             state.lease = lease
             return state
         with self.db.connection() as conn:
-            run_at, cursor_id, seen = conn.execute(sql.LOAD_WATERMARK, {"bucket": bucket_id}).fetchone()
+            saved = conn.execute(sql.LOAD_WATERMARK, {"bucket": bucket_id}).fetchone()
+        run_at, cursor_id, seen = saved or (EARLIEST_RUN_AT, 0, 0)  # a removed bucket has no row
         if state is None:
             state = self._states[bucket_id] = BucketState(bucket_id, lease.fence, (run_at, cursor_id), seen)
         else:  # the lease lapsed and came back: continue from the saved watermark, keep the calls in flight
@@ -386,3 +411,40 @@ def bucket_ids(db: Database) -> list[int]:
 
 def _lease_params(lease: Lease) -> dict[str, object]:
     return {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
+
+
+def served_bucket_ids(db: Database) -> list[int]:
+    """The buckets workers serve: every bucket, and removed ones whose pending events have not moved yet."""
+    with db.connection() as conn:
+        live = [row[0] for row in conn.execute(sql.BUCKET_IDS)]
+        return live + [row[0] for row in conn.execute(sql.STRANDED_BUCKETS)]
+
+
+def move_stranded_events(db: Database) -> int:
+    """Move the pending events of removed buckets no worker holds to live buckets; return how many moved.
+
+    A removed bucket still held is left to its worker, which moves its events once its calls have ended.
+    """
+    with db.connection() as conn:
+        stranded = [str(row[0]) for row in conn.execute(sql.STRANDED_BUCKETS)]
+    leases = Leases(db, LEASE_KIND, owner=f"cmb-buckets:{default_owner()}", ttl=60)
+    held = leases.acquire(stranded) if stranded else {}
+    moved = 0
+    try:
+        for partition, lease in held.items():
+            while (batch := move_bucket_events(db, lease)) == MOVE_BATCH:
+                moved += batch
+                lease = leases.acquire([partition])[partition]  # renewed between batches
+            moved += batch
+    finally:
+        if held:
+            leases.release(held)
+    return moved
+
+
+def move_bucket_events(db: Database, lease: Lease) -> int:
+    """Move up to MOVE_BATCH pending events of the removed bucket ``lease`` holds to live buckets; return how many."""
+    with db.connection() as conn:
+        conn.execute(sql.LOCK_EVENT_IDS)  # new ids in commit order, as for inserts
+        Leases.check(conn, lease)
+        return conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": MOVE_BATCH}).fetchone()[0]

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from cmb_dagster.cli_ranges import DAY, DURATION, ROW_ID, FloatRange
 from cmb_dagster.database import Database
 from cmb_dagster.eventqueue import admin
 from cmb_dagster.eventqueue.errors import InvalidInput
@@ -33,9 +34,9 @@ def events() -> None:
 
 @events.command()
 @click.option("--handlers", "handlers_ref", required=True, help=HANDLERS_HELP)
-@click.option("--duration", type=float, default=None, help="Seconds to run (default: until SIGTERM).")
-@click.option("--batch-size", type=int, default=None, help="Events claimed per statement.")
-@click.option("--sweep-interval", type=float, default=None, help="Seconds between sweeps without notifications.")
+@click.option("--duration", type=DURATION, default=None, help="Seconds to run (default: until SIGTERM).")
+@click.option("--batch-size", type=click.IntRange(1, 10_000), default=None, help="Events claimed per statement.")
+@click.option("--sweep-interval", type=FloatRange(0.01, 3600), default=None, help="Seconds between sweeps without notifications.")
 @click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY hints.")
 def worker(handlers_ref: str, duration: float | None, batch_size: int | None, sweep_interval: float | None,
            listen: bool) -> None:
@@ -68,7 +69,7 @@ def register(handlers_ref: str) -> None:
 @click.argument("value")
 @click.option("--module", default=DEFAULT_MODULE, show_default=True, help="Event space.")
 @click.option("--modifier", default=DEFAULT_MODIFIER, show_default=True)
-@click.option("--delay", type=float, default=None, help="Seconds before the event may run.")
+@click.option("--delay", type=FloatRange(0, 100 * 365.25 * DAY), default=None, help="Seconds before the event may run.")
 def emit(namespace: str, handler: str, value: str, module: str, modifier: str, delay: float | None) -> None:
     """Emit VALUE (JSON) to HANDLER in NAMESPACE; prints the event id."""
     try:
@@ -125,7 +126,7 @@ _rule_command("unblock", "Lift a block; the events it held run (unless also paus
 
 @events.command()
 @click.option("--handler", default=None)
-@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
 @click.option("--traceback", "with_traceback", is_flag=True, help="Print each traceback.")
 def dead(handler: str | None, limit: int, with_traceback: bool) -> None:
     """Dead-lettered events with their last error."""
@@ -136,7 +137,7 @@ def dead(handler: str | None, limit: int, with_traceback: bool) -> None:
 
 
 @events.command()
-@click.argument("ids", nargs=-1, type=int)
+@click.argument("ids", nargs=-1, type=ROW_ID)
 @click.option("--all", "replay_all", is_flag=True, help="Replay every dead-lettered event (of --handler).")
 @click.option("--handler", default=None)
 def replay(ids: tuple[int, ...], replay_all: bool, handler: str | None) -> None:

@@ -82,10 +82,10 @@ class HandlerConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lock_expiry: float = Field(default=300.0, gt=0, description="Seconds a claim holds before another worker may take it over.")
-    max_retries: int = Field(default=3, ge=0, description="Retries after the first attempt; then the event is dead-lettered.")
-    retry_delay: float = Field(default=1.0, ge=0, description="Delay before the first retry, doubled each retry.")
-    max_retry_delay: float = Field(default=300.0, ge=0, description="Upper bound of the retry delay.")
+    lock_expiry: float = Field(default=300.0, gt=0, le=86400, description="Seconds a claim holds before another worker may take it over.")
+    max_retries: int = Field(default=3, ge=0, le=1000, description="Retries after the first attempt; then the event is dead-lettered.")
+    retry_delay: float = Field(default=1.0, ge=0, le=86400, description="Delay before the first retry, doubled each retry.")
+    max_retry_delay: float = Field(default=300.0, ge=0, le=30 * 86400, description="Upper bound of the retry delay.")
 
     def backoff(self, retries: int) -> float:
         """Seconds to wait before retry number ``retries + 1``."""
@@ -98,11 +98,11 @@ class WorkerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     batch_size: int = Field(default=100, ge=1, le=10_000, description="Events claimed in one statement.")
-    sweep_interval: float = Field(default=2.0, gt=0, description="Seconds between sweeps when no notification comes.")
+    sweep_interval: float = Field(default=2.0, gt=0, le=3600, description="Seconds between sweeps when no notification comes.")
     listen: bool = Field(default=True, description="Wake on LISTEN/NOTIFY hints (off: sweeps only).")
-    heartbeat: float = Field(default=5.0, gt=0, description="Seconds of silence after which the listener checks its connection.")
-    cron_interval: float = Field(default=1.0, gt=0, description="Seconds between cron checks.")
-    lease_ttl: float = Field(default=10.0, gt=0, description="TTL of the worker's liveness lease.")
+    heartbeat: float = Field(default=5.0, gt=0, le=3600, description="Seconds of silence after which the listener checks its connection.")
+    cron_interval: float = Field(default=1.0, gt=0, le=3600, description="Seconds between cron checks.")
+    lease_ttl: float = Field(default=10.0, gt=0, le=3600, description="TTL of the worker's liveness lease.")
 
 
 class EventQueueOptions(BaseModel):
@@ -116,7 +116,7 @@ class EventQueueOptions(BaseModel):
     handlers: Any = Field(description="A HandlerRegistry, or a list of registries / Handler / CronHandler.")
     workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; all claim from one queue (SKIP LOCKED).")
     worker: WorkerSettings = Field(default_factory=WorkerSettings)
-    observe_interval_seconds: int = Field(default=30, ge=5, description="How often the status sensor observes handlers.")
+    observe_interval_seconds: int = Field(default=30, ge=5, le=86400, description="How often the status sensor observes handlers.")
 
     def registry(self):  # type: ignore[no-untyped-def]
         """The handlers as one ``HandlerRegistry``."""

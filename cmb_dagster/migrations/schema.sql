@@ -682,6 +682,8 @@ CREATE INDEX callback_change_log_key ON cmb.callback_change_log USING btree (own
 
 CREATE INDEX callback_events_finished ON cmb.callback_events USING btree (run_at) WHERE (status <> 'pending'::text);
 
+CREATE INDEX callback_events_outcomes ON cmb.callback_events USING btree (finished_at) INCLUDE (bucket_id, status) WHERE (status <> 'pending'::text);
+
 CREATE INDEX callback_events_pending ON cmb.callback_events USING btree (bucket_id, run_at, event_id) WHERE (status = 'pending'::text);
 
 CREATE INDEX callback_events_schedule ON cmb.callback_events USING btree (schedule_id) WHERE (schedule_id IS NOT NULL);

@@ -128,7 +128,7 @@ def publish(
         raise StreamRestored(f"{exc.diag.message_primary}; stop the producers, run it once, then start again") from None
     except psycopg.errors.UndefinedTable:
         raise InvalidInput(
-            f"schema: no {events.as_string(conn)} table in this database; "
+            "schema: no pubsub_events table on the search_path; "
             "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
         ) from None
 
@@ -140,7 +140,7 @@ def cmb_schema(conn: psycopg.Connection, schema: str | None = None) -> str:
     row = conn.execute(q.EVENTS_TABLE).fetchone()
     if row is None:
         raise InvalidInput(
-            f"schema: no {events.as_string(conn)} table in this database; "
+            "schema: no pubsub_events table on the search_path; "
             "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
         )
     return row[0]
@@ -155,6 +155,13 @@ def _json_object(columns: Sequence[str]) -> sql.Composable:
     return sql.SQL("jsonb_build_object({})").format(pairs)
 
 
+IDENTIFIER_BYTES = 63  # Postgres keeps this many bytes of a name and drops the rest
+
+
 def _function_name(table_schema: str, table_name: str) -> str:
-    digest = hashlib.sha1(f"{table_schema}.{table_name}".encode()).hexdigest()[:8]
-    return f"pubsub_capture_{table_name[:36]}_{digest}"
+    """The table's own trigger function: a hash of the qualified name first, then as much of the name as fits."""
+    digest = hashlib.sha256(f"{table_schema}\0{table_name}".encode()).hexdigest()[:16]
+    head = f"pubsub_capture_{digest}_"
+    room = IDENTIFIER_BYTES - len(head)
+    readable = table_name.encode()[:room].decode(errors="ignore")  # cut at a character boundary
+    return head + readable

@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import click
 
+from cmb_dagster.cli_ranges import BRANCH, DURATION, ROW_ID, FloatRange
 from cmb_dagster.database import Database
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.admin import consumer_lag, dead_letters, drop_consumer, replay, reset, trim
@@ -27,11 +28,11 @@ def pubsub() -> None:
 
 @pubsub.command()
 @click.argument("consumer_id")
-@click.option("--branch", "branch_id", default=0, show_default=True, help="Branch the consumer reads.")
+@click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH, help="Branch the consumer reads.")
 @click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
-@click.option("--duration", type=float, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
+@click.option("--duration", type=DURATION, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
 @click.option("--batch-size", default=1000, show_default=True, type=click.IntRange(1, 100_000), help="Most events per handler call.")
-@click.option("--lease-ttl", default=10.0, show_default=True, type=click.FloatRange(1, 3600), help="Seconds a standby waits after this one dies.")
+@click.option("--lease-ttl", default=10.0, show_default=True, type=FloatRange(1, 3600), help="Seconds a standby waits after this one dies.")
 @click.option("--max-attempts", default=10, show_default=True, type=click.IntRange(1, 1000), help="Failed attempts on one event before --on-poison applies.")
 @click.option("--on-poison", type=click.Choice(["park", "stop"]), default="park", show_default=True,
               help="park: move the event to the dead letters and go on; stop: keep retrying it.")
@@ -84,7 +85,7 @@ def status() -> None:
 
 @pubsub.command("dead")
 @click.argument("consumer_id", required=False)
-@click.option("--branch", "branch_id", type=int, default=None, help="Only this branch.")
+@click.option("--branch", "branch_id", type=BRANCH, default=None, help="Only this branch.")
 @click.option("--all", "include_replayed", is_flag=True, help="Also the events replayed already.")
 @click.option("--traceback", "show_traceback", is_flag=True, help="Print each event's last traceback.")
 def dead_command(consumer_id: str | None, branch_id: int | None, include_replayed: bool, show_traceback: bool) -> None:
@@ -104,9 +105,9 @@ def dead_command(consumer_id: str | None, branch_id: int | None, include_replaye
 
 @pubsub.command("replay")
 @click.argument("consumer_id")
-@click.option("--branch", "branch_id", default=0, show_default=True)
+@click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH)
 @click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
-@click.option("--event", "event_ids", type=int, multiple=True, help="Only this parked event (repeatable).")
+@click.option("--event", "event_ids", type=ROW_ID, multiple=True, help="Only this parked event (repeatable).")
 def replay_command(consumer_id: str, branch_id: int, handler: str | None, event_ids: tuple[int, ...]) -> None:
     """Run a consumer's parked events through its handler again, one transaction each."""
     done, failed = replay(_database(), consumer_id, branch_id, handler, event_ids=event_ids or None)
@@ -117,7 +118,7 @@ def replay_command(consumer_id: str, branch_id: int, handler: str | None, event_
 
 @pubsub.command("trim")
 @click.option("--batch-size", default=10_000, show_default=True, type=click.IntRange(1, 1_000_000), help="Events deleted per transaction and branch.")
-@click.option("--retain-days", default=7.0, show_default=True, type=click.FloatRange(0, 36500), help="Keep events younger than this, read or not.")
+@click.option("--retain-days", default=7.0, show_default=True, type=FloatRange(0, 36500), help="Keep events younger than this, read or not.")
 def trim_command(batch_size: int, retain_days: float) -> None:
     """Delete the events older than --retain-days every registered consumer of their branch has delivered."""
     with _database().connect(autocommit=True) as conn:
@@ -138,7 +139,7 @@ def reset_command() -> None:
 
 @pubsub.command("drop")
 @click.argument("consumer_id")
-@click.option("--branch", "branch_id", default=0, show_default=True)
+@click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH)
 def drop_command(consumer_id: str, branch_id: int) -> None:
     """Forget a consumer, so it no longer holds events back from trim."""
     with _database().connection() as conn:

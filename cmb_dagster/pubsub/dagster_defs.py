@@ -115,6 +115,10 @@ def pubsub_sensor(
 ) -> SensorDefinition:
     """A sensor that requests one run of ``job`` per event of ``branch_id``: run key = event id,
     cursor = the watermark (registered as consumer ``sensor.<name>``, so trim keeps what it has not read)."""
+    for field, value, low, high in (("branch_id", branch_id, -(2**63), 2**63 - 1), ("batch_size", batch_size, 1, 10_000),
+                                    ("minimum_interval_seconds", minimum_interval_seconds, 1, 86_400)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidInput(f"{field}: must be an integer from {low} to {high}, not {value!r}")
     sensor_name = name or f"{job.name}_pubsub_branch_{branch_id}"
     consumer_id = f"sensor.{sensor_name}"
     if not re.match(CONSUMER_ID_PATTERN, consumer_id):

@@ -117,7 +117,7 @@ class ConsumerSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     consumer_id: str = Field(pattern=CONSUMER_ID_PATTERN, description="Up to 63 of A-Z a-z 0-9 _ . -")
-    branch_id: int = Field(default=0, description="The branch whose events it reads.")
+    branch_id: int = Field(default=0, ge=-(2**63), le=2**63 - 1, description="The branch whose events it reads.")
     handler: str = Field(description="'module:function' called as handler(conn, events).")
     batch_size: int = Field(default=1000, ge=1, le=100_000, description="Most events per handler call.")
     idle_sleep: float = Field(

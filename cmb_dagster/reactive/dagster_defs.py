@@ -173,12 +173,12 @@ class ReactiveOptions(BaseModel):
     name: str | None = Field(
         default=None, description="Scheduler name keying task state; default: the code location's name."
     )
-    max_concurrent_runs: int = Field(default=10, ge=1, description="Cap of reactive runs queued or running.")
-    minimum_interval_seconds: int = Field(default=10, ge=1)
+    max_concurrent_runs: int = Field(default=10, ge=1, le=100_000, description="Cap of reactive runs queued or running.")
+    minimum_interval_seconds: int = Field(default=10, ge=1, le=86400)
     tick_seconds: float = Field(default=20.0, gt=0, le=50, description="Time box of a tick (Dagster's limit is 60 s).")
-    batch_size: int = Field(default=2000, ge=1, description="Tasks evaluated per transaction.")
-    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0))
-    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0))
+    batch_size: int = Field(default=2000, ge=1, le=100_000, description="Tasks evaluated per transaction.")
+    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0), le=timedelta(days=30))
+    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0), le=timedelta(days=30))
     default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING
     sensor_name: str = "reactive_scheduler"
 

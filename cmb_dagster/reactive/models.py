@@ -69,17 +69,18 @@ class SchedulerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    max_concurrent_runs: int = Field(default=10, ge=1, description="Cap of reactive runs queued or running.")
-    tick_seconds: float = Field(default=20.0, gt=0, description="Time box of one tick; the next resumes.")
-    batch_size: int = Field(default=2000, ge=1, description="Tasks evaluated per transaction.")
-    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0))
-    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0))
+    max_concurrent_runs: int = Field(default=10, ge=1, le=100_000, description="Cap of reactive runs queued or running.")
+    tick_seconds: float = Field(default=20.0, gt=0, le=3600, description="Time box of one tick; the next resumes.")
+    batch_size: int = Field(default=2000, ge=1, le=100_000, description="Tasks evaluated per transaction.")
+    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0), le=timedelta(days=30))
+    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0), le=timedelta(days=30))
     launch_grace: timedelta = Field(
-        default=timedelta(minutes=2), gt=timedelta(0), description="Re-request a launch whose run never appeared."
+        default=timedelta(minutes=2), gt=timedelta(0), le=timedelta(days=1), description="Re-request a launch whose run never appeared."
     )
     takeover_after: timedelta = Field(
         default=timedelta(minutes=10),
         gt=timedelta(0),
+        le=timedelta(days=30),
         description="Another code location may take a scheduler name over once its owner has not ticked for this long.",
     )
 

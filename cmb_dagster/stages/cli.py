@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from cmb_dagster.cli_ranges import BIGINT_MAX, DURATION
 from cmb_dagster.database import Database
 from cmb_dagster.settings import Settings
 from cmb_dagster.stages import admin
@@ -59,10 +60,10 @@ def stages() -> None:
 
 @stages.command()
 @stages_option
-@click.option("--index", default=0, show_default=True, help="This worker's index (serves shards with id % workers == index).")
-@click.option("--workers", default=None, type=int, help="Number of workers splitting the shards (default: the options').")
+@click.option("--index", default=0, show_default=True, type=click.IntRange(0, 4095), help="This worker's index (serves shards with id % workers == index).")
+@click.option("--workers", default=None, type=click.IntRange(1, 4096), help="Number of workers splitting the shards (default: the options').")
 @click.option("--shards", default=None, help="Only these shards, e.g. 0,1,5.")
-@click.option("--duration", default=None, type=float, help="Seconds to run (default: until SIGTERM/SIGINT).")
+@click.option("--duration", default=None, type=DURATION, help="Seconds to run (default: until SIGTERM/SIGINT).")
 def worker(stages_path: str | None, index: int, workers: int | None, shards: str | None, duration: float | None) -> None:
     """Run a stage worker: long-running; SIGTERM or Ctrl-C finishes the current batch and stops."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,7 +98,7 @@ def status(as_json: bool) -> None:
 @click.option("--stage", default=None)
 @click.option("--entity", "entity_id", default=None)
 @click.option("--problems", is_flag=True, help="Only failing or parked entries.")
-@click.option("--limit", default=50, show_default=True)
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
 def queue(stage: str | None, entity_id: str | None, problems: bool, limit: int) -> None:
     """List queue entries (earliest due first) with attempts, conflicts and the last error."""
     for e in admin.entries(_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit):
@@ -116,7 +117,7 @@ def retry(stage: str | None, entity_id: str | None) -> None:
 
 @stages.command()
 @stages_option
-@click.option("--duration", default=None, type=float, help="Time box in seconds.")
+@click.option("--duration", default=None, type=DURATION, help="Time box in seconds.")
 def rescan(stages_path: str | None, duration: float | None) -> None:
     """Ask every stage about every entity; fill the low-priority queues."""
     options = load_options(stages_path)
@@ -125,7 +126,7 @@ def rescan(stages_path: str | None, duration: float | None) -> None:
 
 
 @stages.command()
-@click.argument("count", required=False, type=int)
+@click.argument("count", required=False, type=click.IntRange(1, 4096))
 def shards(count: int | None) -> None:
     """Show the shard count, or change it (workers keep running; nothing is lost)."""
     db = _database()
@@ -181,7 +182,7 @@ def state_read(stages_path: str | None, entity_id: str, stage: str) -> None:
 @click.argument("entity_id")
 @click.argument("stage")
 @click.argument("new_state")
-@click.option("--version", "version", required=True, type=int, help="The version read; the update is refused if it moved.")
+@click.option("--version", "version", required=True, type=click.IntRange(0, BIGINT_MAX), help="The version read; the update is refused if it moved.")
 def state_update(stages_path: str | None, entity_id: str, stage: str, new_state: str, version: int) -> None:
     """Compare-and-set a stage's state (NEW_STATE is JSON); exit code 2 if the version moved."""
     store = StageStore(_database(), load_options(stages_path).stages)

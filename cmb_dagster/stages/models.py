@@ -108,9 +108,9 @@ class StageOptions(BaseModel):
     idle_sleep: float = Field(default=1.0, gt=0, le=60, description="Longest sleep of an idle worker (timers and NOTIFY wake it earlier).")
     lease_ttl: float = Field(default=10.0, ge=1, le=300, description="A dead worker's shards are taken over after this.")
     publish: bool = Field(default=True, description="Publish every saved entity + state to the pub/sub stream.")
-    observe_seconds: float = Field(default=10.0, gt=0, description="How often worker job 0 records per-stage observations.")
+    observe_seconds: float = Field(default=10.0, gt=0, le=3600, description="How often worker job 0 records per-stage observations.")
     rescan_cron: str | None = Field(default="0 3 * * *", description="When the background rescan runs (None: never).")
-    rescan_seconds: float = Field(default=600.0, gt=0, description="Time box of one rescan run.")
+    rescan_seconds: float = Field(default=600.0, gt=0, le=86400, description="Time box of one rescan run.")
 
     def __init__(self, **data: Any) -> None:
         from cmb_dagster.stages.stage import check_stages

@@ -12,6 +12,7 @@ import click
 import pytest
 
 from cmb_dagster.cli import main
+from cmb_dagster.cli_ranges import FloatRange
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 SECRET = "pw4SAFETYtest"  # appears in the password as written and as decoded (%21 -> !)
@@ -38,6 +39,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (GOOD, ["pubsub", "consume", "quiet", "--handler", "json:dumps", "--duration", "0.3"]),
     (GOOD, ["pubsub", "dead"]),
     (GOOD, ["callbacks", "buckets", "5"]),
+    (GOOD, ["callbacks", "buckets", "3"]),
     (GOOD, ["callbacks", "create", "me", "g", "k", "--in", "3600", "--url", "http://127.0.0.1:9/x"]),
     (GOOD, ["callbacks", "show", "me", "g", "k"]),
     (GOOD, ["callbacks", "list", "--limit", "10"]),
@@ -81,6 +83,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["callbacks", "delete", "me", "g"]),
     (BAD, ["callbacks", "clean", "--ttl-days", "soon"]),
     (BAD, ["callbacks", "buckets", "abc"]),
+    (BAD, ["callbacks", "buckets", "100000000"]),
     (BAD, ["callbacks", "worker", "--buckets", "a,b", "--duration", "0.3"]),
     (BAD, ["callbacks", "worker", "--concurrency", "0", "--duration", "0.3"]),
     (BAD, ["callbacks", "sink", "--port", "70000"]),
@@ -220,3 +223,50 @@ def test_the_commands_table_is_complete_for_the_groups_it_knows():
     named = {tuple(args[:2]) for _, args in COMMANDS} | {tuple(args[:1]) for _, args in COMMANDS}
     known = [c for c in all_commands() if c[0] in {"db", "ctl", "reactive", "pubsub", "callbacks", "env", "dev"}]
     assert [c for c in known if c not in named] == []
+
+
+def numeric_parameters() -> list[tuple[tuple[str, ...], click.Parameter]]:
+    """Every option and argument of every command that takes a number."""
+    found = []
+    for path in all_commands():
+        command = main
+        for word in path:
+            command = command.commands[word]
+        for param in command.params:
+            if isinstance(param.type, click.types.IntParamType | click.types.FloatParamType):
+                found.append((path, param))
+    return found
+
+
+def test_item7_every_numeric_option_and_argument_has_a_range():
+    params = numeric_parameters()
+    assert len(params) >= 30
+    unbounded = [(path, p.name) for path, p in params
+                 if not isinstance(p.type, click.types._NumberRangeBase) or p.type.min is None or p.type.max is None]
+    assert unbounded == []
+    nan_passes = [(path, p.name) for path, p in params
+                  if isinstance(p.type, click.FloatRange) and not isinstance(p.type, FloatRange)]
+    assert nan_passes == []  # click's FloatRange lets NaN through every comparison
+
+
+def test_item7_out_of_range_values_end_in_one_line_naming_the_parameter(database_url):
+    cases = []
+    for path, param in numeric_parameters():
+        bounds = param.type
+        values = [str(bounds.max + 1), str(bounds.min - 1)]
+        if isinstance(bounds, click.FloatRange):
+            values = [str(bounds.max * 2 + 1), str(bounds.min - 1), "nan"]
+        for value in values:
+            if isinstance(param, click.Option):
+                cases.append(([*path, param.opts[0], value], f"'{param.opts[0]}"))
+            else:  # the required arguments before it get placeholders
+                arguments = [p for p in main.get_command(None, path[0]).commands[path[1]].params if isinstance(p, click.Argument)] \
+                    if len(path) == 2 else []
+                before = ["x" for p in arguments[: arguments.index(param)]]
+                cases.append(([*path, *before, value], param.human_readable_name))
+    env = {"CMB_DATABASE_URL": database_url}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda case: run_cli(case[0], env), cases))
+    for (args, named), result in zip(cases, results, strict=True):
+        check_one_line_error(result, args)
+        assert named in result.stderr, (args, result.stderr)

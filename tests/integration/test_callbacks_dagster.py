@@ -176,7 +176,7 @@ def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, 
     with build_sensor_context(resources=resources) as context:
         first = sensor.evaluate_tick(context)
         [observation] = first.asset_events
-        assert observation.metadata["pending"].value == 0
+        assert observation.asset_key == AssetKey(["callbacks", "events"]) and observation.metadata["pending"].value == 0
         with build_sensor_context(resources=resources, cursor=first.cursor) as again:
             assert sensor.evaluate_tick(again).skip_message == "no change"
         with CallbackClient(db, FAST) as client:
@@ -186,3 +186,36 @@ def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, 
         assert observation.metadata["pending"].value == 1 and observation.metadata["overdue"].value == 0
     asset = d.get_repository_def().source_assets_by_key[AssetKey(["callbacks", "events"])]
     assert asset.is_observable  # a source asset: an Observe button, no Materialize button that would fail
+
+
+def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
+    d = defs(database_url, workers=2)
+    keys = [AssetKey(["callbacks", "events_0_of_2"]), AssetKey(["callbacks", "events_1_of_2"])]
+    assert all(d.get_repository_def().source_assets_by_key[k].is_observable for k in keys)
+    sensor = d.get_sensor_def("cmb_callbacks_observer")
+    resources = {"cmb": CmbResource(database_url=database_url)}
+    now = datetime.now(UTC)
+    with CallbackClient(db, FAST) as client:
+        for i in range(40):
+            client.create("a", "g", f"k{i}", now + timedelta(hours=1), "http://127.0.0.1:9/cb")
+        events = client.list(limit=100)
+    in_set = {s: [e for e in events if e.bucket_id % 2 == s] for s in (0, 1)}
+    with build_sensor_context(resources=resources) as context:
+        first = sensor.evaluate_tick(context)
+    figures = {o.asset_key: {k: v.value for k, v in o.metadata.items()} for o in first.asset_events}
+    assert [figures[k]["pending"] for k in keys] == [len(in_set[0]), len(in_set[1])]
+    late, failed = in_set[1][0], in_set[1][1]
+    with db.connection() as conn:  # one overdue event and one failed in the last hour, both in set 1
+        conn.execute("UPDATE callback_events SET run_at = now() - interval '90 seconds' WHERE event_id = %s", (late.event_id,))
+        conn.execute("UPDATE callback_events SET status = 'failed', finished_at = now() WHERE event_id = %s", (failed.event_id,))
+    with build_sensor_context(resources=resources, cursor=first.cursor) as context:
+        second = sensor.evaluate_tick(context)
+    [observation] = second.asset_events  # set 0 did not change
+    assert observation.asset_key == keys[1]
+    seen = {k: v.value for k, v in observation.metadata.items()}
+    assert seen["pending"] == len(in_set[1]) - 1 and seen["overdue"] == 1 and seen["failed_last_hour"] == 1
+    assert 89 <= seen["oldest_overdue_seconds"] < 3600 and seen["notified_last_hour"] == seen["rejected_last_hour"] == 0
+    with build_sensor_context(resources=resources, cursor=second.cursor) as context:
+        [again] = sensor.evaluate_tick(context).asset_events  # overdue: observed again, its age grows
+    assert again.asset_key == keys[1]
+

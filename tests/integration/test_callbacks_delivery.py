@@ -8,6 +8,8 @@ import pytest
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
+from cmb_dagster.callbacks import worker as worker_module
+from cmb_dagster.callbacks.errors import CallbackValidationError
 from cmb_dagster.callbacks.sink import CallbackSink
 
 FAST = CallbackSettings(
@@ -168,6 +170,59 @@ def test_raised_buckets_are_served_without_restarting_workers(client, sink, work
     assert len({e.bucket_id for e in client.list(limit=200)}) > 4
     wait_until(lambda: statuses(client) == {"notified": 120}, timeout=20)
     assert len(sink.received) == 120
+
+
+def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, client, sink, workers, monkeypatch):
+    monkeypatch.setattr(worker_module, "MOVE_BATCH", 7)  # several batches per bucket
+    client.set_bucket_count(8)
+    steady = FAST.model_copy(update={"lease_ttl": 10})  # no lease lapses on a loaded machine (those call again)
+    workers(settings=steady), workers(settings=steady)
+    now = datetime.now(UTC)
+    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
+                         "run_at": now + timedelta(milliseconds=10 * i - 1000), "cb_url": f"{sink.url}/slow?ms=150"}
+                        for i in range(500)])
+    wait_until(lambda: len(sink.received) >= 50)
+    removed = [e for e in client.list(status="pending", limit=1000) if e.bucket_id >= 3]
+    assert removed  # events due and in flight in the buckets about to go
+    assert client.set_bucket_count(3) == [0, 1, 2]
+    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"late{i}", "run_at": now,
+                         "cb_url": f"{sink.url}/cb"} for i in range(50)])
+    wait_until(lambda: statuses(client) == {"notified": 550}, timeout=60)
+    calls = defaultdict(int)
+    for call in sink.received:
+        calls[call.body["event_key"]] += 1
+    assert len(calls) == 550 and set(calls.values()) == {1}
+    assert {e.bucket_id for e in client.list(limit=1000)} <= {0, 1, 2, *range(3, 8)}
+    assert {e.bucket_id for e in client.list(limit=1000) if e.event_key.startswith("late")} <= {0, 1, 2}
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM callback_buckets").fetchone()[0] == 3
+
+
+def test_lowered_buckets_no_worker_holds_move_at_once_behind_the_receiving_cursor_and_fire_once(client, sink, workers, monkeypatch):
+    monkeypatch.setattr(worker_module, "MOVE_BATCH", 7)  # several batches per bucket
+    client.set_bucket_count(6)
+    past = datetime.now(UTC) - timedelta(minutes=1)
+    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
+                         "run_at": past + timedelta(milliseconds=i), "cb_url": f"{sink.url}/cb"} for i in range(120)])
+    before = {e.event_key: e for e in client.list(limit=200)}
+    served = [e for e in before.values() if e.bucket_id < 2]
+    running = workers(buckets=[0, 1])  # its cursors pass the run_at and ids of the events of buckets 2-5
+    wait_until(lambda: len(sink.received) == len(served))
+    running.stop()
+    assert client.set_bucket_count(2) == [0, 1]
+    moved = {e.event_key: e for e in client.list(status="pending", limit=200)}
+    assert len(moved) == 120 - len(served) and {e.bucket_id for e in moved.values()} <= {0, 1}
+    assert all(e.event_id > before[k].event_id for k, e in moved.items())
+    workers(buckets=[0, 1])
+    wait_until(lambda: statuses(client) == {"notified": 120})
+    assert sorted(c.body["event_key"] for c in sink.received) == sorted(before)
+
+
+def test_bucket_count_is_bounded(client):
+    for count in (0, -1, 4097, 100_000_000):
+        with pytest.raises(CallbackValidationError, match="count"):
+            client.set_bucket_count(count)
+    assert client.bucket_ids() == [0, 1, 2, 3]
 
 
 def test_an_event_moved_behind_the_cursor_still_fires(client, sink, workers):

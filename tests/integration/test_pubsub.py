@@ -80,6 +80,34 @@ def test_captured_rows_and_published_events_arrive_in_commit_order(commits):
     assert drain(approved) == 1 and on_seven[0].payload["state"] == "approved"
 
 
+def test_tables_with_long_multibyte_names_each_get_their_own_capture(db):
+    at_limit = "таблица_заказов_магазина_" + "я" * 8  # 63 bytes: Postgres's limit for a name
+    twin = at_limit[:-1] + "ю"  # the same 61 bytes first
+    over = "заказы_" * 8 + "один"  # 108 bytes: Postgres keeps the first 63
+    with db.connection() as conn:
+        names = []
+        for name in (at_limit, twin, over):
+            conn.execute(f'CREATE TABLE public."{name}" (id int PRIMARY KEY)')
+            install_capture(conn, f'public."{name}"')
+            names.append(conn.execute("SELECT relname FROM pg_class WHERE oid = %s::regclass", (f'public."{name}"',)).fetchone()[0])
+        assert len(at_limit.encode()) == len(twin.encode()) == 63 and len(names[2].encode()) <= 63 < len(over.encode())
+        functions = conn.execute(
+            "SELECT DISTINCT p.proname FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
+            "WHERE t.tgrelid = ANY(%s::regclass[])", ([f'public."{n}"' for n in names],)
+        ).fetchall()
+        assert len(functions) == 3 and all(len(f[0].encode()) <= 63 for f in functions)
+    for i, name in enumerate(names):
+        with db.connection() as conn:
+            conn.execute(f'INSERT INTO public."{name}" VALUES (%s)', (i,))
+    reader, seen = collect(db)
+    drain(reader)
+    assert [(e.topic, e.key) for e in seen] == [(f"public.{name}", {"id": i}) for i, name in enumerate(names)]
+    with db.connection() as conn:
+        for name in names:
+            remove_capture(conn, f'public."{name}"')
+        assert conn.execute("SELECT count(*) FROM pg_proc WHERE proname LIKE 'pubsub_capture_%'").fetchone()[0] == 0
+
+
 def test_bad_input_is_refused_by_field_and_writes_nothing(commits):
     db = commits
     with db.connection() as conn:

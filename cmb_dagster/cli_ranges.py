@@ -1,0 +1,26 @@
+"""Ranges of command-line numbers: every numeric option and argument is bounded, and NaN is refused."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+BIGINT_MAX = 2**63 - 1
+DAY = 86_400.0
+
+
+class FloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses NaN (which passes every comparison)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        result = super().convert(value, param, ctx)
+        if isinstance(result, float) and math.isnan(result):
+            self.fail(f"{value!r} is not a number.", param, ctx)
+        return result
+
+
+DURATION = FloatRange(0, 366 * DAY, min_open=True)  # seconds a worker or a time box runs
+BRANCH = click.IntRange(-BIGINT_MAX - 1, BIGINT_MAX)  # a pub/sub branch id (bigint)
+ROW_ID = click.IntRange(1, BIGINT_MAX)  # an id drawn from a sequence
