@@ -35,7 +35,7 @@ from cmb_dagster.callbacks.models import (
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
-from cmb_dagster.callbacks.writer import EventWriter, insert_events
+from cmb_dagster.callbacks.writer import EventWriter, create_transaction, insert_events
 from cmb_dagster.database import Database, DatabaseSource
 
 CLEAN_BATCH = 10_000
@@ -98,7 +98,8 @@ class CallbackClient:
         """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
 
         Creating an existing key again with the same payload returns the existing id; with another
-        payload it raises CallbackConflict.
+        payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a
+        connection, a lock or the commit) raises CallbackTimeout.
         """
         event = self._new(locals())
         if self._writer is None:
@@ -106,12 +107,16 @@ class CallbackClient:
         return self._writer.write(event)
 
     def create_many(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
-        """Create several events in one transaction: all of them, or (on any error) none."""
+        """Create several events in one transaction: all of them, or (on any error) none.
+
+        Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
+        """
         rows = [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
         if not rows:
             return []
-        with self.db.connection() as conn:
-            results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead)
+        with create_transaction(self.db, self.settings) as conn:
+            results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead,
+                                    lock_timeout=self.settings.create_timeout)
             for result in results:
                 if isinstance(result, Exception):
                     raise result
@@ -165,7 +170,7 @@ class CallbackClient:
             if getattr(changes, field) is not None:
                 check_run_at(getattr(changes, field), field)
         with self.db.connection() as conn:
-            conn.execute(sql.LOCK_EVENT_IDS)  # before the row lock, in the same order as inserts
+            conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # before the new id is drawn
             before = self._lock(conn, owner_client_id, group_key, event_key)
             allowed = before["status"] == "pending" or (before["status"] == "cancelled" and i_ensure_pending)
             if not allowed:

@@ -129,8 +129,15 @@ class CallbackSettings(BaseModel):
     )
     max_response_bytes: int = Field(default=64 * 1024, gt=0, description="Response bytes read at most; the rest is dropped.")
     write_batch_size: int = Field(default=500, gt=0, description="Creates written per multi-row insert, at most.")
+    write_connections: int = Field(
+        default=2, gt=0, le=32, description="Batches of creates written at once, each on its own connection."
+    )
     write_linger: float = Field(
         default=0.0, ge=0, le=0.05, description="Seconds a write waits for more creates (0: group commit)."
+    )
+    create_timeout: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="Seconds a create may wait for a connection, a lock and its commit before CallbackTimeout.",
     )
     poll_interval: float = Field(default=1.0, gt=0, description="Seconds between polls of a bucket.")
     lookahead: float = Field(default=2.0, ge=0, le=10, description="Poll events due within this many seconds.")
