@@ -10,7 +10,7 @@ from typing import Any, Self
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import (
@@ -111,7 +111,7 @@ class CallbackClient:
 
         Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
         """
-        rows = [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
+        rows = self._new_many(list(events))
         if not rows:
             return []
         with create_transaction(self.db, self.settings) as conn:
@@ -343,6 +343,15 @@ class CallbackClient:
         data = {k: v for k, v in data.items() if k != "self" and not (k == "retry" and v is None)}
         return validated(NewCallback, data).check(self.settings)
 
+    def _new_many(self, events: list[NewCallback | dict[str, Any]]) -> list[NewCallback]:
+        """Validate ``events`` in one pass; on a problem, one at a time, so the error names the bad field."""
+        try:
+            given = [e if isinstance(e, NewCallback) else _without_null_retry(e) for e in events]
+            rows = _NEW_CALLBACKS.validate_python(given)
+        except (ValidationError, TypeError, AttributeError):
+            return [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
+        return [row.check(self.settings) for row in rows]
+
     def _lock(self, conn: psycopg.Connection, owner: str, group: str, key: str) -> dict[str, Any]:
         row = conn.cursor(row_factory=dict_row).execute(sql.LOCK_EVENT, _keys(owner, group, key)).fetchone()
         if row is None:
@@ -357,6 +366,13 @@ class CallbackClient:
             if statement in (sql.PAUSE_SCHEDULE, sql.DELETE_SCHEDULE):
                 conn.execute(sql.DROP_FUTURE_EVENTS, {"schedule_id": row[0]})
             conn.execute(statement, {"schedule_id": row[0]})
+
+
+_NEW_CALLBACKS = TypeAdapter(list[NewCallback])
+
+
+def _without_null_retry(event: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k != "retry" or v is not None} if "retry" in event else event
 
 
 def _log(conn: psycopg.Connection, action: str, before: dict[str, Any], after: dict[str, Any] | None) -> None:

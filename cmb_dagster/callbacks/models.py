@@ -333,6 +333,9 @@ def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> None
             raise CallbackValidationError(f"context.{key}: must be an object")
 
 
+_DEFAULT_RETRY = RetryPolicy()
+
+
 class NewCallback(BaseModel):
     """An event to create: who owns it, its keys, when and where to call, and what to send."""
 
@@ -344,7 +347,7 @@ class NewCallback(BaseModel):
     run_at: AwareDatetime
     cb_url: str = Field(min_length=1, max_length=MAX_URL_LENGTH)
     context: JsonValue = None
-    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    retry: RetryPolicy = _DEFAULT_RETRY  # frozen: one shared instance
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
