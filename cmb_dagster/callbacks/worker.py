@@ -196,7 +196,7 @@ class CallbackWorker:
         for delivery in deliveries:
             by_bucket[delivery.bucket_id].append(delivery)
         with self.db.connection() as conn:
-            for bucket_id in by_bucket:
+            for bucket_id in sorted(by_bucket):  # in the order lease renewal locks them: no deadlock
                 state = self._states.get(bucket_id)
                 if state is None or state.lease is None:
                     raise LeaseLost(f"bucket {bucket_id} is not held")
