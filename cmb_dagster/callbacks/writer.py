@@ -40,7 +40,6 @@ class EventWriter:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._gathering = threading.Lock()  # one thread gathers a batch at a time
-        self._stopping = False
         self.soon = settings.poll_interval + settings.lookahead  # creates due sooner wake their bucket's worker
 
     def write(self, event: NewCallback) -> int:
@@ -61,13 +60,11 @@ class EventWriter:
     def close(self) -> None:
         """Write what is queued, then stop the writer threads."""
         with self._lock:
-            self._stopping = True
             for _ in self._threads:
                 self._queue.put(None)
             for thread in self._threads:
                 thread.join()
             self._threads = []
-            self._stopping = False
 
     def _ensure_started(self) -> None:
         if not self._threads:
