@@ -113,9 +113,10 @@ class Database:
             return self._pool
 
     @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
-        """Borrow a pooled connection; the block's work commits on success and rolls back on error."""
-        with self.pool.connection() as conn:
+    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """Borrow a pooled connection (waiting ``timeout`` seconds at most, else the pool's 30 s; then
+        psycopg_pool.PoolTimeout); the block's work commits on success and rolls back on error."""
+        with self.pool.connection(timeout=timeout) as conn:
             if self._external_pool:
                 conn.execute("SELECT set_config('search_path', %s, true)", (f"{self.schema},public",))
             yield conn

@@ -14,6 +14,7 @@ from cmb_dagster.callbacks.errors import (
     CallbackError,
     CallbackInvalidState,
     CallbackNotFound,
+    CallbackTimeout,
     CallbackValidationError,
 )
 from cmb_dagster.callbacks.models import (
@@ -41,6 +42,7 @@ __all__ = [
     "CallbackSchedule",
     "CallbackSettings",
     "CallbackStatus",
+    "CallbackTimeout",
     "CallbackValidationError",
     "CallbackWorker",
     "CleanReport",

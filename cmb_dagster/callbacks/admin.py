@@ -41,7 +41,7 @@ def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
     count = validated(_BucketCount, {"count": count}).count
     db = Database.of(database)
     with db.connection() as conn:
-        conn.execute(sql.LOCK_EVENT_IDS)  # inserts read the count under it: none is half-way through
+        conn.execute(sql.LOCK_EVENT_IDS_EXCLUSIVE)  # inserts read the count under the shared lock: none is half-way
         conn.execute(sql.LOCK_BUCKETS)
         current = len(conn.execute(sql.BUCKET_IDS).fetchall())
         if count > current:

@@ -10,7 +10,7 @@ from typing import Any, Self
 import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.admin import set_bucket_count
@@ -36,7 +36,7 @@ from cmb_dagster.callbacks.models import (
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
-from cmb_dagster.callbacks.writer import EventWriter, insert_events
+from cmb_dagster.callbacks.writer import EventWriter, create_transaction, insert_events
 from cmb_dagster.database import Database, DatabaseSource
 
 CLEAN_BATCH = 10_000
@@ -99,7 +99,8 @@ class CallbackClient:
         """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
 
         Creating an existing key again with the same payload returns the existing id; with another
-        payload it raises CallbackConflict.
+        payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a
+        connection, a lock or the commit) raises CallbackTimeout.
         """
         event = self._new(locals())
         if self._writer is None:
@@ -107,12 +108,16 @@ class CallbackClient:
         return self._writer.write(event)
 
     def create_many(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
-        """Create several events in one transaction: all of them, or (on any error) none."""
-        rows = [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
+        """Create several events in one transaction: all of them, or (on any error) none.
+
+        Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
+        """
+        rows = self._new_many(list(events))
         if not rows:
             return []
-        with self.db.connection() as conn:
-            results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead)
+        with create_transaction(self.db, self.settings) as conn:
+            results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead,
+                                    lock_timeout=self.settings.create_timeout)
             for result in results:
                 if isinstance(result, Exception):
                     raise result
@@ -166,7 +171,7 @@ class CallbackClient:
             if getattr(changes, field) is not None:
                 check_run_at(getattr(changes, field), field)
         with self.db.connection() as conn:
-            conn.execute(sql.LOCK_EVENT_IDS)  # before the row lock, in the same order as inserts
+            conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # before the new id is drawn
             before = self._lock(conn, owner_client_id, group_key, event_key)
             allowed = before["status"] == "pending" or (before["status"] == "cancelled" and i_ensure_pending)
             if not allowed:
@@ -336,6 +341,15 @@ class CallbackClient:
         data = {k: v for k, v in data.items() if k != "self" and not (k == "retry" and v is None)}
         return validated(NewCallback, data).check(self.settings)
 
+    def _new_many(self, events: list[NewCallback | dict[str, Any]]) -> list[NewCallback]:
+        """Validate ``events`` in one pass; on a problem, one at a time, so the error names the bad field."""
+        try:
+            given = [e if isinstance(e, NewCallback) else _without_null_retry(e) for e in events]
+            rows = _NEW_CALLBACKS.validate_python(given)
+        except (ValidationError, TypeError, AttributeError):
+            return [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
+        return [row.check(self.settings) for row in rows]
+
     def _lock(self, conn: psycopg.Connection, owner: str, group: str, key: str) -> dict[str, Any]:
         row = conn.cursor(row_factory=dict_row).execute(sql.LOCK_EVENT, _keys(owner, group, key)).fetchone()
         if row is None:
@@ -350,6 +364,13 @@ class CallbackClient:
             if statement in (sql.PAUSE_SCHEDULE, sql.DELETE_SCHEDULE):
                 conn.execute(sql.DROP_FUTURE_EVENTS, {"schedule_id": row[0]})
             conn.execute(statement, {"schedule_id": row[0]})
+
+
+_NEW_CALLBACKS = TypeAdapter(list[NewCallback])
+
+
+def _without_null_retry(event: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in event.items() if k != "retry" or v is not None} if "retry" in event else event
 
 
 def _log(conn: psycopg.Connection, action: str, before: dict[str, Any], after: dict[str, Any] | None) -> None:

@@ -130,8 +130,15 @@ class CallbackSettings(BaseModel):
     )
     max_response_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 1024 * 1024, description="Response bytes read at most; the rest is dropped.")
     write_batch_size: int = Field(default=500, gt=0, le=10_000, description="Creates written per multi-row insert, at most.")
+    write_connections: int = Field(
+        default=2, gt=0, le=32, description="Batches of creates written at once, each on its own connection."
+    )
     write_linger: float = Field(
         default=0.0, ge=0, le=0.05, description="Seconds a write waits for more creates (0: group commit)."
+    )
+    create_timeout: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="Seconds a create may wait for a connection, a lock and its commit before CallbackTimeout.",
     )
     poll_interval: float = Field(default=1.0, gt=0, le=60, description="Seconds between polls of a bucket.")
     lookahead: float = Field(default=2.0, ge=0, le=10, description="Poll events due within this many seconds.")
@@ -327,6 +334,9 @@ def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> None
             raise CallbackValidationError(f"context.{key}: must be an object")
 
 
+_DEFAULT_RETRY = RetryPolicy()
+
+
 class NewCallback(BaseModel):
     """An event to create: who owns it, its keys, when and where to call, and what to send."""
 
@@ -338,7 +348,7 @@ class NewCallback(BaseModel):
     run_at: AwareDatetime
     cb_url: str = Field(min_length=1, max_length=MAX_URL_LENGTH)
     context: JsonValue = None
-    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    retry: RetryPolicy = _DEFAULT_RETRY  # frozen: one shared instance
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""

@@ -7,11 +7,19 @@ EVENT_COLUMNS = """
 
 # -- creating events ------------------------------------------------------------------------------
 
-# Taken before any statement that draws event ids, and held to commit: ids then grow in commit order,
-# which the poller's query 2 relies on to find events inserted with a run_at already behind it.
-LOCK_EVENT_IDS = "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))"
+# Taken in share mode before any statement that draws event ids, and held to the transaction's end:
+# writers do not wait for each other, and EVENT_ID_DRAWERS tells the poller which transactions may still
+# commit ids drawn so far (see worker.EventIdHorizon). Also sets how long the transaction waits for locks.
+# (The key's expression sets lock_timeout first: an argument is evaluated before the call that waits.)
+TAKE_EVENT_IDS_LOCK = """pg_advisory_xact_lock_shared(hashtextextended(
+    current_schema() || ':callbacks.event_ids' || left(set_config('lock_timeout', %(lock_timeout)s, true), 0), 0))"""
+LOCK_EVENT_IDS = f"SELECT {TAKE_EVENT_IDS_LOCK}"
 
-INSERT_EVENTS = """
+# The same lock in exclusive mode, for a change of the bucket count: it waits for every transaction drawing
+# ids and keeps new ones out until commit, so each insert's bucket count is still true when it commits.
+LOCK_EVENT_IDS_EXCLUSIVE = "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))"
+
+INSERT_EVENTS = f"""
 INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
                                   run_at, originally_run_at, cb_url, context, retry, schedule_id)
 SELECT nextval('callback_event_ids'),
@@ -20,7 +28,7 @@ SELECT nextval('callback_event_ids'),
 FROM unnest(%(owners)b::text[], %(groups)b::text[], %(keys)b::text[], %(run_ats)b::timestamptz[],
             %(urls)b::text[], %(contexts)b::text[], %(retries)b::text[], %(schedule_ids)s::bigint[])
      WITH ORDINALITY AS n(owner, grp, key, run_at, url, context, retry, schedule_id, ord)
-CROSS JOIN (SELECT count(*) AS buckets FROM callback_buckets) AS b
+CROSS JOIN (SELECT count(*) AS buckets, {TAKE_EVENT_IDS_LOCK} FROM callback_buckets) AS b  -- before any id is drawn
 ORDER BY n.ord
 ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
 RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
@@ -107,8 +115,18 @@ POLL_COLUMNS = """
     attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in
 """
 
-# Highest event id visible now: every id at or below it was committed already (ids grow in commit order).
-VISIBLE_EVENT_ID = "SELECT coalesce(max(event_id), 0) FROM callback_events"
+# The highest event id drawn so far, then (read after it) the transactions holding LOCK_EVENT_IDS: once
+# they have all ended, every id up to it is committed or rolled back.
+EVENT_ID_DRAWERS = """
+SELECT d.drawn,
+       (SELECT coalesce(array_agg(l.virtualtransaction), '{}') FROM pg_locks l
+        WHERE d.drawn IS NOT NULL AND l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = ((d.k >> 32) & 4294967295)::oid AND l.objid = (d.k & 4294967295)::oid)
+FROM (SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END AS drawn,
+             hashtextextended(current_schema() || ':callbacks.event_ids', 0) AS k
+      FROM callback_event_ids OFFSET 0) AS d
+"""
 
 # Query 1: events planned ahead, in (run_at, event_id) order past the cursor, due within the lookahead.
 POLL_AHEAD = f"""
@@ -205,8 +223,8 @@ INSERT INTO callback_buckets (bucket_id)
 SELECT generate_series((SELECT count(*) FROM callback_buckets), %(count)s - 1)
 """
 
-# Lowering the count: the rows of removed buckets go; inserts read the count under LOCK_EVENT_IDS, so each one
-# lands in a bucket that exists when it commits. Pending events of removed buckets stay put until
+# Lowering the count: the rows of removed buckets go; inserts read the count under LOCK_EVENT_IDS, which
+# LOCK_EVENT_IDS_EXCLUSIVE excludes, so each one lands in a bucket that exists when it commits. Pending events of removed buckets stay put until
 # MOVE_EVENTS (run by whoever holds the removed bucket's lease) gives them a live bucket.
 REMOVE_BUCKETS = "DELETE FROM callback_buckets WHERE bucket_id >= %(count)s"
 

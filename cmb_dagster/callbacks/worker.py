@@ -1,7 +1,8 @@
 """The callbacks worker: polls its buckets by the original design's two queries and calls due events back.
 
-Per bucket it keeps, in memory, a cursor ``(run_at, event_id)`` for query 1 and the highest event id seen
-for query 2 (event ids grow in commit order: see ``sql.LOCK_EVENT_IDS``). In Postgres it keeps a
+Per bucket it keeps, in memory, a cursor ``(run_at, event_id)`` for query 1 and, for query 2, an event id
+at or below which every event has been seen (it never passes an id whose transaction may still commit:
+see :class:`EventIdHorizon`). In Postgres it keeps a
 conservative copy of both, written in the same transaction as the outcomes of calls: a cursor that stops
 before any event still in flight. A worker that takes a bucket over starts from that copy, so an event is
 lost by no crash; only events in flight at a crash are called again (at least once).
@@ -64,6 +65,35 @@ class BucketState:
         return min(self.cursor, (run_at, event_id - 1))
 
 
+class EventIdHorizon:
+    """The highest event id at or below which every id drawn belongs to a transaction that has ended.
+
+    Writers draw ids concurrently, so ids do not grow in commit order. Each poll reads the highest id
+    drawn and then the transactions drawing ids (holders of ``sql.LOCK_EVENT_IDS``); once none of those
+    is still running, every id up to that highest one is committed or rolled back, and a query started
+    afterwards sees all of them. With no writer running, the horizon is the highest id drawn at once.
+    """
+
+    def __init__(self) -> None:
+        self._proven = 0
+        self._candidate: tuple[int, frozenset[str]] | None = None
+        self._lock = threading.Lock()
+
+    def advance(self, conn: psycopg.Connection) -> int:
+        """Read the database's writers; return the horizon (queries started after this see every id up to it)."""
+        drawn, drawers = conn.execute(sql.EVENT_ID_DRAWERS).fetchone()
+        running = frozenset(drawers)
+        with self._lock:
+            if self._candidate is not None and not self._candidate[1] & running:
+                self._proven = max(self._proven, self._candidate[0])
+                self._candidate = None
+            if not running:
+                self._proven = max(self._proven, drawn)
+            elif self._candidate is None:
+                self._candidate = (drawn, running)
+            return self._proven
+
+
 class CallbackWorker:
     """Serves buckets: polls due events, calls them through a :class:`DeliveryPool`, writes outcomes.
 
@@ -99,6 +129,7 @@ class CallbackWorker:
             on_shutdown=self.stop,
         )
         self._draining = threading.Event()
+        self._horizon = EventIdHorizon()
         self.delivered = 0
         self._window_started = time.monotonic()
         self._failures_in_window = self._failures_not_logged = 0
@@ -258,7 +289,7 @@ class CallbackWorker:
             if remaining is None:
                 raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
             state.lease_deadline = asked_at + remaining[0]
-            visible = conn.execute(sql.VISIBLE_EVENT_ID).fetchone()[0]
+            horizon = self._horizon.advance(conn)
             with state.lock:
                 cursor, seen = state.cursor, state.seen_event_id
             ahead = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]}).fetchall()
@@ -268,7 +299,7 @@ class CallbackWorker:
             late = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen}).fetchall()
             late_read_at = time.monotonic()
         full = len(ahead) == room or len(late) == room
-        new_seen = late[-1][0] if len(late) == room else max(seen, visible)
+        new_seen = min(late[-1][0], horizon) if len(late) == room else horizon
         fresh = []
         with state.lock:
             state.cursor = max(state.cursor, cursor)
@@ -445,6 +476,6 @@ def move_stranded_events(db: Database) -> int:
 def move_bucket_events(db: Database, lease: Lease) -> int:
     """Move up to MOVE_BATCH pending events of the removed bucket ``lease`` holds to live buckets; return how many."""
     with db.connection() as conn:
-        conn.execute(sql.LOCK_EVENT_IDS)  # new ids in commit order, as for inserts
+        conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # new ids drawn as inserts draw them: the horizon waits
         Leases.check(conn, lease)
         return conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": MOVE_BATCH}).fetchone()[0]

@@ -7,15 +7,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+import psycopg_pool
 from psycopg.rows import dict_row
 
 from cmb_dagster.callbacks import sql
-from cmb_dagster.callbacks.errors import CallbackConflict
+from cmb_dagster.callbacks.errors import CallbackConflict, CallbackTimeout
 from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy, context_json
 from cmb_dagster.database import Database
 
@@ -25,17 +27,19 @@ log = logging.getLogger("cmb_dagster.callbacks")
 class EventWriter:
     """Buffers creates from many threads and writes each batch as one multi-row insert.
 
-    A batch is written when ``write_batch_size`` creates are waiting, or when ``write_linger`` seconds
-    passed since the first (0, the default, is group commit: write at once, and let creates that arrive
-    meanwhile form the next batch). Each caller gets its id only after its batch committed.
+    ``write_connections`` threads take turns: one gathers a batch while the others write theirs, so
+    several commits wait for the disk at once. A batch is written when ``write_batch_size`` creates are
+    waiting, or when ``write_linger`` seconds passed since its first (0, the default: at once). Each
+    caller gets its id only after its batch committed, or CallbackTimeout after ``create_timeout``.
     """
 
     def __init__(self, db: Database, settings: CallbackSettings) -> None:
         self.db = db
         self.settings = settings
         self._queue: queue.SimpleQueue[tuple[NewCallback, Future[int]] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._gathering = threading.Lock()  # one thread gathers a batch at a time
         self.soon = settings.poll_interval + settings.lookahead  # creates due sooner wake their bucket's worker
 
     def write(self, event: NewCallback) -> int:
@@ -43,56 +47,82 @@ class EventWriter:
         future: Future[int] = Future()
         self._ensure_started()
         self._queue.put((event, future))
-        return future.result()
+        try:
+            return future.result(timeout=self.settings.create_timeout)
+        except TimeoutError:
+            if future.cancel():
+                raise CallbackTimeout(_timed_out(self.settings, "nothing was written")) from None
+            try:  # being written: it may yet commit
+                return future.result(timeout=0)
+            except TimeoutError:
+                raise CallbackTimeout(_timed_out(self.settings, "it may still be written")) from None
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
+        """Write what is queued, then stop the writer threads."""
         with self._lock:
-            if self._thread is not None:
+            for _ in self._threads:
                 self._queue.put(None)
-                self._thread.join()
-                self._thread = None
+            for thread in self._threads:
+                thread.join()
+            self._threads = []
 
     def _ensure_started(self) -> None:
-        if self._thread is None:
+        if not self._threads:
             with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name="cmb-callback-writer", daemon=True)
-                    self._thread.start()
+                if not self._threads:
+                    self._threads = [
+                        threading.Thread(target=self._loop, name=f"cmb-callback-writer-{n}", daemon=True)
+                        for n in range(self.settings.write_connections)
+                    ]
+                    for thread in self._threads:
+                        thread.start()
 
     def _loop(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            stop = False
-            deadline = time.monotonic() + self.settings.write_linger
-            while len(batch) < self.settings.write_batch_size:
-                try:
-                    wait = deadline - time.monotonic()
-                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            self._flush(batch)
+            with self._gathering:
+                batch, stop = self._gather()
+            if batch:
+                self._flush(batch)
             if stop:
                 return
 
+    def _gather(self) -> tuple[list[tuple[NewCallback, Future[int]]], bool]:
+        first = self._queue.get()
+        if first is None:
+            return [], True
+        batch = [first]
+        deadline = time.monotonic() + self.settings.write_linger
+        while len(batch) < self.settings.write_batch_size:
+            try:
+                wait = deadline - time.monotonic()
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
     def _flush(self, batch: list[tuple[NewCallback, Future[int]]]) -> None:
+        batch = [item for item in batch if item[1].set_running_or_notify_cancel()]  # timed out callers are gone
+        if not batch:
+            return
         try:
-            with self.db.connection() as conn:
-                results = insert_events(conn, [event for event, _ in batch], soon=self.soon)
+            with create_transaction(self.db, self.settings) as conn:
+                results = insert_events(
+                    conn, [event for event, _ in batch], soon=self.soon, lock_timeout=self.settings.create_timeout
+                )
+        except CallbackTimeout as exc:
+            for _, future in batch:
+                future.set_exception(exc)
+            return
         except Exception as exc:  # noqa: BLE001 - the batch is retried one row at a time: only bad rows fail
             if len(batch) == 1:
                 batch[0][1].set_exception(exc)
                 return
             log.warning("a batch of %d creates failed (%s): writing them one at a time", len(batch), exc)
-            for item in batch:
-                self._flush([item])
+            for event, future in batch:
+                self._flush_alone(event, future)
             return
         for (_, future), result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
@@ -100,12 +130,48 @@ class EventWriter:
             else:
                 future.set_result(result)
 
+    def _flush_alone(self, event: NewCallback, future: Future[int]) -> None:
+        try:
+            with create_transaction(self.db, self.settings) as conn:
+                result = insert_events(conn, [event], soon=self.soon, lock_timeout=self.settings.create_timeout)[0]
+        except Exception as exc:  # noqa: BLE001 - this caller's own error
+            future.set_exception(exc)
+            return
+        if isinstance(result, Exception):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+
+@contextmanager
+def create_transaction(db: Database, settings: CallbackSettings) -> Iterator[psycopg.Connection]:
+    """A pooled connection for creates: waiting longer than ``create_timeout`` for it, or for a lock in
+    it (see :func:`insert_events`), raises CallbackTimeout, and nothing is written."""
+    try:
+        with db.connection(timeout=settings.create_timeout) as conn:
+            yield conn
+    except psycopg_pool.PoolTimeout:
+        raise CallbackTimeout(_timed_out(settings, "no database connection was free; nothing was written")) from None
+    except psycopg.errors.LockNotAvailable:
+        raise CallbackTimeout(_timed_out(settings, "a lock was held meanwhile; nothing was written")) from None
+
+
+def _timed_out(settings: CallbackSettings, what: str) -> str:
+    return f"create timed out after {settings.create_timeout:g}s (CallbackSettings.create_timeout): {what}"
+
 
 def insert_events(
-    conn: psycopg.Connection, events: Sequence[NewCallback], schedule_id: int | None = None, *, soon: float = 3.0
+    conn: psycopg.Connection,
+    events: Sequence[NewCallback],
+    schedule_id: int | None = None,
+    *,
+    soon: float = 3.0,
+    lock_timeout: float = 0.0,
 ) -> list[int | Exception]:
-    """Insert ``events`` in ``conn``'s transaction under the event-id lock; per event, its id or a conflict."""
-    conn.execute(sql.LOCK_EVENT_IDS)
+    """Insert ``events`` in ``conn``'s transaction; per event, its id or a conflict.
+
+    Waiting longer than ``lock_timeout`` seconds (0: no limit) for a lock raises LockNotAvailable.
+    """
     params: dict[str, Any] = {
         "owners": [e.owner_client_id for e in events],
         "groups": [e.group_key for e in events],
@@ -117,6 +183,7 @@ def insert_events(
         "schedule_ids": [schedule_id] * len(events),
     }
     params["soon"] = soon
+    params["lock_timeout"] = f"{round(lock_timeout * 1000)}ms"
     inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS_NOTIFY, params)}
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
     existing: dict[tuple[str, str, str], dict[str, Any]] = {}

@@ -126,7 +126,7 @@ def test_notified_events_cannot_change(client, db):
 
 
 def test_buffered_creates_from_many_threads_are_written_in_batches(db):
-    # that ids follow commit order is tested where it can fail: test_callbacks_defects.py, several processes
+    # that the poller misses no id committed out of order is tested in test_callbacks_defects.py (several processes)
     with CallbackClient(db, CallbackSettings(write_linger=0.02, allowed_hosts=["127.0.0.1"])) as client, ThreadPoolExecutor(16) as pool:
         ids = list(pool.map(lambda i: client.create("a", "g", f"k{i}", later(), URL), range(400)))
     assert len(set(ids)) == 400

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 from waiting import wait_until
 
@@ -17,12 +18,14 @@ from cmb_dagster.callbacks import (
     CallbackConflict,
     CallbackInvalidState,
     CallbackSettings,
+    CallbackTimeout,
     CallbackValidationError,
     CallbackWorker,
     NewCallback,
     RetryPolicy,
 )
 from cmb_dagster.callbacks.sink import CallbackSink
+from cmb_dagster.database import Database
 from cmb_dagster.errors import InvalidInput
 
 LOCAL = CallbackSettings(
@@ -393,7 +396,7 @@ def test_a_response_body_is_not_read_past_the_limit():
         server.close()
 
 
-# -- 7. ids follow commit order, with concurrent writers in several processes -----------------------
+# -- 7. no event missed while ids commit out of order, with concurrent writers in several processes -----------------------
 
 CREATOR = """
 import sys
@@ -406,10 +409,10 @@ with CallbackClient(url, CallbackSettings(allowed_hosts=["127.0.0.1"]), buffered
 """
 
 
-def test_ids_follow_commit_order_across_processes_while_the_poller_runs(db, database_url, sink):
-    # Events are created already due, by 4 processes at once, while a worker polls every 20 ms: if ids
-    # did not grow in commit order, query 2 would step over an id committed after a higher one, and
-    # that event would never be called.
+def test_no_event_is_missed_while_processes_commit_ids_out_of_order(db, database_url, sink):
+    # Events are created already due, by 4 processes at once, while a worker polls every 20 ms: ids are
+    # drawn concurrently and commit out of order; if query 2's horizon passed an id whose transaction was
+    # still running, that event would never be called.
     settings = LOCAL.model_copy(update={"poll_interval": 0.02, "lookahead": 0})
     running = Running(db, settings)
     try:
@@ -449,3 +452,39 @@ def test_a_create_due_before_the_next_poll_wakes_the_worker(db, sink):
             assert 0 <= lateness < 2.0, (call.body["event_key"], lateness)
     finally:
         running.stop()
+
+
+# -- a create that cannot get a connection or a lock in time raises CallbackTimeout ----------------
+
+
+def _hold_event_ids_lock(database_url):
+    conn = psycopg.connect(database_url, options="-c search_path=cmb,public")
+    conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))")
+    return conn  # in a transaction until closed
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_creates_time_out_with_a_typed_error_when_blocked(database_url, buffered):
+    settings = LOCAL.model_copy(update={"create_timeout": 1.0})
+    db = Database(database_url, max_pool_size=3)
+    holder = _hold_event_ids_lock(database_url)
+    try:
+        with CallbackClient(db, settings, buffered=buffered) as client, ThreadPoolExecutor(200) as pool:
+            def create(n):
+                try:
+                    client.create("a", "g", f"k{n}", datetime.now(UTC) + timedelta(hours=1), "http://127.0.0.1:9/cb")
+                except CallbackTimeout as exc:
+                    return exc
+                return None
+
+            release = threading.Timer(15, holder.rollback)  # without a timeout, creates succeed after this
+            release.start()
+            outcomes = list(pool.map(create, range(200)))
+            release.cancel()
+            holder.rollback()
+        assert all(isinstance(o, CallbackTimeout) for o in outcomes), {type(o).__name__ for o in outcomes}
+        assert any("no database connection" in str(o) for o in outcomes) or buffered
+        assert all("create_timeout" in str(o) for o in outcomes)
+    finally:
+        holder.close()
+        db.close()
