@@ -29,6 +29,7 @@ from cmb_dagster.callbacks.models import (
     NewSchedule,
     RetryPolicy,
     check_context,
+    check_many,
     check_run_at,
     check_url,
     context_json,
@@ -348,7 +349,7 @@ class CallbackClient:
             rows = _NEW_CALLBACKS.validate_python(given)
         except (ValidationError, TypeError, AttributeError):
             return [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
-        return [row.check(self.settings) for row in rows]
+        return check_many(rows, self.settings)
 
     def _lock(self, conn: psycopg.Connection, owner: str, group: str, key: str) -> dict[str, Any]:
         row = conn.cursor(row_factory=dict_row).execute(sql.LOCK_EVENT, _keys(owner, group, key)).fetchone()

@@ -325,7 +325,7 @@ def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> None
     size = 4 if context is None else len(context_json(context).encode())
     if size > settings.max_context_bytes:
         raise CallbackValidationError(f"context: {size} bytes is over the limit of {settings.max_context_bytes}")
-    if dagster_job_name(cb_url) is None or context is None:
+    if context is None or dagster_job_name(cb_url) is None:
         return
     if not isinstance(context, dict) or set(context) - {"run_config", "tags"}:
         raise CallbackValidationError("context: for dagster:// targets it must be {'run_config': {...}, 'tags': {...}}")
@@ -359,6 +359,28 @@ class NewCallback(BaseModel):
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self
+
+
+def check_many(events: list[NewCallback], settings: CallbackSettings) -> list[NewCallback]:
+    """:meth:`NewCallback.check` of every event, the text checks done once for the whole batch; return ``events``."""
+    texts = "\x01".join(text for e in events for text in (e.owner_client_id, e.group_key, e.event_key))
+    if "\x00" in texts or not _encodes(texts):
+        return [event.check(settings) for event in events]  # the first bad event names its field
+    for url in {event.cb_url for event in events}:
+        check_url(url, settings)
+    for event in events:
+        check_run_at(event.run_at)
+        if event.context is not None:
+            check_context(event.context, settings, event.cb_url)
+    return events
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CallbackEvent(BaseModel):

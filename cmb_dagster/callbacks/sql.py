@@ -19,16 +19,18 @@ LOCK_EVENT_IDS = f"SELECT {TAKE_EVENT_IDS_LOCK}"
 # ids and keeps new ones out until commit, so each insert's bucket count is still true when it commits.
 LOCK_EVENT_IDS_EXCLUSIVE = "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))"
 
+# The rows come as one JSON array of objects (parsed by Postgres in one pass, far cheaper to send than one
+# array per column); "r" indexes the batch's distinct retry policies, each parsed once.
 INSERT_EVENTS = f"""
 INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
                                   run_at, originally_run_at, cb_url, context, retry, schedule_id)
 SELECT nextval('callback_event_ids'),
-       (hashtextextended(n.owner || chr(1) || n.grp || chr(1) || n.key, 0) & 9223372036854775807) %% b.buckets,
-       n.owner, n.grp, n.key, n.run_at, n.run_at, n.url, n.context::jsonb, n.retry::jsonb, n.schedule_id
-FROM unnest(%(owners)b::text[], %(groups)b::text[], %(keys)b::text[], %(run_ats)b::timestamptz[],
-            %(urls)b::text[], %(contexts)b::text[], %(retries)b::text[], %(schedule_ids)s::bigint[])
-     WITH ORDINALITY AS n(owner, grp, key, run_at, url, context, retry, schedule_id, ord)
-CROSS JOIN (SELECT count(*) AS buckets, {TAKE_EVENT_IDS_LOCK} FROM callback_buckets) AS b  -- before any id is drawn
+       (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
+       n.o, n.g, n.k, n.t, n.t, n.u, n.c, b.policies -> n.r, %(schedule_id)s::bigint
+FROM ROWS FROM (json_to_recordset(%(rows)s::json) AS (o text, g text, k text, t timestamptz, u text, c jsonb, r int))
+     WITH ORDINALITY AS n(o, g, k, t, u, c, r, ord)
+CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
+            FROM callback_buckets) AS b  -- before any id is drawn
 ORDER BY n.ord
 ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
 RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from psycopg.rows import dict_row
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import CallbackConflict, CallbackTimeout
-from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy, context_json
+from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy
 from cmb_dagster.database import Database
 
 log = logging.getLogger("cmb_dagster.callbacks")
@@ -172,19 +173,22 @@ def insert_events(
 
     Waiting longer than ``lock_timeout`` seconds (0: no limit) for a lock raises LockNotAvailable.
     """
+    policies: dict[RetryPolicy, int] = {}
+    rows = [
+        {"o": e.owner_client_id, "g": e.group_key, "k": e.event_key, "t": e.run_at.isoformat(), "u": e.cb_url,
+         "c": e.context, "r": policies.setdefault(e.retry, len(policies))}
+        for e in events
+    ]
     params: dict[str, Any] = {
-        "owners": [e.owner_client_id for e in events],
-        "groups": [e.group_key for e in events],
-        "keys": [e.event_key for e in events],
-        "run_ats": [e.run_at for e in events],
-        "urls": [e.cb_url for e in events],
-        "contexts": [None if e.context is None else context_json(e.context) for e in events],
-        "retries": [_policy_json(e.retry) for e in events],
-        "schedule_ids": [schedule_id] * len(events),
+        "rows": json.dumps(rows, separators=(",", ":"), ensure_ascii=False, allow_nan=False),
+        "policies": "[" + ",".join(_policy_json(policy) for policy in policies) + "]",
+        "schedule_id": schedule_id,
+        "soon": soon,
+        "lock_timeout": f"{round(lock_timeout * 1000)}ms",
     }
-    params["soon"] = soon
-    params["lock_timeout"] = f"{round(lock_timeout * 1000)}ms"
-    inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS_NOTIFY, params)}
+    inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS_NOTIFY, params).fetchall()}
+    if len(inserted) == len(events):  # every key new and distinct
+        return [inserted[(e.owner_client_id, e.group_key, e.event_key)] for e in events]
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
     existing: dict[tuple[str, str, str], dict[str, Any]] = {}
     if missing:

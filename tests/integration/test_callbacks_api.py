@@ -1,6 +1,6 @@
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import psycopg
 import pytest
@@ -47,6 +47,23 @@ def test_create_get_and_idempotent_create(client):
         client.create("shop", "orders", "o-1", at, URL, {"order": 2})
     with pytest.raises(CallbackNotFound, match="no event shop/orders/nope"):
         client.get("shop", "orders", "nope")
+
+
+def test_create_many_stores_each_event_as_given(client):
+    at = later()
+    fast, slow = RetryPolicy.constant(5, fast_retries=0), RetryPolicy.exponential(10, factor=3)
+    given = [
+        ("k0", at, "text", fast),
+        ("k1", at.astimezone(timezone(timedelta(hours=-7, minutes=-30))) + timedelta(microseconds=1), None, None),
+        ("k2", at, [1, {"é": None}], slow),
+        ("k3", at, {"n": 1.5}, fast),
+    ]
+    ids = client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": key, "run_at": run_at,
+                               "cb_url": URL, "context": context, "retry": retry} for key, run_at, context, retry in given])
+    assert len(set(ids)) == 4
+    for event_id, (key, run_at, context, retry) in zip(ids, given, strict=True):
+        event = client.get("a", "g", key)
+        assert (event.event_id, event.run_at, event.context, event.retry) == (event_id, run_at, context, retry or RetryPolicy())
 
 
 def test_create_many_is_all_or_nothing(client, db):

@@ -151,6 +151,27 @@ def test_what_postgres_cannot_store_is_refused_at_create(client, overrides, fiel
     assert client.list() == []
 
 
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"owner_client_id": "a\u0000"}, "owner_client_id"),
+        ({"group_key": "g\ud800"}, "group_key"),
+        ({"event_key": "k\u0000"}, "event_key"),
+        ({"cb_url": "http://127.0.0.1:9/a\x00"}, "cb_url"),
+        ({"context": {"x": "a\u0000b"}}, "context"),
+        ({"run_at": datetime.fromisoformat("9999-12-31T23:59:59-14:00")}, "run_at"),
+    ],
+)
+def test_create_many_refuses_one_bad_event_and_writes_none(client, overrides, field):
+    def event(key, **more):
+        return {"owner_client_id": "a", "group_key": "g", "event_key": key, "run_at": datetime.now(UTC),
+                "cb_url": "http://127.0.0.1:9/cb", **more}
+
+    with pytest.raises(CallbackValidationError, match=field):
+        client.create_many([event("k1"), event("k2", **overrides), event("k3")])
+    assert client.list() == []
+
+
 def test_one_event_whose_outcome_cannot_be_written_fails_alone(client, db, sink, worker):
     now = datetime.now(UTC)
     for i in range(6):
