@@ -171,12 +171,15 @@ FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, explanation text, backo
 WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
 """
 
+# One index probe (scheduler, task, values_hash) per launch: the cost does not grow with the launch history.
 PREVIOUS_ATTEMPTS = """
-SELECT task, values_hash, count(*)::int
-FROM reactive_launches
-JOIN jsonb_to_recordset(%(rows)s::jsonb) AS k(task text, values_hash text) USING (task, values_hash)
-WHERE scheduler = %(scheduler)s
-GROUP BY task, values_hash
+SELECT k.task, k.values_hash, n.attempts
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS k(task text, values_hash text)
+CROSS JOIN LATERAL (
+    SELECT count(*)::int AS attempts FROM reactive_launches l
+    WHERE l.scheduler = %(scheduler)s AND l.task = k.task AND l.values_hash = k.values_hash
+) n
+WHERE n.attempts > 0
 """
 
 # The INSERT reads the UPDATE's RETURNING (no second join of the two row sets). Arrays, not one JSON recordset
