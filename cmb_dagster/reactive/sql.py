@@ -61,7 +61,7 @@ WHERE scheduler = %(scheduler)s AND defined AND NOT (name = ANY(%(names)s::text[
 
 MARK_DIRTY = """
 UPDATE reactive_tasks SET dirty = true
-WHERE scheduler = %(scheduler)s AND name = ANY(%(names)s::text[]) AND NOT dirty
+WHERE scheduler = %(scheduler)s AND name = ANY(%(names)b::text[]) AND NOT dirty
 """
 
 NOTE_BACKWARDS = """
