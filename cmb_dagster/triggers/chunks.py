@@ -39,9 +39,13 @@ def _minutes_scale(name: str, minutes: int) -> ChunkScale:
 
     def label_of(local: datetime) -> str:
         start = (local.hour * 60 + local.minute) // minutes * minutes
-        return f"{local:%Y-%m-%d} {start // 60:02d}:{start % 60:02d}"
+        return f"{_day_label(local)} {start // 60:02d}:{start % 60:02d}"
 
     return ChunkScale(name, index_of, label_of)
+
+
+def _day_label(local: datetime) -> str:
+    return f"{local.year:04d}-{local.month:02d}-{local.day:02d}"  # strftime is four times slower
 
 
 def _week_label(local: datetime) -> str:
@@ -50,11 +54,11 @@ def _week_label(local: datetime) -> str:
 
 
 _CALENDAR: dict[str, ChunkScale] = {
-    "day": ChunkScale("day", datetime.toordinal, lambda local: f"{local:%Y-%m-%d}"),
+    "day": ChunkScale("day", datetime.toordinal, _day_label),
     # 0001-01-01 (ordinal 1) is a Monday, so this counts ISO weeks.
     "week": ChunkScale("week", lambda local: (local.toordinal() - 1) // 7, _week_label),
     "month": ChunkScale(
-        "month", lambda local: local.year * 12 + local.month - 1, lambda local: f"{local:%Y-%m}"
+        "month", lambda local: local.year * 12 + local.month - 1, lambda local: f"{local.year:04d}-{local.month:02d}"
     ),
     "quarter": ChunkScale(
         "quarter",

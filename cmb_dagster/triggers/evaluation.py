@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 
 from cmb_dagster.triggers.chunks import chunk_of, get_zone, parse_scale
 from cmb_dagster.triggers.durations import compact_duration, human_duration
@@ -114,6 +115,7 @@ def _evaluate(trigger: Trigger, inputs: _Inputs) -> TriggerResult:
     return evaluator(trigger, inputs)
 
 
+@lru_cache(maxsize=65536)  # a trigger's label is part of each of its explanations, tick after tick
 def _label(trigger: CtlTriggerBase, task_timezone: str) -> str:
     """``'Delay(shop/prices/loaded_until, 2h)'``, ``'ChunkDelta(sales/loaded_until, day in Europe/Moscow, 1)'``:
     the trigger's kind, what it watches and its threshold."""
