@@ -259,11 +259,14 @@ class Worker:
 _running: set[Callable[[], None]] = set()  # how to stop each worker running in this process
 
 
-def stop_running_workers() -> int:
-    """Ask every worker running in this process to finish its current step and return; how many were asked."""
-    stops = list(_running)
+def stop_running_workers(already: set[Callable[[], None]] | None = None) -> int:
+    """Ask every worker running in this process (except those ``already`` asked, then added to it) to finish its
+    current step and return; how many were asked."""
+    stops = [stop for stop in list(_running) if already is None or stop not in already]
     for stop in stops:
         stop()
+    if already is not None:
+        already.update(stops)
     return len(stops)
 
 
@@ -279,11 +282,11 @@ def stop_workers_on_signals() -> Iterator[threading.Event]:
         yield signalled
         return
 
-    def stop_when_signalled() -> None:
-        while not done.is_set():
-            if signalled.wait(0.5):
-                log.warning("shutdown signal: stopping %d worker(s) after their current step", stop_running_workers())
-                return
+    def stop_when_signalled() -> None:  # also stops a worker that registers after the signal (still starting)
+        asked: set[Callable[[], None]] = set()
+        while not done.wait(0.2):
+            if signalled.is_set() and (count := stop_running_workers(asked)):
+                log.warning("shutdown signal: stopping %d worker(s) after their current step", count)
 
     helper = threading.Thread(target=stop_when_signalled, name="cmb-worker-shutdown", daemon=True)
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}

@@ -1,10 +1,12 @@
+import os
+import signal
 import threading
 import time
 
 import pytest
 from waiting import wait_until
 
-from cmb_dagster.workers import LeaseLost, Leases, Worker
+from cmb_dagster.workers import LeaseLost, Leases, Worker, stop_workers_on_signals
 
 
 def test_a_partition_has_one_owner_until_its_lease_expires(db):
@@ -104,3 +106,15 @@ def test_two_workers_split_nothing_and_a_stopped_one_hands_over(db):
     wait_until(lambda: ("second", "p") in seen, timeout=5)
     second.stop()
     second_thread.join()
+
+
+def test_a_shutdown_signal_also_stops_a_worker_that_starts_after_it(db):
+    """A worker run handed a signal while it is still starting (before its loop registers) ends anyway."""
+    with stop_workers_on_signals() as signalled:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(signalled.is_set, 5, "the signal")
+        time.sleep(1)  # the shutdown helper has handled the signal (with no worker registered yet)
+        worker = Worker(db, "test.late", ["p"], lambda lease: 0, idle_sleep=0.05)
+        started = time.monotonic()
+        worker.run(duration=60)
+    assert time.monotonic() - started < 30
