@@ -1,6 +1,6 @@
 """Callbacks benchmark: create throughput, a 100k burst and a steady 1,000 events/s, side by side with PgQueuer.
 
-    flock -x /work/wt/cpu.lock .venv/bin/python benchmarks/bench_callbacks.py [--quick]
+    flock -x /work/wt/cpu.lock .venv/bin/python benchmarks/bench_callbacks.py [--quick] [--only create burst steady]
 
 Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. Callbacks
 go to a local HTTP sink on 127.0.0.1 in this process; the cmb worker (``cmb-dagster callbacks worker``) and
@@ -21,9 +21,12 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
@@ -46,6 +49,23 @@ def server_url() -> str:
 
     settings = Settings.from_env()
     return settings.database_url or embedded_url(settings.home)
+
+
+@contextmanager
+def bench_database() -> Iterator[Database]:
+    """A database of its own on the benchmark's server, migrated, dropped on the way out."""
+    server = server_url()
+    name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    db = Database(urlsplit(server)._replace(path=f"/{name}").geturl())
+    try:
+        db.ensure_ready()
+        yield db
+    finally:
+        db.close()
+        with psycopg.connect(server, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -282,12 +302,6 @@ async def _pgqueuer_consumer(url: str, sink_url: str) -> None:
         await session.close()
 
 
-def _driver(conn):  # type: ignore[no-untyped-def]
-    from pgqueuer.adapters.drivers.psycopg import PsycopgDriver
-
-    return PsycopgDriver(conn)
-
-
 def pgqueuer_available() -> bool:
     try:
         import pgqueuer  # noqa: F401
@@ -321,16 +335,6 @@ def errors_logged(name: str) -> int:
         return 0
     text = path.read_text(errors="replace")
     return text.count("Traceback") + text.count(" ERROR ")
-
-
-def _enqueue(url: str, payloads: list[bytes], delays: list[timedelta]) -> None:
-    async def go() -> None:
-        from pgqueuer.queries import Queries
-
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await Queries.from_psycopg_connection(conn).enqueue(["callback"] * len(payloads), payloads, [0] * len(payloads), delays)
-
-    asyncio.run(go())
 
 
 def bench_pgqueuer_burst(url: str, sink: CallbackSink, count: int) -> dict[str, float]:
@@ -464,9 +468,14 @@ def bench_pgqueuer_steady(url: str, sink: CallbackSink, rate: int, seconds: floa
 # -- main ----------------------------------------------------------------------------------------
 
 
+FIGURES = ("create", "burst", "steady")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="Smaller numbers, for a smoke run.")
+    parser.add_argument("--only", nargs="+", choices=FIGURES, default=FIGURES,
+                        help="Run only these figures (each with its PgQueuer side).")
     parser.add_argument("--pgqueuer-consumer", nargs=2, metavar=("URL", "SINK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pgqueuer_consumer:
@@ -474,16 +483,12 @@ def main() -> None:
         return
     burst, rate, seconds, create_seconds = (5_000, 200, 10, 2) if args.quick else (20_000, 1_000, 10, 3)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-
-    server = server_url()
-    name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = urlsplit(server)._replace(path=f"/{name}").geturl()
-    db = Database(url)
-    db.ensure_ready()
-    results: dict[str, object] = {"benchmark": "callbacks", "cpus": os.cpu_count(), "quick": args.quick}
-    try:
+    peer = pgqueuer_available()
+    results: dict[str, Any] = {"benchmark": "callbacks", "cpus": os.cpu_count(), "quick": args.quick,
+                               "figures": list(args.only)}
+    ratios: dict[str, float] = {}
+    with bench_database() as db:
+        url = db.url
         with psycopg.connect(url, autocommit=True) as conn:
             server_info = {name: conn.execute(f"SHOW {name}").fetchone()[0]
                            for name in ("server_version", "fsync", "synchronous_commit", "autovacuum")}
@@ -491,43 +496,39 @@ def main() -> None:
         results["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
         print(f"callbacks benchmark on {db.display_url} ({os.cpu_count()} CPUs, shared), "
               + ", ".join(f"{k} {v}" for k, v in server_info.items()))
-        results["create_events_per_s"] = bench_create(db, create_seconds)
-        with CallbackSink() as sink:
-            sink_keep = sink
-            results["cmb_burst"] = bench_cmb_burst(db, sink_keep, burst)
-            results["cmb_steady"] = bench_cmb_steady(db, sink_keep, rate, seconds)
-            if pgqueuer_available():
-                asyncio.run(_pgqueuer_install(url))
+        if peer:
+            asyncio.run(_pgqueuer_install(url))
+        else:
+            print("  PgQueuer not installed (pip install pgqueuer): side-by-side skipped")
+        if "create" in args.only:
+            results["create_events_per_s"] = bench_create(db, create_seconds)
+            if peer:
                 results["pgqueuer_single_enqueue_16_per_s"] = bench_pgqueuer_single_enqueue(url, 16, create_seconds)
-                results["pgqueuer_burst"] = bench_pgqueuer_burst(url, sink_keep, burst)
-                results["pgqueuer_steady"] = bench_pgqueuer_steady(url, sink_keep, rate, seconds)
-                cmb, peer = results["cmb_burst"], results["pgqueuer_burst"]
-                cs, ps = results["cmb_steady"], results["pgqueuer_steady"]
-                ratios = {
-                    "create_16_threads_cmb_over_pgqueuer": results["create_events_per_s"]["buffered_16_threads"]
-                    / results["pgqueuer_single_enqueue_16_per_s"],
-                    "burst_drain_cmb_over_pgqueuer": cmb["events_per_s"] / peer["events_per_s"],
-                    "create_many_cmb_over_pgqueuer": cmb["create_many_per_s"] / peer["create_many_per_s"],
-                    "cpu_per_call_cmb_over_pgqueuer": cmb["cpu_ms_per_call"] / max(peer["cpu_ms_per_call"], 1e-9),
-                    "lateness_p99_pgqueuer_over_cmb": ps["p99_s"] / max(cs["p99_s"], 1e-3),
-                    **{f"{kind}_p99_pgqueuer_over_cmb": ps[f"{kind}_p99_s"] / max(cs[f"{kind}_p99_s"], 1e-3)
-                       for kind in ("due_at_creation", "due_within_next_poll", "ahead_of_time")},
-                }
-                results["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
-                for key, value in results["ratios"].items():
-                    print(f"  {key}: {value}x")
-            else:
-                print("  PgQueuer not installed (pip install pgqueuer): side-by-side skipped")
-        steady = results["cmb_steady"]
-        results["lateness_target_met"] = steady["p99_s"] < 0.05  # type: ignore[index]
-        print(f"  lateness target (p99 < 50 ms at {rate}/s, every kind): "
-              f"{'met' if results['lateness_target_met'] else 'MISSED'}")
+                ratios["create_16_threads_cmb_over_pgqueuer"] = (
+                    results["create_events_per_s"]["buffered_16_threads"] / results["pgqueuer_single_enqueue_16_per_s"])
+        with CallbackSink() as sink:
+            if "burst" in args.only:
+                cmb = results["cmb_burst"] = bench_cmb_burst(db, sink, burst)
+                if peer:
+                    other = results["pgqueuer_burst"] = bench_pgqueuer_burst(url, sink, burst)
+                    ratios["burst_drain_cmb_over_pgqueuer"] = cmb["events_per_s"] / other["events_per_s"]
+                    ratios["create_many_cmb_over_pgqueuer"] = cmb["create_many_per_s"] / other["create_many_per_s"]
+                    ratios["cpu_per_call_cmb_over_pgqueuer"] = cmb["cpu_ms_per_call"] / max(other["cpu_ms_per_call"], 1e-9)
+            if "steady" in args.only:
+                cs = results["cmb_steady"] = bench_cmb_steady(db, sink, rate, seconds)
+                if peer:
+                    ps = results["pgqueuer_steady"] = bench_pgqueuer_steady(url, sink, rate, seconds)
+                    ratios["lateness_p99_pgqueuer_over_cmb"] = ps["p99_s"] / max(cs["p99_s"], 1e-3)
+                    for kind in ("due_at_creation", "due_within_next_poll", "ahead_of_time"):
+                        ratios[f"{kind}_p99_pgqueuer_over_cmb"] = ps[f"{kind}_p99_s"] / max(cs[f"{kind}_p99_s"], 1e-3)
+                results["lateness_target_met"] = cs["p99_s"] < 0.05
+                print(f"  lateness target (p99 < 50 ms at {rate}/s, every kind): "
+                      f"{'met' if results['lateness_target_met'] else 'MISSED'}")
+        results["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
+        for key, value in results["ratios"].items():
+            print(f"  {key}: {value}x")
         results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         print(f"  load average: start {results['load_average_start']}, end {results['load_average_end']}")
-    finally:
-        db.close()
-        with psycopg.connect(server, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     print(json.dumps(results))
 
 

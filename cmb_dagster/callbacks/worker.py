@@ -118,6 +118,7 @@ class CallbackWorker:
         self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
+        self._gate_conn: psycopg.Connection | None = None
         self._worker = Worker(
             db,
             LEASE_KIND,
@@ -155,6 +156,7 @@ class CallbackWorker:
                 timer.cancel()
             listener.stop()
             self._pool.close(timeout=self._longest_call())
+            self._close_gate_connection()
         report.items = self.delivered
         return report
 
@@ -194,24 +196,44 @@ class CallbackWorker:
         self._worker.wake()
 
     def _gate(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
-        """Count and start the deliveries still pending in their polled version; return those gone."""
-        by_bucket: dict[int, list[Delivery]] = defaultdict(list)
-        for delivery in deliveries:
-            by_bucket[delivery.bucket_id].append(delivery)
-        with self.db.connection() as conn:
-            for bucket_id in sorted(by_bucket):  # in lease order, as renewals lock them: no deadlock
-                state = self._states.get(bucket_id)
-                if state is None or state.lease is None:
-                    raise LeaseLost(f"bucket {bucket_id} is not held")
-                Leases.check(conn, state.lease)
-            ids = [d.event_id for d in deliveries]
-            go_ids = {row[0] for row in conn.execute(sql.GATE_EVENTS, {"ids": ids})}
-            rest = [i for i in ids if i not in go_ids]
-            pending = {row[0] for row in conn.execute(sql.STILL_PENDING, {"ids": rest})} if rest else set()
-            go = [d for d in deliveries if d.event_id in go_ids]
-            if go:
-                start(go)  # before the commit: cancel, update and delete wait for the row locks until then
-        return [d for d in deliveries if d.event_id not in go_ids and d.event_id not in pending]
+        """Count and start the deliveries still pending in their polled version; return those gone.
+
+        One statement on the dispatcher's own connection (pipelined with its BEGIN): the leases of every
+        bucket concerned, then the events; the calls start before the commit.
+        """
+        leases = []
+        for bucket_id in sorted({d.bucket_id for d in deliveries}):  # ascending, as renewals lock them
+            state = self._states.get(bucket_id)
+            if state is None or state.lease is None:
+                raise LeaseLost(f"bucket {bucket_id} is not held")
+            leases.append(state.lease)
+        params = {"kind": LEASE_KIND, "owner": self.owner, "partitions": [lease.partition for lease in leases],
+                  "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
+        conn = self._gate_connection()
+        try:
+            with conn.pipeline(), conn.transaction():
+                held, go_ids, pending_ids = conn.execute(sql.GATE, params).fetchone()
+                if held != len(leases):
+                    raise LeaseLost(f"buckets {params['partitions']} are not all held by {self.owner}")
+                let_through, pending = set(go_ids), set(pending_ids)
+                go = [d for d in deliveries if d.event_id in let_through]
+                if go:
+                    start(go)  # before the commit: cancel, update and delete wait for the row locks until then
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._close_gate_connection()  # the next gate connects again
+            raise
+        return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
+
+    def _gate_connection(self) -> psycopg.Connection:
+        """The dispatcher's connection of its own: no pool check on the path of every call."""
+        if self._gate_conn is None or self._gate_conn.closed:
+            self._gate_conn = self.db.connect(autocommit=True)
+        return self._gate_conn
+
+    def _close_gate_connection(self) -> None:
+        conn, self._gate_conn = self._gate_conn, None
+        if conn is not None:
+            conn.close()
 
     def _partitions(self) -> list[str]:
         self._live, self._moved = set(bucket_ids(self.db)), set()
