@@ -10,11 +10,13 @@ lost by no crash; only events in flight at a crash are called again (at least on
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -79,9 +81,9 @@ class EventIdHorizon:
         self._candidate: tuple[int, frozenset[str]] | None = None
         self._lock = threading.Lock()
 
-    def advance(self, conn: psycopg.Connection) -> int:
-        """Read the database's writers; return the horizon (queries started after this see every id up to it)."""
-        drawn, drawers = conn.execute(sql.EVENT_ID_DRAWERS).fetchone()
+    def advance(self, writers: tuple[int, list[str]]) -> int:
+        """Given a row of ``sql.EVENT_ID_DRAWERS``, return the horizon (queries started after it see every id up to it)."""
+        drawn, drawers = writers
         running = frozenset(drawers)
         with self._lock:
             if self._candidate is not None and not self._candidate[1] & running:
@@ -119,6 +121,7 @@ class CallbackWorker:
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
         self._gate_conn: psycopg.Connection | None = None
+        self._loop_conn: psycopg.Connection | None = None
         self._worker = Worker(
             db,
             LEASE_KIND,
@@ -130,6 +133,8 @@ class CallbackWorker:
             on_shutdown=self.stop,
         )
         self._draining = threading.Event()
+        self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
+        self._woken_lock = threading.Lock()
         self._horizon = EventIdHorizon()
         self.delivered = 0
         self._window_started = time.monotonic()
@@ -157,6 +162,9 @@ class CallbackWorker:
             listener.stop()
             self._pool.close(timeout=self._longest_call())
             self._close_gate_connection()
+            if self._loop_conn is not None:
+                self._loop_conn.close()
+                self._loop_conn = None
         report.items = self.delivered
         return report
 
@@ -193,6 +201,9 @@ class CallbackWorker:
         for bucket_id, state in list(self._states.items()):
             if payload is None or bucket == str(bucket_id):
                 state.next_poll = min(state.next_poll, poll_at)
+                if due_in <= 0:
+                    with self._woken_lock:
+                        self._woken.add(bucket_id)
         self._worker.wake()
 
     def _gate(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
@@ -224,6 +235,20 @@ class CallbackWorker:
             raise
         return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
 
+    @contextmanager
+    def _loop_transaction(self, *, pipeline: bool) -> Iterator[psycopg.Connection]:
+        """A transaction on the worker loop's connection of its own (polls and outcome writes; no pool check)."""
+        if self._loop_conn is None or self._loop_conn.closed:
+            self._loop_conn = self.db.connect(autocommit=True)
+        conn = self._loop_conn
+        try:
+            with conn.pipeline() if pipeline else nullcontext(), conn.transaction():
+                yield conn
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._loop_conn = None
+            conn.close()  # the next transaction connects again
+            raise
+
     def _gate_connection(self) -> psycopg.Connection:
         """The dispatcher's connection of its own: no pool check on the path of every call."""
         if self._gate_conn is None or self._gate_conn.closed:
@@ -254,15 +279,33 @@ class CallbackWorker:
         """Write finished outcomes, then poll when due; return how many events this handled."""
         if int(lease.partition) not in self._live:
             return self._retire(lease)
+        handled = self._poll_woken()
         state = self._state(lease)
         now = time.monotonic()
-        handled = 0
         with state.lock:
             ready = len(state.done) >= COMMIT_BATCH or (state.done and now - state.last_commit >= COMMIT_EVERY)
         if ready or (self._draining.is_set() and state.done):
             handled += self._commit(lease, state)
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
+        return handled
+
+    def _poll_woken(self) -> int:
+        """Poll the buckets a notification made due now, before this step's own work (whichever bucket it is for).
+
+        A failure is left to that bucket's own step, which polls it again and reports it.
+        """
+        with self._woken_lock:
+            woken, self._woken = self._woken, set()
+        handled = 0
+        for bucket_id in sorted(woken):
+            state = self._states.get(bucket_id)
+            if state is None or state.lease is None or self._draining.is_set() or bucket_id not in self._live:
+                continue
+            try:
+                handled += self._poll(state.lease, state)
+            except Exception as exc:  # noqa: BLE001 - reported by the bucket's own step
+                log.debug("bucket %s: early poll failed (%s)", bucket_id, exc)
         return handled
 
     def _retire(self, lease: Lease) -> int:
@@ -305,17 +348,20 @@ class CallbackWorker:
         if room <= 0:
             return 0
         params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
-        with self.db.connection() as conn:
+        with state.lock:
+            cursor, seen = state.cursor, state.seen_event_id
+        with self._loop_transaction(pipeline=True) as conn:  # BEGIN, the lease, the writers and query 1: one round trip
             asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
-            remaining = conn.execute(sql.LEASE_REMAINING, _lease_params(lease)).fetchone()
+            remaining_cur = conn.execute(sql.LEASE_REMAINING, _lease_params(lease))
+            drawers_cur = conn.execute(sql.EVENT_ID_DRAWERS)
+            ahead_cur = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]})
+            remaining = remaining_cur.fetchone()
+            horizon = self._horizon.advance(drawers_cur.fetchone())
+            ahead = ahead_cur.fetchall()
+            ahead_read_at = time.monotonic()  # after the database clock is read: due times err late, never early
             if remaining is None:
                 raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
             state.lease_deadline = asked_at + remaining[0]
-            horizon = self._horizon.advance(conn)
-            with state.lock:
-                cursor, seen = state.cursor, state.seen_event_id
-            ahead = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]}).fetchall()
-            ahead_read_at = time.monotonic()  # after the database clock is read: due times err late, never early
             if ahead:
                 cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
             late = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen}).fetchall()
@@ -335,7 +381,7 @@ class CallbackWorker:
         for read_at, row in fresh:
             (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
             try:
-                policy = RetryPolicy.model_validate(retry)
+                policy = stored_policy(retry)
             except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
                 policy = None
                 detail = one_line(exc) if isinstance(exc, ValidationError) else type(exc).__name__
@@ -418,7 +464,7 @@ class CallbackWorker:
                         d.event_key, d.event_id, d.attempts, d.error, after)
 
     def _write(self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool) -> None:
-        with self.db.connection() as conn:
+        with self._loop_transaction(pipeline=not careful) as conn:
             Leases.check(conn, lease)
             with state.lock:
                 for d in batch:
@@ -454,6 +500,12 @@ def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:
         "delays": [d.retry_delay for d in finished],
         "cursor_run_at": cursor[0],
     }
+
+
+@functools.lru_cache(maxsize=1024)
+def stored_policy(text: str) -> RetryPolicy:
+    """A stored retry policy (JSON text), validated once per distinct text (policies are mostly shared)."""
+    return RetryPolicy.model_validate_json(text)
 
 
 def bucket_ids(db: Database) -> list[int]:
