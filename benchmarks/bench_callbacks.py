@@ -3,8 +3,9 @@
     flock -x /work/wt/cpu.lock .venv/bin/python benchmarks/bench_callbacks.py [--quick] [--only create burst steady]
 
 Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. Callbacks
-go to a local HTTP sink on 127.0.0.1 in this process; the cmb worker (``cmb-dagster callbacks worker``) and
-the PgQueuer consumer run as separate processes, one at a time. Lateness is the sink's arrival time minus
+go to a local HTTP sink on 127.0.0.1 in a process of its own (so the producers' threads here cannot delay its
+clock readings); the cmb worker (``cmb-dagster callbacks worker``) and the PgQueuer consumer run as separate
+processes, one at a time. Lateness is the sink's arrival time minus
 the event's run_at. PgQueuer (pip install pgqueuer) is only needed here. The last line is JSON.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -82,6 +85,52 @@ def wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
             return False
         time.sleep(0.05)
     return True
+
+
+# -- the sink, in a process of its own ----------------------------------------------------------
+
+
+def _serve_sink(control: Connection) -> None:
+    with CallbackSink() as sink:
+        control.send(sink.url)
+        while (command := control.recv()) != "stop":
+            if command == "count":
+                control.send(len(sink.received))
+            elif command == "calls":
+                control.send(list(sink.received))
+            elif command == "clear":
+                sink.received.clear()
+                control.send(None)
+
+
+class SinkProcess:
+    """A :class:`CallbackSink` in a child process: ``url``, ``count()``, ``calls()`` and ``clear()``."""
+
+    def __init__(self) -> None:
+        self._control, child = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(target=_serve_sink, args=(child,), daemon=True)
+
+    def __enter__(self) -> SinkProcess:
+        self._process.start()
+        self.url = self._control.recv()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._control.send("stop")
+        self._process.join(10)
+
+    def _ask(self, command: str) -> Any:
+        self._control.send(command)
+        return self._control.recv()
+
+    def count(self) -> int:
+        return self._ask("count")
+
+    def calls(self) -> list:  # type: ignore[type-arg]
+        return self._ask("calls")
+
+    def clear(self) -> None:
+        self._ask("clear")
 
 
 # -- create throughput ---------------------------------------------------------------------------
@@ -146,7 +195,7 @@ def dead_tuples(url: str, table: str) -> int:
     return int(row[0]) if row else 0
 
 
-def bench_cmb_burst(db: Database, sink: CallbackSink, count: int) -> dict[str, float]:
+def bench_cmb_burst(db: Database, sink: SinkProcess, count: int) -> dict[str, float]:
     with CallbackClient(db, LOCAL, buffered=False) as client:
         far = datetime.now(UTC) + timedelta(days=1)
         events = [{"owner_client_id": "bench", "group_key": "burst", "event_key": str(i), "run_at": far,
@@ -162,26 +211,27 @@ def bench_cmb_burst(db: Database, sink: CallbackSink, count: int) -> dict[str, f
             "interval '4 seconds' RETURNING run_at"
         ).fetchone()[0]
     vacuum(db.url, f"{db.schema}.callback_events")
-    sink.received.clear()
+    sink.clear()
     worker = start_cmb_worker(db.url)
     try:
         time.sleep(max(0.0, due.timestamp() - time.time() - 0.2))
         cpu_before = cpu_seconds(worker.pid)
-        finished = wait_for(lambda: len(sink.received) >= count, timeout=600)
+        finished = wait_for(lambda: sink.count() >= count, timeout=600)
         cpu = cpu_seconds(worker.pid) - cpu_before
     finally:
         stop_process(worker)
-    last = max(c.started for c in sink.received)
-    first = min(c.started for c in sink.received)
+    calls = sink.calls()
+    last = max(c.started for c in calls)
+    first = min(c.started for c in calls)
     drain = last - due.timestamp()
     rate = count / drain
     with db.connection() as conn:
         notified = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'notified'").fetchone()[0]
         conn.execute("DELETE FROM callback_events")
     vacuum(db.url, f"{db.schema}.callback_events")  # the steady phase starts from a clean table
-    early = sum(1 for c in sink.received if c.started < due.timestamp())
+    early = sum(1 for c in calls if c.started < due.timestamp())
     print(f"  cmb burst of {count:,}: {rate:,.0f} events/s (first call {first - due.timestamp():+.2f}s after due, "
-          f"{notified:,} notified, {len(sink.received) - count} duplicate calls, {early} early); worker CPU "
+          f"{notified:,} notified, {len(calls) - count} duplicate calls, {early} early); worker CPU "
           f"{cpu:.1f}s = {1000 * cpu / count:.2f} ms per call, {100 * cpu / drain:.0f}% of a core")
     return {"events_per_s": round(rate), "complete": finished and notified == count, "early_calls": early,
             "create_many_per_s": round(create_rate), "cpu_ms_per_call": round(1000 * cpu / count, 3),
@@ -222,8 +272,8 @@ def lateness_summary(name: str, calls: list) -> dict[str, float]:  # type: ignor
     return summary
 
 
-def bench_cmb_steady(db: Database, sink: CallbackSink, rate: int, seconds: float) -> dict[str, float]:
-    sink.received.clear()
+def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float) -> dict[str, float]:
+    sink.clear()
     worker = start_cmb_worker(db.url)
     schedule = list(steady_run_ats(rate, seconds))
     dead: list[int] = []
@@ -250,13 +300,13 @@ def bench_cmb_steady(db: Database, sink: CallbackSink, rate: int, seconds: float
             threading.Thread(target=sample, daemon=True).start()
             cpu_before, started = cpu_seconds(worker.pid), time.monotonic()
             list(pool.map(produce, range(8)))
-            wait_for(lambda: len(sink.received) >= expected, timeout=60)
+            wait_for(lambda: sink.count() >= expected, timeout=60)
             cpu = cpu_seconds(worker.pid) - cpu_before
             elapsed = time.monotonic() - started
             sampler_stop.set()
     finally:
         stop_process(worker)
-    summary = lateness_summary("cmb", list(sink.received))
+    summary = lateness_summary("cmb", sink.calls())
     summary["producer_lag_p99_s"] = round(percentile(lags, 99), 3)
     print(f"  cmb producers: create returned p99 {summary['producer_lag_p99_s']:.3f}s after its planned moment")
     summary["cpu_percent"] = round(100 * cpu / elapsed)
@@ -337,7 +387,7 @@ def errors_logged(name: str) -> int:
     return text.count("Traceback") + text.count(" ERROR ")
 
 
-def bench_pgqueuer_burst(url: str, sink: CallbackSink, count: int) -> dict[str, float]:
+def bench_pgqueuer_burst(url: str, sink: SinkProcess, count: int) -> dict[str, float]:
     due = datetime.now(UTC) + timedelta(seconds=60)
     payloads = [json.dumps({"event_id": i, "run_at": due.isoformat()}).encode() for i in range(count)]
 
@@ -361,16 +411,16 @@ def bench_pgqueuer_burst(url: str, sink: CallbackSink, count: int) -> dict[str, 
     with psycopg.connect(url, autocommit=True) as conn:  # due in 4 s, as for cmb
         due = conn.execute("UPDATE pgqueuer SET execute_after = now() + interval '4 seconds' RETURNING execute_after").fetchone()[0]
     vacuum(url, "pgqueuer")
-    sink.received.clear()
+    sink.clear()
     consumer = start_pgqueuer_consumer(url, sink.url)
     try:
         time.sleep(max(0.0, due.timestamp() - time.time() - 0.2))
         cpu_before = cpu_seconds(consumer.pid)
-        finished = wait_for(lambda: len(sink.received) >= count, timeout=600)
+        finished = wait_for(lambda: sink.count() >= count, timeout=600)
         cpu = cpu_seconds(consumer.pid) - cpu_before
     finally:
         stop_process(consumer)
-    last = max(c.started for c in sink.received)
+    last = max(c.started for c in sink.calls())
     drain = last - due.timestamp()
     rate = count / drain
     errors = errors_logged("pgqueuer-consumer.log")
@@ -417,8 +467,8 @@ def bench_pgqueuer_single_enqueue(url: str, producers: int, seconds: float) -> i
     return rate
 
 
-def bench_pgqueuer_steady(url: str, sink: CallbackSink, rate: int, seconds: float) -> dict[str, float]:
-    sink.received.clear()
+def bench_pgqueuer_steady(url: str, sink: SinkProcess, rate: int, seconds: float) -> dict[str, float]:
+    sink.clear()
     consumer = start_pgqueuer_consumer(url, sink.url)
     schedule = list(steady_run_ats(rate, seconds))
     dead: list[int] = []
@@ -449,12 +499,12 @@ def bench_pgqueuer_steady(url: str, sink: CallbackSink, rate: int, seconds: floa
     try:
         cpu_before, started = cpu_seconds(consumer.pid), time.monotonic()
         asyncio.run(produce())
-        wait_for(lambda: len(sink.received) >= len(schedule), timeout=60)
+        wait_for(lambda: sink.count() >= len(schedule), timeout=60)
         cpu = cpu_seconds(consumer.pid) - cpu_before
         elapsed = time.monotonic() - started
     finally:
         stop_process(consumer)
-    summary = lateness_summary("PgQueuer", list(sink.received))
+    summary = lateness_summary("PgQueuer", sink.calls())
     summary["producer_lag_p99_s"] = round(percentile(lags, 99), 3)
     print(f"  PgQueuer producers: create returned p99 {summary['producer_lag_p99_s']:.3f}s after its planned moment")
     summary["cpu_percent"] = round(100 * cpu / elapsed)
@@ -506,7 +556,7 @@ def main() -> None:
                 results["pgqueuer_single_enqueue_16_per_s"] = bench_pgqueuer_single_enqueue(url, 16, create_seconds)
                 ratios["create_16_threads_cmb_over_pgqueuer"] = (
                     results["create_events_per_s"]["buffered_16_threads"] / results["pgqueuer_single_enqueue_16_per_s"])
-        with CallbackSink() as sink:
+        with SinkProcess() as sink:
             if "burst" in args.only:
                 cmb = results["cmb_burst"] = bench_cmb_burst(db, sink, burst)
                 if peer:
