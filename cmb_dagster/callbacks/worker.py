@@ -236,17 +236,21 @@ class CallbackWorker:
         return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
 
     @contextmanager
-    def _loop_transaction(self, *, pipeline: bool) -> Iterator[psycopg.Connection]:
-        """A transaction on the worker loop's connection of its own (polls and outcome writes; no pool check)."""
+    def _on_loop_connection(self, *, pipeline: bool, transaction: bool) -> Iterator[psycopg.Connection]:
+        """The worker loop's connection of its own (polls and outcome writes; no pool check on the way).
+
+        Without ``transaction`` each statement commits alone (polls only read); the pipeline sends statements
+        without waiting for each one's answer.
+        """
         if self._loop_conn is None or self._loop_conn.closed:
             self._loop_conn = self.db.connect(autocommit=True)
         conn = self._loop_conn
         try:
-            with conn.pipeline() if pipeline else nullcontext(), conn.transaction():
+            with conn.pipeline() if pipeline else nullcontext(), conn.transaction() if transaction else nullcontext():
                 yield conn
         except (psycopg.OperationalError, psycopg.InterfaceError):
             self._loop_conn = None
-            conn.close()  # the next transaction connects again
+            conn.close()  # the next use connects again
             raise
 
     def _gate_connection(self) -> psycopg.Connection:
@@ -285,7 +289,7 @@ class CallbackWorker:
         with state.lock:
             ready = len(state.done) >= COMMIT_BATCH or (state.done and now - state.last_commit >= COMMIT_EVERY)
         if ready or (self._draining.is_set() and state.done):
-            handled += self._commit(lease, state)
+            handled += self._commit(lease, state) + self._poll_woken()
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
         return handled
@@ -350,7 +354,7 @@ class CallbackWorker:
         params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
         with state.lock:
             cursor, seen = state.cursor, state.seen_event_id
-        with self._loop_transaction(pipeline=True) as conn:  # BEGIN, the lease, the writers and query 1: one round trip
+        with self._on_loop_connection(pipeline=True, transaction=False) as conn:  # the lease, the writers, query 1: one round trip
             asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
             remaining_cur = conn.execute(sql.LEASE_REMAINING, _lease_params(lease))
             drawers_cur = conn.execute(sql.EVENT_ID_DRAWERS)
@@ -464,7 +468,7 @@ class CallbackWorker:
                         d.event_key, d.event_id, d.attempts, d.error, after)
 
     def _write(self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool) -> None:
-        with self._loop_transaction(pipeline=not careful) as conn:
+        with self._on_loop_connection(pipeline=not careful, transaction=True) as conn:
             Leases.check(conn, lease)
             with state.lock:
                 for d in batch:
