@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import psycopg
@@ -110,7 +110,7 @@ class SinkProcess:
         self._control, child = multiprocessing.get_context("spawn").Pipe()
         self._process = multiprocessing.get_context("spawn").Process(target=_serve_sink, args=(child,), daemon=True)
 
-    def __enter__(self) -> SinkProcess:
+    def __enter__(self) -> Self:
         self._process.start()
         self.url = self._control.recv()
         return self

@@ -14,16 +14,15 @@ import functools
 import logging
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from cmb_dagster.callbacks import sql
 import psycopg
 from pydantic import ValidationError
 
+from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
 from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
 from cmb_dagster.database import Database, DatabaseSource
