@@ -20,12 +20,9 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,7 +32,7 @@ from cmb_dagster.callbacks.sink import CallbackSink  # noqa: E402
 from cmb_dagster.database import Database  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_callbacks import percentile, server_url  # noqa: E402
+from bench_callbacks import bench_database, percentile  # noqa: E402
 
 LOCAL = CallbackSettings(allowed_hosts=["127.0.0.1"])
 RUN = """
@@ -68,75 +65,69 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=200, help="Events created per second.")
     parser.add_argument("--run-seconds", type=float, default=10.0, help="How long each worker run works.")
     args = parser.parse_args()
-    server = server_url()
-    name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = urlsplit(server)._replace(path=f"/{name}").geturl()
-    db = Database(url)
-    db.ensure_ready()
-    results: dict[str, object] = {"benchmark": "callbacks_handover", "rate": args.rate, "run_seconds": args.run_seconds,
+    with bench_database() as db:
+        handover(db, args.rate, args.run_seconds)
+
+
+def handover(db: Database, rate: int, run_seconds: float) -> None:
+    url = db.url
+    results: dict[str, object] = {"benchmark": "callbacks_handover", "rate": rate, "run_seconds": run_seconds,
                                   "load_average_start": [round(x, 2) for x in os.getloadavg()]}
-    try:
-        with CallbackSink() as sink, CallbackClient(db, LOCAL) as client:
-            stop = threading.Event()
+    with CallbackSink() as sink, CallbackClient(db, LOCAL) as client:
+        stop = threading.Event()
 
-            def produce() -> None:
-                rng = random.Random(7)
-                i = 0
-                start = time.monotonic()
-                while not stop.is_set():
-                    pause = start + i / args.rate - time.monotonic()
-                    if pause > 0:
-                        time.sleep(pause)
-                    delay = rng.uniform(0.0, 2.0)
-                    client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=delay), f"{sink.url}/cb")
-                    i += 1
+        def produce() -> None:
+            rng = random.Random(7)
+            i = 0
+            start = time.monotonic()
+            while not stop.is_set():
+                pause = start + i / rate - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                delay = rng.uniform(0.0, 2.0)
+                client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=delay), f"{sink.url}/cb")
+                i += 1
 
-            runs: list[dict[str, float]] = []
-            producer = threading.Thread(target=produce)
-            first = threading.Thread(target=lambda: runs.append(run_worker(url, args.run_seconds)))
-            first.start()
-            time.sleep(8)  # the first run is up (process start and code load) before events flow
-            producer.start()
-            first.join()
-            ended = runs[0]["ended"]
-            second = threading.Thread(target=lambda: runs.append(run_worker(url, args.run_seconds)))
-            second.start()  # the standby: starts the moment the first ends
-            while not any(c.started > ended for c in list(sink.received)) and second.is_alive():
-                time.sleep(0.05)
-            time.sleep(args.run_seconds / 2)  # events keep flowing after the handover, all due before the end
-            stop.set()
-            producer.join()
-            second.join()
-            with db.connection() as conn:
-                pending = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]
-            calls = list(sink.received)
-        handover_start, handover_end = runs[0]["ended"], runs[1]["working"]
-        late = [(datetime.fromisoformat(c.body["run_at"]).timestamp(), c.started) for c in calls]
-        during = [s - r for r, s in late if handover_start - 1 <= r <= handover_end + 1]
-        rest = [s - r for r, s in late if not handover_start - 1 <= r <= handover_end + 1]
-        calls_in_gap = [s for _, s in late if handover_start < s < handover_end]
-        results.update({
-            "events_called": len(calls),
-            "events_left_pending": pending,
-            "handover_seconds": round(handover_end - handover_start, 2),
-            "standby_process_to_working_s": round(runs[1]["working"] - runs[1]["process_started"], 2),
-            "calls_during_handover": len(calls_in_gap),
-            "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
-                                    "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
-            "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
-            "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        })
-        print(f"callbacks handover on {db.display_url}: {args.rate} events/s, runs of {args.run_seconds:g}s")
-        print(f"  handover (first run's end to the standby working): {results['handover_seconds']}s, of which "
-              f"{results['standby_process_to_working_s']}s process start and code load")
-        print(f"  events due around the handover: {results['due_during_handover']}")
-        print(f"  other events: {results['rest']}; {pending} left pending")
-    finally:
-        db.close()
-        with psycopg.connect(server, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        runs: list[dict[str, float]] = []
+        producer = threading.Thread(target=produce)
+        first = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
+        first.start()
+        time.sleep(8)  # the first run is up (process start and code load) before events flow
+        producer.start()
+        first.join()
+        ended = runs[0]["ended"]
+        second = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
+        second.start()  # the standby: starts the moment the first ends
+        while not any(c.started > ended for c in list(sink.received)) and second.is_alive():
+            time.sleep(0.05)
+        time.sleep(run_seconds / 2)  # events keep flowing after the handover, all due before the end
+        stop.set()
+        producer.join()
+        second.join()
+        with db.connection() as conn:
+            pending = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]
+        calls = list(sink.received)
+    handover_start, handover_end = runs[0]["ended"], runs[1]["working"]
+    late = [(datetime.fromisoformat(c.body["run_at"]).timestamp(), c.started) for c in calls]
+    during = [s - r for r, s in late if handover_start - 1 <= r <= handover_end + 1]
+    rest = [s - r for r, s in late if not handover_start - 1 <= r <= handover_end + 1]
+    calls_in_gap = [s for _, s in late if handover_start < s < handover_end]
+    results.update({
+        "events_called": len(calls),
+        "events_left_pending": pending,
+        "handover_seconds": round(handover_end - handover_start, 2),
+        "standby_process_to_working_s": round(runs[1]["working"] - runs[1]["process_started"], 2),
+        "calls_during_handover": len(calls_in_gap),
+        "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
+                                "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
+        "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    })
+    print(f"callbacks handover on {db.display_url}: {rate} events/s, runs of {run_seconds:g}s")
+    print(f"  handover (first run's end to the standby working): {results['handover_seconds']}s, of which "
+          f"{results['standby_process_to_working_s']}s process start and code load")
+    print(f"  events due around the handover: {results['due_during_handover']}")
+    print(f"  other events: {results['rest']}; {pending} left pending")
     print(json.dumps(results))
 
 

@@ -15,6 +15,7 @@ version starts.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import ipaddress
 import itertools
@@ -145,32 +146,21 @@ class HttpSender:
     def post(self, url: str, body: bytes) -> tuple[str, str | None]:
         """Return (outcome, error): notified on 2xx, rejected on a reject header, retry otherwise."""
         deadline = time.monotonic() + self.settings.timeout
-        parts = urlsplit(url)
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            return FAILED, "invalid port"
-        host = parts.hostname
-        if not host or parts.scheme not in ("http", "https") or not self.settings.host_allowed(host):
+        target = _target(url)
+        if isinstance(target, str):
+            return FAILED, target
+        scheme, host, port, head = target
+        if not self.settings.host_allowed(host):
             return FAILED, f"host {host!r} is not allowed"
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        host_header = host if ":" not in host else f"[{host}]"
-        if parts.port is not None:
-            host_header += f":{parts.port}"
-        request = (
-            f"POST {target} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: cmb-dagster-callbacks\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode("latin-1", "replace") + body
-        key = (parts.scheme, host, port)
+        request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+        key = (scheme, host, port)
         conns = self._local.__dict__.setdefault("conns", {})
         for _ in range(2):
             conn = conns.pop(key, None)
             reused = conn is not None
             try:
                 if conn is None:
-                    conn = self._connect(parts.scheme, host, port, deadline)
+                    conn = self._connect(scheme, host, port, deadline)
                 status, reason, headers, keep = self._exchange(conn, request, deadline, reused)
             except _StaleConnection:
                 conn.close()  # type: ignore[union-attr]
@@ -347,6 +337,28 @@ class HttpSender:
             data = data[need:]
             if size == 0:
                 return not data  # trailers are not expected; anything left makes the connection unusable
+
+
+@functools.lru_cache(maxsize=1024)
+def _target(url: str) -> tuple[str, str, int, bytes] | str:
+    """(scheme, host, port, request head up to the Content-Length value) of a URL, or why it cannot be called."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return "invalid port"
+    host = parts.hostname
+    if not host or parts.scheme not in ("http", "https"):
+        return f"host {host!r} is not allowed"
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    host_header = host if ":" not in host else f"[{host}]"
+    if parts.port is not None:
+        host_header += f":{parts.port}"
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: cmb-dagster-callbacks\r\n"
+            "Content-Type: application/json\r\nContent-Length: ").encode("latin-1", "replace")
+    return parts.scheme, host, port, head
 
 
 class _StaleConnection(Exception):

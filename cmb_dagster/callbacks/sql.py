@@ -113,7 +113,7 @@ ORDER BY change_id
 # -- the poller (one bucket; due-ness judged by the database clock) --------------------------------
 
 POLL_COLUMNS = """
-    event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context, retry,
+    event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context, retry::text,
     attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in
 """
 
@@ -162,21 +162,38 @@ UPDATE callback_buckets SET max_run_at = %(run_at)s, cursor_event_id = %(event_i
 WHERE bucket_id = %(bucket)s
 """
 
-# The gate a call passes just before it starts: still pending in the version polled (an update gives the
-# event a new id), due by the database's clock, and counted. The row lock it takes makes cancel, update and
-# delete wait until the calls it lets through have started.
+# The gate calls pass just before they start, in one statement: the leases of their buckets (share-locked in
+# the order given, ascending as renewals lock them, so the two never deadlock), then the events still pending
+# in the version polled (an update gives the event a new id) and due by the database's clock, counted in
+# attempts. The row locks it takes make cancel, update and delete wait until the calls it let through have
+# started. Returns how many leases are held (nothing is counted unless all are), the ids let through, and the
+# ids still pending (the others are gone).
 # Its commit need not wait for the WAL flush (synchronous_commit off): the row locks are what orders it
 # before a cancel, and a cancel's own (synchronous) commit flushes the gate's commit record with it. A gate
 # lost in a crash only undercounts attempts.
-GATE_EVENTS = """
-WITH async AS (SELECT set_config('synchronous_commit', 'off', true) AS v)
-UPDATE callback_events SET attempts = attempts + 1
-WHERE event_id = ANY(%(ids)s::bigint[]) AND status = 'pending' AND run_at <= clock_timestamp()
-  AND (SELECT v FROM async) = 'off'
-RETURNING event_id
+GATE = """
+WITH held AS (
+    SELECT l.partition FROM leases l
+    JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) WITH ORDINALITY AS u(partition, fence, ord)
+      ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
+    WHERE l.owner = %(owner)s AND l.expires_at > now()
+    ORDER BY u.ord
+    FOR SHARE OF l
+), async AS (
+    SELECT set_config('synchronous_commit', 'off', true) AS v
+), polled AS MATERIALIZED (  -- by primary key (the pending index has no use here, statistics or not)
+    SELECT event_id, status FROM callback_events WHERE event_id = ANY(%(ids)s::bigint[])
+), go AS (
+    UPDATE callback_events e SET attempts = e.attempts + 1
+    FROM polled p
+    WHERE e.event_id = p.event_id AND p.status = 'pending' AND e.status = 'pending' AND e.run_at <= clock_timestamp()
+      AND (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off'
+    RETURNING e.event_id
+)
+SELECT (SELECT count(*) FROM held)::int,
+       ARRAY(SELECT event_id FROM go),
+       ARRAY(SELECT event_id FROM polled WHERE status = 'pending')
 """
-
-STILL_PENDING = "SELECT event_id FROM callback_events WHERE event_id = ANY(%(ids)s::bigint[]) AND status = 'pending'"
 
 # An outcome that could not be written (e.g. a stored policy out of range): the event fails with the reason.
 FAIL_EVENT = """

@@ -10,18 +10,19 @@ lost by no crash; only events in flight at a crash are called again (at least on
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from cmb_dagster.callbacks import sql
 import psycopg
 from pydantic import ValidationError
 
+from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
 from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
 from cmb_dagster.database import Database, DatabaseSource
@@ -79,9 +80,9 @@ class EventIdHorizon:
         self._candidate: tuple[int, frozenset[str]] | None = None
         self._lock = threading.Lock()
 
-    def advance(self, conn: psycopg.Connection) -> int:
-        """Read the database's writers; return the horizon (queries started after this see every id up to it)."""
-        drawn, drawers = conn.execute(sql.EVENT_ID_DRAWERS).fetchone()
+    def advance(self, writers: tuple[int, list[str]]) -> int:
+        """Given a row of ``sql.EVENT_ID_DRAWERS``, return the horizon (queries started after it see every id up to it)."""
+        drawn, drawers = writers
         running = frozenset(drawers)
         with self._lock:
             if self._candidate is not None and not self._candidate[1] & running:
@@ -118,6 +119,8 @@ class CallbackWorker:
         self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
+        self._gate_conn: psycopg.Connection | None = None
+        self._loop_conn: psycopg.Connection | None = None
         self._worker = Worker(
             db,
             LEASE_KIND,
@@ -129,6 +132,8 @@ class CallbackWorker:
             on_shutdown=self.stop,
         )
         self._draining = threading.Event()
+        self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
+        self._woken_lock = threading.Lock()
         self._horizon = EventIdHorizon()
         self.delivered = 0
         self._window_started = time.monotonic()
@@ -155,6 +160,10 @@ class CallbackWorker:
                 timer.cancel()
             listener.stop()
             self._pool.close(timeout=self._longest_call())
+            self._close_gate_connection()
+            if self._loop_conn is not None:
+                self._loop_conn.close()
+                self._loop_conn = None
         report.items = self.delivered
         return report
 
@@ -191,27 +200,68 @@ class CallbackWorker:
         for bucket_id, state in list(self._states.items()):
             if payload is None or bucket == str(bucket_id):
                 state.next_poll = min(state.next_poll, poll_at)
+                if due_in <= 0:
+                    with self._woken_lock:
+                        self._woken.add(bucket_id)
         self._worker.wake()
 
     def _gate(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
-        """Count and start the deliveries still pending in their polled version; return those gone."""
-        by_bucket: dict[int, list[Delivery]] = defaultdict(list)
-        for delivery in deliveries:
-            by_bucket[delivery.bucket_id].append(delivery)
-        with self.db.connection() as conn:
-            for bucket_id in sorted(by_bucket):  # in lease order, as renewals lock them: no deadlock
-                state = self._states.get(bucket_id)
-                if state is None or state.lease is None:
-                    raise LeaseLost(f"bucket {bucket_id} is not held")
-                Leases.check(conn, state.lease)
-            ids = [d.event_id for d in deliveries]
-            go_ids = {row[0] for row in conn.execute(sql.GATE_EVENTS, {"ids": ids})}
-            rest = [i for i in ids if i not in go_ids]
-            pending = {row[0] for row in conn.execute(sql.STILL_PENDING, {"ids": rest})} if rest else set()
-            go = [d for d in deliveries if d.event_id in go_ids]
-            if go:
-                start(go)  # before the commit: cancel, update and delete wait for the row locks until then
-        return [d for d in deliveries if d.event_id not in go_ids and d.event_id not in pending]
+        """Count and start the deliveries still pending in their polled version; return those gone.
+
+        One statement on the dispatcher's own connection (pipelined with its BEGIN): the leases of every
+        bucket concerned, then the events; the calls start before the commit.
+        """
+        leases = []
+        for bucket_id in sorted({d.bucket_id for d in deliveries}):  # ascending, as renewals lock them
+            state = self._states.get(bucket_id)
+            if state is None or state.lease is None:
+                raise LeaseLost(f"bucket {bucket_id} is not held")
+            leases.append(state.lease)
+        params = {"kind": LEASE_KIND, "owner": self.owner, "partitions": [lease.partition for lease in leases],
+                  "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
+        conn = self._gate_connection()
+        try:
+            with conn.pipeline(), conn.transaction():
+                held, go_ids, pending_ids = conn.execute(sql.GATE, params).fetchone()
+                if held != len(leases):
+                    raise LeaseLost(f"buckets {params['partitions']} are not all held by {self.owner}")
+                let_through, pending = set(go_ids), set(pending_ids)
+                go = [d for d in deliveries if d.event_id in let_through]
+                if go:
+                    start(go)  # before the commit: cancel, update and delete wait for the row locks until then
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._close_gate_connection()  # the next gate connects again
+            raise
+        return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
+
+    @contextmanager
+    def _on_loop_connection(self, *, pipeline: bool, transaction: bool) -> Iterator[psycopg.Connection]:
+        """The worker loop's connection of its own (polls and outcome writes; no pool check on the way).
+
+        Without ``transaction`` each statement commits alone (polls only read); the pipeline sends statements
+        without waiting for each one's answer.
+        """
+        if self._loop_conn is None or self._loop_conn.closed:
+            self._loop_conn = self.db.connect(autocommit=True)
+        conn = self._loop_conn
+        try:
+            with conn.pipeline() if pipeline else nullcontext(), conn.transaction() if transaction else nullcontext():
+                yield conn
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            self._loop_conn = None
+            conn.close()  # the next use connects again
+            raise
+
+    def _gate_connection(self) -> psycopg.Connection:
+        """The dispatcher's connection of its own: no pool check on the path of every call."""
+        if self._gate_conn is None or self._gate_conn.closed:
+            self._gate_conn = self.db.connect(autocommit=True)
+        return self._gate_conn
+
+    def _close_gate_connection(self) -> None:
+        conn, self._gate_conn = self._gate_conn, None
+        if conn is not None:
+            conn.close()
 
     def _partitions(self) -> list[str]:
         self._live, self._moved = set(bucket_ids(self.db)), set()
@@ -232,15 +282,33 @@ class CallbackWorker:
         """Write finished outcomes, then poll when due; return how many events this handled."""
         if int(lease.partition) not in self._live:
             return self._retire(lease)
+        handled = self._poll_woken()
         state = self._state(lease)
         now = time.monotonic()
-        handled = 0
         with state.lock:
             ready = len(state.done) >= COMMIT_BATCH or (state.done and now - state.last_commit >= COMMIT_EVERY)
         if ready or (self._draining.is_set() and state.done):
-            handled += self._commit(lease, state)
+            handled += self._commit(lease, state) + self._poll_woken()
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
+        return handled
+
+    def _poll_woken(self) -> int:
+        """Poll the buckets a notification made due now, before this step's own work (whichever bucket it is for).
+
+        A failure is left to that bucket's own step, which polls it again and reports it.
+        """
+        with self._woken_lock:
+            woken, self._woken = self._woken, set()
+        handled = 0
+        for bucket_id in sorted(woken):
+            state = self._states.get(bucket_id)
+            if state is None or state.lease is None or self._draining.is_set() or bucket_id not in self._live:
+                continue
+            try:
+                handled += self._poll(state.lease, state)
+            except Exception as exc:  # noqa: BLE001 - reported by the bucket's own step
+                log.debug("bucket %s: early poll failed (%s)", bucket_id, exc)
         return handled
 
     def _retire(self, lease: Lease) -> int:
@@ -283,17 +351,20 @@ class CallbackWorker:
         if room <= 0:
             return 0
         params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
-        with self.db.connection() as conn:
+        with state.lock:
+            cursor, seen = state.cursor, state.seen_event_id
+        with self._on_loop_connection(pipeline=True, transaction=False) as conn:  # the lease, the writers, query 1: one round trip
             asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
-            remaining = conn.execute(sql.LEASE_REMAINING, _lease_params(lease)).fetchone()
+            remaining_cur = conn.execute(sql.LEASE_REMAINING, _lease_params(lease))
+            drawers_cur = conn.execute(sql.EVENT_ID_DRAWERS)
+            ahead_cur = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]})
+            remaining = remaining_cur.fetchone()
+            horizon = self._horizon.advance(drawers_cur.fetchone())
+            ahead = ahead_cur.fetchall()
+            ahead_read_at = time.monotonic()  # after the database clock is read: due times err late, never early
             if remaining is None:
                 raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
             state.lease_deadline = asked_at + remaining[0]
-            horizon = self._horizon.advance(conn)
-            with state.lock:
-                cursor, seen = state.cursor, state.seen_event_id
-            ahead = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]}).fetchall()
-            ahead_read_at = time.monotonic()  # after the database clock is read: due times err late, never early
             if ahead:
                 cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
             late = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen}).fetchall()
@@ -313,7 +384,7 @@ class CallbackWorker:
         for read_at, row in fresh:
             (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
             try:
-                policy = RetryPolicy.model_validate(retry)
+                policy = stored_policy(retry)
             except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
                 policy = None
                 detail = one_line(exc) if isinstance(exc, ValidationError) else type(exc).__name__
@@ -396,7 +467,7 @@ class CallbackWorker:
                         d.event_key, d.event_id, d.attempts, d.error, after)
 
     def _write(self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool) -> None:
-        with self.db.connection() as conn:
+        with self._on_loop_connection(pipeline=not careful, transaction=True) as conn:
             Leases.check(conn, lease)
             with state.lock:
                 for d in batch:
@@ -432,6 +503,12 @@ def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:
         "delays": [d.retry_delay for d in finished],
         "cursor_run_at": cursor[0],
     }
+
+
+@functools.lru_cache(maxsize=1024)
+def stored_policy(text: str) -> RetryPolicy:
+    """A stored retry policy (JSON text), validated once per distinct text (policies are mostly shared)."""
+    return RetryPolicy.model_validate_json(text)
 
 
 def bucket_ids(db: Database) -> list[int]:

@@ -276,3 +276,50 @@ def test_failed_calls_are_logged_with_their_keys_at_a_bounded_rate(db, caplog):
     lines = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
     assert len(lines) == worker_module.FAILURES_LOGGED_PER_WINDOW
     assert "callback shop/orders/o-" in lines[0] and "retries in" in lines[0]
+
+
+def test_the_gate_starts_nothing_when_one_of_its_buckets_is_no_longer_held(db, client, sink):
+    from cmb_dagster.callbacks.delivery import Delivery
+    from cmb_dagster.workers import LeaseLost
+
+    client.set_bucket_count(2)
+    worker = CallbackWorker(db, FAST, buckets=[0, 1])
+    leases = worker_module.Leases(db, worker_module.LEASE_KIND, owner=worker.owner, ttl=60).acquire(["0", "1"])
+    states = [worker._state(leases[p]) for p in ("0", "1")]
+    now = datetime.now(UTC) - timedelta(seconds=1)
+    deliveries = []
+    for n in range(40):  # some in each bucket
+        event_id = client.create("a", "g", f"k{n}", now, f"{sink.url}/cb")
+        event = client.get("a", "g", f"k{n}")
+        with db.connection() as conn:
+            bucket = conn.execute("SELECT bucket_id FROM callback_events WHERE event_id = %s", (event_id,)).fetchone()[0]
+        deliveries.append(Delivery(
+            bucket_id=bucket, event_id=event_id, run_at=event.run_at, originally_run_at=event.run_at,
+            owner_client_id="a", group_key="g", event_key=f"k{n}", cb_url=event.cb_url, context=None,
+            retry=RetryPolicy(), attempts=0, main_retries=0, due=0.0, lease_deadline=lambda: float("inf"),
+            on_done=lambda d: None))
+    assert {d.bucket_id for d in deliveries} == {0, 1}
+    with db.connection() as conn:  # bucket 1 was taken over meanwhile
+        conn.execute("UPDATE leases SET fence = fence + 1, owner = 'other' WHERE kind = %s AND partition = '1'",
+                     (worker_module.LEASE_KIND,))
+    started = []
+    with pytest.raises(LeaseLost):
+        worker._gate(deliveries, started.extend)
+    assert started == [] and all(e.attempts == 0 for e in client.list())
+    states[1].lease = None  # served by bucket 0 alone, its calls pass
+    worker._gate([d for d in deliveries if d.bucket_id == 0], started.extend)
+    assert {d.bucket_id for d in started} == {0}
+    worker._close_gate_connection()
+
+
+def test_a_worker_goes_on_after_its_connections_were_cut(db, client, sink, workers):
+    running = workers()
+    client.create("a", "g", "before", datetime.now(UTC), f"{sink.url}/cb")
+    wait_until(lambda: "before" in keys_received(sink))
+    with db.connection() as conn:  # every other session of this database: the worker's too
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    for n in range(5):
+        client.create("a", "g", f"after-{n}", datetime.now(UTC), f"{sink.url}/cb")
+    wait_until(lambda: {f"after-{n}" for n in range(5)} <= keys_received(sink), timeout=30)
+    assert running.thread.is_alive()
