@@ -1,8 +1,6 @@
 -- Reactive tasks marked for evaluation (an input changed since their last evaluation) are rows of a narrow
 -- table instead of a flag on the wide task row: marking 10,000 tasks inserts 10,000 small rows rather than
--- rewriting 10,000 task rows through every index. Saving an evaluation that keeps a task's status then changes
--- no indexed column; task rows leave half of each page free so that new row version can stay on its page (a HOT
--- update: no index entries written).
+-- rewriting 10,000 task rows through every index.
 
 CREATE TABLE reactive_marks (
     scheduler text NOT NULL,
@@ -14,5 +12,3 @@ INSERT INTO reactive_marks (scheduler, name) SELECT scheduler, name FROM reactiv
 
 DROP INDEX reactive_tasks_dirty;
 ALTER TABLE reactive_tasks DROP COLUMN dirty;
-
-ALTER TABLE reactive_tasks SET (fillfactor = 50);

@@ -492,8 +492,7 @@ CREATE TABLE cmb.reactive_tasks (
     produces jsonb DEFAULT '[]'::jsonb NOT NULL,
     partition_key text,
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
-)
-WITH (fillfactor='50');
+);
 
 CREATE TABLE cmb.schema_migrations (
     version integer NOT NULL,

@@ -1,6 +1,7 @@
 """The reactive scheduler's engine: which reactive tasks to launch now, and why (no Dagster here).
 
-One tick, all state in Postgres (table ``reactive_tasks``), time-boxed and resumable:
+One tick, all state in Postgres (tables ``reactive_tasks`` and ``reactive_marks``, the tasks to evaluate),
+time-boxed and resumable:
 
 1. Definitions: tasks new to the code location, or whose trigger changed, are marked for evaluation.
 2. Changes: CTL changes since the scheduler's watermark are read from the pub/sub stream; a
