@@ -454,6 +454,11 @@ CREATE SEQUENCE cmb.reactive_launches_id_seq
 
 ALTER SEQUENCE cmb.reactive_launches_id_seq OWNED BY cmb.reactive_launches.id;
 
+CREATE TABLE cmb.reactive_marks (
+    scheduler text NOT NULL,
+    name text NOT NULL
+);
+
 CREATE TABLE cmb.reactive_schedulers (
     name text NOT NULL,
     definitions_hash text NOT NULL,
@@ -472,7 +477,6 @@ CREATE TABLE cmb.reactive_tasks (
     timezone text DEFAULT 'UTC'::text NOT NULL,
     defined boolean DEFAULT true NOT NULL,
     status text DEFAULT 'new'::text NOT NULL,
-    dirty boolean DEFAULT true NOT NULL,
     last_values jsonb DEFAULT '{}'::jsonb NOT NULL,
     ready_values jsonb,
     run_key text,
@@ -646,6 +650,9 @@ ALTER TABLE ONLY cmb.pubsub_watermarks
 ALTER TABLE ONLY cmb.reactive_launches
     ADD CONSTRAINT reactive_launches_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY cmb.reactive_marks
+    ADD CONSTRAINT reactive_marks_pkey PRIMARY KEY (scheduler, name);
+
 ALTER TABLE ONLY cmb.reactive_schedulers
     ADD CONSTRAINT reactive_schedulers_pkey PRIMARY KEY (name);
 
@@ -703,8 +710,6 @@ CREATE UNIQUE INDEX reactive_launches_run_key ON cmb.reactive_launches USING btr
 CREATE INDEX reactive_launches_task ON cmb.reactive_launches USING btree (scheduler, task, values_hash);
 
 CREATE INDEX reactive_tasks_backoff ON cmb.reactive_tasks USING btree (scheduler, backoff_until) WHERE (status = 'backoff'::text);
-
-CREATE INDEX reactive_tasks_dirty ON cmb.reactive_tasks USING btree (scheduler, priority DESC, name) WHERE (dirty AND defined);
 
 CREATE INDEX reactive_tasks_launched ON cmb.reactive_tasks USING btree (scheduler) WHERE (status = 'launched'::text);
 

@@ -1,6 +1,7 @@
 """The reactive scheduler's engine: which reactive tasks to launch now, and why (no Dagster here).
 
-One tick, all state in Postgres (table ``reactive_tasks``), time-boxed and resumable:
+One tick, all state in Postgres (tables ``reactive_tasks`` and ``reactive_marks``, the tasks to evaluate),
+time-boxed and resumable:
 
 1. Definitions: tasks new to the code location, or whose trigger changed, are marked for evaluation.
 2. Changes: CTL changes since the scheduler's watermark are read from the pub/sub stream; a
@@ -284,7 +285,7 @@ class TaskScheduler:
                 notes.update(dict.fromkeys(names, note))
         params = {"scheduler": self.name}
         if affected:
-            conn.execute(sql.MARK_DIRTY, {**params, "names": sorted(affected)})
+            conn.execute(sql.MARK_TASKS, {**params, "names": sorted(affected)})
         if notes:
             conn.execute(sql.NOTE_BACKWARDS, {**params, "names": list(notes), "notes": list(notes.values())})
         self._report.changes += len(changes)
@@ -405,24 +406,21 @@ class TaskScheduler:
     def _evaluate_marked(
         self, conn: psycopg.Connection, lease: Lease, now: datetime, deadline: float, report: TickReport
     ) -> tuple[dict[str, _Evaluation], dict[str, int]]:
-        """Evaluate the marked tasks in batches until none is left or the time box ends; return the ready ones
-        and their failed runs in a row."""
-        params: dict[str, Any] = {
-            "scheduler": self.name, "now": now, "limit": self.settings.batch_size, "after_priority": None,
-            "after_name": None,
-        }
+        """Evaluate the marked tasks in batches, highest priority first, until none is left or the time box ends;
+        return the ready ones and their failed runs in a row."""
+        params: dict[str, Any] = {"scheduler": self.name, "now": now}
         ready: dict[str, _Evaluation] = {}
         failures: dict[str, int] = {}
-        while True:
+        with conn.transaction():
+            marked = [row[0] for row in conn.execute(sql.MARKED_TASKS, params)]
+        size = self.settings.batch_size
+        for start in range(0, len(marked), size):
             with conn.transaction():
-                rows = conn.execute(sql.DIRTY_TASKS, params).fetchall()
-                if not rows:
-                    return ready, failures
+                rows = conn.execute(sql.TASKS_TO_EVALUATE, {**params, "names": marked[start:start + size]}).fetchall()
                 evaluations = self._evaluate(conn, [(r[0], r[1], r[2]) for r in rows], now)
                 Leases.check(conn, lease)
-                # ready tasks stay dirty: the launch step launches or saves them (a crash meanwhile re-evaluates them)
+                # ready tasks stay marked: the launch step launches or saves them (a crash meanwhile re-evaluates them)
                 self._save(conn, params, [e for e in evaluations if e.status != "ready"])
-            params["after_priority"], params["after_name"] = rows[-1][3], rows[-1][0]
             report.evaluated += len(evaluations)
             attempts = {r[0]: r[4] for r in rows}
             for e in evaluations:
@@ -431,11 +429,10 @@ class TaskScheduler:
                     failures[e.name] = attempts[e.name]
                 else:
                     report.note(e.name, e.status, e.explanation)
-            if len(rows) < self.settings.batch_size:
-                return ready, failures
-            if time.monotonic() >= deadline:
+            if start + size < len(marked) and time.monotonic() >= deadline:
                 report.complete = False
-                return ready, failures
+                break
+        return ready, failures
 
     def _launch_ready(
         self,

@@ -1,4 +1,8 @@
-"""Every query of the reactive scheduler (tables ``reactive_schedulers``, ``reactive_tasks``, ``reactive_launches``).
+"""Every query of the reactive scheduler (tables ``reactive_schedulers``, ``reactive_tasks``, ``reactive_marks``,
+``reactive_launches``).
+
+A task to evaluate (an input changed since its last evaluation) is a row of ``reactive_marks``: marking and
+unmarking write that narrow table, not the wide task row.
 
 Bulk writes pass their rows as one JSON array (``jsonb_to_recordset``): psycopg dumps a JSON string much
 faster than several text arrays whose every element it escapes.
@@ -30,14 +34,23 @@ WHERE scheduler <> %(scheduler)s AND last_values <> '{}'::jsonb
 GROUP BY scheduler ORDER BY scheduler LIMIT 5
 """
 
-# A task whose trigger or time zone changed, or that comes back, is marked for evaluation; a new
-# priority or ``produces`` alone is saved without marking it.
+# A task that is new, whose trigger changed, or that comes back, is marked for evaluation (both parts of the
+# statement see the tasks as they were before it); a new priority or ``produces`` alone is saved without marking it.
 UPSERT_TASKS = """
+WITH d AS (
+    SELECT * FROM unnest(%(names)s::text[], %(triggers)s::jsonb[], %(hashes)s::text[], %(priorities)s::int[],
+                         %(timezones)s::text[], %(produces)s::jsonb[])
+         AS d(name, trigger, trigger_hash, priority, timezone, produces)
+), marked AS (
+    INSERT INTO reactive_marks (scheduler, name)
+    SELECT %(scheduler)s, d.name
+    FROM d LEFT JOIN reactive_tasks t ON t.scheduler = %(scheduler)s AND t.name = d.name
+    WHERE t.name IS NULL OR t.trigger_hash <> d.trigger_hash OR NOT t.defined
+    ON CONFLICT DO NOTHING
+)
 INSERT INTO reactive_tasks AS t (scheduler, name, trigger, trigger_hash, priority, timezone, produces)
 SELECT %(scheduler)s, d.name, d.trigger, d.trigger_hash, d.priority, d.timezone, d.produces
-FROM unnest(%(names)s::text[], %(triggers)s::jsonb[], %(hashes)s::text[], %(priorities)s::int[], %(timezones)s::text[],
-            %(produces)s::jsonb[])
-     AS d(name, trigger, trigger_hash, priority, timezone, produces)
+FROM d
 ORDER BY d.name
 ON CONFLICT (scheduler, name) DO UPDATE
     SET trigger = EXCLUDED.trigger,
@@ -46,7 +59,6 @@ ON CONFLICT (scheduler, name) DO UPDATE
         timezone = EXCLUDED.timezone,
         produces = EXCLUDED.produces,
         defined = true,
-        dirty = t.dirty OR t.trigger_hash <> EXCLUDED.trigger_hash OR NOT t.defined,
         updated_at = now()
     WHERE t.trigger_hash <> EXCLUDED.trigger_hash OR t.priority <> EXCLUDED.priority OR NOT t.defined
        OR t.produces <> EXCLUDED.produces
@@ -59,9 +71,10 @@ WHERE scheduler = %(scheduler)s AND defined AND NOT (name = ANY(%(names)s::text[
 
 # -- reactive scheduler: change stream ---------------------------------------------------------
 
-MARK_DIRTY = """
-UPDATE reactive_tasks SET dirty = true
-WHERE scheduler = %(scheduler)s AND name = ANY(%(names)b::text[]) AND NOT dirty
+MARK_TASKS = """
+INSERT INTO reactive_marks (scheduler, name)
+SELECT %(scheduler)s, n.name FROM unnest(%(names)b::text[]) AS n(name)
+ON CONFLICT DO NOTHING
 """
 
 NOTE_BACKWARDS = """
@@ -92,7 +105,6 @@ WITH finished AS (
 ), tasks AS (
     UPDATE reactive_tasks t
     SET status = CASE WHEN f.success THEN 'waiting' ELSE 'backoff' END,
-        dirty = f.success,
         last_values = CASE WHEN f.success THEN t.ready_values ELSE t.last_values END,
         last_success_at = CASE WHEN f.success THEN %(now)s ELSE t.last_success_at END,
         backwards_note = CASE WHEN f.success THEN NULL ELSE t.backwards_note END,
@@ -102,7 +114,14 @@ WITH finished AS (
         updated_at = %(now)s
     FROM finished f
     WHERE t.scheduler = %(scheduler)s AND t.name = f.name AND t.status = 'launched' AND t.run_key = f.run_key
-    RETURNING f.run_key, f.run_id, f.success
+    RETURNING f.name, f.run_key, f.run_id, f.success
+), marked AS (
+    INSERT INTO reactive_marks (scheduler, name)
+    SELECT %(scheduler)s, name FROM tasks WHERE success
+    ON CONFLICT DO NOTHING
+), unmarked AS (
+    DELETE FROM reactive_marks m USING tasks f
+    WHERE m.scheduler = %(scheduler)s AND m.name = f.name AND NOT f.success
 )
 UPDATE reactive_launches l
 SET outcome = CASE WHEN f.success THEN 'success' ELSE 'failure' END, run_id = f.run_id, finished_at = %(now)s
@@ -111,22 +130,31 @@ WHERE l.scheduler = %(scheduler)s AND l.run_key = f.run_key AND l.outcome IS NUL
 """
 
 END_BACKOFFS = """
-UPDATE reactive_tasks SET status = 'waiting', dirty = true, updated_at = %(now)s
-WHERE scheduler = %(scheduler)s AND status = 'backoff' AND backoff_until <= %(now)s
+WITH ended AS (
+    UPDATE reactive_tasks SET status = 'waiting', updated_at = %(now)s
+    WHERE scheduler = %(scheduler)s AND status = 'backoff' AND backoff_until <= %(now)s
+    RETURNING name
+)
+INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM ended ON CONFLICT DO NOTHING
 """
 
 # -- reactive scheduler: evaluation and launch -------------------------------------------------
 
-# In (priority DESC, name) order after the last task read: a ready task stays dirty until the launch step.
-DIRTY_TASKS = """
-SELECT name, last_values, backwards_note, priority, attempts
-FROM reactive_tasks
-WHERE scheduler = %(scheduler)s AND dirty AND defined AND status NOT IN ('launched', 'backoff')
-  AND (%(after_name)s::text IS NULL
-       OR priority <= %(after_priority)s::int
-          AND (priority < %(after_priority)s::int OR name > %(after_name)s::text))
-ORDER BY priority DESC, name
-LIMIT %(limit)s
+# The marked tasks to evaluate, highest priority first (read once per tick, then evaluated in batches).
+MARKED_TASKS = """
+SELECT t.name
+FROM reactive_marks m JOIN reactive_tasks t ON t.scheduler = m.scheduler AND t.name = m.name
+WHERE m.scheduler = %(scheduler)s AND t.defined AND t.status NOT IN ('launched', 'backoff')
+ORDER BY t.priority DESC, t.name
+"""
+
+# One batch of marked tasks, in the order given; a ready task stays marked until the launch step.
+TASKS_TO_EVALUATE = """
+SELECT t.name, t.last_values, t.backwards_note, t.priority, t.attempts
+FROM unnest(%(names)b::text[]) WITH ORDINALITY AS n(name, position)
+JOIN reactive_tasks t ON t.scheduler = %(scheduler)s AND t.name = n.name
+WHERE t.defined AND t.status NOT IN ('launched', 'backoff')
+ORDER BY n.position
 """
 
 # Ready tasks with a priority in [min_priority, max_priority): a hold launches none below a bound.
@@ -155,20 +183,28 @@ LIMIT 1
 """
 
 SAVE_EVALUATIONS = """
-UPDATE reactive_tasks t
-SET status = e.status, dirty = false, ready_values = e.ready_values, explanation = e.explanation,
-    evaluated_at = %(now)s, updated_at = %(now)s
-FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, status text, ready_values jsonb, explanation text)
-WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
+WITH saved AS (
+    UPDATE reactive_tasks t
+    SET status = e.status, ready_values = e.ready_values, explanation = e.explanation,
+        evaluated_at = %(now)s, updated_at = %(now)s
+    FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, status text, ready_values jsonb, explanation text)
+    WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
+    RETURNING t.name
+)
+DELETE FROM reactive_marks m USING saved s WHERE m.scheduler = %(scheduler)s AND m.name = s.name
 """
 
 # A ready task whose launch could not be shaped (its partition, run config or tags raised) backs off.
 LAUNCH_REFUSED = """
-UPDATE reactive_tasks t
-SET status = 'backoff', dirty = false, ready_values = NULL, explanation = e.explanation, attempts = t.attempts + 1,
-    backoff_until = e.backoff_until, evaluated_at = %(now)s, updated_at = %(now)s
-FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, explanation text, backoff_until timestamptz)
-WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
+WITH refused AS (
+    UPDATE reactive_tasks t
+    SET status = 'backoff', ready_values = NULL, explanation = e.explanation, attempts = t.attempts + 1,
+        backoff_until = e.backoff_until, evaluated_at = %(now)s, updated_at = %(now)s
+    FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, explanation text, backoff_until timestamptz)
+    WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
+    RETURNING t.name
+)
+DELETE FROM reactive_marks m USING refused r WHERE m.scheduler = %(scheduler)s AND m.name = r.name
 """
 
 # One index probe (scheduler, task, values_hash) per launch: the cost does not grow with the launch history.
@@ -193,11 +229,13 @@ WITH launched AS (
 ), tasks AS (
     UPDATE reactive_tasks t
     SET status = 'launched', run_key = l.run_key, run_id = NULL, launched_at = %(now)s, ready_values = l.ctl_values,
-        explanation = l.reason, dirty = false, evaluated_at = %(now)s, updated_at = %(now)s,
+        explanation = l.reason, evaluated_at = %(now)s, updated_at = %(now)s,
         partition_key = l.partition_key
     FROM launched l
     WHERE t.scheduler = %(scheduler)s AND t.name = l.name AND t.status NOT IN ('launched', 'backoff')
     RETURNING t.name, l.run_key, l.values_hash, l.attempt, l.ctl_values, l.reason, l.partition_key
+), unmarked AS (
+    DELETE FROM reactive_marks m USING tasks l WHERE m.scheduler = %(scheduler)s AND m.name = l.name
 )
 INSERT INTO reactive_launches (scheduler, task, run_key, values_hash, attempt, ctl_values, reason, launched_at,
                                partition_key)
@@ -209,34 +247,46 @@ RETURNING task
 # -- reactive scheduler: status ---------------------------------------------------------------
 
 TASK_STATUS = """
-SELECT scheduler, name, status, defined, dirty, priority, timezone, trigger, last_values, ready_values,
+SELECT scheduler, name, status, defined,
+       EXISTS (SELECT FROM reactive_marks m WHERE m.scheduler = t.scheduler AND m.name = t.name) AS dirty,
+       priority, timezone, trigger, last_values, ready_values,
        run_key, run_id, launched_at, attempts, backoff_until, explanation, evaluated_at, backwards_note,
        last_success_at, produces, partition_key
-FROM reactive_tasks
+FROM reactive_tasks t
 WHERE (%(scheduler)s::text IS NULL OR scheduler = %(scheduler)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
 ORDER BY scheduler, priority DESC, name
 """
 
 FORGET_LAST_VALUES = """
-UPDATE reactive_tasks
-SET last_values = CASE WHEN %(parameter)s::text[] IS NULL THEN '{}'::jsonb
-                       ELSE last_values #- %(parameter)s::text[] END,
-    dirty = true, backwards_note = NULL, updated_at = now()
-WHERE scheduler = %(scheduler)s AND name = %(name)s
-RETURNING name
+WITH forgotten AS (
+    UPDATE reactive_tasks
+    SET last_values = CASE WHEN %(parameter)s::text[] IS NULL THEN '{}'::jsonb
+                           ELSE last_values #- %(parameter)s::text[] END,
+        backwards_note = NULL, updated_at = now()
+    WHERE scheduler = %(scheduler)s AND name = %(name)s
+    RETURNING name
+), marked AS (
+    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM forgotten ON CONFLICT DO NOTHING
+)
+SELECT name FROM forgotten
 """
 
 # Move one remembered value (into the past too): the original design's manual recovery for Delta-type triggers.
 SET_LAST_VALUE = """
-UPDATE reactive_tasks
-SET last_values = jsonb_set(
-        CASE WHEN last_values ? %(entity)s THEN last_values
-             ELSE last_values || jsonb_build_object(%(entity)s::text, '{}'::jsonb) END,
-        ARRAY[%(entity)s::text, %(parameter)s::text], to_jsonb(%(value)s::text)),
-    dirty = true, backwards_note = NULL, updated_at = now()
-WHERE scheduler = %(scheduler)s AND name = %(name)s
-RETURNING last_values
+WITH moved AS (
+    UPDATE reactive_tasks
+    SET last_values = jsonb_set(
+            CASE WHEN last_values ? %(entity)s THEN last_values
+                 ELSE last_values || jsonb_build_object(%(entity)s::text, '{}'::jsonb) END,
+            ARRAY[%(entity)s::text, %(parameter)s::text], to_jsonb(%(value)s::text)),
+        backwards_note = NULL, updated_at = now()
+    WHERE scheduler = %(scheduler)s AND name = %(name)s
+    RETURNING name, last_values
+), marked AS (
+    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM moved ON CONFLICT DO NOTHING
+)
+SELECT last_values FROM moved
 """
 
 # -- reactive scheduler: runs launched by hand -------------------------------------------------
@@ -263,10 +313,13 @@ WITH runs AS (
     RETURNING task, run_id, ctl_values
 ), tasks AS (
     UPDATE reactive_tasks t
-    SET last_values = r.ctl_values, dirty = true, backwards_note = NULL, last_success_at = %(now)s,
+    SET last_values = r.ctl_values, backwards_note = NULL, last_success_at = %(now)s,
         updated_at = %(now)s
     FROM (SELECT DISTINCT ON (task) task, ctl_values FROM recorded ORDER BY task, run_id) r
     WHERE t.scheduler = %(scheduler)s AND t.name = r.task
+    RETURNING t.name
+), marked AS (
+    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM tasks ON CONFLICT DO NOTHING
 )
 SELECT task, run_id, ctl_values FROM recorded
 """

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
 
 from cmb_dagster.triggers.chunks import chunk_of, get_zone, parse_scale
 from cmb_dagster.triggers.durations import compact_duration, human_duration
@@ -115,10 +114,20 @@ def _evaluate(trigger: Trigger, inputs: _Inputs) -> TriggerResult:
     return evaluator(trigger, inputs)
 
 
-@lru_cache(maxsize=65536)  # a trigger's label is part of each of its explanations, tick after tick
+_LABELS: dict[tuple[int, str], tuple[CtlTriggerBase, str]] = {}
+_MAX_LABELS = 65536
+
+
 def _label(trigger: CtlTriggerBase, task_timezone: str) -> str:
     """``'Delay(shop/prices/loaded_until, 2h)'``, ``'ChunkDelta(sales/loaded_until, day in Europe/Moscow, 1)'``:
-    the trigger's kind, what it watches and its threshold."""
+    the trigger's kind, what it watches and its threshold.
+
+    Cached by the trigger object's identity (the cache holds the trigger, so its id is not reused while cached):
+    a label is part of each of its explanations, tick after tick, and comparing triggers by value is slow.
+    """
+    cached = _LABELS.get((id(trigger), task_timezone))
+    if cached is not None and cached[0] is trigger:
+        return cached[1]
     watched = display_key(trigger.key)
     if isinstance(trigger, RefDelay | ChunkRefDelay):
         watched += f" behind {display_key(trigger.ref_key)}"
@@ -128,7 +137,11 @@ def _label(trigger: CtlTriggerBase, task_timezone: str) -> str:
         watched += f", {trigger.scale} in {trigger.timezone or task_timezone}, {trigger.max_delay or 0}"
     else:
         watched += f", {compact_duration(trigger.min_delta if isinstance(trigger, Delta) else trigger.max_delay)}"
-    return f"{trigger.kind}({watched})"
+    label = f"{trigger.kind}({watched})"
+    if len(_LABELS) >= _MAX_LABELS:
+        _LABELS.clear()
+    _LABELS[(id(trigger), task_timezone)] = (trigger, label)
+    return label
 
 
 def _waiting_to_appear(trigger: CtlTriggerBase, task_timezone: str, key: ParameterKey, used: dict) -> TriggerResult:

@@ -440,3 +440,35 @@ def test_a_location_with_no_state_warns_when_another_scheduler_name_has_state(db
     report = engine.tick(lambda s, keys: {})
     assert any("'old_name' (1 task(s))" in w and "ReactiveOptions(name=...)" in w for w in report.warnings)
     assert not engine.tick(lambda s, keys: {}).warnings  # said once, when the state is created
+
+
+def test_the_sensor_logs_a_scheduler_name_warning_once_across_ticks(db, instance, resource, capfd):
+    """A location refused by another's scheduler name, and one starting with no state while another name has some:
+    each warning is in the first tick's log only (the refused location's tick keeps failing)."""
+    from dagster import SensorEvaluationContext
+    from dagster._core.remote_origin import RegisteredCodeLocationOrigin
+
+    from cmb_dagster.reactive.dagster_testing import reactive_sensor
+
+    def tick(defs, location: str) -> str:
+        context = SensorEvaluationContext(instance_ref=None, instance=instance, resources={"cmb": resource},
+                                          definitions=defs, code_location_origin=RegisteredCodeLocationOrigin(location))
+        capfd.readouterr()
+        try:
+            reactive_sensor(defs).evaluate_tick(context)
+        except Exception as exc:  # noqa: BLE001 - the refused location's tick fails with the conflict
+            assert "refuses to tick" in str(exc)
+        return capfd.readouterr().err
+
+    def defs_of(task: str):
+        return cmb_definitions(resource=resource, reactive=ReactiveOptions(tasks=[ReactiveTask(task, plain, Delta(*ORDERS, "1h"))]))
+
+    owner, refused, renamed = defs_of("a"), defs_of("b"), defs_of("a")
+    tick(owner, "team a")  # scheduler team_a, owned by location 'team a'
+    set_last_value(db, "team_a", "a", ORDERS, utc(2024, 1, 1))  # it remembers state
+    conflict = "reactive scheduler name 'team_a' is used by code location 'team a'"
+    logs = [tick(refused, "team_a"), tick(refused, "team_a")]
+    assert [conflict in log for log in logs] == [True, False]
+    no_state = "scheduler 'renamed' starts with no remembered state, but 'team_a' (1 task(s))"
+    logs = [tick(renamed, "renamed"), tick(renamed, "renamed")]
+    assert [no_state in log for log in logs] == [True, False]
