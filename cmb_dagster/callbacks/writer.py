@@ -79,13 +79,17 @@ class EventWriter:
                         thread.start()
 
     def _loop(self) -> None:
-        while True:
-            with self._gathering:
-                batch, stop = self._gather()
-            if batch:
-                self._flush(batch)
-            if stop:
-                return
+        own = _WriterConnection(self.db)
+        try:
+            while True:
+                with self._gathering:
+                    batch, stop = self._gather()
+                if batch:
+                    self._flush(own, batch)
+                if stop:
+                    return
+        finally:
+            own.close()
 
     def _gather(self) -> tuple[list[tuple[NewCallback, Future[int]]], bool]:
         first = self._queue.get()
@@ -104,15 +108,12 @@ class EventWriter:
             batch.append(item)
         return batch, False
 
-    def _flush(self, batch: list[tuple[NewCallback, Future[int]]]) -> None:
+    def _flush(self, own: _WriterConnection, batch: list[tuple[NewCallback, Future[int]]]) -> None:
         batch = [item for item in batch if item[1].set_running_or_notify_cancel()]  # timed out callers are gone
         if not batch:
             return
         try:
-            with create_transaction(self.db, self.settings) as conn:
-                results = insert_events(
-                    conn, [event for event, _ in batch], soon=self.soon, lock_timeout=self.settings.create_timeout
-                )
+            results = own.insert([event for event, _ in batch], self.soon, self.settings)
         except CallbackTimeout as exc:
             for _, future in batch:
                 future.set_exception(exc)
@@ -123,7 +124,7 @@ class EventWriter:
                 return
             log.warning("a batch of %d creates failed (%s): writing them one at a time", len(batch), exc)
             for event, future in batch:
-                self._flush_alone(event, future)
+                self._flush_alone(own, event, future)
             return
         for (_, future), result in zip(batch, results, strict=True):
             if isinstance(result, Exception):
@@ -131,10 +132,9 @@ class EventWriter:
             else:
                 future.set_result(result)
 
-    def _flush_alone(self, event: NewCallback, future: Future[int]) -> None:
+    def _flush_alone(self, own: _WriterConnection, event: NewCallback, future: Future[int]) -> None:
         try:
-            with create_transaction(self.db, self.settings) as conn:
-                result = insert_events(conn, [event], soon=self.soon, lock_timeout=self.settings.create_timeout)[0]
+            result = own.insert([event], self.soon, self.settings)[0]
         except Exception as exc:  # noqa: BLE001 - this caller's own error
             future.set_exception(exc)
             return
@@ -142,6 +142,38 @@ class EventWriter:
             future.set_exception(result)
         else:
             future.set_result(result)
+
+
+class _WriterConnection:
+    """A writer thread's connection of its own, in autocommit: a batch is one statement, sent and committed
+    in one round trip, with no pool check on the way. A connection that breaks is replaced and the batch
+    sent once more (creates are idempotent by key: a batch that did commit returns the same ids)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._conn: psycopg.Connection | None = None
+
+    def insert(self, events: Sequence[NewCallback], soon: float, settings: CallbackSettings) -> list[int | Exception]:
+        try:
+            return self._insert(events, soon, settings)
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            if self._conn is not None and not self._conn.broken:
+                raise  # the statement failed, not the connection
+            self.close()
+            return self._insert(events, soon, settings)  # on a new connection
+
+    def _insert(self, events: Sequence[NewCallback], soon: float, settings: CallbackSettings) -> list[int | Exception]:
+        if self._conn is None:
+            self._conn = self.db.connect(autocommit=True)
+        try:
+            return insert_events(self._conn, events, soon=soon, lock_timeout=settings.create_timeout)
+        except psycopg.errors.LockNotAvailable:
+            raise CallbackTimeout(_timed_out(settings, "a lock was held meanwhile; nothing was written")) from None
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 @contextmanager

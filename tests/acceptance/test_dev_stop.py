@@ -39,12 +39,14 @@ def run_statuses(env: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def workers_working(env: dict[str, str]) -> bool:
-    """Every demo worker holds its lease, no run is starting, and no user's run is in progress (a run
-    that is starting or running user code when dev stops is interrupted, as with plain `dagster dev`)."""
+    """Every demo worker holds its lease, no run is starting, and no other run is in progress (a run that
+    is starting or running its ops when dev stops is interrupted, as with plain `dagster dev`; the hourly
+    trim schedule's run is one of them)."""
     with psycopg.connect(cmb_url(env)) as conn:
         kinds = {k for (k,) in conn.execute("SELECT kind FROM cmb.leases WHERE expires_at > now()")}
-    busy = [name for name, status in run_statuses(env)
-            if status == "STARTING" or status == "STARTED" and not name.startswith("cmb_")]
+        busy = conn.execute(
+            "SELECT pipeline_name FROM runs r WHERE status = 'STARTING' OR status = 'STARTED' AND NOT EXISTS "
+            "(SELECT FROM run_tags t WHERE t.run_id = r.run_id AND t.key = 'cmb/worker')").fetchall()
     return WORKER_KINDS <= kinds and not busy
 
 

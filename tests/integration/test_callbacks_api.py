@@ -152,6 +152,16 @@ def test_buffered_creates_from_many_threads_are_written_in_batches(db):
     assert batches < 100, batches  # 400 creates in far fewer transactions
 
 
+def test_buffered_creates_go_on_after_the_writers_connections_were_cut(client, db):
+    client.create("a", "g", "before", later(), URL)  # the writers have their connections
+    with db.connection() as conn:  # every other session of this database: the writers' too
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    with ThreadPoolExecutor(4) as pool:  # both writer threads meet a cut connection
+        ids = list(pool.map(lambda i: client.create("a", "g", f"after-{i}", later(), URL), range(8)))
+    assert len(set(ids)) == 8 and count(db) == 9
+
+
 def test_buckets_spread_events_and_can_be_raised_and_lowered(client, db):
     assert client.bucket_ids() == [0, 1, 2, 3]
     client.create_many(
