@@ -179,6 +179,34 @@ class Database:
             raise InvalidDatabaseUrl(_unreadable_message(self.url, exc)) from None
 
 
+class OwnConnection:
+    """One thread's connection of its own, outside the pool (no check on each use), in autocommit.
+
+    Opened on first use, and again on the use after it broke or closed.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._conn: psycopg.Connection | None = None
+
+    @property
+    def lost(self) -> bool:
+        """Whether the connection broke or closed (the next :meth:`get` opens a new one)."""
+        return self._conn is None or self._conn.closed or self._conn.broken
+
+    def get(self) -> psycopg.Connection:
+        """The connection, opened anew if it was lost."""
+        if self.lost:
+            self.close()
+            self._conn = self.db.connect(autocommit=True)
+        return self._conn  # type: ignore[return-value]
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
 _SHARED: dict[tuple[str | None, str, str], Database] = {}
 _SHARED_LOCK = threading.Lock()
 

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
 from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
-from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.database import Database, DatabaseSource, OwnConnection
 from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
 
@@ -119,8 +119,8 @@ class CallbackWorker:
         self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
-        self._gate_conn: psycopg.Connection | None = None
-        self._loop_conn: psycopg.Connection | None = None
+        self._gate_conn = OwnConnection(db)  # the dispatcher's: no pool check on the path of every call
+        self._loop_conn = OwnConnection(db)  # the worker loop's: polls and outcome writes
         self._worker = Worker(
             db,
             LEASE_KIND,
@@ -160,10 +160,8 @@ class CallbackWorker:
                 timer.cancel()
             listener.stop()
             self._pool.close(timeout=self._longest_call())
-            self._close_gate_connection()
-            if self._loop_conn is not None:
-                self._loop_conn.close()
-                self._loop_conn = None
+            self._gate_conn.close()
+            self._loop_conn.close()
         report.items = self.delivered
         return report
 
@@ -219,49 +217,24 @@ class CallbackWorker:
             leases.append(state.lease)
         params = {"kind": LEASE_KIND, "owner": self.owner, "partitions": [lease.partition for lease in leases],
                   "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
-        conn = self._gate_connection()
-        try:
-            with conn.pipeline(), conn.transaction():
-                held, go_ids, pending_ids = conn.execute(sql.GATE, params).fetchone()
-                if held != len(leases):
-                    raise LeaseLost(f"buckets {params['partitions']} are not all held by {self.owner}")
-                let_through, pending = set(go_ids), set(pending_ids)
-                go = [d for d in deliveries if d.event_id in let_through]
-                if go:
-                    start(go)  # before the commit: cancel, update and delete wait for the row locks until then
-        except (psycopg.OperationalError, psycopg.InterfaceError):
-            self._close_gate_connection()  # the next gate connects again
-            raise
+        conn = self._gate_conn.get()
+        with conn.pipeline(), conn.transaction():
+            held, go_ids, pending_ids = conn.execute(sql.GATE, params).fetchone()
+            if held != len(leases):
+                raise LeaseLost(f"buckets {params['partitions']} are not all held by {self.owner}")
+            let_through, pending = set(go_ids), set(pending_ids)
+            go = [d for d in deliveries if d.event_id in let_through]
+            if go:
+                start(go)  # before the commit: cancel, update and delete wait for the row locks until then
         return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
 
     @contextmanager
     def _on_loop_connection(self, *, pipeline: bool, transaction: bool) -> Iterator[psycopg.Connection]:
-        """The worker loop's connection of its own (polls and outcome writes; no pool check on the way).
-
-        Without ``transaction`` each statement commits alone (polls only read); the pipeline sends statements
-        without waiting for each one's answer.
-        """
-        if self._loop_conn is None or self._loop_conn.closed:
-            self._loop_conn = self.db.connect(autocommit=True)
-        conn = self._loop_conn
-        try:
-            with conn.pipeline() if pipeline else nullcontext(), conn.transaction() if transaction else nullcontext():
-                yield conn
-        except (psycopg.OperationalError, psycopg.InterfaceError):
-            self._loop_conn = None
-            conn.close()  # the next use connects again
-            raise
-
-    def _gate_connection(self) -> psycopg.Connection:
-        """The dispatcher's connection of its own: no pool check on the path of every call."""
-        if self._gate_conn is None or self._gate_conn.closed:
-            self._gate_conn = self.db.connect(autocommit=True)
-        return self._gate_conn
-
-    def _close_gate_connection(self) -> None:
-        conn, self._gate_conn = self._gate_conn, None
-        if conn is not None:
-            conn.close()
+        """The worker loop's own connection. Without ``transaction`` each statement commits alone (polls only
+        read); the pipeline sends statements without waiting for each one's answer."""
+        conn = self._loop_conn.get()
+        with conn.pipeline() if pipeline else nullcontext(), conn.transaction() if transaction else nullcontext():
+            yield conn
 
     def _partitions(self) -> list[str]:
         self._live, self._moved = set(bucket_ids(self.db)), set()

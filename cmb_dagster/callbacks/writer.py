@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import CallbackConflict, CallbackTimeout
 from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, OwnConnection
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -79,7 +79,7 @@ class EventWriter:
                         thread.start()
 
     def _loop(self) -> None:
-        own = _WriterConnection(self.db)
+        own = OwnConnection(self.db)  # in autocommit: a batch is one statement, one round trip with its commit
         try:
             while True:
                 with self._gathering:
@@ -108,12 +108,12 @@ class EventWriter:
             batch.append(item)
         return batch, False
 
-    def _flush(self, own: _WriterConnection, batch: list[tuple[NewCallback, Future[int]]]) -> None:
+    def _flush(self, own: OwnConnection, batch: list[tuple[NewCallback, Future[int]]]) -> None:
         batch = [item for item in batch if item[1].set_running_or_notify_cancel()]  # timed out callers are gone
         if not batch:
             return
         try:
-            results = own.insert([event for event, _ in batch], self.soon, self.settings)
+            results = self._insert(own, [event for event, _ in batch])
         except CallbackTimeout as exc:
             for _, future in batch:
                 future.set_exception(exc)
@@ -127,53 +127,32 @@ class EventWriter:
                 self._flush_alone(own, event, future)
             return
         for (_, future), result in zip(batch, results, strict=True):
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            _settle(future, result)
 
-    def _flush_alone(self, own: _WriterConnection, event: NewCallback, future: Future[int]) -> None:
+    def _flush_alone(self, own: OwnConnection, event: NewCallback, future: Future[int]) -> None:
         try:
-            result = own.insert([event], self.soon, self.settings)[0]
+            result = self._insert(own, [event])[0]
         except Exception as exc:  # noqa: BLE001 - this caller's own error
-            future.set_exception(exc)
-            return
-        if isinstance(result, Exception):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
+            result = exc
+        _settle(future, result)
+
+    def _insert(self, own: OwnConnection, events: list[NewCallback]) -> list[int | Exception]:
+        """Insert on ``own``; a connection that broke is replaced and the batch sent once more (creates are
+        idempotent by key: a batch that did commit returns the same ids)."""
+        with _lock_wait_limited(self.settings):
+            try:
+                return insert_events(own.get(), events, soon=self.soon, lock_timeout=self.settings.create_timeout)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                if not own.lost:
+                    raise  # the statement failed, not the connection
+                return insert_events(own.get(), events, soon=self.soon, lock_timeout=self.settings.create_timeout)
 
 
-class _WriterConnection:
-    """A writer thread's connection of its own, in autocommit: a batch is one statement, sent and committed
-    in one round trip, with no pool check on the way. A connection that breaks is replaced and the batch
-    sent once more (creates are idempotent by key: a batch that did commit returns the same ids)."""
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self._conn: psycopg.Connection | None = None
-
-    def insert(self, events: Sequence[NewCallback], soon: float, settings: CallbackSettings) -> list[int | Exception]:
-        try:
-            return self._insert(events, soon, settings)
-        except (psycopg.OperationalError, psycopg.InterfaceError):
-            if self._conn is not None and not self._conn.broken:
-                raise  # the statement failed, not the connection
-            self.close()
-            return self._insert(events, soon, settings)  # on a new connection
-
-    def _insert(self, events: Sequence[NewCallback], soon: float, settings: CallbackSettings) -> list[int | Exception]:
-        if self._conn is None:
-            self._conn = self.db.connect(autocommit=True)
-        try:
-            return insert_events(self._conn, events, soon=soon, lock_timeout=settings.create_timeout)
-        except psycopg.errors.LockNotAvailable:
-            raise CallbackTimeout(_timed_out(settings, "a lock was held meanwhile; nothing was written")) from None
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+def _settle(future: Future[int], result: int | Exception) -> None:
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 @contextmanager
@@ -181,10 +160,17 @@ def create_transaction(db: Database, settings: CallbackSettings) -> Iterator[psy
     """A pooled connection for creates: waiting longer than ``create_timeout`` for it, or for a lock in
     it (see :func:`insert_events`), raises CallbackTimeout, and nothing is written."""
     try:
-        with db.connection(timeout=settings.create_timeout) as conn:
+        with _lock_wait_limited(settings), db.connection(timeout=settings.create_timeout) as conn:
             yield conn
     except psycopg_pool.PoolTimeout:
         raise CallbackTimeout(_timed_out(settings, "no database connection was free; nothing was written")) from None
+
+
+@contextmanager
+def _lock_wait_limited(settings: CallbackSettings) -> Iterator[None]:
+    """A lock waited for longer than ``create_timeout`` (see :func:`insert_events`) raises CallbackTimeout."""
+    try:
+        yield
     except psycopg.errors.LockNotAvailable:
         raise CallbackTimeout(_timed_out(settings, "a lock was held meanwhile; nothing was written")) from None
 

@@ -309,7 +309,7 @@ def test_the_gate_starts_nothing_when_one_of_its_buckets_is_no_longer_held(db, c
     states[1].lease = None  # served by bucket 0 alone, its calls pass
     worker._gate([d for d in deliveries if d.bucket_id == 0], started.extend)
     assert {d.bucket_id for d in started} == {0}
-    worker._close_gate_connection()
+    worker._gate_conn.close()
 
 
 def test_a_worker_goes_on_after_its_connections_were_cut(db, client, sink, workers):
