@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import click
 
 from cmb_dagster.database import Database
-from datetime import datetime
-
 from cmb_dagster.reactive.admin import forget_last_values, set_last_value, task_states
 from cmb_dagster.settings import Settings
 

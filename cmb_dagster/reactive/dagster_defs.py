@@ -8,7 +8,6 @@ from typing import Any
 
 from dagster import (
     AssetKey,
-    AssetsDefinition,
     AssetSelection,
     DefaultSensorStatus,
     Definitions,
@@ -21,11 +20,11 @@ from dagster._core.definitions.unresolved_asset_job_definition import Unresolved
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cmb_dagster.ctl.dagster_resources import CtlResource
+from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
 from cmb_dagster.reactive.errors import InvalidReactiveTask
 from cmb_dagster.reactive.models import CtlKeys, Partitioner, SchedulerSettings, TaskName, TaskSpec
 from cmb_dagster.resources import CmbResource
-from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.triggers import Trigger, check, parameters
 from cmb_dagster.triggers.chunks import get_zone
 

@@ -27,9 +27,13 @@ from dagster import (
 )
 from dagster._core.events import EngineEventData
 
+from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.reactive.errors import SchedulerConflict
+from cmb_dagster.ctl.models import ParameterKey
+from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
+from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive.admin import launch_values
+from cmb_dagster.reactive.errors import SchedulerConflict
 from cmb_dagster.reactive.models import (
     Launch,
     LaunchOptions,
@@ -42,10 +46,6 @@ from cmb_dagster.reactive.models import (
     TaskSpec,
 )
 from cmb_dagster.reactive.scheduler import TaskScheduler
-from cmb_dagster.ctl.models import ParameterKey
-from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
-from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
 from cmb_dagster.resources import CmbResource
 
 SCHEDULER_TAG = "cmb/reactive/scheduler"

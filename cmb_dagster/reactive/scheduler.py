@@ -26,13 +26,15 @@ inputs did not change need no evaluation: there is no periodic full scan.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -52,7 +54,6 @@ from cmb_dagster.reactive.models import (
     Launch,
     LaunchOptions,
     ManualLookup,
-    ManualRun,
     Partitioner,
     RunLookup,
     RunState,
@@ -84,7 +85,7 @@ class _LaunchError(Exception):
     """A ready task's launch cannot be shaped (its partition, run config or tags raised)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Evaluation:
     name: str
     status: str  # ready, waiting, error
@@ -95,10 +96,14 @@ class _Evaluation:
 
 def values_hash(values: Mapping[ParameterKey, datetime], partition_key: str | None = None) -> str:
     """A short stable digest of CTL values and the partition (part of a run_key)."""
+    return _encoded_values(values, partition_key)[1]
+
+
+def _encoded_values(values: Mapping[ParameterKey, datetime], partition_key: str | None = None) -> tuple[str, str]:
+    """``values`` in UTC as stored JSON text, and :func:`values_hash` of them (one encoding for both)."""
     text = json.dumps(values_to_json({k: v.astimezone(UTC) for k, v in values.items()}), sort_keys=True)
-    if partition_key is not None:
-        text += "\n" + partition_key
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    hashed = text if partition_key is None else text + "\n" + partition_key
+    return text, hashlib.sha256(hashed.encode()).hexdigest()[:12]
 
 
 class TaskScheduler:
@@ -136,10 +141,11 @@ class TaskScheduler:
         unknown = sorted((set(self.partitioners) | set(self.launch_options)) - set(self.tasks))
         if unknown:
             raise InvalidReactiveTask(f"partitioners or launch options for unknown reactive task(s): {', '.join(unknown)}")
+        self.reads = {task.name: tuple(sorted(parameters(task.trigger))) for task in tasks}  # task -> CTL parameters
         self.index: dict[ParameterKey, list[str]] = defaultdict(list)
         self.downstream: dict[str, list[str]] = defaultdict(list)  # entity (asset key) -> tasks it is upstream of
         for task in tasks:
-            for key in sorted(parameters(task.trigger)):
+            for key in self.reads[task.name]:
                 self.index[key].append(task.name)
             for entity in sorted(set(task.upstream)):
                 self.downstream[entity].append(task.name)
@@ -187,7 +193,8 @@ class TaskScheduler:
                 return report
             self._lease, self._report = lease, report
             try:
-                with self.database.connection() as conn:  # one connection for the tick, one transaction per step
+                # one connection for the tick, one transaction per step
+                with _cyclic_collection_paused(), self.database.connection() as conn:
                     self._sync_definitions(conn, lease, now, report)
                     self._read_changes(deadline, report)
                     in_flight = self._follow_runs(conn, lease, runs, now, report)
@@ -366,9 +373,9 @@ class TaskScheduler:
                 return
             rows = []
             for run in sorted(found, key=lambda r: r.finished_at):
-                keys = sorted(parameters(self.tasks[run.task].trigger))
+                keys = self.reads[run.task]
                 values = run.values if run.values is not None else values_as_of(conn, keys, run.started_at)
-                values = {k: v for k, v in values.items() if k in set(keys)}
+                values = {k: v for k, v in values.items() if k in keys}
                 rows.append({"name": run.task, "run_key": f"manual:{run.run_id}", "run_id": run.run_id,
                              "values": values_to_json(values), "hash": values_hash(values),
                              "finished_at": run.finished_at.isoformat()})
@@ -558,7 +565,8 @@ class TaskScheduler:
             conn.execute(sql.LAUNCH_REFUSED, {**params, "rows": json.dumps(refused)})
         if not shaped:
             return []
-        hashes = {e.name: values_hash(e.values, key) for e, key, _, _ in shaped}
+        encoded = {e.name: _encoded_values(e.values, key) for e, key, _, _ in shaped}
+        hashes = {name: digest for name, (_, digest) in encoded.items()}
         previous = {
             (task, digest): count
             for task, digest, count in conn.execute(
@@ -580,7 +588,7 @@ class TaskScheduler:
         columns = {
             "names": [p.task for p in planned],
             "run_keys": [p.run_key for p in planned],
-            "values": [json.dumps(values_to_json(p.values)) for p in planned],
+            "values": [encoded[p.task][0] for p in planned],
             "hashes": [hashes[p.task] for p in planned],
             "attempts": [p.attempt for p in planned],
             "reasons": [p.reason for p in planned],
@@ -594,7 +602,7 @@ class TaskScheduler:
     def _evaluate(
         self, conn: psycopg.Connection, rows: Sequence[tuple[str, dict | None, str | None]], now: datetime
     ) -> list[_Evaluation]:
-        keys = sorted({key for name, _, _ in rows if name in self.tasks for key in parameters(self.tasks[name].trigger)})
+        keys = sorted({key for name, _, _ in rows for key in self.reads.get(name, ())})
         current = read_values(conn, keys) if keys else {}
         return [self._evaluate_one(name, values_from_json(last), note, current, now) for name, last, note in rows]
 
@@ -636,6 +644,23 @@ class TaskScheduler:
             for e in evaluations
         ]
         conn.execute(sql.SAVE_EVALUATIONS, {**params, "rows": json.dumps(rows)})
+
+
+@contextmanager
+def _cyclic_collection_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for one tick (reference counting still frees the tick's objects).
+
+    A tick keeps thousands of rows and evaluations alive at once; the collector would otherwise scan the whole
+    process heap (a Dagster code server's is large) once or twice per busy tick, for objects freed when it ends.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _values_text(values: Mapping[ParameterKey, datetime]) -> str:
