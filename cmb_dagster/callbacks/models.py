@@ -366,13 +366,25 @@ def check_many(events: list[NewCallback], settings: CallbackSettings) -> list[Ne
     texts = "\x01".join(text for e in events for text in (e.owner_client_id, e.group_key, e.event_key))
     if "\x00" in texts or not _encodes(texts):
         return [event.check(settings) for event in events]  # the first bad event names its field
+    dagster_urls = set()
     for url in {event.cb_url for event in events}:
         check_url(url, settings)
+        if dagster_job_name(url) is not None:
+            dagster_urls.add(url)
+    each_context = not _contexts_fit([e.context for e in events if e.context is not None], settings)
     for event in events:
         check_run_at(event.run_at)
-        if event.context is not None:
+        if event.context is not None and (each_context or event.cb_url in dagster_urls):
             check_context(event.context, settings, event.cb_url)
     return events
+
+
+def _contexts_fit(contexts: list[Any], settings: CallbackSettings) -> bool:
+    """True when ``contexts`` encode together within the size limit, so each one does (one encoding per batch)."""
+    try:
+        return len(context_json(contexts).encode()) <= settings.max_context_bytes
+    except CallbackValidationError:
+        return False  # one of them is bad: checked one at a time, the first bad one is named
 
 
 def _encodes(text: str) -> bool:

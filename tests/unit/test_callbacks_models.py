@@ -4,7 +4,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from cmb_dagster.callbacks import CallbackSettings, CallbackValidationError, NewCallback, RetryPolicy
-from cmb_dagster.callbacks.models import NewSchedule, validated
+from cmb_dagster.callbacks.models import NewSchedule, check_many, validated
 from cmb_dagster.callbacks.schedules import fire_times
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
@@ -49,6 +49,33 @@ def test_context_limit_is_configurable():
                                     "cb_url": "http://x.example", "context": {"a": "0123456789"}})
     with pytest.raises(CallbackValidationError, match="over the limit of 10"):
         event.check(small)
+
+
+def unchecked(**overrides):
+    data = {"owner_client_id": "o", "group_key": "g", "event_key": "k", "run_at": NOW, "cb_url": "https://api.example.com/cb"}
+    return validated(NewCallback, {**data, **overrides})
+
+
+def test_a_batch_checks_each_context_against_the_limit_not_their_sum():
+    settings = CallbackSettings(max_context_bytes=20)
+    batch = [unchecked(event_key=f"k{i}", context={"a": "0123456789"}) for i in range(5)]  # 16 bytes each, 80 together
+    assert check_many(batch, settings) == batch
+    with pytest.raises(CallbackValidationError, match="^context: 24 bytes is over the limit of 20"):
+        check_many([*batch, unchecked(event_key="big", context={"a": "0123456789012345"})], settings)
+
+
+@pytest.mark.parametrize("context", [{"x": float("nan")}, {"x": "a\u0000b"}, {"x": "\ud800"}])
+def test_a_batch_with_one_context_postgres_cannot_store_names_the_context(context):
+    batch = [unchecked(event_key="k1", context={"i": 1}), unchecked(event_key="k2", context=context)]
+    with pytest.raises(CallbackValidationError, match="^context: "):
+        check_many(batch, CallbackSettings())
+
+
+def test_a_batch_checks_the_shape_of_contexts_sent_to_dagster_jobs():
+    batch = [unchecked(event_key="k1", context={"i": 1}),
+             unchecked(event_key="k2", cb_url="dagster://nightly", context={"run_config": {}, "extra": 1})]
+    with pytest.raises(CallbackValidationError, match="dagster:// targets"):
+        check_many(batch, CallbackSettings())
 
 
 def test_allowlist_of_hosts_blocks_internal_addresses():
