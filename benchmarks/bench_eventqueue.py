@@ -285,7 +285,7 @@ def main() -> None:
 
     from cmb_dagster.database import Database
 
-    server = args.url or os.environ.get("CMB_BENCH_DATABASE_URL") or Database.from_settings().url
+    server = args.url or Database.from_settings().url
     info = server_info(server)
     url = fresh_database(server)
     results: dict[str, dict[str, dict[str, float]]] = {"cmb": {}, "procrastinate": {}}

@@ -7,8 +7,8 @@ measured: reading the changes, evaluating the affected tasks, launching those th
 looked up through a stand-in that reports every run as succeeded (the Dagster run-storage query is
 one bulk query and not part of this figure). Round trips are counted at psycopg's wait().
 
-Run: ``flock /tmp/cmb-bench.lock python benchmarks/bench_reactive.py`` (CMB_BENCH_DATABASE_URL or
-CMB_TEST_DATABASE_URL picks the server; default: the embedded one). JSON object on the last line.
+Run: ``.venv/bin/python benchmarks/bench_reactive.py [--quick] [--large]`` on CMB_DATABASE_URL (or the embedded
+server), alone on the machine. JSON object on the last line.
 """
 
 from __future__ import annotations
@@ -127,8 +127,8 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="also 100,000 tasks (100 and 1,000 changes)")
     arguments = parser.parse_args()
     quick = arguments.quick
-    server = os.environ.get("CMB_BENCH_DATABASE_URL") or os.environ.get("CMB_TEST_DATABASE_URL") \
-        or embedded_url(Settings.from_env().home)
+    settings = Settings.from_env()
+    server = settings.database_url or embedded_url(settings.home)
     name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
