@@ -1,12 +1,13 @@
 """Calling events back: HTTP POSTs over reused connections, Dagster launches, fast retries, due-time waits.
 
-The HTTP client is a small HTTP/1.1 one on plain sockets, one keep-alive connection per thread and
-target: CPU per call is what limits a worker, and it gives the two limits a callback needs: a deadline
-for the whole call (connect, send, every read), and a cap on the response bytes read. It connects only to
-addresses the settings allow, checked on the address actually connected to (after name resolution).
+The HTTP client is a small HTTP/1.1 one on asyncio streams, keeping idle connections per target for
+reuse: CPU per call is what limits a worker (one event loop runs every call, no thread per call), and it
+gives the two limits a callback needs: a deadline for the whole call (resolve, connect, send, every read),
+and a cap on the response bytes read. It connects only to addresses the settings allow, checked on the
+address actually connected to (after name resolution).
 
-Calls run on a fixed pool of threads. A dispatcher takes due deliveries in due order, as many as there
-are idle threads, and passes them through the worker's *gate* first: one transaction that re-checks,
+Up to ``concurrency`` calls run at once on one event loop thread. A dispatcher takes due deliveries in due
+order, as many as there are free call slots, and passes them through the worker's *gate* first: one transaction that re-checks,
 under row locks, that each event is still pending in the version polled (cancel, update and delete wait
 for that lock) and counts the call in ``attempts``. Only what the gate let through is called; every
 fast retry passes the gate again. So once cancel, update or delete has returned, no call of the old
@@ -15,6 +16,7 @@ version starts.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import heapq
 import ipaddress
@@ -25,7 +27,6 @@ import socket
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +38,7 @@ from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_
 log = logging.getLogger("cmb_dagster.callbacks")
 
 REJECT_HEADERS = ("X-Ya-CallMeBack-Notify-Reject", "X-CallMeBack-Notify-Reject")
+_REJECT_HEADERS_LOWER = tuple(name.lower() for name in REJECT_HEADERS)
 
 NOTIFIED = "notified"
 REJECTED = "rejected"
@@ -45,6 +47,7 @@ RETRY = "retry"  # main retry: reschedule in the database
 ABANDONED = "abandoned"  # not called: the lease could lapse first, or the worker is stopping
 GONE = "gone"  # not called: cancelled, updated or deleted since it was polled (nothing to write)
 MAX_HEADER_BYTES = 16 * 1024
+_BODY_ENCODER = json.JSONEncoder(separators=(",", ":"))
 INTERNAL_ERROR_DELAY = 5.0  # seconds: at least this long before an event that hit one of our bugs is retried
 
 # A gate: given due deliveries and ``start``, count in one transaction those still to be called, pass them
@@ -96,7 +99,7 @@ class Delivery:
 
     def body(self) -> bytes:
         """The JSON the callback receives."""
-        return json.dumps(
+        return _BODY_ENCODER.encode(
             {
                 "event_id": self.event_id,
                 "owner_client_id": self.owner_client_id,
@@ -106,8 +109,7 @@ class Delivery:
                 "originally_run_at": self.originally_run_at.isoformat(),
                 "context": self.context,
                 "attempt": self.attempts + self.tries,  # this call, counted from 1
-            },
-            separators=(",", ":"),
+            }
         ).encode()
 
 
@@ -120,32 +122,31 @@ class RefusedTarget(Exception):
 
 
 class _Connection:
-    """One keep-alive connection to a target, its socket and what is left unread in its buffer."""
+    """One keep-alive connection to a target: its stream reader and writer."""
 
-    __slots__ = ("sock", "calls")
+    __slots__ = ("reader", "writer")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.calls = 0
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.writer.transport.abort()  # dropped at once: nothing more is read or sent
 
 
 class HttpSender:
-    """POSTs JSON over HTTP/1.1, keeping one connection per (thread, scheme, host, port) alive between calls."""
+    """POSTs JSON over HTTP/1.1 from one event loop, keeping idle connections per (scheme, host, port) for reuse."""
 
     def __init__(self, settings: CallbackSettings) -> None:
         self.settings = settings
-        self._local = threading.local()
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._tls = ssl.create_default_context()
 
-    def post(self, url: str, body: bytes) -> tuple[str, str | None]:
-        """Return (outcome, error): notified on 2xx, rejected on a reject header, retry otherwise."""
-        deadline = time.monotonic() + self.settings.timeout
+    async def post(self, url: str, body: bytes) -> tuple[str, str | None]:
+        """Return (outcome, error): notified on 2xx, rejected on a reject header, retry otherwise.
+
+        ``settings.timeout`` is a deadline for the whole call: resolving, connecting, sending and every read.
+        """
         target = _target(url)
         if isinstance(target, str):
             return FAILED, target
@@ -153,15 +154,29 @@ class HttpSender:
         if not self.settings.host_allowed(host):
             return FAILED, f"host {host!r} is not allowed"
         request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
-        key = (scheme, host, port)
-        conns = self._local.__dict__.setdefault("conns", {})
+        try:
+            async with asyncio.timeout(self.settings.timeout):
+                return await self._post((scheme, host, port), request)
+        except TimeoutError:
+            return RETRY, "timed out"
+
+    def close(self) -> None:
+        """Drop the idle connections."""
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    async def _post(self, key: tuple[str, str, int], request: bytes) -> tuple[str, str | None]:
+        scheme, host, port = key
         for _ in range(2):
-            conn = conns.pop(key, None)
+            idle = self._idle.get(key)
+            conn = idle.pop() if idle else None
             reused = conn is not None
             try:
                 if conn is None:
-                    conn = self._connect(scheme, host, port, deadline)
-                status, reason, headers, keep = self._exchange(conn, request, deadline, reused)
+                    conn = await self._connect(scheme, host, port)
+                status, reason, headers, keep = await self._exchange(conn, request, reused)
             except _StaleConnection:
                 conn.close()  # type: ignore[union-attr]
                 continue  # the server closed an idle keep-alive connection: not the callback's fault
@@ -175,95 +190,76 @@ class HttpSender:
                 if conn is not None:
                     conn.close()
                 return RETRY, _general(exc)
+            except BaseException:  # the deadline passed (cancelled), or the pool is closing
+                if conn is not None:
+                    conn.close()
+                raise
             if keep:
-                conns[key] = conn
+                self._idle.setdefault(key, []).append(conn)
             else:
                 conn.close()
-            if any(h.lower() in headers for h in REJECT_HEADERS):
+            if any(name in headers for name in _REJECT_HEADERS_LOWER):
                 return REJECTED, f"HTTP {status} with a reject header"
             if 200 <= status < 300:
                 return NOTIFIED, None
             return RETRY, f"HTTP {status} {reason}".strip()
         return RETRY, "connection closed by the server"
 
-    def close(self) -> None:
-        """Close this thread's connections."""
-        for conn in self._local.__dict__.pop("conns", {}).values():
-            conn.close()
-
-    def _connect(self, scheme: str, host: str, port: int, deadline: float) -> _Connection:
+    async def _connect(self, scheme: str, host: str, port: int) -> _Connection:
+        loop = asyncio.get_running_loop()
         try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError):
             raise CallError("could not resolve the host") from None
         allowed = [i for i in infos if self.settings.address_allowed(ipaddress.ip_address(i[4][0].split("%")[0]))]
         if not allowed:
             raise RefusedTarget
-        sock = None
         for family, kind, proto, _, address in allowed:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             sock = socket.socket(family, kind, proto)
             try:
-                sock.settimeout(remaining)
-                sock.connect(address)
-                break
+                sock.setblocking(False)
+                await loop.sock_connect(sock, address)
             except OSError:
                 sock.close()
-                sock = None
-        if sock is None:
-            raise CallError("could not connect (refused, unreachable or timed out)")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if scheme == "https":
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = scheme == "https"
             try:
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
-                sock = self._tls.wrap_socket(sock, server_hostname=host)
-            except (OSError, ssl.SSLError):
+                reader, writer = await asyncio.open_connection(
+                    sock=sock, limit=MAX_HEADER_BYTES, ssl=self._tls if tls else None, server_hostname=host if tls else None
+                )
+            except OSError:  # ssl.SSLError included
                 sock.close()
                 raise CallError("TLS handshake failed") from None
-        return _Connection(sock)
+            except BaseException:
+                sock.close()
+                raise
+            return _Connection(reader, writer)
+        raise CallError("could not connect (refused, unreachable or timed out)")
 
-    def _exchange(
-        self, conn: _Connection, request: bytes, deadline: float, reused: bool
+    async def _exchange(
+        self, conn: _Connection, request: bytes, reused: bool
     ) -> tuple[int, str, dict[str, str], bool]:
-        sock = conn.sock
+        reader, writer = conn.reader, conn.writer
         limit = self.settings.max_response_bytes
-
-        def timeout() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CallError("timed out")
-            return remaining
-
         try:
-            sock.settimeout(timeout())
-            sock.sendall(request)
-            data = bytearray()
-            while True:
-                end = data.find(b"\r\n\r\n")
-                if end >= 0:
-                    break
-                if len(data) > MAX_HEADER_BYTES:
-                    raise CallError("response headers too long")
-                sock.settimeout(timeout())
-                chunk = sock.recv(65536)
-                if not chunk:
-                    if reused and not data:
-                        raise _StaleConnection
-                    raise CallError("connection closed before a response")
-                data += chunk
-        except (BrokenPipeError, ConnectionResetError):
-            if reused and not conn.calls:
+            writer.write(request)
+            await writer.drain()
+            data = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if reused and not exc.partial:
                 raise _StaleConnection from None
+            raise CallError("connection closed before a response") from None
+        except asyncio.LimitOverrunError:
+            raise CallError("response headers too long") from None
+        except (BrokenPipeError, ConnectionResetError):
             if reused:
                 raise _StaleConnection from None
             raise CallError("connection reset") from None
-        except TimeoutError:
-            raise CallError("timed out") from None
-        conn.calls += 1
-        head = bytes(data[:end]).decode("latin-1")
-        rest = data[end + 4 :]
+        head = data[:-4].decode("latin-1")
         status_line, _, header_text = head.partition("\r\n")
         fields = status_line.split(" ", 2)
         if len(fields) < 2 or not fields[0].startswith("HTTP/1.") or not fields[1].isdigit():
@@ -280,63 +276,43 @@ class HttpSender:
             return status, reason, headers, keep  # no body (1xx is not expected for a POST without Expect)
         try:
             if "chunked" in headers.get("transfer-encoding", "").lower():
-                keep = self._read_chunked(sock, rest, limit, timeout) and keep
+                keep = await self._read_chunked(reader, limit) and keep
             elif "content-length" in headers:
                 length = int(headers["content-length"])
                 if length < 0:
                     raise CallError("invalid HTTP response")
                 if length > limit:
                     return status, reason, headers, False  # not read past the limit: the connection is dropped
-                while len(rest) < length:
-                    sock.settimeout(timeout())
-                    chunk = sock.recv(min(65536, length - len(rest)))
-                    if not chunk:
-                        raise CallError("connection closed in the response body")
-                    rest += chunk
-                keep = keep and len(rest) == length
+                await reader.readexactly(length)
             else:  # read to the end of the connection, up to the limit
-                while len(rest) <= limit:
-                    sock.settimeout(timeout())
-                    chunk = sock.recv(65536)
+                total = 0
+                while total <= limit:
+                    chunk = await reader.read(65536)
                     if not chunk:
                         break
-                    rest += chunk
+                    total += len(chunk)
                 keep = False
-        except TimeoutError:
-            raise CallError("timed out") from None
-        except ValueError:
+        except asyncio.IncompleteReadError:
+            raise CallError("connection closed in the response body") from None
+        except (ValueError, asyncio.LimitOverrunError):
             raise CallError("invalid HTTP response") from None
         return status, reason, headers, keep
 
     @staticmethod
-    def _read_chunked(sock: socket.socket, data: bytearray, limit: int, timeout: Callable[[], float]) -> bool:
+    async def _read_chunked(reader: asyncio.StreamReader, limit: int) -> bool:
         """Read a chunked body up to ``limit`` bytes; True if it ended cleanly (connection reusable)."""
         total = 0
         while True:
-            while b"\r\n" not in data:
-                if len(data) > 1024:
-                    raise CallError("invalid HTTP response")
-                sock.settimeout(timeout())
-                chunk = sock.recv(65536)
-                if not chunk:
-                    raise CallError("connection closed in the response body")
-                data += chunk
-            line, _, rest = bytes(data).partition(b"\r\n")
-            size = int(line.split(b";")[0].strip() or b"x", 16)
+            line = await reader.readuntil(b"\r\n")
+            size = int(line[:-2].split(b";")[0].strip() or b"x", 16)
             total += size
             if total > limit:
                 return False
-            need = size + 2
-            data = bytearray(rest)
-            while len(data) < need:
-                sock.settimeout(timeout())
-                chunk = sock.recv(65536)
-                if not chunk:
-                    raise CallError("connection closed in the response body")
-                data += chunk
-            data = data[need:]
+            end = (await reader.readexactly(size + 2))[-2:]
             if size == 0:
-                return not data  # trailers are not expected; anything left makes the connection unusable
+                return end == b"\r\n"  # trailers are not expected: with them the connection is not reused
+            if end != b"\r\n":
+                raise CallError("invalid HTTP response")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -379,11 +355,12 @@ def _general(exc: BaseException) -> str:
 
 
 class DeliveryPool:
-    """Threads that call due deliveries, let through the worker's gate in due order, with fast retries.
+    """Calls due deliveries, let through the worker's gate in due order, from one event loop, with fast retries.
 
-    One dispatcher thread waits for the earliest due delivery and for idle threads, passes as many due
-    deliveries as there are idle threads through the gate (one transaction), and hands the ones let
-    through to the threads. A fast retry goes back to the heap and through the gate again.
+    One dispatcher thread waits for the earliest due delivery and for free call slots (``concurrency``),
+    passes as many due deliveries as there are free slots through the gate (one transaction), and hands
+    the ones let through to the event loop thread, which runs the calls concurrently. A fast retry goes
+    back to the heap and through the gate again.
     """
 
     def __init__(self, settings: CallbackSettings, launcher: JobLauncher | None = None, gate: Gate | None = None) -> None:
@@ -393,19 +370,17 @@ class DeliveryPool:
         self.gate = gate
         self._launch_lock = threading.Lock()
         self._heap: list[tuple[float, int, Delivery]] = []
-        self._ready: deque[Delivery] = deque()
         self._cond = threading.Condition()  # guards the heap, the dispatcher's state and the counters
-        self._work = threading.Condition()  # guards the ready queue
         self._idle = settings.concurrency
         self._gating = 0
         self._running = 0
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"cmb-callback-{i}", daemon=True) for i in range(settings.concurrency)
-        ]
+        self._loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._caller = threading.Thread(target=self._run_loop, name="cmb-callback-calls", daemon=True)
         self._dispatcher = threading.Thread(target=self._dispatch, name="cmb-callback-dispatch", daemon=True)
-        for thread in (*self._threads, self._dispatcher):
-            thread.start()
+        self._caller.start()
+        self._dispatcher.start()
 
     def submit(self, delivery: Delivery) -> None:
         """Call ``delivery`` at its due time; its ``on_done`` runs when it has an outcome."""
@@ -437,14 +412,19 @@ class DeliveryPool:
     def close(self, timeout: float = 30.0) -> None:
         """Abandon waiting deliveries, let running calls end, stop the threads."""
         self.abandon_waiting()
+        deadline = time.monotonic() + timeout
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        with self._work:
-            self._work.notify_all()
-        deadline = time.monotonic() + timeout
-        for thread in (self._dispatcher, *self._threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self._dispatcher.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            while self._running and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+        try:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        except RuntimeError:  # closed already
+            pass
+        self._caller.join(max(0.0, deadline - time.monotonic()))
 
     # -- the dispatcher ------------------------------------------------------------------------------
 
@@ -478,9 +458,7 @@ class DeliveryPool:
     def _start(self, go: list[Delivery]) -> None:
         with self._cond:
             self._running += len(go)
-        with self._work:
-            self._ready.extend(go)
-            self._work.notify(len(go))
+        self._loop.call_soon_threadsafe(self._begin, go)
 
     def _pass_gate(self, due: list[Delivery]) -> tuple[int, list[Delivery]]:
         """Start what the gate lets through; return (how many started, those not due yet).
@@ -519,56 +497,67 @@ class DeliveryPool:
         settled = {id(d) for d in started} | {id(d) for d in gone}
         return len(started), [d for d in ready if id(d) not in settled]
 
-    # -- the callers ---------------------------------------------------------------------------------
+    # -- the calls, on the event loop thread --------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._work:
-                while not self._ready:
-                    if self._closed:
-                        self.sender.close()
-                        return
-                    self._work.wait(1.0)
-                delivery = self._ready.popleft()
-            try:
-                self._call(delivery)
-            except Exception as exc:  # noqa: BLE001 - our own bug: this event backs off, the others go on
-                log.exception("callback %s crashed", delivery.event_id)
-                try:
-                    delay = max(INTERNAL_ERROR_DELAY, delivery.retry.main_retry_delay(delivery.main_retries))
-                except Exception:  # noqa: BLE001
-                    delay = INTERNAL_ERROR_DELAY
-                delivery.retry_delay = delay
-                self._finish(delivery, RETRY, f"internal error: {type(exc).__name__}")
-            finally:
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self.sender.close()
+            for task in self._tasks:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
+            self._loop.close()
+
+    def _begin(self, go: list[Delivery]) -> None:
+        for delivery in go:
+            task = self._loop.create_task(self._call(delivery))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _call(self, delivery: Delivery) -> None:
+        try:
+            delivery.tries += 1
+            outcome, error = await self._attempt(delivery)
+            if outcome != RETRY:
+                self._finish(delivery, outcome, error)
+                return
+            delivery.error = error
+            if delivery.tries <= delivery.retry.fast_retries and not self._closed:
+                # a fast retry: back to the heap, and through the gate again
+                delivery.due = time.monotonic() + self.settings.fast_retry_pause * 2 ** (delivery.tries - 1)
                 with self._cond:
-                    self._running -= 1
-                    self._idle += 1
+                    heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
                     self._cond.notify_all()
-
-    def _call(self, delivery: Delivery) -> None:
-        delivery.tries += 1
-        outcome, error = self._attempt(delivery)
-        if outcome != RETRY:
-            self._finish(delivery, outcome, error)
-            return
-        delivery.error = error
-        if delivery.tries <= delivery.retry.fast_retries and not self._closed:
-            # a fast retry: back to the heap, and through the gate again
-            delivery.due = time.monotonic() + self.settings.fast_retry_pause * 2 ** (delivery.tries - 1)
+                return
+            delivery.retry_delay = delivery.retry.main_retry_delay(delivery.main_retries)
+            self._finish(delivery, RETRY, error)
+        except Exception as exc:  # our own bug: this event backs off, the others go on
+            log.exception("callback %s crashed", delivery.event_id)
+            try:
+                delay = max(INTERNAL_ERROR_DELAY, delivery.retry.main_retry_delay(delivery.main_retries))
+            except Exception:  # noqa: BLE001
+                delay = INTERNAL_ERROR_DELAY
+            delivery.retry_delay = delay
+            self._finish(delivery, RETRY, f"internal error: {type(exc).__name__}")
+        finally:
             with self._cond:
-                heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
+                self._running -= 1
+                self._idle += 1
                 self._cond.notify_all()
-            return
-        delivery.retry_delay = delivery.retry.main_retry_delay(delivery.main_retries)
-        self._finish(delivery, RETRY, error)
 
-    def _attempt(self, delivery: Delivery) -> tuple[str, str | None]:
+    async def _attempt(self, delivery: Delivery) -> tuple[str, str | None]:
         job_name = dagster_job_name(delivery.cb_url)
         if job_name is None:
-            return self.sender.post(delivery.cb_url, delivery.body())
+            return await self.sender.post(delivery.cb_url, delivery.body())
         if self.launcher is None:
             return RETRY, "dagster:// callbacks need a worker with a Dagster launcher (the Dagster worker job)"
+        return await self._loop.run_in_executor(None, self._launch, delivery, job_name)
+
+    def _launch(self, delivery: Delivery, job_name: str) -> tuple[str, str | None]:
+        """Start the Dagster run of a ``dagster://`` event (blocking: on a thread of the loop's executor)."""
+        assert self.launcher is not None
         context = delivery.context if isinstance(delivery.context, dict) else {}
         tags = {str(k): str(v) for k, v in (context.get("tags") or {}).items()}
         tags.update({"cmb/callback": f"{delivery.owner_client_id}/{delivery.group_key}/{delivery.event_key}"})

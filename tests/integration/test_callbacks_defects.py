@@ -1,5 +1,6 @@
 """Issue 10: promises the callbacks engine broke, each reproduced here first."""
 
+import asyncio
 import random
 import socket
 import subprocess
@@ -397,7 +398,7 @@ def test_the_timeout_is_a_deadline_for_the_whole_call():
     try:
         sender = HttpSender(LOCAL)
         started = time.monotonic()
-        outcome, error = sender.post(f"http://127.0.0.1:{server.port}/cb", b"{}")
+        outcome, error = asyncio.run(sender.post(f"http://127.0.0.1:{server.port}/cb", b"{}"))
         assert (outcome, error) == ("retry", "timed out")
         assert time.monotonic() - started < LOCAL.timeout + 0.5
     finally:
@@ -409,7 +410,7 @@ def test_a_response_body_is_not_read_past_the_limit():
 
     server = RawServer(flood)
     try:
-        outcome, _ = HttpSender(LOCAL).post(f"http://127.0.0.1:{server.port}/cb", b"{}")
+        outcome, _ = asyncio.run(HttpSender(LOCAL).post(f"http://127.0.0.1:{server.port}/cb", b"{}"))
         assert outcome == "notified"
         time.sleep(0.2)
         assert server.sent < 50 * 2**20  # the client stopped reading: the rest was never sent (socket buffers aside)
