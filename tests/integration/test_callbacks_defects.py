@@ -418,6 +418,78 @@ def test_a_response_body_is_not_read_past_the_limit():
         server.close()
 
 
+class KeepAliveServer:
+    """A TCP server answering each request on a connection with ``response``; it closes the connection
+    after ``per_connection`` requests (None: never). ``connections`` counts the connections accepted."""
+
+    def __init__(self, response: bytes, per_connection: int | None = None):
+        self.response = response
+        self.per_connection = per_connection
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn):
+        answered = 0
+        try:
+            while self.per_connection is None or answered < self.per_connection:
+                if not conn.recv(65536):  # the client's request, head and body in one send
+                    return
+                conn.sendall(self.response)
+                answered += 1
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+def post_twice(port: int, pause: float = 0.0) -> list[tuple[str, str | None]]:
+    from cmb_dagster.callbacks.delivery import HttpSender
+
+    async def go():
+        sender = HttpSender(LOCAL)
+        first = await sender.post(f"http://127.0.0.1:{port}/cb", b"{}")
+        await asyncio.sleep(pause)
+        second = await sender.post(f"http://127.0.0.1:{port}/cb", b"{}")
+        sender.close()
+        return [first, second]
+
+    return asyncio.run(go())
+
+
+def test_a_chunked_response_is_read_whole_and_its_connection_reused():
+    server = KeepAliveServer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    try:
+        assert post_twice(server.port) == [("notified", None), ("notified", None)]
+        assert server.connections == 1
+    finally:
+        server.close()
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_and_the_call_succeeds():
+    server = KeepAliveServer(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", per_connection=1)
+    try:
+        assert post_twice(server.port, pause=0.1) == [("notified", None), ("notified", None)]
+        assert server.connections == 2
+    finally:
+        server.close()
+
+
 # -- 7. no event missed while ids commit out of order, with concurrent writers in several processes -----------------------
 
 CREATOR = """
