@@ -344,7 +344,8 @@ def test_the_address_connected_to_is_checked_not_the_name(db, sink, worker):
 
 
 class RawServer:
-    """A TCP server answering every connection with ``respond(socket)`` on a thread of its own."""
+    """A TCP server answering every connection with ``respond(server, socket)`` on a thread of its own;
+    ``connections`` counts the connections accepted."""
 
     def __init__(self, respond):
         self.respond = respond
@@ -353,6 +354,7 @@ class RawServer:
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
         self.sent = 0
+        self.connections = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
@@ -361,6 +363,7 @@ class RawServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            self.connections += 1
             threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
     def _one(self, conn):
@@ -418,44 +421,19 @@ def test_a_response_body_is_not_read_past_the_limit():
         server.close()
 
 
-class KeepAliveServer:
-    """A TCP server answering each request on a connection with ``response``; it closes the connection
-    after ``per_connection`` requests (None: never). ``connections`` counts the connections accepted."""
+def keep_alive(response: bytes, per_connection: int | None = None):
+    """A RawServer answer: ``response`` to each request on the connection, closed after ``per_connection``
+    answers (None: when the client closes it)."""
 
-    def __init__(self, response: bytes, per_connection: int | None = None):
-        self.response = response
-        self.per_connection = per_connection
-        self.connections = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
-
-    def _one(self, conn):
+    def respond(server, conn):
         answered = 0
-        try:
-            while self.per_connection is None or answered < self.per_connection:
-                if not conn.recv(65536):  # the client's request, head and body in one send
-                    return
-                conn.sendall(self.response)
-                answered += 1
-        except OSError:
-            pass
-        finally:
-            conn.close()
+        while True:
+            conn.sendall(response)
+            answered += 1
+            if answered == per_connection or not conn.recv(65536):  # the next request, head and body in one send
+                return
 
-    def close(self):
-        self.sock.close()
+    return respond
 
 
 def post_twice(port: int, pause: float = 0.0) -> list[tuple[str, str | None]]:
@@ -473,7 +451,7 @@ def post_twice(port: int, pause: float = 0.0) -> list[tuple[str, str | None]]:
 
 
 def test_a_chunked_response_is_read_whole_and_its_connection_reused():
-    server = KeepAliveServer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    server = RawServer(keep_alive(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"))
     try:
         assert post_twice(server.port) == [("notified", None), ("notified", None)]
         assert server.connections == 1
@@ -482,7 +460,7 @@ def test_a_chunked_response_is_read_whole_and_its_connection_reused():
 
 
 def test_a_kept_alive_connection_the_server_closed_is_replaced_and_the_call_succeeds():
-    server = KeepAliveServer(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", per_connection=1)
+    server = RawServer(keep_alive(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", per_connection=1))
     try:
         assert post_twice(server.port, pause=0.1) == [("notified", None), ("notified", None)]
         assert server.connections == 2
