@@ -12,6 +12,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
+from cmb_dagster._gc import cyclic_collection_paused
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.admin import set_bucket_count
 from cmb_dagster.callbacks.errors import (
@@ -113,15 +114,16 @@ class CallbackClient:
 
         Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
         """
-        rows = self._new_many(list(events))
-        if not rows:
-            return []
-        with create_transaction(self.db, self.settings) as conn:
-            results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead,
-                                    lock_timeout=self.settings.create_timeout)
-            for result in results:
-                if isinstance(result, Exception):
-                    raise result
+        with cyclic_collection_paused():  # a batch's thousands of objects are freed when it returns
+            rows = self._new_many(list(events))
+            if not rows:
+                return []
+            with create_transaction(self.db, self.settings) as conn:
+                results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead,
+                                        lock_timeout=self.settings.create_timeout)
+                for result in results:
+                    if isinstance(result, Exception):
+                        raise result
         return results  # type: ignore[return-value]
 
     def get(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:

@@ -20,27 +20,25 @@ LOCK_EVENT_IDS = f"SELECT {TAKE_EVENT_IDS_LOCK}"
 LOCK_EVENT_IDS_EXCLUSIVE = "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))"
 
 # The rows come as one JSON array of objects (parsed by Postgres in one pass, far cheaper to send than one
-# array per column); "r" indexes the batch's distinct retry policies, each parsed once.
-INSERT_EVENTS = f"""
-INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
-                                  run_at, originally_run_at, cb_url, context, retry, schedule_id)
-SELECT nextval('callback_event_ids'),
-       (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
-       n.o, n.g, n.k, n.t, n.t, n.u, n.c, b.policies -> n.r, %(schedule_id)s::bigint
-FROM ROWS FROM (json_to_recordset(%(rows)s::json) AS (o text, g text, k text, t timestamptz, u text, c jsonb, r int))
-     WITH ORDINALITY AS n(o, g, k, t, u, c, r, ord)
-CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
-            FROM callback_buckets) AS b  -- before any id is drawn
-ORDER BY n.ord
-ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
-RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
-"""
-
-# The insert, and a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of
-# the earliest run_at>") for the workers of buckets that got an event due before their next poll would see
-# it. The table stays the truth.
-INSERT_EVENTS_NOTIFY = f"""
-WITH ins AS ({INSERT_EVENTS})
+# array per column); "r" indexes the batch's distinct retry policies, each parsed once. Each insert also
+# sends a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of the earliest
+# run_at>") to the workers of buckets that got an event due before their next poll would see it. The table
+# stays the truth.
+_INSERT_EVENTS = f"""
+WITH ins AS (
+    INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
+                                      run_at, originally_run_at, cb_url, context, retry, schedule_id)
+    SELECT nextval('callback_event_ids'),
+           (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
+           n.o, n.g, n.k, n.t, n.t, n.u, n.c, b.policies -> n.r, %(schedule_id)s::bigint
+    FROM ROWS FROM (json_to_recordset(%(rows)s::json) AS (o text, g text, k text, t timestamptz, u text, c jsonb, r int))
+         WITH ORDINALITY AS n(o, g, k, t, u, c, r, ord)
+    CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
+                FROM callback_buckets) AS b  -- before any id is drawn
+    ORDER BY n.ord
+    {{on_conflict}}
+    RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
+)
 SELECT event_id, owner_client_id, group_key, event_key,
        (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
                                s.bucket_id || ':' || extract(epoch FROM s.run_at)::text))
@@ -48,6 +46,13 @@ SELECT event_id, owner_client_id, group_key, event_key,
               WHERE run_at <= now() + make_interval(secs => %(soon)s) GROUP BY bucket_id) AS s)
 FROM ins
 """
+
+# Events whose keys are all new (the common case): a plain insert, which a key already taken fails with a
+# unique violation. It costs about a third less than INSERT_EVENTS, which checks every key before its row.
+INSERT_NEW_EVENTS = _INSERT_EVENTS.format(on_conflict="")
+
+# Events whose keys may be taken: those rows are skipped, and the caller compares them with the stored ones.
+INSERT_EVENTS = _INSERT_EVENTS.format(on_conflict="ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING")
 
 CHANNEL = "callbacks"  # LISTEN on cmb_dagster.notifications.channel_name(db, CHANNEL)
 NOTIFY = "SELECT pg_notify(current_schema() || '.' || 'callbacks', %(payload)s)"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import queue
 import threading
@@ -11,10 +10,12 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from datetime import UTC
 from typing import Any
 
 import psycopg
 import psycopg_pool
+import pydantic_core
 from psycopg.rows import dict_row
 
 from cmb_dagster.callbacks import sql
@@ -191,20 +192,20 @@ def insert_events(
 
     Waiting longer than ``lock_timeout`` seconds (0: no limit) for a lock raises LockNotAvailable.
     """
-    policies: dict[RetryPolicy, int] = {}
+    policies, indexes = _distinct_policies(events)
     rows = [
-        {"o": e.owner_client_id, "g": e.group_key, "k": e.event_key, "t": e.run_at.isoformat(), "u": e.cb_url,
-         "c": e.context, "r": policies.setdefault(e.retry, len(policies))}
-        for e in events
+        {"o": e.owner_client_id, "g": e.group_key, "k": e.event_key, "t": e.run_at.astimezone(UTC), "u": e.cb_url,
+         "c": e.context, "r": r}
+        for e, r in zip(events, indexes, strict=True)
     ]
     params: dict[str, Any] = {
-        "rows": json.dumps(rows, separators=(",", ":"), ensure_ascii=False, allow_nan=False),
+        "rows": pydantic_core.to_json(rows).decode(),  # contexts were checked to be JSON; datetimes in UTC
         "policies": "[" + ",".join(_policy_json(policy) for policy in policies) + "]",
         "schedule_id": schedule_id,
         "soon": soon,
         "lock_timeout": f"{round(lock_timeout * 1000)}ms",
     }
-    inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS_NOTIFY, params).fetchall()}
+    inserted = {(o, g, k): i for i, o, g, k, _ in _insert_rows(conn, params)}
     if len(inserted) == len(events):  # every key new and distinct
         return [inserted[(e.owner_client_id, e.group_key, e.event_key)] for e in events]
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
@@ -231,6 +232,34 @@ def insert_events(
         else:
             results.append(CallbackConflict(f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"))
     return results
+
+
+def _distinct_policies(events: Sequence[NewCallback]) -> tuple[list[RetryPolicy], list[int]]:
+    """The distinct retry policies of ``events``, and each event's index among them (events mostly share
+    one policy object, which is then compared once, not once per event)."""
+    distinct: dict[RetryPolicy, int] = {}
+    by_object: dict[int, int] = {}
+    indexes = []
+    for event in events:
+        index = by_object.get(id(event.retry))
+        if index is None:
+            index = by_object[id(event.retry)] = distinct.setdefault(event.retry, len(distinct))
+        indexes.append(index)
+    return list(distinct), indexes
+
+
+def _insert_rows(conn: psycopg.Connection, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Insert as new keys; if one is taken, insert again skipping the taken ones. A savepoint undoes the
+    first attempt when ``conn`` is in a transaction (in autocommit the failed statement left nothing)."""
+    savepoint = not conn.autocommit
+    if savepoint:
+        conn.execute("SAVEPOINT cmb_new_events")
+    try:
+        return conn.execute(sql.INSERT_NEW_EVENTS, params).fetchall()
+    except psycopg.errors.UniqueViolation:
+        if savepoint:
+            conn.execute("ROLLBACK TO SAVEPOINT cmb_new_events")
+        return conn.execute(sql.INSERT_EVENTS, params).fetchall()
 
 
 @functools.lru_cache(maxsize=256)

@@ -26,15 +26,13 @@ inputs did not change need no evaluation: there is no periodic full scan.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -42,6 +40,7 @@ from typing import Any
 import psycopg
 
 from cmb_dagster import pubsub
+from cmb_dagster._gc import cyclic_collection_paused
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import CTL_BRANCH_ID, read_values, values_as_of, values_from_json, values_to_json
 from cmb_dagster.database import Database
@@ -194,7 +193,7 @@ class TaskScheduler:
             self._lease, self._report = lease, report
             try:
                 # one connection for the tick, one transaction per step
-                with _cyclic_collection_paused(), self.database.connection() as conn:
+                with cyclic_collection_paused(), self.database.connection() as conn:
                     self._sync_definitions(conn, lease, now, report)
                     self._read_changes(deadline, report)
                     in_flight = self._follow_runs(conn, lease, runs, now, report)
@@ -644,23 +643,6 @@ class TaskScheduler:
             for e in evaluations
         ]
         conn.execute(sql.SAVE_EVALUATIONS, {**params, "rows": json.dumps(rows)})
-
-
-@contextmanager
-def _cyclic_collection_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for one tick (reference counting still frees the tick's objects).
-
-    A tick keeps thousands of rows and evaluations alive at once; the collector would otherwise scan the whole
-    process heap (a Dagster code server's is large) once or twice per busy tick, for objects freed when it ends.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _values_text(values: Mapping[ParameterKey, datetime]) -> str:

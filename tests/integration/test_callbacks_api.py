@@ -1,3 +1,4 @@
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
@@ -57,10 +58,11 @@ def test_create_many_stores_each_event_as_given(client):
         ("k1", at.astimezone(timezone(timedelta(hours=-7, minutes=-30))) + timedelta(microseconds=1), None, None),
         ("k2", at, [1, {"é": None}], slow),
         ("k3", at, {"n": 1.5}, fast),
+        ("k4", at.astimezone(timezone(timedelta(hours=5, minutes=30, seconds=15))), 2**70, None),  # offset in seconds
     ]
     ids = client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": key, "run_at": run_at,
                                "cb_url": URL, "context": context, "retry": retry} for key, run_at, context, retry in given])
-    assert len(set(ids)) == 4
+    assert len(set(ids)) == len(given)
     for event_id, (key, run_at, context, retry) in zip(ids, given, strict=True):
         event = client.get("a", "g", key)
         assert (event.event_id, event.run_at, event.context, event.retry) == (event_id, run_at, context, retry or RetryPolicy())
@@ -75,6 +77,32 @@ def test_create_many_is_all_or_nothing(client, db):
     with pytest.raises(CallbackConflict):
         client.create_many(clash)
     assert count(db) == 4
+
+
+def test_create_many_again_returns_the_stored_ids_and_adds_the_new(client, db):
+    at = later()
+    rows = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at, "cb_url": URL} for i in range(4)]
+    first = client.create_many(rows[:2])
+    with db.connection() as conn:
+        drawn_before = conn.execute("SELECT last_value FROM callback_event_ids").fetchone()[0]
+    again = client.create_many([rows[2], rows[0], rows[3], rows[1]])
+    assert (again[1], again[3]) == (first[0], first[1])
+    assert drawn_before < again[0] < again[2] and count(db) == 4
+    assert [client.get("a", "g", f"k{i}").event_id for i in range(4)] == [first[0], first[1], again[0], again[2]]
+
+
+def test_create_many_pauses_the_cyclic_collector_and_gives_it_back(client):
+    seen = []
+
+    def events():  # read inside the call
+        seen.append(gc.isenabled())
+        yield {"owner_client_id": "a", "group_key": "g", "event_key": "k", "run_at": later(), "cb_url": URL}
+
+    client.create_many(events())
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(CallbackValidationError):
+        client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": "k", "run_at": later(), "cb_url": ""}])
+    assert gc.isenabled()
 
 
 def test_bad_input_writes_nothing(client, db):
