@@ -6,7 +6,7 @@ Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, drop
 go to a local HTTP sink on 127.0.0.1 in a process of its own (so the producers' threads here cannot delay its
 clock readings); the cmb worker (``cmb-dagster callbacks worker``) and the PgQueuer consumer run as separate
 processes, one at a time. Lateness is the sink's arrival time minus
-the event's run_at. PgQueuer (pip install pgqueuer) is only needed here. The last line is JSON.
+the event's run_at, measured once each consumer has called a warm-up probe (a long-running consumer). PgQueuer (pip install pgqueuer) is only needed here. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -281,6 +281,14 @@ def steady_run_ats(rate: int, seconds: float):  # type: ignore[no-untyped-def]
         yield start + i / rate, delay
 
 
+def warmed_up(sink: SinkProcess) -> None:
+    """Wait for the probe the consumer just got to reach the sink, then forget it: the steady figures are
+    those of a consumer already running (started, connected, listening), as a deployment's is."""
+    if not wait_for(lambda: sink.count() >= 1, timeout=60):
+        raise RuntimeError("the consumer did not call the warm-up probe within 60 s")
+    sink.clear()
+
+
 def lateness_summary(name: str, calls: list) -> dict[str, float]:  # type: ignore[type-arg]
     latenesses = [c.started - datetime.fromisoformat(c.body["run_at"]).timestamp() for c in calls]
     delays = [c.body["context"]["delay"] for c in calls]
@@ -307,12 +315,15 @@ def lateness_summary(name: str, calls: list) -> dict[str, float]:  # type: ignor
 def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float) -> dict[str, float]:
     sink.clear()
     worker = start_cmb_worker(db.url)
-    schedule = list(steady_run_ats(rate, seconds))
     dead: list[int] = []
     lags: list[float] = []  # how late each create returned, against its planned moment
-    expected = len(schedule)
     try:
         with CallbackClient(db, LOCAL) as client, ThreadPoolExecutor(8) as pool:
+            client.create("bench", "warm-up", "probe", datetime.now(UTC), f"{sink.url}/cb")
+            warmed_up(sink)
+            schedule = list(steady_run_ats(rate, seconds))
+            expected = len(schedule)
+
             def produce(part: int) -> None:
                 for n, (at, delay) in enumerate(schedule[part::8]):
                     pause = at - time.monotonic()
@@ -347,7 +358,7 @@ def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float)
     summary["dead_tuples_end"] = dead[-1] if dead else 0
     with db.connection() as conn:
         summary["table_mb"] = round(conn.execute("SELECT pg_total_relation_size('callback_events')").fetchone()[0] / 2**20, 1)
-        summary["rows"] = conn.execute("SELECT count(*) FROM callback_events").fetchone()[0]
+        summary["rows"] = conn.execute("SELECT count(*) FROM callback_events WHERE group_key = 'steady'").fetchone()[0]
     print(f"  cmb dead tuples in callback_events: max {summary['dead_tuples_max']:,}, end "
           f"{summary['dead_tuples_end']:,} ({summary['rows']:,} rows, {summary['table_mb']} MB with indexes)")
     return summary
@@ -482,6 +493,19 @@ def bench_pgqueuer_single_enqueue(url: str, producers: int, seconds: float) -> i
 def bench_pgqueuer_steady(url: str, sink: SinkProcess, rate: int, seconds: float) -> dict[str, float]:
     sink.clear()
     consumer = start_pgqueuer_consumer(url, sink.url)
+
+    async def probe() -> None:
+        import asyncpg
+        from pgqueuer.db import AsyncpgDriver
+        from pgqueuer.queries import Queries
+
+        conn = await asyncpg.connect(url)
+        payload = json.dumps({"event_id": "probe", "run_at": datetime.now(UTC).isoformat(), "context": None})
+        await Queries(AsyncpgDriver(conn)).enqueue("callback", payload.encode(), 0)
+        await conn.close()
+
+    asyncio.run(probe())
+    warmed_up(sink)
     schedule = list(steady_run_ats(rate, seconds))
     dead: list[int] = []
     lags: list[float] = []
