@@ -40,6 +40,13 @@ def left(db) -> int:
         return conn.execute("SELECT count(*) FROM eventqueue_events").fetchone()[0]
 
 
+def running_a_batch(procs: list[subprocess.Popen], out: Path) -> list[subprocess.Popen]:
+    """The live workers that recorded a handler run in the last 50 ms."""
+    now = time.time()
+    logs = {p: out / f"{p.pid}.log" for p in procs if p.poll() is None}
+    return [p for p, log in logs.items() if log.exists() and now - log.stat().st_mtime < 0.05]
+
+
 def emit_all(db, n: int) -> list[int]:
     import eventqueue_handlers
 
@@ -86,7 +93,7 @@ def test_four_workers_process_10000_events_exactly_once(db, database_url, tmp_pa
 def test_kill_9_workers_repeatedly_loses_nothing_and_lock_expiry_bounds_the_delay(db, database_url, tmp_path):
     lock_expiry = 2.0
     ids = emit_all(db, 10_000)
-    env = env_for(database_url, tmp_path, EQ_SLEEP="0.0005", EQ_LOCK_EXPIRY=str(lock_expiry))
+    env = env_for(database_url, tmp_path, EQ_SLEEP="0.002", EQ_LOCK_EXPIRY=str(lock_expiry))  # a batch is mostly handler time
     command = [*WORKER, "--batch-size", "20"]
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(4)]
     kills: list[tuple[float, int]] = []
@@ -95,7 +102,9 @@ def test_kill_9_workers_repeatedly_loses_nothing_and_lock_expiry_bounds_the_dela
         for _ in range(3):
             wait_until(lambda: sum(len(v) for v in runs(tmp_path).values()) >= 1500 * (len(kills) + 1),
                        timeout=60, what="progress before the next kill", interval=0.05)
-            victim = rng.choice([p for p in procs if p.poll() is None])
+            wait_until(lambda: running_a_batch(procs, tmp_path), timeout=30, what="a worker running a batch",
+                       interval=0.005)
+            victim = rng.choice(running_a_batch(procs, tmp_path))  # killed mid-batch: its runs are not committed
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
             kills.append((time.time(), victim.pid))
