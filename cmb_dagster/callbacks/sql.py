@@ -208,14 +208,24 @@ WHERE event_id = %(event_id)s AND status = 'pending'
 
 # Outcomes of calls, in one statement (attempts were counted by the gate). 'retry' moves run_at (never to or before the cursor's run_at, so
 # query 1 finds it again) unless stop_after_delay has passed since originally_run_at: then 'failed'.
+# Planned by the primary key whatever the statistics: each event is read by its id (OFFSET 0 keeps the lookup per id),
+# and the update matches the status it read rather than the literal 'pending', which would let a planner without
+# statistics on status (autovacuum off) read the whole partial pending index for every batch. The deadline is only
+# computed for a retry, so an outcome that ends an event is written whatever its stored stop_after_delay.
 FINISH_EVENTS = """
-WITH u AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[], %(tries)s::int[], %(errors)s::text[],
-                         %(delays)s::float8[]) AS u(event_id, outcome, tries, error, delay)
-), d AS (
-    SELECT u.*, e.originally_run_at + make_interval(secs => (e.retry ->> 'stop_after_delay')::float8) AS deadline
-    FROM u JOIN callback_events e USING (event_id)
+WITH read AS MATERIALIZED (
+    SELECT u.*, e.status AS read_status, e.originally_run_at, e.stop_after_delay
+    FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[], %(errors)s::text[], %(delays)s::float8[])
+         AS u(event_id, outcome, error, delay)
+    CROSS JOIN LATERAL (
+        SELECT e.status, e.originally_run_at, e.retry ->> 'stop_after_delay' AS stop_after_delay
+        FROM callback_events e
+        WHERE e.event_id = u.event_id
+        OFFSET 0
+    ) e
     WHERE e.status = 'pending'
+), d AS (
+    SELECT read.*, read.originally_run_at + make_interval(secs => read.stop_after_delay::float8) AS deadline FROM read
 ), s AS (
     SELECT d.*, CASE WHEN d.outcome <> 'retry' THEN d.outcome
                      WHEN now() >= d.deadline THEN 'failed'
@@ -233,7 +243,7 @@ SET status = s.new_status,
     finished_at = CASE WHEN s.new_status <> 'pending' THEN now() END,
     updated_at = now()
 FROM s
-WHERE e.event_id = s.event_id AND e.status = 'pending'
+WHERE e.event_id = ANY(%(ids)s::bigint[]) AND e.event_id = s.event_id AND e.status = s.read_status
 """
 
 # -- buckets --------------------------------------------------------------------------------------

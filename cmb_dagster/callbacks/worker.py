@@ -471,7 +471,6 @@ def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:
     return {
         "ids": [d.event_id for d in finished],
         "outcomes": [d.outcome for d in finished],
-        "tries": [d.tries for d in finished],
         "errors": [d.error for d in finished],
         "delays": [d.retry_delay for d in finished],
         "cursor_run_at": cursor[0],

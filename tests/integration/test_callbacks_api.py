@@ -284,3 +284,28 @@ def test_poller_queries_use_the_partial_index_at_one_million_pending_events(db):
             plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query, params))
             assert "callback_events_pending" in plan, plan
             assert "Seq Scan" not in plan, plan
+
+
+@pytest.mark.parametrize("statistics", [False, True], ids=["without-statistics", "analyzed"])
+def test_outcome_write_reads_events_by_id_with_or_without_statistics(db, statistics):
+    with db.connection() as conn:
+        conn.execute("SET LOCAL synchronous_commit = off")
+        conn.execute(
+            """
+            INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
+                                         originally_run_at, cb_url, retry)
+            SELECT i, i % 4, 'o', 'g', i::text, now(), now(), 'http://x', '{"stop_after_delay": 60}'
+            FROM generate_series(1, 100000) AS i
+            """
+        )
+    with psycopg.connect(db.url, autocommit=True, **db.connect_kwargs) as conn:
+        if statistics:
+            conn.execute("ANALYZE callback_events")
+        from cmb_dagster.callbacks import sql
+
+        ids = list(range(5000, 5500))
+        params = {"ids": ids, "outcomes": ["notified"] * 500, "errors": [None] * 500, "delays": [0.0] * 500,
+                  "cursor_run_at": datetime.now(UTC)}
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.FINISH_EVENTS, params))
+        assert "callback_events_pending" not in plan, plan  # every pending event read, for each batch
+        assert "Seq Scan on callback_events" not in plan, plan
