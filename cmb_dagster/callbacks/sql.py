@@ -145,7 +145,10 @@ ORDER BY run_at, event_id
 LIMIT %(limit)s
 """
 
-# Query 2: events inserted after the cursor had passed their run_at (ids above the seen horizon).
+# Query 2: events inserted after the cursor had passed their run_at (ids above the seen horizon). Sent with query 1,
+# it reads up to the cursor query 1 started from: events between that and where query 1 moves the cursor are read
+# by query 1 if their ids are within the horizon (committed before the writers were read), and by the next query 2
+# otherwise.
 POLL_LATE = f"""
 SELECT {POLL_COLUMNS} FROM callback_events
 WHERE bucket_id = %(bucket)s AND status = 'pending'

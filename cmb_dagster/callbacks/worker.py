@@ -326,35 +326,33 @@ class CallbackWorker:
         params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
         with state.lock:
             cursor, seen = state.cursor, state.seen_event_id
-        with self._on_loop_connection(pipeline=True, transaction=False) as conn:  # the lease, the writers, query 1: one round trip
+        with self._on_loop_connection(pipeline=True, transaction=False) as conn:  # the lease, the writers, the queries: one round trip
             asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
             remaining_cur = conn.execute(sql.LEASE_REMAINING, _lease_params(lease))
             drawers_cur = conn.execute(sql.EVENT_ID_DRAWERS)
             ahead_cur = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]})
-            remaining = remaining_cur.fetchone()
-            horizon = self._horizon.advance(drawers_cur.fetchone())
-            ahead = ahead_cur.fetchall()
-            ahead_read_at = time.monotonic()  # after the database clock is read: due times err late, never early
-            if remaining is None:
-                raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
-            state.lease_deadline = asked_at + remaining[0]
-            if ahead:
-                cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
-            late = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen}).fetchall()
-            late_read_at = time.monotonic()
+            late_cur = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen})
+        read_at = time.monotonic()  # after the database clock is read: due times err late, never early
+        remaining = remaining_cur.fetchone()
+        if remaining is None:
+            raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
+        state.lease_deadline = asked_at + remaining[0]
+        horizon = self._horizon.advance(drawers_cur.fetchone())
+        ahead, late = ahead_cur.fetchall(), late_cur.fetchall()
+        if ahead:
+            cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
         full = len(ahead) == room or len(late) == room
         new_seen = min(late[-1][0], horizon) if len(late) == room else horizon
         fresh = []
         with state.lock:
             state.cursor = max(state.cursor, cursor)
             state.seen_event_id = max(state.seen_event_id, new_seen)
-            for read_at, rows in ((ahead_read_at, ahead), (late_read_at, late)):
-                for row in rows:
-                    if row[0] not in state.in_flight:
-                        state.in_flight[row[0]] = (row[1], row[0])
-                        fresh.append((read_at, row))
+            for row in (*ahead, *late):
+                if row[0] not in state.in_flight:
+                    state.in_flight[row[0]] = (row[1], row[0])
+                    fresh.append(row)
         deadline = lambda: state.lease_deadline
-        for read_at, row in fresh:
+        for row in fresh:
             (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
             try:
                 policy = stored_policy(retry)
