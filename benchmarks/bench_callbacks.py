@@ -189,6 +189,12 @@ def vacuum(url: str, table: str) -> None:
         conn.execute(f"VACUUM {table}")
 
 
+def checkpoint(url: str) -> None:
+    """Flush what earlier phases wrote, so that no side's timed phase pays for a checkpoint of another's WAL."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+
+
 def dead_tuples(url: str, table: str) -> int:
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = %s", (table,)).fetchone()
@@ -237,6 +243,7 @@ def create_burst_events(db: Database, sink: SinkProcess, count: int, peer: bool)
 
 
 def bench_cmb_burst(db: Database, sink: SinkProcess, count: int) -> dict[str, float]:
+    checkpoint(db.url)
     with db.connection() as conn:
         due = conn.execute(
             "UPDATE callback_events SET run_at = now() + interval '4 seconds', originally_run_at = now() + "
@@ -313,6 +320,7 @@ def lateness_summary(name: str, calls: list) -> dict[str, float]:  # type: ignor
 
 
 def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float) -> dict[str, float]:
+    checkpoint(db.url)
     sink.clear()
     worker = start_cmb_worker(db.url)
     dead: list[int] = []
@@ -431,6 +439,7 @@ def errors_logged(name: str) -> int:
 
 
 def bench_pgqueuer_burst(url: str, sink: SinkProcess, count: int) -> dict[str, float]:
+    checkpoint(url)
     with psycopg.connect(url, autocommit=True) as conn:  # due in 4 s, as for cmb
         due = conn.execute("UPDATE pgqueuer SET execute_after = now() + interval '4 seconds' RETURNING execute_after").fetchone()[0]
     vacuum(url, "pgqueuer")
@@ -491,6 +500,7 @@ def bench_pgqueuer_single_enqueue(url: str, producers: int, seconds: float) -> i
 
 
 def bench_pgqueuer_steady(url: str, sink: SinkProcess, rate: int, seconds: float) -> dict[str, float]:
+    checkpoint(url)
     sink.clear()
     consumer = start_pgqueuer_consumer(url, sink.url)
 
@@ -608,7 +618,8 @@ def main() -> None:
                     ratios["lateness_p99_pgqueuer_over_cmb"] = ps["p99_s"] / max(cs["p99_s"], 1e-3)
                     for kind in ("due_at_creation", "due_within_next_poll", "ahead_of_time"):
                         ratios[f"{kind}_p99_pgqueuer_over_cmb"] = ps[f"{kind}_p99_s"] / max(cs[f"{kind}_p99_s"], 1e-3)
-                results["lateness_target_met"] = cs["p99_s"] < 0.05
+                results["lateness_target_met"] = all(
+                    cs[f"{kind}_p99_s"] < 0.05 for kind in ("due_at_creation", "due_within_next_poll", "ahead_of_time"))
                 print(f"  lateness target (p99 < 50 ms at {rate}/s, every kind): "
                       f"{'met' if results['lateness_target_met'] else 'MISSED'}")
         results["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
