@@ -148,12 +148,16 @@ LIMIT %(limit)s
 # Query 2: events inserted after the cursor had passed their run_at (ids above the seen horizon). Sent with query 1,
 # it reads up to the cursor query 1 started from: events between that and where query 1 moves the cursor are read
 # by query 1 if their ids are within the horizon (committed before the writers were read), and by the next query 2
-# otherwise.
+# otherwise. It reads the bucket's pending ids above the horizon (callback_events_pending_ids), whatever the
+# statistics: run_at is checked outside the subquery (OFFSET 0 keeps it there), where no index could use it.
 POLL_LATE = f"""
-SELECT {POLL_COLUMNS} FROM callback_events
-WHERE bucket_id = %(bucket)s AND status = 'pending'
-  AND run_at <= %(run_at)s
-  AND event_id > %(max_event_id)s
+SELECT {POLL_COLUMNS} FROM (
+    SELECT * FROM callback_events
+    WHERE bucket_id = %(bucket)s AND status = 'pending' AND event_id > %(max_event_id)s
+    ORDER BY event_id
+    OFFSET 0
+) AS e
+WHERE run_at <= %(run_at)s
 ORDER BY event_id
 LIMIT %(limit)s
 """

@@ -693,6 +693,8 @@ CREATE INDEX callback_events_outcomes ON cmb.callback_events USING btree (finish
 
 CREATE INDEX callback_events_pending ON cmb.callback_events USING btree (bucket_id, run_at, event_id) WHERE (status = 'pending'::text);
 
+CREATE INDEX callback_events_pending_ids ON cmb.callback_events USING btree (bucket_id, event_id) WHERE (status = 'pending'::text);
+
 CREATE INDEX callback_events_schedule ON cmb.callback_events USING btree (schedule_id) WHERE (schedule_id IS NOT NULL);
 
 CREATE INDEX ctl_history_backwards ON cmb.ctl_history USING btree (id) WHERE backwards;
