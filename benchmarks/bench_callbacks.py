@@ -195,6 +195,19 @@ def checkpoint(url: str) -> None:
         conn.execute("CHECKPOINT")
 
 
+def autovacuum_counts(url: str) -> dict[str, int]:
+    """Per table, how many times autovacuum vacuumed or analyzed it so far."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute("SELECT schemaname || '.' || relname, autovacuum_count + autoanalyze_count "
+                            "FROM pg_stat_user_tables").fetchall()
+    return dict(rows)
+
+
+def autovacuumed_since(url: str, before: dict[str, int]) -> list[str]:
+    """The tables autovacuum visited since ``before`` was read (its work shares the machine with the run)."""
+    return sorted(t for t, n in autovacuum_counts(url).items() if n > before.get(t, 0))
+
+
 def dead_tuples(url: str, table: str) -> int:
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = %s", (table,)).fetchone()
@@ -349,6 +362,7 @@ def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float)
                     dead.append(dead_tuples(db.url, "callback_events"))
 
             threading.Thread(target=sample, daemon=True).start()
+            maintenance = autovacuum_counts(db.url)
             cpu_before, started = cpu_seconds(worker.pid), time.monotonic()
             list(pool.map(produce, range(8)))
             wait_for(lambda: sink.count() >= expected, timeout=60)
@@ -362,6 +376,8 @@ def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float)
     print(f"  cmb producers: create returned p99 {summary['producer_lag_p99_s']:.3f}s after its planned moment")
     summary["cpu_percent"] = round(100 * cpu / elapsed)
     print(f"  cmb worker CPU during the steady run: {summary['cpu_percent']}% of a core")
+    summary["autovacuumed"] = autovacuumed_since(db.url, maintenance)
+    print(f"  autovacuum during the cmb steady run: {', '.join(summary['autovacuumed']) or 'none'}")
     summary["dead_tuples_max"] = max(dead, default=0)
     summary["dead_tuples_end"] = dead[-1] if dead else 0
     with db.connection() as conn:
@@ -543,6 +559,7 @@ def bench_pgqueuer_steady(url: str, sink: SinkProcess, rate: int, seconds: float
         await asyncio.gather(*(part(n) for n in range(8)))
 
     try:
+        maintenance = autovacuum_counts(url)
         cpu_before, started = cpu_seconds(consumer.pid), time.monotonic()
         asyncio.run(produce())
         wait_for(lambda: sink.count() >= len(schedule), timeout=60)
@@ -557,6 +574,8 @@ def bench_pgqueuer_steady(url: str, sink: SinkProcess, rate: int, seconds: float
     summary["errors_logged"] = errors_logged("pgqueuer-consumer.log")
     print(f"  PgQueuer consumer CPU during the steady run: {summary['cpu_percent']}% of a core, "
           f"{summary['errors_logged']} errors logged")
+    summary["autovacuumed"] = autovacuumed_since(url, maintenance)
+    print(f"  autovacuum during the PgQueuer steady run: {', '.join(summary['autovacuumed']) or 'none'}")
     summary["dead_tuples_max"] = max(dead, default=0)
     return summary
 
