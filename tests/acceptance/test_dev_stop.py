@@ -50,6 +50,15 @@ def workers_working(env: dict[str, str]) -> bool:
     return WORKER_KINDS <= kinds and not busy
 
 
+def wait_stopped(proc: subprocess.Popen, sessions: list[int]) -> None:
+    """Wait for ``proc`` to exit; if it outlives the limit, fail naming what still runs in its sessions."""
+    try:
+        proc.wait(timeout=STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {STOP_WITHIN_S} s after the stop:\n"
+                             + "\n".join(session_processes(s)[:2000] for s in sessions)) from None
+
+
 def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float) -> None:
     try:
         wait_until(lambda: not any(session_processes(s) for s in sessions), STOP_WITHIN_S, "every process to stop",
@@ -78,7 +87,7 @@ def test_sigterm_to_the_process_group_of_make_dev(stop_env):
         sessions = [make.pid, *dagster_sessions(make.pid)]
         os.killpg(make.pid, signal.SIGTERM)
         stopped_at = time.monotonic()
-        make.wait(timeout=STOP_WITHIN_S)
+        wait_stopped(make, sessions)
         check_stopped_cleanly(stop_env, sessions, stopped_at)
     finally:
         with_kill(make.pid)
@@ -98,7 +107,7 @@ def test_ctrl_c_in_a_terminal(stop_env):
         sessions = [proc.pid, *dagster_sessions(proc.pid)]
         os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
         stopped_at = time.monotonic()
-        proc.wait(timeout=STOP_WITHIN_S)
+        wait_stopped(proc, sessions)
         check_stopped_cleanly(stop_env, sessions, stopped_at)
     finally:
         with_kill(proc.pid)
