@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeAlias
+
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
@@ -182,11 +183,14 @@ class Database:
 class OwnConnection:
     """One thread's connection of its own, outside the pool (no check on each use), in autocommit.
 
-    Opened on first use, and again on the use after it broke or closed.
+    Opened on first use, and again on the use after it broke or closed. With ``custom_plans``, every
+    statement is planned for the tables as they are when it runs: a plan cached while a table was small
+    (a sequential scan) would otherwise be kept as the table grows, until its statistics change.
     """
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, *, custom_plans: bool = False) -> None:
         self.db = db
+        self.custom_plans = custom_plans
         self._conn: psycopg.Connection | None = None
 
     @property
@@ -199,6 +203,8 @@ class OwnConnection:
         if self.lost:
             self.close()
             self._conn = self.db.connect(autocommit=True)
+            if self.custom_plans:
+                self._conn.execute("SET plan_cache_mode = force_custom_plan")
         return self._conn  # type: ignore[return-value]
 
     def close(self) -> None:

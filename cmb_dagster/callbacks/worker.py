@@ -119,8 +119,10 @@ class CallbackWorker:
         self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
-        self._gate_conn = OwnConnection(db)  # the dispatcher's: no pool check on the path of every call
-        self._loop_conn = OwnConnection(db)  # the worker loop's: polls and outcome writes
+        # each its own, with no pool check on the path of every call, and planned at each run: a plan cached
+        # while callback_events was small (a sequential scan) would be kept as it grows
+        self._gate_conn = OwnConnection(db, custom_plans=True)  # the dispatcher's
+        self._loop_conn = OwnConnection(db, custom_plans=True)  # the worker loop's: polls and outcome writes
         self._worker = Worker(
             db,
             LEASE_KIND,

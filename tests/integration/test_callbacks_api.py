@@ -316,3 +316,60 @@ def test_outcome_write_reads_events_by_id_with_or_without_statistics(db, statist
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.FINISH_EVENTS, params))
         assert "callback_events_pending" not in plan, plan  # every pending event read, for each batch
         assert "Seq Scan on callback_events" not in plan, plan
+
+
+def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
+    """A worker started on a small table keeps index-driven plans once it has grown (statistics unchanged): a plan
+    cached while the table was small reads the whole table at every call."""
+    from psycopg import ClientCursor
+
+    from cmb_dagster.callbacks import sql
+    from cmb_dagster.callbacks.worker import CallbackWorker
+
+    def insert(first: int, last: int) -> None:
+        with db.connection() as conn:
+            conn.execute("SET LOCAL synchronous_commit = off")
+            conn.execute(
+                """
+                INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
+                                             originally_run_at, cb_url, retry)
+                SELECT i, i %% 4, 'o', 'g', i::text, t, t, 'http://x', '{}'
+                FROM generate_series(%s::int, %s::int) AS i, LATERAL (SELECT now() + make_interval(secs => i)) AS r(t)
+                """,
+                (first, last),
+            )
+
+    now = datetime.now(UTC)
+    ids = [21, 25, 29]
+    statements = {
+        "gate": (sql.GATE, {"kind": "callbacks.bucket", "owner": "me", "partitions": ["1"], "fences": [1], "ids": ids}),
+        "finish": (sql.FINISH_EVENTS, {"ids": ids, "outcomes": ["notified"] * 3, "errors": [None] * 3,
+                                       "delays": [0.0] * 3, "cursor_run_at": now}),
+        "ahead": (sql.POLL_AHEAD, {"bucket": 1, "lookahead": 2.0, "limit": 1000, "run_at": now, "event_id": 0}),
+        "late": (sql.POLL_LATE, {"bucket": 1, "limit": 1000, "run_at": now, "max_event_id": 20}),
+    }
+    insert(1, 40)
+    worker = CallbackWorker(db, LOCAL)
+    conn = worker._loop_conn.get()  # as the worker's connections are set up
+    try:
+        explain = {}
+        for name, (statement, params) in statements.items():
+            names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+            text = re.sub(r"%\((\w+)\)s", lambda m, names=names: f"${names.index(m.group(1)) + 1}", statement)
+            conn.execute(f"PREPARE {name} AS {text.replace('%%', '%')}")
+            run = f"EXECUTE {name}({', '.join(['%s'] * len(names))})"
+            args = [params[n] for n in names]
+            with conn.transaction(force_rollback=True):
+                for _ in range(8):  # past the executions after which Postgres may cache a plan for good
+                    ClientCursor(conn).execute(run, args)
+            explain[name] = lambda run=run, args=args: "\n".join(
+                r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
+        insert(41, 50_000)
+        plans = {name: plan() for name, plan in explain.items()}
+    finally:
+        worker._loop_conn.close()
+    for plan in plans.values():
+        assert "Seq Scan on callback_events" not in plan, plans
+    assert "callback_events_pkey" in plans["gate"] and "callback_events_pkey" in plans["finish"], plans
+    assert "Index Scan using callback_events_pending on" in plans["ahead"] and "Sort" not in plans["ahead"], plans
+    assert re.search(r"Index Cond: .*event_id > ", plans["late"]), plans
