@@ -23,7 +23,7 @@ from zoneinfo import ZoneInfo
 import psycopg
 from croniter import croniter
 
-from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.database import Database, DatabaseSource, OwnConnection
 from cmb_dagster.eventqueue import sql as q
 from cmb_dagster.eventqueue.errors import InvalidInput
 from cmb_dagster.eventqueue.handlers import Handler, HandlerRegistry
@@ -97,7 +97,7 @@ class EventWorker:
         self.owner = owner or default_owner()
         self.launcher = launcher
         self.names = self.registry.names
-        self._conn: psycopg.Connection | None = None
+        self._own = OwnConnection(self.db, custom_plans=True)  # plans from the actual parameters and table sizes
         self._registered = False
         self._next_cron = 0.0
         self._lock = threading.Lock()
@@ -108,15 +108,12 @@ class EventWorker:
     # -- connection -------------------------------------------------------------------------------
 
     def _connection(self) -> psycopg.Connection:
-        if self._conn is None or self._conn.closed:
-            conn = self.db.connect(autocommit=True)
-            conn.execute("SET plan_cache_mode = force_custom_plan")  # plans from the actual parameters
-            self._conn = conn
+        conn = self._own.get()
         if not self._registered:
-            with self._conn.transaction():
-                self.registry.register(self._conn)
+            with conn.transaction():
+                self.registry.register(conn)
             self._registered = True
-        return self._conn
+        return conn
 
     def _execute(self, query: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         conn = self._connection()
@@ -129,9 +126,7 @@ class EventWorker:
 
     def close(self) -> None:
         """Close the worker's own connection."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._own.close()
 
     def register(self) -> None:
         """Record this worker's handlers in the database (done on first use anyway)."""
