@@ -352,20 +352,18 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
     worker = CallbackWorker(db, LOCAL)
     conn = worker._loop_conn.get()  # as the worker's connections are set up
     try:
-        explain = {}
+        executions = {}  # name: (EXECUTE statement, its arguments)
         for name, (statement, params) in statements.items():
             names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
             text = re.sub(r"%\((\w+)\)s", lambda m, names=names: f"${names.index(m.group(1)) + 1}", statement)
             conn.execute(f"PREPARE {name} AS {text.replace('%%', '%')}")
-            run = f"EXECUTE {name}({', '.join(['%s'] * len(names))})"
-            args = [params[n] for n in names]
+            executions[name] = (f"EXECUTE {name}({', '.join(['%s'] * len(names))})", [params[n] for n in names])
             with conn.transaction(force_rollback=True):
                 for _ in range(8):  # past the executions after which Postgres may cache a plan for good
-                    ClientCursor(conn).execute(run, args)
-            explain[name] = lambda run=run, args=args: "\n".join(
-                r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
+                    ClientCursor(conn).execute(*executions[name])
         insert(41, 50_000)
-        plans = {name: plan() for name, plan in explain.items()}
+        plans = {name: "\n".join(r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
+                 for name, (run, args) in executions.items()}
     finally:
         worker._loop_conn.close()
     for plan in plans.values():
