@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
 from cmb_dagster.callbacks.cli import callbacks
 from cmb_dagster.ctl.cli import ctl
@@ -287,13 +288,16 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     """Run ``command`` in a process group of its own and return its exit code.
 
     SIGINT and SIGTERM are passed on to the whole group as SIGINT (what Ctrl-C does in a terminal),
-    so the webserver, the daemon, code servers and run workers all stop; whatever is left of the
-    group 15 s after the command has exited is killed.
+    so the webserver, the daemon, code servers and run workers all stop. When the command has exited,
+    each process of the group that has not had SIGINT yet gets it (`dagster dev` restarts a code server
+    that stopped before it did, after the signal); whatever is left 15 s later is killed.
     """
     group: list[int] = []
+    interrupted: set[int] = set()  # processes of the group that had SIGINT
 
     def forward(signum: int, frame: object) -> None:
         if group:
+            interrupted.update(_group_members(group[0]))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group[0], signal.SIGINT)
 
@@ -305,12 +309,27 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     group.append(proc.pid)
     code = proc.wait()
     deadline = time.monotonic() + 15
-    with contextlib.suppress(ProcessLookupError):
-        while time.monotonic() < deadline:
-            os.killpg(proc.pid, 0)  # raises once no process of the group is left
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGKILL)
+    while members := _group_members(proc.pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            break
+        for pid in members - interrupted:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        interrupted.update(members)
+        time.sleep(0.2)
     return code
+
+
+def _group_members(group: int) -> set[int]:
+    """The processes of process group ``group`` that still run (zombies left out)."""
+    members = set()
+    for process in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == group:
+                members.add(process.pid)
+    return members
 
 
 @main.command()

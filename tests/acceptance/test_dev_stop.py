@@ -154,3 +154,44 @@ def _drain(master: int) -> None:
             pass
     except OSError:  # the terminal closed
         pass
+
+
+# A command that, on SIGINT, starts a process in its group and exits: what `dagster dev` does when a code
+# server stopped before it did (it restarts the code server, which never had the signal).
+LATE_STARTER = """
+import pathlib, signal, subprocess, sys, time
+LATE = '''
+import pathlib, sys, time
+try:
+    pathlib.Path(sys.argv[1]).write_text("started")
+    time.sleep(120)
+except KeyboardInterrupt:
+    pathlib.Path(sys.argv[1]).write_text("interrupted")
+'''
+marker, ready = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+
+def start_late(signum, frame):
+    subprocess.Popen([sys.executable, "-c", LATE, str(marker)])
+    while not marker.exists() or marker.read_text() != "started":
+        time.sleep(0.05)
+    sys.exit(0)
+
+signal.signal(signal.SIGINT, start_late)
+ready.touch()
+time.sleep(120)
+"""
+
+
+def test_a_process_started_in_the_group_after_the_stop_is_stopped_too(tmp_path):
+    marker, ready = tmp_path / "late", tmp_path / "ready"
+    wrapper = ("import os, sys; from cmb_dagster.cli import run_process_group; "
+               "sys.exit(run_process_group(sys.argv[1:], dict(os.environ)))")
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, sys.executable, "-c", LATE_STARTER, str(marker), str(ready)],
+                            start_new_session=True)
+    try:
+        wait_until(ready.exists, 30, "the command to start", interval=0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert marker.read_text() == "interrupted"  # not killed at the end of the grace period
+    finally:
+        with_kill(proc.pid)
