@@ -233,6 +233,9 @@ def _psycopg_hint(exc: Any) -> str:
     return "check the command's arguments"
 
 
+STOP_GRACE_S = 15  # from the stop signal to killing what is left of `cmb-dagster dev`'s process group
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of the Dagster UI.")
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535), help="Port of the Dagster UI.")
@@ -290,14 +293,17 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     SIGINT and SIGTERM are passed on to the whole group as SIGINT (what Ctrl-C does in a terminal),
     so the webserver, the daemon, code servers and run workers all stop. When the command has exited,
     each process of the group that has not had SIGINT yet gets it (`dagster dev` restarts a code server
-    that stopped before it did, after the signal); whatever is left 15 s later is killed.
+    that stopped before it did, after the signal); whatever is left 15 s after the first signal (or after
+    the command exited on its own) is killed.
     """
     group: list[int] = []
     interrupted: set[int] = set()  # processes of the group that had SIGINT
+    kill_at: list[float] = []  # when whatever is left of the group is killed
 
     def forward(signum: int, frame: object) -> None:
         if group:
             interrupted.update(_group_members(group[0]))
+            kill_at.append(time.monotonic() + STOP_GRACE_S)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group[0], signal.SIGINT)
 
@@ -308,9 +314,9 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     group.append(proc.pid)
     code = proc.wait()
-    deadline = time.monotonic() + 15
+    kill_at.append(time.monotonic() + STOP_GRACE_S)
     while members := _group_members(proc.pid):
-        if time.monotonic() > deadline:
+        if time.monotonic() > kill_at[0]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             break

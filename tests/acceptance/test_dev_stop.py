@@ -195,3 +195,37 @@ def test_a_process_started_in_the_group_after_the_stop_is_stopped_too(tmp_path):
         assert marker.read_text() == "interrupted"  # not killed at the end of the grace period
     finally:
         with_kill(proc.pid)
+
+
+# A command that is slow to exit after SIGINT, with a process in its group that ignores SIGINT (a code server
+# hung in its shutdown).
+SLOW_STOPPER = """
+import pathlib, signal, subprocess, sys, time
+exited = pathlib.Path(sys.argv[1])
+stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"])
+
+def stop_slowly(signum, frame):
+    time.sleep(8)
+    exited.write_text(str(time.time()))
+    sys.exit(0)
+
+signal.signal(signal.SIGINT, stop_slowly)
+pathlib.Path(sys.argv[2]).touch()
+time.sleep(120)
+"""
+
+
+def test_what_is_left_is_killed_a_grace_period_after_the_signal_not_after_the_command(tmp_path):
+    exited, ready = tmp_path / "exited", tmp_path / "ready"
+    wrapper = ("import os, sys; from cmb_dagster import cli; cli.STOP_GRACE_S = 3; "
+               "sys.exit(cli.run_process_group(sys.argv[1:], dict(os.environ)))")
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, sys.executable, "-c", SLOW_STOPPER, str(exited), str(ready)],
+                            start_new_session=True)
+    try:
+        wait_until(ready.exists, 30, "the command to start", interval=0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        # the grace period (3 s) ended while the command still stopped (8 s): the rest went with it
+        assert time.time() - float(exited.read_text()) < 2
+    finally:
+        with_kill(proc.pid)
