@@ -329,11 +329,11 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
 
 
 def _group_members(group: int) -> set[int]:
-    """The processes of process group ``group`` that still run (zombies left out)."""
+    """The processes of process group ``group``, zombies not yet reaped included."""
     members = set()
-    for process in psutil.process_iter(["status"]):
+    for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == group:
+            if os.getpgid(process.pid) == group:
                 members.add(process.pid)
     return members
 
