@@ -217,11 +217,6 @@ _SHARED: dict[tuple[str | None, str, str], Database] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def mask_password(url: str) -> str:
-    """``url`` with its secrets masked (kept for callers of the old name; see :func:`cmb_dagster.secrets.mask`)."""
-    return mask(url)
-
-
 def check_url(url: str) -> str:
     """``url`` if libpq can read it (a URL or key=value conninfo); :class:`InvalidDatabaseUrl` otherwise.
 

@@ -133,6 +133,8 @@ def run_two_workers(database_url: str, stage: Stage, count: int) -> None:
             w.stop()
         for t in threads:
             t.join()
+        for w in workers:
+            w.db.close()
         db.close()
 
 

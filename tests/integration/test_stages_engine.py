@@ -439,6 +439,8 @@ def test_two_workers_on_the_same_shards_never_overlap_on_an_entity(database_url)
         w.stop()
     for t in threads:
         t.join()
+    for w in workers:
+        w.db.close()
     assert overlaps == []
     with db.connection() as conn:
         per_stage = conn.execute("SELECT stage, count(*) FROM stage_states GROUP BY stage").fetchall()

@@ -3,8 +3,9 @@ from pathlib import Path
 import pytest
 
 from cmb_dagster import migrations
-from cmb_dagster.database import Database, mask_password, server_address
+from cmb_dagster.database import Database, server_address
 from cmb_dagster.errors import ConfigError
+from cmb_dagster.secrets import mask
 from cmb_dagster.settings import Settings
 
 
@@ -32,8 +33,8 @@ def test_bad_settings_name_the_field(field, value):
 
 
 def test_password_is_masked():
-    assert mask_password("postgresql://u:s3cret@h:5432/d") == "postgresql://u:***@h:5432/d"
-    assert mask_password("postgresql://u@h/d") == "postgresql://u@h/d"
+    assert mask("postgresql://u:s3cret@h:5432/d") == "postgresql://u:***@h:5432/d"
+    assert mask("postgresql://u@h/d") == "postgresql://u@h/d"
 
 
 def test_server_address_names_host_and_port():
