@@ -233,7 +233,8 @@ def _psycopg_hint(exc: Any) -> str:
     return "check the command's arguments"
 
 
-STOP_GRACE_S = 15  # from the stop signal to killing what is left of `cmb-dagster dev`'s process group
+STOP_GRACE_S = 15  # from the stop signal to killing what is left of `cmb-dagster dev`'s session
+REAP_WAIT_S = 5  # then, at most, for the killed processes to be reaped
 
 
 @main.command()
@@ -288,21 +289,21 @@ def _start_sink(port: int) -> object | None:
 
 
 def run_process_group(command: list[str], env: dict[str, str]) -> int:
-    """Run ``command`` in a process group of its own and return its exit code.
+    """Run ``command`` in a session and process group of its own and return its exit code.
 
     SIGINT and SIGTERM are passed on to the whole group as SIGINT (what Ctrl-C does in a terminal),
     so the webserver, the daemon, code servers and run workers all stop. When the command has exited,
-    each process of the group that has not had SIGINT yet gets it (`dagster dev` restarts a code server
-    that stopped before it did, after the signal); whatever is left 15 s after the first signal (or after
-    the command exited on its own) is killed.
+    each process of its session that has not had SIGINT yet gets it (`dagster dev` restarts a code server
+    that stopped before it did, after the signal). Whatever is left 15 s after the first signal (or after
+    the command exited on its own) is killed; it returns once the session's processes are gone.
     """
     group: list[int] = []
-    interrupted: set[int] = set()  # processes of the group that had SIGINT
-    kill_at: list[float] = []  # when whatever is left of the group is killed
+    interrupted: set[int] = set()  # processes of the session that had SIGINT
+    kill_at: list[float] = []  # when whatever is left of the session is killed
 
     def forward(signum: int, frame: object) -> None:
         if group:
-            interrupted.update(_group_members(group[0]))
+            interrupted.update(_session_members(group[0]))
             kill_at.append(time.monotonic() + STOP_GRACE_S)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group[0], signal.SIGINT)
@@ -315,25 +316,22 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     group.append(proc.pid)
     code = proc.wait()
     kill_at.append(time.monotonic() + STOP_GRACE_S)
-    while members := _group_members(proc.pid):
-        if time.monotonic() > kill_at[0]:
+    while (members := _session_members(proc.pid)) and time.monotonic() < kill_at[0] + REAP_WAIT_S:
+        late = time.monotonic() > kill_at[0]
+        for pid in members if late else members - interrupted:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            break
-        for pid in members - interrupted:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGINT)
+                os.kill(pid, signal.SIGKILL if late else signal.SIGINT)
         interrupted.update(members)
         time.sleep(0.2)
     return code
 
 
-def _group_members(group: int) -> set[int]:
-    """The processes of process group ``group``, zombies not yet reaped included."""
+def _session_members(session: int) -> set[int]:
+    """The processes of session ``session``, zombies not yet reaped included."""
     members = set()
     for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(process.pid) == group:
+        with contextlib.suppress(psutil.Error, OSError):  # gone meanwhile, or not ours to see
+            if os.getsid(process.pid) == session:
                 members.add(process.pid)
     return members
 
