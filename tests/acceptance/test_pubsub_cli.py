@@ -35,6 +35,24 @@ def results(database_url):
         return conn.execute("SELECT count(*), count(DISTINCT event_id) FROM public.results").fetchone()
 
 
+def consuming(database_url, before, running):
+    """Wait until a consumer adds results; if none does within 30 s, fail saying what the database and the
+    consumers were doing."""
+    try:
+        wait_until(lambda: results(database_url)[0] > before, timeout=30, what="a consumer adding results")
+    except AssertionError as exc:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            activity = conn.execute(
+                "SELECT pid, application_name, state, wait_event_type, wait_event, now() - xact_start, left(query, 120) "
+                "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchall()
+            waiting = conn.execute("SELECT pid, locktype, mode, relation::regclass FROM pg_locks WHERE NOT granted").fetchall()
+            leases = conn.execute("SELECT partition, owner, fence, expires_at - now() FROM cmb.leases").fetchall()
+            events = conn.execute("SELECT count(*) FROM cmb.pubsub_events").fetchone()
+        logs = "\n".join(f"{proc.log.name} (exit {proc.poll()}): {proc.log.read_text()[-1500:]}" for proc in running)
+        raise AssertionError(f"{exc}: {before} results, {events[0]} events\nbackends: {activity}\nwaiting: {waiting}\n"
+                             f"leases: {leases}\n{logs}") from None
+
+
 def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_once(database_url, tmp_path):
     db = Database(database_url)
     with db.connection() as conn:
@@ -64,23 +82,26 @@ def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_onc
 
     running = [start(), start()]  # identical consumers: one works, the other stands by
     kills = 0
-    while results(database_url)[0] < 100_000 and kills < 8:
-        before = results(database_url)[0]
-        wait_until(lambda: results(database_url)[0] > before, timeout=30)  # someone is consuming
-        time.sleep(rng.uniform(0, 0.5))  # a random point of its work
-        victim = running.pop(rng.randrange(len(running)))
-        victim.send_signal(signal.SIGKILL)
-        victim.wait(10)
-        kills += 1
-        running.append(start())
-    producer.join(60)
     try:
+        while results(database_url)[0] < 100_000 and kills < 8:
+            before = results(database_url)[0]
+            consuming(database_url, before, running)
+            time.sleep(rng.uniform(0, 0.5))  # a random point of its work
+            victim = running.pop(rng.randrange(len(running)))
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(10)
+            kills += 1
+            running.append(start())
+        producer.join(60)
         wait_until(lambda: results(database_url)[0] >= 100_000, timeout=90)
-    finally:
+    except BaseException:
         for proc in running:
-            wait_until(lambda: "started" in proc.log.read_text(), timeout=30)  # its SIGTERM handler is set
-            proc.send_signal(signal.SIGTERM)
-        codes = [proc.wait(30) for proc in running]
+            proc.kill()
+        raise
+    for proc in running:
+        wait_until(lambda: "started" in proc.log.read_text(), timeout=30)  # its SIGTERM handler is set
+        proc.send_signal(signal.SIGTERM)
+    codes = [proc.wait(30) for proc in running]
     assert codes == [0, 0], [proc.log.read_text() for proc in running]
     assert kills >= 3
     assert results(database_url) == (100_000, 100_000)
