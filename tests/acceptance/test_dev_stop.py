@@ -182,19 +182,25 @@ time.sleep(120)
 """
 
 
-def test_a_process_started_in_the_group_after_the_stop_is_stopped_too(tmp_path):
-    marker, ready = tmp_path / "late", tmp_path / "ready"
-    wrapper = ("import os, sys; from cmb_dagster.cli import run_process_group; "
-               "sys.exit(run_process_group(sys.argv[1:], dict(os.environ)))")
-    proc = subprocess.Popen([sys.executable, "-c", wrapper, sys.executable, "-c", LATE_STARTER, str(marker), str(ready)],
+def stop_under_run_process_group(script: str, marker: Path, ready: Path, grace_s: float | None = None) -> None:
+    """Run ``script`` (given ``marker`` and ``ready``) under ``run_process_group``, optionally with another grace
+    period; SIGTERM it once ``ready`` exists and wait for it to return 0."""
+    setup = "" if grace_s is None else f"cli.STOP_GRACE_S = {grace_s}; "
+    wrapper = f"import os, sys; from cmb_dagster import cli; {setup}sys.exit(cli.run_process_group(sys.argv[1:], dict(os.environ)))"
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, sys.executable, "-c", script, str(marker), str(ready)],
                             start_new_session=True)
     try:
         wait_until(ready.exists, 30, "the command to start", interval=0.05)
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        assert marker.read_text() == "interrupted"  # not killed at the end of the grace period
     finally:
         with_kill(proc.pid)
+
+
+def test_a_process_started_in_the_group_after_the_stop_is_stopped_too(tmp_path):
+    marker = tmp_path / "late"
+    stop_under_run_process_group(LATE_STARTER, marker, tmp_path / "ready")
+    assert marker.read_text() == "interrupted"  # not killed at the end of the grace period
 
 
 # A command that is slow to exit after SIGINT, with a process in its group that ignores SIGINT (a code server
@@ -216,16 +222,7 @@ time.sleep(120)
 
 
 def test_what_is_left_is_killed_a_grace_period_after_the_signal_not_after_the_command(tmp_path):
-    exited, ready = tmp_path / "exited", tmp_path / "ready"
-    wrapper = ("import os, sys; from cmb_dagster import cli; cli.STOP_GRACE_S = 3; "
-               "sys.exit(cli.run_process_group(sys.argv[1:], dict(os.environ)))")
-    proc = subprocess.Popen([sys.executable, "-c", wrapper, sys.executable, "-c", SLOW_STOPPER, str(exited), str(ready)],
-                            start_new_session=True)
-    try:
-        wait_until(ready.exists, 30, "the command to start", interval=0.05)
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        # the grace period (3 s) ended while the command still stopped (8 s): the rest went with it
-        assert time.time() - float(exited.read_text()) < 2
-    finally:
-        with_kill(proc.pid)
+    exited = tmp_path / "exited"
+    stop_under_run_process_group(SLOW_STOPPER, exited, tmp_path / "ready", grace_s=3)
+    # the grace period (3 s) ended while the command still stopped (8 s): the rest went with it
+    assert time.time() - float(exited.read_text()) < 2
