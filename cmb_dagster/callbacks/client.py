@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
@@ -38,10 +38,11 @@ from cmb_dagster.callbacks.models import (
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
-from cmb_dagster.callbacks.writer import EventWriter, create_transaction, insert_events
+from cmb_dagster.callbacks.writer import EventWriter, create_transaction, insert_events, insert_new_events
 from cmb_dagster.database import Database, DatabaseSource
 
 CLEAN_BATCH = 10_000
+CREATE_CHUNK = 250  # events per insert statement of create_many
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,17 @@ class CallbackClient:
 
         Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
         """
+        soon, lock_timeout = self.settings.poll_interval + self.settings.lookahead, self.settings.create_timeout
         with cyclic_collection_paused():  # a batch's thousands of objects are freed when it returns
-            rows = self._new_many(list(events))
-            if not rows:
+            events = list(events)
+            if not events:
                 return []
             with create_transaction(self.db, self.settings) as conn:
-                results = insert_events(conn, rows, soon=self.settings.poll_interval + self.settings.lookahead,
-                                        lock_timeout=self.settings.create_timeout)
+                try:  # Postgres inserts a chunk while the next is validated
+                    return insert_new_events(conn, self._checked_chunks(events), soon=soon, lock_timeout=lock_timeout)
+                except psycopg.errors.UniqueViolation:
+                    pass  # a key exists, or comes twice: written again, each key compared with the stored one
+                results = insert_events(conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout)
                 for result in results:
                     if isinstance(result, Exception):
                         raise result
@@ -352,6 +357,10 @@ class CallbackClient:
         except (ValidationError, TypeError, AttributeError):
             return [e.check(self.settings) if isinstance(e, NewCallback) else self._new(e) for e in events]
         return check_many(rows, self.settings)
+
+    def _checked_chunks(self, events: list[NewCallback | dict[str, Any]]) -> Iterator[list[NewCallback]]:
+        for start in range(0, len(events), CREATE_CHUNK):
+            yield self._new_many(events[start:start + CREATE_CHUNK])
 
     def _lock(self, conn: psycopg.Connection, owner: str, group: str, key: str) -> dict[str, Any]:
         row = conn.cursor(row_factory=dict_row).execute(sql.LOCK_EVENT, _keys(owner, group, key)).fetchone()

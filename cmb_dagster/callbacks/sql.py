@@ -24,7 +24,7 @@ LOCK_EVENT_IDS_EXCLUSIVE = "SELECT pg_advisory_xact_lock(hashtextextended(curren
 # sends a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of the earliest
 # run_at>") to the workers of buckets that got an event due before their next poll would see it. The table
 # stays the truth.
-_INSERT_EVENTS = f"""
+_INSERT_ROWS = f"""
 WITH ins AS (
     INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
                                       run_at, originally_run_at, cb_url, context, retry, schedule_id)
@@ -35,24 +35,29 @@ WITH ins AS (
          WITH ORDINALITY AS n(o, g, k, t, u, c, r, ord)
     CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
                 FROM callback_buckets) AS b  -- before any id is drawn
-    ORDER BY n.ord
+    ORDER BY n.ord  -- ids are drawn in the batch's order
     {{on_conflict}}
     RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
-)
-SELECT event_id, owner_client_id, group_key, event_key,
-       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
-                               s.bucket_id || ':' || extract(epoch FROM s.run_at)::text))
+)"""
+
+_WAKE_SOON = """(SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                                s.bucket_id || ':' || extract(epoch FROM s.run_at)::text))
         FROM (SELECT bucket_id, min(run_at) AS run_at FROM ins
-              WHERE run_at <= now() + make_interval(secs => %(soon)s) GROUP BY bucket_id) AS s)
-FROM ins
-"""
+              WHERE run_at <= now() + make_interval(secs => %(soon)s) GROUP BY bucket_id) AS s)"""
 
 # Events whose keys are all new (the common case): a plain insert, which a key already taken fails with a
 # unique violation. It costs about a third less than INSERT_EVENTS, which checks every key before its row.
-INSERT_NEW_EVENTS = _INSERT_EVENTS.format(on_conflict="")
+# One row: the ids in ascending order, which is the batch's order.
+INSERT_NEW_EVENTS = f"""{_INSERT_ROWS.format(on_conflict="")}
+SELECT ARRAY(SELECT event_id FROM ins ORDER BY event_id), {_WAKE_SOON}
+"""
 
 # Events whose keys may be taken: those rows are skipped, and the caller compares them with the stored ones.
-INSERT_EVENTS = _INSERT_EVENTS.format(on_conflict="ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING")
+# A row per event inserted: its id and keys.
+INSERT_EVENTS = f"""{_INSERT_ROWS.format(on_conflict="ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING")}
+SELECT event_id, owner_client_id, group_key, event_key, {_WAKE_SOON}
+FROM ins
+"""
 
 CHANNEL = "callbacks"  # LISTEN on cmb_dagster.notifications.channel_name(db, CHANNEL)
 NOTIFY = "SELECT pg_notify(current_schema() || '.' || 'callbacks', %(payload)s)"

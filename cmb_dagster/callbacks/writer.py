@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import UTC
@@ -180,6 +180,23 @@ def _timed_out(settings: CallbackSettings, what: str) -> str:
     return f"create timed out after {settings.create_timeout:g}s (CallbackSettings.create_timeout): {what}"
 
 
+def insert_new_events(
+    conn: psycopg.Connection, chunks: Iterable[Sequence[NewCallback]], *, soon: float = 3.0, lock_timeout: float = 0.0
+) -> list[int]:
+    """Insert the events of ``chunks``, whose keys must all be new and distinct, in one transaction (a
+    savepoint if ``conn`` is in one); their ids.
+
+    Each chunk's statement is sent as soon as the chunk is ready, in pipeline mode, so Postgres inserts one
+    chunk while the next is still being prepared. A key already taken (in the table or earlier in ``chunks``)
+    raises UniqueViolation, an error in ``chunks`` raises itself, and either way nothing is written.
+    """
+    sent = []
+    with conn.pipeline(), conn.transaction():
+        for events in chunks:
+            sent.append(conn.execute(sql.INSERT_NEW_EVENTS, _insert_params(events, None, soon, lock_timeout)))
+    return [event_id for cursor in sent for event_id in cursor.fetchone()[0]]
+
+
 def insert_events(
     conn: psycopg.Connection,
     events: Sequence[NewCallback],
@@ -192,22 +209,11 @@ def insert_events(
 
     Waiting longer than ``lock_timeout`` seconds (0: no limit) for a lock raises LockNotAvailable.
     """
-    policies, indexes = _distinct_policies(events)
-    rows = [
-        {"o": e.owner_client_id, "g": e.group_key, "k": e.event_key, "t": e.run_at.astimezone(UTC), "u": e.cb_url,
-         "c": e.context, "r": r}
-        for e, r in zip(events, indexes, strict=True)
-    ]
-    params: dict[str, Any] = {
-        "rows": pydantic_core.to_json(rows).decode(),  # contexts were checked to be JSON; datetimes in UTC
-        "policies": "[" + ",".join(_policy_json(policy) for policy in policies) + "]",
-        "schedule_id": schedule_id,
-        "soon": soon,
-        "lock_timeout": f"{round(lock_timeout * 1000)}ms",
-    }
-    inserted = {(o, g, k): i for i, o, g, k, _ in _insert_rows(conn, params)}
-    if len(inserted) == len(events):  # every key new and distinct
-        return [inserted[(e.owner_client_id, e.group_key, e.event_key)] for e in events]
+    params = _insert_params(events, schedule_id, soon, lock_timeout)
+    new_ids = _insert_new_rows(conn, params)
+    if new_ids is not None:  # every key new and distinct
+        return list(new_ids)
+    inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS, params).fetchall()}
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
     existing: dict[tuple[str, str, str], dict[str, Any]] = {}
     if missing:
@@ -234,6 +240,24 @@ def insert_events(
     return results
 
 
+def _insert_params(
+    events: Sequence[NewCallback], schedule_id: int | None, soon: float, lock_timeout: float
+) -> dict[str, Any]:
+    policies, indexes = _distinct_policies(events)
+    rows = [
+        {"o": e.owner_client_id, "g": e.group_key, "k": e.event_key, "t": e.run_at.astimezone(UTC), "u": e.cb_url,
+         "c": e.context, "r": r}
+        for e, r in zip(events, indexes, strict=True)
+    ]
+    return {
+        "rows": pydantic_core.to_json(rows).decode(),  # contexts were checked to be JSON; datetimes in UTC
+        "policies": "[" + ",".join(_policy_json(policy) for policy in policies) + "]",
+        "schedule_id": schedule_id,
+        "soon": soon,
+        "lock_timeout": f"{round(lock_timeout * 1000)}ms",
+    }
+
+
 def _distinct_policies(events: Sequence[NewCallback]) -> tuple[list[RetryPolicy], list[int]]:
     """The distinct retry policies of ``events``, and each event's index among them (events mostly share
     one policy object, which is then compared once, not once per event)."""
@@ -248,18 +272,19 @@ def _distinct_policies(events: Sequence[NewCallback]) -> tuple[list[RetryPolicy]
     return list(distinct), indexes
 
 
-def _insert_rows(conn: psycopg.Connection, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """Insert as new keys; if one is taken, insert again skipping the taken ones. A savepoint undoes the
-    first attempt when ``conn`` is in a transaction (in autocommit the failed statement left nothing)."""
+def _insert_new_rows(conn: psycopg.Connection, params: dict[str, Any]) -> list[int] | None:
+    """Insert as new keys; their ids in order, or None if a key is taken, and then nothing was written (a
+    savepoint undoes the attempt when ``conn`` is in a transaction; in autocommit the failed statement left
+    nothing)."""
     savepoint = not conn.autocommit
     if savepoint:
         conn.execute("SAVEPOINT cmb_new_events")
     try:
-        return conn.execute(sql.INSERT_NEW_EVENTS, params).fetchall()
+        return conn.execute(sql.INSERT_NEW_EVENTS, params).fetchone()[0]
     except psycopg.errors.UniqueViolation:
         if savepoint:
             conn.execute("ROLLBACK TO SAVEPOINT cmb_new_events")
-        return conn.execute(sql.INSERT_EVENTS, params).fetchall()
+        return None
 
 
 @functools.lru_cache(maxsize=256)

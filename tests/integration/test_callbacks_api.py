@@ -17,6 +17,7 @@ from cmb_dagster.callbacks import (
     CallbackValidationError,
     RetryPolicy,
 )
+from cmb_dagster.callbacks.client import CREATE_CHUNK
 from cmb_dagster.callbacks.schedules import materialize_schedules
 
 URL = "http://127.0.0.1:9/cb"
@@ -90,6 +91,29 @@ def test_create_many_again_returns_the_stored_ids_and_adds_the_new(client, db):
     assert (again[1], again[3]) == (first[0], first[1])
     assert drawn_before < again[0] < again[2] and count(db) == 4
     assert [client.get("a", "g", f"k{i}").event_id for i in range(4)] == [first[0], first[1], again[0], again[2]]
+
+
+def test_create_many_is_one_transaction_across_its_insert_statements(client, db):
+    at = later()
+    size = 2 * CREATE_CHUNK + 10  # three statements
+
+    def batch(prefix: str) -> list[dict]:
+        return [{"owner_client_id": "a", "group_key": "g", "event_key": f"{prefix}{i}", "run_at": at, "cb_url": URL}
+                for i in range(size)]
+
+    bad_at_the_end = batch("bad")
+    bad_at_the_end[-1]["cb_url"] = ""
+    with pytest.raises(CallbackValidationError, match="cb_url"):
+        client.create_many(bad_at_the_end)
+    clash = batch("clash")
+    clash[-1] = {**clash[0], "cb_url": "http://127.0.0.1:9/other"}  # the first statement's key, another payload
+    with pytest.raises(CallbackConflict):
+        client.create_many(clash)
+    assert count(db) == 0
+    twice = batch("twice")
+    twice[-1] = dict(twice[0])
+    ids = client.create_many(twice)
+    assert ids[-1] == ids[0] and ids[:-1] == sorted(set(ids)) and count(db) == size - 1
 
 
 def test_create_many_pauses_the_cyclic_collector_and_gives_it_back(client):
