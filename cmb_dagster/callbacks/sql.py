@@ -396,7 +396,12 @@ UPDATE callback_schedules SET paused = false, materialized_until = greatest(mate
 WHERE schedule_id = %(schedule_id)s
 """
 
-DELETE_SCHEDULE = "DELETE FROM callback_schedules WHERE schedule_id = %(schedule_id)s"
+# Run after LOCK_SCHEDULE, which waits for a materializer holding the schedule: the events it created are
+# visible here, and no other can be created for it.
+DELETE_SCHEDULE = """
+WITH gone AS (DELETE FROM callback_schedules WHERE schedule_id = %(schedule_id)s)
+UPDATE callback_events SET schedule_id = NULL WHERE schedule_id = %(schedule_id)s
+"""
 
 # -- cleanup --------------------------------------------------------------------------------------
 

@@ -729,9 +729,6 @@ CREATE TRIGGER stage_entities_bump BEFORE UPDATE ON cmb.stage_entities FOR EACH 
 
 CREATE TRIGGER stage_entities_deleted AFTER DELETE ON cmb.stage_entities REFERENCING OLD TABLE AS deleted_rows FOR EACH STATEMENT EXECUTE FUNCTION cmb.stage_entities_deleted();
 
-ALTER TABLE ONLY cmb.callback_events
-    ADD CONSTRAINT callback_events_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES cmb.callback_schedules(schedule_id) ON DELETE SET NULL;
-
 ALTER TABLE ONLY cmb.callback_scheduled_events
     ADD CONSTRAINT callback_scheduled_events_schedule_id_fkey FOREIGN KEY (schedule_id) REFERENCES cmb.callback_schedules(schedule_id) ON DELETE CASCADE;
 

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import psycopg
 import pytest
+from waiting import wait_until
 
 from cmb_dagster.callbacks import (
     CallbackClient,
@@ -15,10 +16,12 @@ from cmb_dagster.callbacks import (
     CallbackSettings,
     CallbackStatus,
     CallbackValidationError,
+    NewCallback,
     RetryPolicy,
 )
 from cmb_dagster.callbacks.client import CREATE_CHUNK
 from cmb_dagster.callbacks.schedules import materialize_schedules
+from cmb_dagster.callbacks.writer import insert_events
 
 URL = "http://127.0.0.1:9/cb"
 LOCAL = CallbackSettings(allowed_hosts=["127.0.0.1"])  # private addresses are closed by default
@@ -284,6 +287,26 @@ def test_schedules_materialize_once_per_fire_time_even_concurrently(client, db):
     assert client.list() == [] and client.list_schedules() == []
     with pytest.raises(CallbackNotFound):
         client.pause_schedule("a", "g", "every-minute")
+
+
+def test_deleting_a_schedule_unlinks_the_events_a_materializer_created_meanwhile(client, db):
+    client.create_schedule("a", "g", "s", "* * * * *", URL, horizon=600)
+    with db.connection() as materializer, ThreadPoolExecutor(1) as pool:
+        schedule_id = materializer.execute("SELECT schedule_id FROM callback_schedules FOR UPDATE").fetchone()[0]
+        past = NewCallback(owner_client_id="a", group_key="g", event_key="s@past", run_at=later(-60), cb_url=URL)
+        insert_events(materializer, [past], schedule_id=schedule_id)
+        deleting = pool.submit(client.delete_schedule, "a", "g", "s")
+        wait_until(lambda: waiting_for_a_lock(db), what="the delete waiting for the schedule's lock")
+        materializer.commit()
+        deleting.result(timeout=10)
+    assert client.get("a", "g", "s@past").schedule_id is None and client.list_schedules() == []
+
+
+def waiting_for_a_lock(db) -> bool:
+    with db.connection() as conn:
+        return conn.execute(
+            "SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()[0]
 
 
 @pytest.mark.parametrize("statistics", [False, True], ids=["without-statistics", "analyzed"])
