@@ -38,7 +38,12 @@ from cmb_dagster.callbacks.models import (
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
-from cmb_dagster.callbacks.writer import EventWriter, create_transaction, insert_events, insert_new_events
+from cmb_dagster.callbacks.writer import (
+    EventWriter,
+    create_transaction,
+    insert_events_skipping_taken,
+    insert_new_events,
+)
 from cmb_dagster.database import Database, DatabaseSource
 
 CLEAN_BATCH = 10_000
@@ -115,7 +120,7 @@ class CallbackClient:
 
         Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
         """
-        soon, lock_timeout = self.settings.poll_interval + self.settings.lookahead, self.settings.create_timeout
+        soon, lock_timeout = self.settings.wake_within, self.settings.create_timeout
         with cyclic_collection_paused():  # a batch's thousands of objects are freed when it returns
             events = list(events)
             if not events:
@@ -125,7 +130,8 @@ class CallbackClient:
                     return insert_new_events(conn, self._checked_chunks(events), soon=soon, lock_timeout=lock_timeout)
                 except psycopg.errors.UniqueViolation:
                     pass  # a key exists, or comes twice: written again, each key compared with the stored one
-                results = insert_events(conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout)
+                results = insert_events_skipping_taken(conn, self._new_many(events), soon=soon,
+                                                       lock_timeout=lock_timeout)
                 for result in results:
                     if isinstance(result, Exception):
                         raise result
@@ -201,7 +207,7 @@ class CallbackClient:
             }
             after = conn.cursor(row_factory=dict_row).execute(sql.UPDATE_EVENT, params).fetchone()
             _log(conn, "update", before, after)
-            if after["run_at"] <= datetime.now(UTC) + timedelta(seconds=self.settings.poll_interval + self.settings.lookahead):
+            if after["run_at"] <= datetime.now(UTC) + timedelta(seconds=self.settings.wake_within):
                 conn.execute(sql.NOTIFY, {"payload": f"{after['bucket_id']}:{after['run_at'].timestamp()}"})
         return CallbackEvent.model_validate(after)
 

@@ -167,6 +167,11 @@ class CallbackSettings(BaseModel):
             raise ValueError("timeout + poll_interval must stay under 2/3 of lease_ttl, so a call ends before its lease can lapse")
         return self
 
+    @property
+    def wake_within(self) -> float:
+        """Seconds: an event created or changed to be due sooner than this wakes its bucket's worker."""
+        return self.poll_interval + self.lookahead
+
     def host_allowed(self, host: str) -> bool:
         """Whether callbacks may name ``host`` (by the name rule; addresses are checked again at call time)."""
         return _host_allowed(host, self.allowed_hosts)

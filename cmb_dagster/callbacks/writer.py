@@ -42,7 +42,6 @@ class EventWriter:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._gathering = threading.Lock()  # one thread gathers a batch at a time
-        self.soon = settings.poll_interval + settings.lookahead  # creates due sooner wake their bucket's worker
 
     def write(self, event: NewCallback) -> int:
         """Queue ``event`` and wait until it is committed; return its id (or raise its error)."""
@@ -140,13 +139,15 @@ class EventWriter:
     def _insert(self, own: OwnConnection, events: list[NewCallback]) -> list[int | Exception]:
         """Insert on ``own``; a connection that broke is replaced and the batch sent once more (creates are
         idempotent by key: a batch that did commit returns the same ids)."""
+        settings = self.settings
+        write = functools.partial(insert_events, soon=settings.wake_within, lock_timeout=settings.create_timeout)
         with _lock_wait_limited(self.settings):
             try:
-                return insert_events(own.get(), events, soon=self.soon, lock_timeout=self.settings.create_timeout)
+                return write(own.get(), events)
             except (psycopg.OperationalError, psycopg.InterfaceError):
                 if not own.lost:
                     raise  # the statement failed, not the connection
-                return insert_events(own.get(), events, soon=self.soon, lock_timeout=self.settings.create_timeout)
+                return write(own.get(), events)
 
 
 def _settle(future: Future[int], result: int | Exception) -> None:
@@ -205,7 +206,8 @@ def insert_events(
     soon: float = 3.0,
     lock_timeout: float = 0.0,
 ) -> list[int | Exception]:
-    """Insert ``events`` in ``conn``'s transaction; per event, its id or a conflict.
+    """Insert ``events`` in ``conn``'s transaction; per event, its id or a conflict (new keys in one
+    statement; if one is taken, :func:`insert_events_skipping_taken`).
 
     Waiting longer than ``lock_timeout`` seconds (0: no limit) for a lock raises LockNotAvailable.
     """
@@ -213,6 +215,20 @@ def insert_events(
     new_ids = _insert_new_rows(conn, params)
     if new_ids is not None:  # every key new and distinct
         return list(new_ids)
+    return insert_events_skipping_taken(conn, events, schedule_id, soon=soon, lock_timeout=lock_timeout)
+
+
+def insert_events_skipping_taken(
+    conn: psycopg.Connection,
+    events: Sequence[NewCallback],
+    schedule_id: int | None = None,
+    *,
+    soon: float = 3.0,
+    lock_timeout: float = 0.0,
+) -> list[int | Exception]:
+    """Insert ``events`` whose keys are not taken, and compare the others with the stored events; per event,
+    its id or a conflict."""
+    params = _insert_params(events, schedule_id, soon, lock_timeout)
     inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS, params).fetchall()}
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
     existing: dict[tuple[str, str, str], dict[str, Any]] = {}
