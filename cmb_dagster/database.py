@@ -171,9 +171,20 @@ class Database:
     def __repr__(self) -> str:
         return f"Database({self.display_url!r}, schema={self.schema!r})"
 
+    async def connect_async(self, *, autocommit: bool = False) -> psycopg.AsyncConnection:
+        """A new async connection of its own (not from the pool); the caller closes it."""
+        self.ensure_ready()
+        with self._connect_errors():
+            return await psycopg.AsyncConnection.connect(self.url, autocommit=autocommit, **self.connect_kwargs)
+
     def _raw_connect(self, *, autocommit: bool = False) -> psycopg.Connection:
-        try:
+        with self._connect_errors():
             return psycopg.connect(self.url, autocommit=autocommit, **self.connect_kwargs)
+
+    @contextmanager
+    def _connect_errors(self) -> Iterator[None]:
+        try:
+            yield
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(_unreachable_message(self.url, exc)) from None
         except psycopg.ProgrammingError as exc:  # a conninfo libpq refuses; its message may quote the password
@@ -211,6 +222,29 @@ class OwnConnection:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+
+class OwnAsyncConnection:
+    """:class:`OwnConnection` for an event loop: an async connection of its own, in autocommit."""
+
+    def __init__(self, db: Database, *, custom_plans: bool = False) -> None:
+        self.db = db
+        self.custom_plans = custom_plans
+        self._conn: psycopg.AsyncConnection | None = None
+
+    async def get(self) -> psycopg.AsyncConnection:
+        """The connection, opened anew if it was lost."""
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            await self.close()
+            self._conn = await self.db.connect_async(autocommit=True)
+            if self.custom_plans:
+                await self._conn.execute("SET plan_cache_mode = force_custom_plan")
+        return self._conn
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
 
 
 _SHARED: dict[tuple[str | None, str, str], Database] = {}

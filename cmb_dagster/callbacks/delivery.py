@@ -6,9 +6,9 @@ gives the two limits a callback needs: a deadline for the whole call (resolve, c
 and a cap on the response bytes read. It connects only to addresses the settings allow, checked on the
 address actually connected to (after name resolution).
 
-Up to ``concurrency`` calls run at once on one event loop thread. A dispatcher takes due deliveries in due
-order, as many as there are free call slots, and passes them through the worker's *gate* first: one transaction that re-checks,
-under row locks, that each event is still pending in the version polled (cancel, update and delete wait
+Up to ``concurrency`` calls run at once on one event loop thread. A dispatcher on that loop takes due
+deliveries in due order, as many as there are free call slots, and passes them through the worker's *gate*
+first: one transaction that re-checks, under row locks, that each event is still pending in the version polled (cancel, update and delete wait
 for that lock) and counts the call in ``attempts``. Only what the gate let through is called; every
 fast retry passes the gate again. So once cancel, update or delete has returned, no call of the old
 version starts.
@@ -23,6 +23,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -50,10 +51,17 @@ MAX_HEADER_BYTES = 16 * 1024
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"))
 INTERNAL_ERROR_DELAY = 5.0  # seconds: at least this long before an event that hit one of our bugs is retried
 
-# A gate: given due deliveries and ``start``, count in one transaction those still to be called, pass them
-# to ``start`` before that transaction commits, and return those that are gone; the rest are not due yet by
-# the database's clock.
-Gate = Callable[[list["Delivery"], Callable[[list["Delivery"]], None]], list["Delivery"]]
+
+class Gate(Protocol):
+    """Lets due deliveries through to their calls (the worker provides it, on the pool's event loop).
+
+    In one transaction it counts those still to be called and passes them to ``start`` before that
+    transaction commits; it returns those that are gone. The rest are not due yet by the database's clock.
+    """
+
+    async def __call__(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]: ...
+
+    async def close(self) -> None: ...
 
 
 class JobLauncher(Protocol):
@@ -78,7 +86,7 @@ class Delivery:
     group_key: str
     event_key: str
     cb_url: str
-    context: Any
+    context_json: str | None  # the event's context as stored (JSON text)
     retry: RetryPolicy
     attempts: int
     main_retries: int
@@ -99,17 +107,12 @@ class Delivery:
 
     def body(self) -> bytes:
         """The JSON the callback receives."""
-        return _BODY_ENCODER.encode(
-            {
-                "event_id": self.event_id,
-                "owner_client_id": self.owner_client_id,
-                "group_key": self.group_key,
-                "event_key": self.event_key,
-                "run_at": self.run_at.isoformat(),
-                "originally_run_at": self.originally_run_at.isoformat(),
-                "context": self.context,
-                "attempt": self.attempts + self.tries,  # this call, counted from 1
-            }
+        text = _BODY_ENCODER.encode
+        return (
+            f'{{"event_id":{self.event_id},"owner_client_id":{text(self.owner_client_id)},'
+            f'"group_key":{text(self.group_key)},"event_key":{text(self.event_key)},'
+            f'"run_at":"{self.run_at.isoformat()}","originally_run_at":"{self.originally_run_at.isoformat()}",'
+            f'"context":{self.context_json or "null"},"attempt":{self.attempts + self.tries}}}'  # attempt: this call, from 1
         ).encode()
 
 
@@ -357,10 +360,10 @@ def _general(exc: BaseException) -> str:
 class DeliveryPool:
     """Calls due deliveries, let through the worker's gate in due order, from one event loop, with fast retries.
 
-    One dispatcher thread waits for the earliest due delivery and for free call slots (``concurrency``),
-    passes as many due deliveries as there are free slots through the gate (one transaction), and hands
-    the ones let through to the event loop thread, which runs the calls concurrently. A fast retry goes
-    back to the heap and through the gate again.
+    On the event loop, a dispatcher waits for the earliest due delivery and for free call slots
+    (``concurrency``), passes as many due deliveries as there are free slots through the gate (one
+    transaction) and starts the calls of those let through; while the gate waits for the database, the
+    calls go on. A fast retry goes back to the heap and through the gate again.
     """
 
     def __init__(self, settings: CallbackSettings, launcher: JobLauncher | None = None, gate: Gate | None = None) -> None:
@@ -370,23 +373,27 @@ class DeliveryPool:
         self.gate = gate
         self._launch_lock = threading.Lock()
         self._heap: list[tuple[float, int, Delivery]] = []
-        self._cond = threading.Condition()  # guards the heap, the dispatcher's state and the counters
+        self._cond = threading.Condition()  # guards the heap and the counters; close() waits on it
         self._idle = settings.concurrency
         self._gating = 0
         self._running = 0
         self._closed = False
+        self._wake_at = -math.inf  # a submit due before this wakes the dispatcher (-inf: it is not asleep)
+        self._wake = asyncio.Event()
         self._loop = asyncio.new_event_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._caller = threading.Thread(target=self._run_loop, name="cmb-callback-calls", daemon=True)
-        self._dispatcher = threading.Thread(target=self._dispatch, name="cmb-callback-dispatch", daemon=True)
         self._caller.start()
-        self._dispatcher.start()
 
     def submit(self, delivery: Delivery) -> None:
         """Call ``delivery`` at its due time; its ``on_done`` runs when it has an outcome."""
         with self._cond:
             heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
-            self._cond.notify_all()
+            wake = delivery.due < self._wake_at
+            if wake:
+                self._wake_at = -math.inf  # one wake-up is enough
+        if wake:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def abandon_waiting(self) -> None:
         """Give every delivery not started yet back as abandoned (the worker is stopping)."""
@@ -410,57 +417,63 @@ class DeliveryPool:
             return len(self._heap) + self._gating + self._running
 
     def close(self, timeout: float = 30.0) -> None:
-        """Abandon waiting deliveries, let running calls end, stop the threads."""
+        """Abandon waiting deliveries, let the gate and running calls end, stop the event loop."""
         self.abandon_waiting()
         deadline = time.monotonic() + timeout
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
-        self._dispatcher.join(max(0.0, deadline - time.monotonic()))
-        with self._cond:
-            while self._running and time.monotonic() < deadline:
-                self._cond.wait(max(0.0, deadline - time.monotonic()))
         try:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop.call_soon_threadsafe(self._wake.set)
         except RuntimeError:  # closed already
-            pass
+            return
+        with self._cond:
+            while (self._running or self._gating) and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+        self._loop.call_soon_threadsafe(self._loop.stop)
         self._caller.join(max(0.0, deadline - time.monotonic()))
 
-    # -- the dispatcher ------------------------------------------------------------------------------
+    # -- the dispatcher, on the event loop thread ----------------------------------------------------
 
-    def _dispatch(self) -> None:
+    async def _dispatch(self) -> None:
         while True:
             with self._cond:
-                while True:
-                    if self._closed:
-                        return
-                    if self._heap and self._idle > 0:
-                        wait = self._heap[0][0] - time.monotonic()
-                        if wait <= 0:
-                            break
-                        self._cond.wait(wait)
-                    else:
-                        self._cond.wait()
+                if self._closed:
+                    return
                 now = time.monotonic()
                 due: list[Delivery] = []
                 while self._heap and self._heap[0][0] <= now and len(due) < self._idle:
                     due.append(heapq.heappop(self._heap)[2])
                 self._gating += len(due)
                 self._idle -= len(due)
-            started, later = self._pass_gate(due)
+                if not due:  # asleep until the earliest is due, or a slot frees (a call's end wakes it)
+                    self._wake.clear()
+                    self._wake_at = -math.inf if self._idle == 0 else self._heap[0][0] if self._heap else math.inf
+                    timeout = self._wake_at - now if self._wake_at < math.inf and self._idle else None
+            if not due:
+                try:
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+                with self._cond:
+                    self._wake_at = -math.inf
+                continue
+            started, later = await self._pass_gate(due)
             with self._cond:
                 self._gating -= len(due)
                 self._idle += len(due) - started
                 for delivery in later:  # not due yet by the database's clock (clocks drift a little)
                     delivery.due = time.monotonic() + 0.005
                     heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
+                if self._closed:
+                    self._cond.notify_all()
 
     def _start(self, go: list[Delivery]) -> None:
         with self._cond:
             self._running += len(go)
-        self._loop.call_soon_threadsafe(self._begin, go)
+        self._begin(go)
 
-    def _pass_gate(self, due: list[Delivery]) -> tuple[int, list[Delivery]]:
+    async def _pass_gate(self, due: list[Delivery]) -> tuple[int, list[Delivery]]:
         """Start what the gate lets through; return (how many started, those not due yet).
 
         The others are finished here: gone, or given back.
@@ -484,7 +497,7 @@ class DeliveryPool:
             self._start(go)
 
         try:
-            gone = self.gate(ready, start)
+            gone = await self.gate(ready, start)
         except Exception as exc:  # noqa: BLE001 - the database or the lease is gone: give the others back
             log.warning("callback gate failed (%s); calls given back", type(exc).__name__)
             begun = {id(d) for d in started}
@@ -501,13 +514,16 @@ class DeliveryPool:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
+        dispatcher = self._loop.create_task(self._dispatch())
         try:
             self._loop.run_forever()
         finally:
             self.sender.close()
-            for task in self._tasks:
+            for task in (dispatcher, *self._tasks):
                 task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
+            self._loop.run_until_complete(asyncio.gather(dispatcher, *self._tasks, return_exceptions=True))
+            if self.gate is not None:
+                self._loop.run_until_complete(self.gate.close())
             self._loop.close()
 
     def _begin(self, go: list[Delivery]) -> None:
@@ -529,7 +545,6 @@ class DeliveryPool:
                 delivery.due = time.monotonic() + self.settings.fast_retry_pause * 2 ** (delivery.tries - 1)
                 with self._cond:
                     heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
-                    self._cond.notify_all()
                 return
             delivery.retry_delay = delivery.retry.main_retry_delay(delivery.main_retries)
             self._finish(delivery, RETRY, error)
@@ -545,7 +560,9 @@ class DeliveryPool:
             with self._cond:
                 self._running -= 1
                 self._idle += 1
-                self._cond.notify_all()
+                if self._closed:
+                    self._cond.notify_all()
+            self._wake.set()  # a free slot (and maybe a fast retry) for the dispatcher
 
     async def _attempt(self, delivery: Delivery) -> tuple[str, str | None]:
         job_name = dagster_job_name(delivery.cb_url)
@@ -558,7 +575,8 @@ class DeliveryPool:
     def _launch(self, delivery: Delivery, job_name: str) -> tuple[str, str | None]:
         """Start the Dagster run of a ``dagster://`` event (blocking: on a thread of the loop's executor)."""
         assert self.launcher is not None
-        context = delivery.context if isinstance(delivery.context, dict) else {}
+        context = json.loads(delivery.context_json or "null")
+        context = context if isinstance(context, dict) else {}
         tags = {str(k): str(v) for k, v in (context.get("tags") or {}).items()}
         tags.update({"cmb/callback": f"{delivery.owner_client_id}/{delivery.group_key}/{delivery.event_key}"})
         try:

@@ -144,7 +144,7 @@ class CallbackSettings(BaseModel):
     lookahead: float = Field(default=2.0, ge=0, le=10, description="Poll events due within this many seconds.")
     poll_batch_size: int = Field(default=1000, gt=0, le=10_000, description="Events fetched per poll query.")
     max_in_flight: int = Field(default=5000, gt=0, le=1_000_000, description="Events a worker holds in memory at most.")
-    concurrency: int = Field(default=64, gt=0, le=512, description="Parallel callback calls per worker.")
+    concurrency: int = Field(default=128, gt=0, le=512, description="Parallel callback calls per worker.")
     timeout: float = Field(default=5.0, gt=0, le=60, description="Seconds one HTTP call may take.")
     fast_retry_pause: float = Field(default=0.1, ge=0, le=10, description="Pause before the first fast retry (doubles).")
     lease_ttl: float = Field(default=15.0, gt=1, le=3600, description="A dead worker's buckets are taken over after this.")

@@ -123,7 +123,7 @@ ORDER BY change_id
 # -- the poller (one bucket; due-ness judged by the database clock) --------------------------------
 
 POLL_COLUMNS = """
-    event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context, retry::text,
+    event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context::text, retry::text,
     attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in
 """
 

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
 from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
-from cmb_dagster.database import Database, DatabaseSource, OwnConnection
+from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
 from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
 
@@ -95,6 +95,44 @@ class EventIdHorizon:
             return self._proven
 
 
+class BucketGate:
+    """The worker's gate (a :class:`~cmb_dagster.callbacks.delivery.Gate`), on a connection of its own.
+
+    One statement, pipelined with its BEGIN: the leases of every bucket concerned, then the events; the
+    calls start before the commit (cancel, update and delete wait for the row locks until then).
+    """
+
+    def __init__(self, db: Database, states: dict[int, BucketState], owner: str) -> None:
+        self._states = states  # the worker's
+        self._owner = owner
+        self._conn = OwnAsyncConnection(db, custom_plans=True)  # planned at each run, as the worker loop's
+
+    async def __call__(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
+        """Count and start the deliveries still pending in their polled version; return those gone."""
+        leases = []
+        for bucket_id in sorted({d.bucket_id for d in deliveries}):  # ascending, as renewals lock them
+            state = self._states.get(bucket_id)
+            if state is None or state.lease is None:
+                raise LeaseLost(f"bucket {bucket_id} is not held")
+            leases.append(state.lease)
+        params = {"kind": LEASE_KIND, "owner": self._owner, "partitions": [lease.partition for lease in leases],
+                  "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
+        conn = await self._conn.get()
+        async with conn.pipeline(), conn.transaction():
+            cursor = await conn.execute(sql.GATE, params)
+            held, go_ids, pending_ids = await cursor.fetchone()
+            if held != len(leases):
+                raise LeaseLost(f"buckets {params['partitions']} are not all held by {self._owner}")
+            let_through, pending = set(go_ids), set(pending_ids)
+            go = [d for d in deliveries if d.event_id in let_through]
+            if go:
+                start(go)
+        return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
 class CallbackWorker:
     """Serves buckets: polls due events, calls them through a :class:`DeliveryPool`, writes outcomes.
 
@@ -119,9 +157,8 @@ class CallbackWorker:
         self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
-        # each its own, with no pool check on the path of every call, and planned at each run: a plan cached
-        # while callback_events was small (a sequential scan) would be kept as it grows
-        self._gate_conn = OwnConnection(db, custom_plans=True)  # the dispatcher's
+        # its own, with no pool check on the path of every call, and planned at each run: a plan cached while
+        # callback_events was small (a sequential scan) would be kept as it grows
         self._loop_conn = OwnConnection(db, custom_plans=True)  # the worker loop's: polls and outcome writes
         self._worker = Worker(
             db,
@@ -133,6 +170,7 @@ class CallbackWorker:
             idle_sleep=min(COMMIT_EVERY, self.settings.poll_interval),
             on_shutdown=self.stop,
         )
+        self._gate = BucketGate(db, self._states, self._worker.owner)
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
         self._woken_lock = threading.Lock()
@@ -162,7 +200,6 @@ class CallbackWorker:
                 timer.cancel()
             listener.stop()
             self._pool.close(timeout=self._longest_call())
-            self._gate_conn.close()
             self._loop_conn.close()
         report.items = self.delivered
         return report
@@ -204,31 +241,6 @@ class CallbackWorker:
                     with self._woken_lock:
                         self._woken.add(bucket_id)
         self._worker.wake()
-
-    def _gate(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
-        """Count and start the deliveries still pending in their polled version; return those gone.
-
-        One statement on the dispatcher's own connection (pipelined with its BEGIN): the leases of every
-        bucket concerned, then the events; the calls start before the commit.
-        """
-        leases = []
-        for bucket_id in sorted({d.bucket_id for d in deliveries}):  # ascending, as renewals lock them
-            state = self._states.get(bucket_id)
-            if state is None or state.lease is None:
-                raise LeaseLost(f"bucket {bucket_id} is not held")
-            leases.append(state.lease)
-        params = {"kind": LEASE_KIND, "owner": self.owner, "partitions": [lease.partition for lease in leases],
-                  "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
-        conn = self._gate_conn.get()
-        with conn.pipeline(), conn.transaction():
-            held, go_ids, pending_ids = conn.execute(sql.GATE, params).fetchone()
-            if held != len(leases):
-                raise LeaseLost(f"buckets {params['partitions']} are not all held by {self.owner}")
-            let_through, pending = set(go_ids), set(pending_ids)
-            go = [d for d in deliveries if d.event_id in let_through]
-            if go:
-                start(go)  # before the commit: cancel, update and delete wait for the row locks until then
-        return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
 
     @contextmanager
     def _on_loop_connection(self, *, pipeline: bool, transaction: bool) -> Iterator[psycopg.Connection]:
@@ -371,7 +383,7 @@ class CallbackWorker:
                 group_key=group,
                 event_key=key,
                 cb_url=url,
-                context=context,
+                context_json=context,
                 retry=policy or RetryPolicy(),
                 attempts=attempts,
                 main_retries=main_retries,

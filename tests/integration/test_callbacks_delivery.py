@@ -1,3 +1,4 @@
+import asyncio
 import random
 import threading
 from collections import defaultdict
@@ -295,7 +296,7 @@ def test_the_gate_starts_nothing_when_one_of_its_buckets_is_no_longer_held(db, c
             bucket = conn.execute("SELECT bucket_id FROM callback_events WHERE event_id = %s", (event_id,)).fetchone()[0]
         deliveries.append(Delivery(
             bucket_id=bucket, event_id=event_id, run_at=event.run_at, originally_run_at=event.run_at,
-            owner_client_id="a", group_key="g", event_key=f"k{n}", cb_url=event.cb_url, context=None,
+            owner_client_id="a", group_key="g", event_key=f"k{n}", cb_url=event.cb_url, context_json=None,
             retry=RetryPolicy(), attempts=0, main_retries=0, due=0.0, lease_deadline=lambda: float("inf"),
             on_done=lambda d: None))
     assert {d.bucket_id for d in deliveries} == {0, 1}
@@ -303,13 +304,19 @@ def test_the_gate_starts_nothing_when_one_of_its_buckets_is_no_longer_held(db, c
         conn.execute("UPDATE leases SET fence = fence + 1, owner = 'other' WHERE kind = %s AND partition = '1'",
                      (worker_module.LEASE_KIND,))
     started = []
-    with pytest.raises(LeaseLost):
-        worker._gate(deliveries, started.extend)
-    assert started == [] and all(e.attempts == 0 for e in client.list())
-    states[1].lease = None  # served by bucket 0 alone, its calls pass
-    worker._gate([d for d in deliveries if d.bucket_id == 0], started.extend)
+
+    async def gate_twice() -> None:
+        try:
+            with pytest.raises(LeaseLost):
+                await worker._gate(deliveries, started.extend)
+            assert started == [] and all(e.attempts == 0 for e in client.list())
+            states[1].lease = None  # served by bucket 0 alone, its calls pass
+            await worker._gate([d for d in deliveries if d.bucket_id == 0], started.extend)
+        finally:
+            await worker._gate.close()
+
+    asyncio.run(gate_twice())
     assert {d.bucket_id for d in started} == {0}
-    worker._gate_conn.close()
 
 
 def test_a_worker_goes_on_after_its_connections_were_cut(db, client, sink, workers):
