@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from cmb_dagster.cli import main
 from cmb_dagster.cli_ranges import FloatRange
@@ -264,9 +265,11 @@ def test_item7_out_of_range_values_end_in_one_line_naming_the_parameter(database
                     if len(path) == 2 else []
                 before = ["x" for p in arguments[: arguments.index(param)]]
                 cases.append(([*path, *before, value], param.human_readable_name))
-    env = {"CMB_DATABASE_URL": database_url}
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda case: run_cli(case[0], env), cases))
-    for (args, named), result in zip(cases, results, strict=True):
+    # refused while the command line is parsed, before any command runs: in-process (a process per case took a
+    # minute on a shared machine); the entry point in a process of its own is test_no_password_anywhere's
+    runner = CliRunner()
+    for args, named in cases:
+        invoked = runner.invoke(main, args, prog_name="cmb-dagster", env={"CMB_DATABASE_URL": database_url})
+        result = subprocess.CompletedProcess(args, invoked.exit_code, invoked.stdout, invoked.stderr)
         check_one_line_error(result, args)
         assert named in result.stderr, (args, result.stderr)

@@ -7,7 +7,7 @@ from waiting import wait_until
 
 from cmb_dagster.pubsub import Consumer, publish
 
-HOLD_SECONDS = 20  # the seed's reader would deliver nothing for as long: what matters is the count below
+HOLD_SECONDS = 8  # the seed's reader would deliver nothing for as long (past the 3 s bound): what matters is the count below
 
 
 @pytest.mark.slow
