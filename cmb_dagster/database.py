@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeAlias
@@ -111,6 +113,7 @@ class Database:
                     check=ConnectionPool.check_connection,  # survive a server restart
                     name=f"cmb:{self.schema}",
                 )
+                _OPEN.add(self)
             return self._pool
 
     @contextmanager
@@ -128,6 +131,7 @@ class Database:
             if self._pool is not None and not self._external_pool:
                 self._pool.close()
                 self._pool = None
+            _OPEN.discard(self)
 
     # -- readiness and migrations -------------------------------------------------------------
 
@@ -249,6 +253,15 @@ class OwnAsyncConnection:
 
 _SHARED: dict[tuple[str | None, str, str], Database] = {}
 _SHARED_LOCK = threading.Lock()
+_OPEN: weakref.WeakSet[Database] = weakref.WeakSet()  # the Databases whose pool this process opened
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    # before the interpreter tears down: a pool still filling in the background at exit (a short command that
+    # failed at once) would otherwise end in "Exception ignored in: ..." on stderr
+    for database in list(_OPEN):
+        database.close()
 
 
 def check_url(url: str) -> str:
