@@ -485,7 +485,9 @@ def test_no_event_is_missed_while_processes_commit_ids_out_of_order(db, database
     # Events are created already due, by 4 processes at once, while a worker polls every 20 ms: ids are
     # drawn concurrently and commit out of order; if query 2's horizon passed an id whose transaction was
     # still running, that event would never be called.
-    settings = LOCAL.model_copy(update={"poll_interval": 0.02, "lookahead": 0})
+    # calls to the in-process sink get 5 s (under a loaded CI, 128 of them at once took over LOCAL's 1 s and were retried
+    # a minute later): this test is about events never called, not about slow ones
+    settings = LOCAL.model_copy(update={"poll_interval": 0.02, "lookahead": 0, "timeout": 5, "lease_ttl": 15})
     running = Running(db, settings)
     try:
         creators = [
