@@ -366,11 +366,19 @@ class DeliveryPool:
     calls go on. A fast retry goes back to the heap and through the gate again.
     """
 
-    def __init__(self, settings: CallbackSettings, launcher: JobLauncher | None = None, gate: Gate | None = None) -> None:
+    def __init__(
+        self,
+        settings: CallbackSettings,
+        launcher: JobLauncher | None = None,
+        gate: Gate | None = None,
+        on_broken: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.sender = HttpSender(settings)
         self.launcher = launcher
         self.gate = gate
+        self.on_broken = on_broken  # told if the dispatcher ends by an error: no delivery would be called after it
+        self.broken: BaseException | None = None
         self._launch_lock = threading.Lock()
         self._heap: list[tuple[float, int, Delivery]] = []
         self._cond = threading.Condition()  # guards the heap and the counters; close() waits on it
@@ -515,6 +523,7 @@ class DeliveryPool:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
         dispatcher = self._loop.create_task(self._dispatch())
+        dispatcher.add_done_callback(self._dispatcher_ended)
         try:
             self._loop.run_forever()
         finally:
@@ -525,6 +534,17 @@ class DeliveryPool:
             if self.gate is not None:
                 self._loop.run_until_complete(self.gate.close())
             self._loop.close()
+
+    def _dispatcher_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.broken = task.exception()
+        with self._cond:  # the deliveries it was passing through the gate are left to the buckets' next holder
+            self._gating = 0
+            self._cond.notify_all()
+        log.error("callback dispatcher stopped by an error; no more calls start", exc_info=self.broken)
+        if self.on_broken is not None:
+            self.on_broken(self.broken)
 
     def _begin(self, go: list[Delivery]) -> None:
         for delivery in go:

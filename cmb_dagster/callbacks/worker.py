@@ -185,7 +185,7 @@ class CallbackWorker:
 
     def run(self, duration: float | None = None) -> WorkerReport:
         """Work for ``duration`` seconds (None: until :meth:`stop`), then finish the calls in flight."""
-        self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate)
+        self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate, on_broken=lambda _exc: self.stop())
         self._draining.clear()
         listener = Listener(self.db, [channel_name(self.db, sql.CHANNEL)], self._on_notify).start()
         timer = None
@@ -201,6 +201,8 @@ class CallbackWorker:
             listener.stop()
             self._pool.close(timeout=self._longest_call())
             self._loop_conn.close()
+        if self._pool.broken is not None:  # a bug of ours: the worker stops, its leases lapse to another
+            raise RuntimeError("the callback worker stopped: its dispatcher failed") from self._pool.broken
         report.items = self.delivered
         return report
 

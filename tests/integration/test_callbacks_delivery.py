@@ -330,3 +330,30 @@ def test_a_worker_goes_on_after_its_connections_were_cut(db, client, sink, worke
         client.create("a", "g", f"after-{n}", datetime.now(UTC), f"{sink.url}/cb")
     wait_until(lambda: {f"after-{n}" for n in range(5)} <= keys_received(sink), timeout=30)
     assert running.thread.is_alive()
+
+
+def test_a_worker_whose_dispatcher_fails_stops_and_another_calls_its_events(db, client, sink, workers, monkeypatch):
+    pass_gate, failures = worker_module.DeliveryPool._pass_gate, []
+
+    async def fails_once(self, due):
+        if not failures:
+            failures.append(len(due))
+            raise ZeroDivisionError("a bug in the dispatcher")
+        return await pass_gate(self, due)
+
+    monkeypatch.setattr(worker_module.DeliveryPool, "_pass_gate", fails_once)
+    broken, raised = CallbackWorker(db, FAST), []
+
+    def run():
+        try:
+            broken.run()
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    client.create("a", "g", "k", datetime.now(UTC), f"{sink.url}/cb")
+    wait_until(lambda: not thread.is_alive(), timeout=30)  # it stops rather than hold its buckets, calling nothing
+    assert failures and raised and isinstance(raised[0].__cause__, ZeroDivisionError)
+    workers()
+    wait_until(lambda: "k" in keys_received(sink), timeout=30)
