@@ -73,8 +73,8 @@ def keep_running_sensor(
     """A sensor that keeps ``worker`` running with one run standing by behind the working one.
 
     The standby run waits in the queue (dagster.yaml limits the ``cmb/worker`` tag to one run per
-    worker) and starts the moment the working run's time is up, so the handover costs no sensor
-    interval; without that limit it starts at once and waits for the leases instead.
+    worker) and starts at the queue's next check after the working run ends (``dequeue_interval_seconds``),
+    so the handover costs no sensor interval; without that limit it starts at once and waits for the leases.
     """
 
     @sensor(
