@@ -7,6 +7,9 @@ moment it ends, the next run starts in a fresh process, as the queued standby ru
 one's time is up (the run launcher spawns a process that loads the code location and runs the job).
 Meanwhile a producer creates events at a steady rate, due from 0 to 2 s after creation. Lateness is the
 sink's arrival time minus run_at; the figures split events due during the handover from the rest.
+With ``--dagster-dev`` the handover is Dagster's own: ``cmb-dagster dev`` runs a code location with the
+callbacks engine, the keeper sensor launches the worker runs, the daemon starts the queued standby and the
+run launcher its process; the benchmark waits for one handover (a run works 300 s).
 Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. JSON last.
 """
 
@@ -17,8 +20,12 @@ import itertools
 import json
 import os
 import random
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -65,9 +72,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rate", type=int, default=200, help="Events created per second.")
     parser.add_argument("--run-seconds", type=float, default=10.0, help="How long each worker run works.")
+    parser.add_argument("--dagster-dev", action="store_true", help="Measure a handover under `cmb-dagster dev`.")
     args = parser.parse_args()
     with bench_database() as db:
-        handover(db, args.rate, args.run_seconds)
+        if args.dagster_dev:
+            dagster_dev_handover(db, args.rate)
+        else:
+            handover(db, args.rate, args.run_seconds)
 
 
 def handover(db: Database, rate: int, run_seconds: float) -> None:
@@ -131,6 +142,115 @@ def handover(db: Database, rate: int, run_seconds: float) -> None:
     print(f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's process end to "
           f"the standby's code loaded {results['first_run_end_to_standby_working_s']}s, of which "
           f"{results['standby_process_to_working_s']}s process start and code load")
+    print(f"  events due around the handover: {results['due_during_handover']}")
+    print(f"  other events: {results['rest']}; {pending} left pending")
+    print(json.dumps(results))
+
+
+DEFINITIONS = """
+from cmb_dagster import CallbackOptions, cmb_definitions
+from cmb_dagster.callbacks import CallbackSettings
+
+defs = cmb_definitions(callbacks=CallbackOptions(settings=CallbackSettings(allowed_hosts=["127.0.0.1"])))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_runs(db: Database) -> list[tuple[str, float | None, float | None]]:
+    """(status, start, end) of the callbacks worker's runs, from Dagster's run storage, oldest first."""
+    with db.connection() as conn:
+        return [tuple(r) for r in conn.execute(
+            "SELECT status, start_time, end_time FROM public.runs WHERE pipeline_name = 'cmb_callbacks_worker' "
+            "ORDER BY create_timestamp").fetchall()]
+
+
+def dagster_dev_handover(db: Database, rate: int) -> None:
+    """One handover of the worker job under ``cmb-dagster dev``: the keeper, the queue and the run launcher."""
+    results: dict[str, object] = {"benchmark": "callbacks_handover_dagster_dev", "rate": rate,
+                                  "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    project = Path(tempfile.mkdtemp(prefix="cmb-handover-"))
+    (project / "definitions.py").write_text(DEFINITIONS)
+    (project / "workspace.yaml").write_text("load_from:\n  - python_file: definitions.py\n")
+    shutil.copy(ROOT / "dagster.yaml", project / "dagster.yaml")
+    log = open(project / "dev.log", "wb")  # noqa: SIM115 - the child owns it
+    env = {**os.environ, "CMB_DATABASE_URL": db.url}
+    env.pop("DAGSTER_HOME", None)
+    env.pop("CMB_DAGSTER_STORAGE_URL", None)
+    dev = subprocess.Popen([sys.executable, "-c", "from cmb_dagster.cli import run; run()", "dev", "--port",
+                            str(free_port()), "--sink-port", "0"], cwd=project, env=env, stdout=log, stderr=log)
+    try:
+        with CallbackSink() as sink, CallbackClient(db, LOCAL) as client:
+            client.create("bench", "warm-up", "probe", datetime.now(UTC), f"{sink.url}/cb")
+            deadline = time.monotonic() + 180
+            while not sink.received:  # the first run is working
+                if time.monotonic() > deadline or dev.poll() is not None:
+                    raise RuntimeError(f"no worker run called the probe; see {project / 'dev.log'}")
+                time.sleep(0.2)
+            sink.received.clear()
+            stop = threading.Event()
+
+            def produce() -> None:
+                rng, i, start = random.Random(7), 0, time.monotonic()
+                while not stop.is_set():
+                    pause = start + i / rate - time.monotonic()
+                    if pause > 0:
+                        time.sleep(pause)
+                    client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=rng.uniform(0.0, 2.0)),
+                                  f"{sink.url}/cb")
+                    i += 1
+
+            producer = threading.Thread(target=produce)
+            producer.start()
+            deadline = time.monotonic() + 420
+            while time.monotonic() < deadline:  # until the standby has worked 20 s
+                runs = worker_runs(db)
+                if len(runs) >= 2 and runs[1][1] is not None and time.time() - runs[1][1] > 20:
+                    break
+                time.sleep(1)
+            else:
+                raise RuntimeError(f"no handover within 7 minutes; see {project / 'dev.log'}")
+            stop.set()
+            producer.join()
+            quiet = time.monotonic() + 15  # every event is due within 2 s of the last create
+            with db.connection() as conn:
+                while time.monotonic() < quiet and conn.execute(
+                        "SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]:
+                    time.sleep(0.2)
+                pending = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]
+            calls = list(sink.received)
+            runs = worker_runs(db)
+    finally:
+        dev.send_signal(signal.SIGTERM)
+        try:
+            dev.wait(60)
+        except subprocess.TimeoutExpired:
+            dev.kill()
+            dev.wait()
+    late = [(datetime.fromisoformat(c.body["run_at"]).timestamp(), c.started) for c in calls]
+    starts = sorted(s for _, s in late)
+    gap_start, gap_end = max(itertools.pairwise(starts), key=lambda pair: pair[1] - pair[0])
+    during = [s - r for r, s in late if gap_start - 1 <= r <= gap_end + 1]
+    rest = [s - r for r, s in late if not gap_start - 1 <= r <= gap_end + 1]
+    first_end, second_start = runs[0][2], runs[1][1]
+    results.update({
+        "events_called": len(calls),
+        "events_left_pending": pending,
+        "handover_seconds": round(gap_end - gap_start, 2),
+        "first_run_end_to_standby_start_s": round(second_start - first_end, 2) if first_end and second_start else None,
+        "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
+                                "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
+        "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    })
+    shutil.rmtree(project, ignore_errors=True)
+    print(f"callbacks handover under cmb-dagster dev on {db.display_url}: {rate} events/s, runs of 300s")
+    print(f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's end to the "
+          f"standby's start (Dagster's run records) {results['first_run_end_to_standby_start_s']}s")
     print(f"  events due around the handover: {results['due_during_handover']}")
     print(f"  other events: {results['rest']}; {pending} left pending")
     print(json.dumps(results))
