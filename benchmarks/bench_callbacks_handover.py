@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +40,7 @@ from cmb_dagster.callbacks.sink import CallbackSink  # noqa: E402
 from cmb_dagster.database import Database  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_callbacks import bench_database, percentile  # noqa: E402
+from bench_callbacks import bench_database, percentile, stop_process  # noqa: E402
 
 LOCAL = CallbackSettings(allowed_hosts=["127.0.0.1"])
 RUN = """
@@ -81,27 +81,43 @@ def main() -> None:
             handover(db, args.rate, args.run_seconds)
 
 
+def produce(client: CallbackClient, sink: CallbackSink, rate: int, stop: threading.Event) -> None:
+    """Create ``rate`` events a second, each due 0-2 s after its creation, until ``stop``."""
+    rng, i, start = random.Random(7), 0, time.monotonic()
+    while not stop.is_set():
+        pause = start + i / rate - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=rng.uniform(0.0, 2.0)),
+                      f"{sink.url}/cb")
+        i += 1
+
+
+def handover_figures(calls: list, after: float, before: float) -> dict[str, object]:  # type: ignore[type-arg]
+    """The handover as callers see it: the longest time without a call started between ``after`` and ``before``
+    (the first run stops taking events before its process ends), and the lateness of the events due from 1 s
+    before it to 1 s after it, apart from the others'."""
+    late = [(datetime.fromisoformat(c.body["run_at"]).timestamp(), c.started) for c in calls]
+    starts = sorted(s for _, s in late if after < s < before)
+    gap_start, gap_end = max(itertools.pairwise(starts), key=lambda pair: pair[1] - pair[0])
+    during = [s - r for r, s in late if gap_start - 1 <= r <= gap_end + 1]
+    rest = [s - r for r, s in late if not gap_start - 1 <= r <= gap_end + 1]
+    return {
+        "handover_seconds": round(gap_end - gap_start, 2),
+        "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
+                                "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
+        "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
+    }
+
+
 def handover(db: Database, rate: int, run_seconds: float) -> None:
     url = db.url
     results: dict[str, object] = {"benchmark": "callbacks_handover", "rate": rate, "run_seconds": run_seconds,
                                   "load_average_start": [round(x, 2) for x in os.getloadavg()]}
     with CallbackSink() as sink, CallbackClient(db, LOCAL) as client:
         stop = threading.Event()
-
-        def produce() -> None:
-            rng = random.Random(7)
-            i = 0
-            start = time.monotonic()
-            while not stop.is_set():
-                pause = start + i / rate - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
-                delay = rng.uniform(0.0, 2.0)
-                client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=delay), f"{sink.url}/cb")
-                i += 1
-
         runs: list[dict[str, float]] = []
-        producer = threading.Thread(target=produce)
+        producer = threading.Thread(target=produce, args=(client, sink, rate, stop))
         first = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
         first.start()
         time.sleep(8)  # the first run is up (process start and code load) before events flow
@@ -119,23 +135,12 @@ def handover(db: Database, rate: int, run_seconds: float) -> None:
         with db.connection() as conn:
             pending = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]
         calls = list(sink.received)
-    late = [(datetime.fromisoformat(c.body["run_at"]).timestamp(), c.started) for c in calls]
-    # The handover as callers see it: the longest time without a call between the first run's start and the
-    # standby's end (the first run stops taking events before its process ends). Events due from 1 s before
-    # it to 1 s after it count as due around the handover.
-    starts = sorted(s for _, s in late if runs[0]["working"] < s < runs[1]["ended"])
-    gap_start, gap_end = max(itertools.pairwise(starts), key=lambda pair: pair[1] - pair[0])
-    during = [s - r for r, s in late if gap_start - 1 <= r <= gap_end + 1]
-    rest = [s - r for r, s in late if not gap_start - 1 <= r <= gap_end + 1]
     results.update({
         "events_called": len(calls),
         "events_left_pending": pending,
-        "handover_seconds": round(gap_end - gap_start, 2),
+        **handover_figures(calls, runs[0]["working"], runs[1]["ended"]),
         "first_run_end_to_standby_working_s": round(runs[1]["working"] - runs[0]["ended"], 2),
         "standby_process_to_working_s": round(runs[1]["working"] - runs[1]["process_started"], 2),
-        "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
-                                "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
-        "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
     })
     print(f"callbacks handover on {db.display_url}: {rate} events/s, runs of {run_seconds:g}s")
@@ -193,18 +198,7 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
                 time.sleep(0.2)
             sink.received.clear()
             stop = threading.Event()
-
-            def produce() -> None:
-                rng, i, start = random.Random(7), 0, time.monotonic()
-                while not stop.is_set():
-                    pause = start + i / rate - time.monotonic()
-                    if pause > 0:
-                        time.sleep(pause)
-                    client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=rng.uniform(0.0, 2.0)),
-                                  f"{sink.url}/cb")
-                    i += 1
-
-            producer = threading.Thread(target=produce)
+            producer = threading.Thread(target=produce, args=(client, sink, rate, stop))
             producer.start()
             deadline = time.monotonic() + 420
             while time.monotonic() < deadline:  # until the standby has worked 20 s
@@ -218,33 +212,19 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
             producer.join()
             quiet = time.monotonic() + 15  # every event is due within 2 s of the last create
             with db.connection() as conn:
-                while time.monotonic() < quiet and conn.execute(
-                        "SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]:
+                while (pending := conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'")
+                       .fetchone()[0]) and time.monotonic() < quiet:
                     time.sleep(0.2)
-                pending = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]
             calls = list(sink.received)
             runs = worker_runs(db)
     finally:
-        dev.send_signal(signal.SIGTERM)
-        try:
-            dev.wait(60)
-        except subprocess.TimeoutExpired:
-            dev.kill()
-            dev.wait()
-    late = [(datetime.fromisoformat(c.body["run_at"]).timestamp(), c.started) for c in calls]
-    starts = sorted(s for _, s in late)
-    gap_start, gap_end = max(itertools.pairwise(starts), key=lambda pair: pair[1] - pair[0])
-    during = [s - r for r, s in late if gap_start - 1 <= r <= gap_end + 1]
-    rest = [s - r for r, s in late if not gap_start - 1 <= r <= gap_end + 1]
+        stop_process(dev)
     first_end, second_start = runs[0][2], runs[1][1]
     results.update({
         "events_called": len(calls),
         "events_left_pending": pending,
-        "handover_seconds": round(gap_end - gap_start, 2),
+        **handover_figures(calls, -math.inf, math.inf),
         "first_run_end_to_standby_start_s": round(second_start - first_end, 2) if first_end and second_start else None,
-        "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
-                                "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
-        "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
     })
     shutil.rmtree(project, ignore_errors=True)

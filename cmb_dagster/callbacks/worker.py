@@ -201,7 +201,7 @@ class CallbackWorker:
             listener.stop()
             self._pool.close(timeout=self._longest_call())
             self._loop_conn.close()
-        if self._pool.broken is not None:  # a bug of ours: the worker stops, its leases lapse to another
+        if self._pool.broken is not None:  # a bug of ours: the worker stopped and released its buckets to others
             raise RuntimeError("the callback worker stopped: its dispatcher failed") from self._pool.broken
         report.items = self.delivered
         return report
