@@ -32,6 +32,8 @@ from cmb_dagster.settings import Settings
 from cmb_dagster.stages.cli import stages
 
 DEBUG_ENV = "CMB_DEBUG"
+MAX_ERROR_LINE = 500
+"""Most characters of an error line; a longer one (quoting a huge argument) is cut, saying how long it was."""
 SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
 """Variables whose secrets never appear in the CLI's output, errors or logs (nor does ``PGPASSWORD``)."""
 
@@ -170,8 +172,16 @@ def report_error(exc: BaseException, clean: Callable[[str], str], *, debug: bool
     message, code = describe_error(exc, command)
     if code == 1 and not debug and not isinstance(exc, CmbError | click.ClickException):
         message += f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
-    click.echo(f"{command}: error: {clean(message)}", err=True)
+    click.echo(bounded(clean(f"{command}: error: {message}")), err=True)
     return code
+
+
+def bounded(line: str) -> str:
+    """``line`` if it has at most MAX_ERROR_LINE characters, else its start and its length."""
+    if len(line) <= MAX_ERROR_LINE:
+        return line
+    tail = f"... ({len(line)} characters in all)"
+    return line[: MAX_ERROR_LINE - len(tail)] + tail
 
 
 def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeAlias
 
@@ -198,14 +198,17 @@ class Database:
 class OwnConnection:
     """One thread's connection of its own, outside the pool (no check on each use), in autocommit.
 
-    Opened on first use, and again on the use after it broke or closed. With ``custom_plans``, every
+    Opened on first use, and again on the use after it broke or closed. ``settings`` are session settings
+    it gets on each connect (outside any pipeline, so they take effect). With ``custom_plans``, every
     statement is planned for the tables as they are when it runs: a plan cached while a table was small
     (a sequential scan) would otherwise be kept as the table grows, until its statistics change.
     """
 
-    def __init__(self, db: Database, *, custom_plans: bool = False) -> None:
+    def __init__(self, db: Database, *, custom_plans: bool = False, settings: Mapping[str, str] | None = None) -> None:
         self.db = db
-        self.custom_plans = custom_plans
+        self.settings = dict(settings or {})
+        if custom_plans:
+            self.settings["plan_cache_mode"] = "force_custom_plan"
         self._conn: psycopg.Connection | None = None
 
     @property
@@ -218,8 +221,8 @@ class OwnConnection:
         if self.lost:
             self.close()
             self._conn = self.db.connect(autocommit=True)
-            if self.custom_plans:
-                self._conn.execute("SET plan_cache_mode = force_custom_plan")
+            for name, value in self.settings.items():
+                self._conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         return self._conn  # type: ignore[return-value]
 
     def close(self) -> None:

@@ -5,6 +5,11 @@ the worker's own poll or sweep finds it. The listener checks its connection ever
 seconds, reconnects by itself, and after every (re)connect calls ``on_notify(channel, None)``: "you may
 have missed something, look everywhere".
 
+Logging rules: a lost or refused connection is one warning line when it is lost (with a traceback only
+for an error that is no database or network error), then retried quietly with a delay from
+``retry_delay`` doubling up to 30 s; the reconnect is one info line. A failing ``on_notify`` is logged
+with its traceback, at most once a minute per distinct error, and the listener goes on.
+
 Producers notify with ``SELECT pg_notify(%s, %s)`` (one per transaction is enough: Postgres delivers
 notifications only on commit and folds identical ones of a transaction into one).
 """
@@ -20,8 +25,14 @@ import psycopg
 from psycopg import sql
 
 from cmb_dagster.database import Database
+from cmb_dagster.errors import CmbError
 
 log = logging.getLogger("cmb_dagster.notifications")
+
+MAX_RETRY_DELAY = 30.0
+"""Longest wait between two connection attempts (unless ``retry_delay`` is longer)."""
+CALLBACK_ERROR_INTERVAL = 60.0
+"""Seconds during which the same callback error is not logged again."""
 
 OnNotify = Callable[[str, "str | None"], None]
 
@@ -55,6 +66,7 @@ class Listener:
         self._stop = threading.Event()
         self._conn: psycopg.Connection | None = None
         self._thread: threading.Thread | None = None
+        self._logged_errors: dict[str, float] = {}  # callback error -> when it was last logged
 
     def start(self) -> Listener:
         """Start listening in the background; returns self."""
@@ -77,31 +89,54 @@ class Listener:
         self.stop()
 
     def _run(self) -> None:
+        delay = self.retry_delay
+        lost_at: float | None = None  # when the connection was lost or first refused, until the next connect
         while not self._stop.is_set():
             try:
                 with self.db.connect(autocommit=True) as conn:
                     for channel in self.channels:
                         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    if lost_at is not None:
+                        log.info("notification listener reconnected after %.1f s", time.monotonic() - lost_at)
+                    lost_at, delay = None, self.retry_delay
                     self.connections += 1
                     self.connected.set()
                     for channel in self.channels:
-                        self.on_notify(channel, None)
+                        self._notify(channel, None)
                     self._listen(conn)
-            except (psycopg.Error, OSError) as exc:
-                if not self._stop.is_set():
-                    log.warning("notification listener lost its connection (%s); reconnecting", type(exc).__name__)
-            except Exception:  # noqa: BLE001 - a failing callback must not end the listener
-                log.exception("notification callback failed; listener restarts")
+            except Exception as exc:  # noqa: BLE001 - the listener outlives every error; it retries
+                if lost_at is None and not self._stop.is_set():
+                    lost_at = time.monotonic()
+                    state = "lost its connection" if self.connected.is_set() else "cannot connect"
+                    log.warning("notification listener %s (%s: %s); retrying", state, type(exc).__name__,
+                                _first_line(exc), exc_info=not isinstance(exc, CmbError | psycopg.Error | OSError))
             finally:
                 self.connected.clear()
-            self._stop.wait(self.retry_delay)
+            self._stop.wait(delay)
+            delay = min(delay * 2, max(MAX_RETRY_DELAY, self.retry_delay))
+
+    def _notify(self, channel: str, payload: str | None) -> None:
+        """``on_notify(channel, payload)``; a failure is logged (see the module's logging rules), not raised."""
+        try:
+            self.on_notify(channel, payload)
+        except Exception as exc:  # noqa: BLE001 - a failing callback must not end the listener
+            error = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            self._logged_errors = {e: t for e, t in self._logged_errors.items() if now - t < CALLBACK_ERROR_INTERVAL}
+            if error not in self._logged_errors:
+                self._logged_errors[error] = now
+                log.exception("notification callback failed (not logged again for %.0f s)", CALLBACK_ERROR_INTERVAL)
 
     def _listen(self, conn: psycopg.Connection) -> None:
         quiet_since = time.monotonic()
         while not self._stop.is_set():
             for notify in conn.notifies(timeout=min(self.heartbeat, 0.5), stop_after=1000):
                 quiet_since = time.monotonic()
-                self.on_notify(notify.channel, notify.payload)
+                self._notify(notify.channel, notify.payload)
             if time.monotonic() - quiet_since >= self.heartbeat:
                 conn.execute("SELECT 1")  # heartbeat: a silently dead connection raises here
                 quiet_since = time.monotonic()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]

@@ -1,18 +1,32 @@
 """Every query of the foundation: the worker runtime's leases (table ``leases``)."""
 
-# Take (or renew) every partition that is free, expired or already ours; the fence grows on a takeover.
+# Renew the partitions that are ours and unexpired, take those that are free or expired (the fence grows on
+# a takeover). A renewal changes no key column, so it does not wait for our own transactions that check a
+# lease (FOR KEY SHARE); a takeover changes the fence, a key column (unique index leases_fence), so it waits
+# for them. ``inherited``: the previous holder neither renewed nor released it (it died or stalled).
 ACQUIRE_LEASES = """
-INSERT INTO leases AS l (kind, partition, owner, expires_at)
-SELECT %(kind)s, p, %(owner)s, now() + make_interval(secs => %(ttl)s)
-FROM unnest(%(partitions)s::text[]) AS p
-ON CONFLICT (kind, partition) DO UPDATE
-    SET owner = EXCLUDED.owner,
-        expires_at = EXCLUDED.expires_at,
-        fence = l.fence + (l.owner <> EXCLUDED.owner OR l.expires_at <= now())::int,
-        acquired_at = CASE WHEN l.owner = EXCLUDED.owner AND l.expires_at > now()
-                           THEN l.acquired_at ELSE now() END
-    WHERE l.owner = EXCLUDED.owner OR l.expires_at <= now()
-RETURNING partition, fence
+WITH wanted AS (
+    SELECT DISTINCT p FROM unnest(%(partitions)s::text[]) AS p
+), renewed AS (
+    UPDATE leases l SET expires_at = now() + make_interval(secs => %(ttl)s)
+    FROM wanted
+    WHERE l.kind = %(kind)s AND l.partition = wanted.p AND l.owner = %(owner)s AND l.expires_at > now()
+    RETURNING l.partition, l.fence
+), previous AS (
+    SELECT l.partition, l.expires_at FROM leases l JOIN wanted ON l.kind = %(kind)s AND l.partition = wanted.p
+), taken AS (
+    INSERT INTO leases AS l (kind, partition, owner, expires_at)
+    SELECT %(kind)s, wanted.p, %(owner)s, now() + make_interval(secs => %(ttl)s)
+    FROM wanted WHERE wanted.p NOT IN (SELECT partition FROM renewed)
+    ON CONFLICT (kind, partition) DO UPDATE
+        SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at, fence = l.fence + 1, acquired_at = now()
+        WHERE l.expires_at <= now()
+    RETURNING l.partition, l.fence
+)
+SELECT partition, fence, false FROM renewed
+UNION ALL
+SELECT t.partition, t.fence, coalesce(p.expires_at > '-infinity', false)
+FROM taken t LEFT JOIN previous p ON p.partition = t.partition
 """
 
 # Give partitions up at once (they expire now).
@@ -21,12 +35,13 @@ UPDATE leases SET expires_at = '-infinity'
 WHERE kind = %(kind)s AND owner = %(owner)s AND partition = ANY(%(partitions)s::text[])
 """
 
-# Is the lease still ours and unexpired? Share-locks the row until the transaction ends.
+# Is the lease still ours and unexpired? Key-share-locks the row until the transaction ends: no takeover
+# (a fence change) until then, while our own renewals go on.
 CHECK_LEASE = """
 SELECT 1 FROM leases
 WHERE kind = %(kind)s AND partition = %(partition)s AND owner = %(owner)s AND fence = %(fence)s
   AND expires_at > now()
-FOR SHARE
+FOR KEY SHARE
 """
 
 # CHECK_LEASE for several partitions of one kind and owner at once: the partitions still held.
@@ -36,5 +51,5 @@ JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) AS u(partition, fence)
   ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
 WHERE l.owner = %(owner)s AND l.expires_at > now()
 ORDER BY l.partition
-FOR SHARE OF l
+FOR KEY SHARE OF l
 """

@@ -26,6 +26,7 @@ import psycopg
 from cmb_dagster import sql
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
+from cmb_dagster.isolation import WorkerStuck
 
 log = logging.getLogger("cmb_dagster.workers")
 
@@ -40,12 +41,16 @@ def default_owner() -> str:
 
 @dataclass(frozen=True)
 class Lease:
-    """A held partition: the fence proves ownership inside a transaction (see :meth:`Leases.check`)."""
+    """A held partition: the fence proves ownership inside a transaction (see :meth:`Leases.check`).
+
+    ``inherited``: taken over from a holder that neither renewed nor released it (it died or stalled), so
+    work of its may have been cut off mid-item."""
 
     kind: str
     partition: str
     owner: str
     fence: int
+    inherited: bool = field(default=False, compare=False)
 
 
 class Leases:
@@ -62,7 +67,7 @@ class Leases:
         params = {"kind": self.kind, "owner": self.owner, "ttl": self.ttl, "partitions": list(partitions)}
         with self.db.connection() as conn:
             rows = conn.execute(sql.ACQUIRE_LEASES, params).fetchall()
-        return {p: Lease(self.kind, p, self.owner, fence) for p, fence in rows}
+        return {p: Lease(self.kind, p, self.owner, fence, inherited) for p, fence, inherited in rows}
 
     def release(self, partitions: Iterable[str]) -> None:
         """Give partitions up at once, so another worker need not wait for the expiry."""
@@ -74,8 +79,8 @@ class Leases:
     def check(conn: psycopg.Connection, lease: Lease) -> None:
         """Inside ``conn``'s transaction: raise LeaseLost unless ``lease`` is still held and unexpired.
 
-        The row stays share-locked until the transaction ends, so no one can take the partition over
-        between this check and the commit of the work it guards.
+        The row stays key-share-locked until the transaction ends, so no one can take the partition over
+        between this check and the commit of the work it guards (the holder's renewals go on).
         """
         params = {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
         if conn.execute(sql.CHECK_LEASE, params).fetchone() is None:
@@ -164,6 +169,8 @@ class Worker:
         self.on_shutdown = on_shutdown or self.stop
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._held: dict[str, Lease] = {}
+        self._next_renew = 0.0
 
     @property
     def owner(self) -> str:
@@ -179,38 +186,35 @@ class Worker:
         self._wake.set()
 
     def run(self, duration: float | None = None) -> WorkerReport:
-        """Loop for ``duration`` seconds (None: until :meth:`stop`); release the leases on the way out."""
+        """Loop for ``duration`` seconds (None: until :meth:`stop`); release the leases on the way out.
+
+        Raises :class:`~cmb_dagster.isolation.WorkerStuck` (after releasing) when user code it abandoned
+        piles up: the process should then be restarted."""
         started = time.monotonic()
         deadline = None if duration is None else started + duration
         report = WorkerReport(owner=self.owner)
-        held: dict[str, Lease] = {}
-        renew_every = self.leases.ttl / 3
-        next_renew = 0.0
+        self._held = {}
+        self._next_renew = 0.0
         retry_at: dict[str, float] = {}
         failures: dict[str, int] = {}
         _running.add(self.on_shutdown)
         try:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                now = time.monotonic()
-                if now >= next_renew:
-                    try:
-                        wanted = self.partitions() if callable(self.partitions) else self.partitions
-                        held = dict(self.leases.acquire(wanted))
-                    except (psycopg.Error, CmbError) as exc:
-                        log.warning("lease renewal failed (%s); retrying", exc)
-                        held = {}
-                    next_renew = now + renew_every
-                    report.held = set(held)
+                if time.monotonic() >= self._next_renew:
+                    self._renew(self.partitions() if callable(self.partitions) else self.partitions)
+                    report.held = set(self._held)
                 handled = 0
-                for partition, run_step in self._steps(held):
+                for partition, run_step in self._steps(self._held):
                     if self._stop.is_set() or retry_at.get(partition, 0) > time.monotonic():
                         continue
                     try:
                         count = run_step()
                     except LeaseLost as exc:
                         log.warning("%s", exc)
-                        next_renew = 0.0
+                        self._next_renew = 0.0
                         continue
+                    except WorkerStuck:
+                        raise
                     except Exception:  # noqa: BLE001 - one failing partition must not stop the others
                         failures[partition] = failures.get(partition, 0) + 1
                         delay = min(self.max_backoff, 0.5 * 2 ** (failures[partition] - 1))
@@ -226,21 +230,34 @@ class Worker:
                     report.seconds = time.monotonic() - started
                     self.on_progress(report)
                 if handled == 0:
-                    wait = self.idle_sleep if held else renew_every
+                    wait = self.idle_sleep if self._held else self.leases.ttl / 3
                     if deadline is not None:
                         wait = max(0.0, min(wait, deadline - time.monotonic()))
                     self._wake.wait(wait)
                     self._wake.clear()
         finally:
             _running.discard(self.on_shutdown)
-            if held:
+            if self._held:
                 try:
-                    self.leases.release(held)
+                    self.leases.release(self._held)
                 except (psycopg.Error, CmbError) as exc:
                     log.warning("could not release leases (%s); they expire in %.0fs", exc, self.leases.ttl)
             report.seconds = time.monotonic() - started
         return report
 
+    def keep_alive(self) -> None:
+        """Renew the held leases if they are due (from a step that waits on user code, so a slow but live
+        call does not cost the worker its partitions)."""
+        if self._held and time.monotonic() >= self._next_renew:
+            self._renew(list(self._held))
+
+    def _renew(self, partitions: Iterable[str]) -> None:
+        try:
+            self._held = dict(self.leases.acquire(partitions))
+        except (psycopg.Error, CmbError) as exc:
+            log.warning("lease renewal failed (%s); retrying", exc)
+            self._held = {}
+        self._next_renew = time.monotonic() + self.leases.ttl / 3
 
     def _steps(self, held: dict[str, Lease]) -> list[tuple[str, Callable[[], int]]]:
         """(partition or joint group name, step) for one round over the held partitions."""

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import socket
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
@@ -44,6 +45,7 @@ ANY_PUBLIC_HOST = "*"
 # Names refused unless listed by name: they point at this machine or at a cloud metadata service.
 _LOCAL_NAMES = ("localhost", "metadata.google.internal", "metadata")
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
+_NUMERIC_HOST = re.compile(r"[0-9a-fA-FxX.]+")  # what an IPv4 address may look like to the resolver
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 _JOB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -156,7 +158,7 @@ class CallbackSettings(BaseModel):
             value = value.split(",")
         if value is None:
             return None
-        hosts = tuple(str(h).strip().lower().strip("[]") for h in value if str(h).strip())
+        hosts = tuple(_without_root_dot(str(h).strip().lower().strip("[]")) for h in value if str(h).strip())
         for host in hosts:
             _check_pattern(host)
         return hosts
@@ -177,7 +179,7 @@ class CallbackSettings(BaseModel):
         return _host_allowed(host, self.allowed_hosts)
 
     def _host_allowed(self, host: str) -> bool:
-        host = host.lower().strip("[]")
+        host = _without_root_dot(host.lower().strip("[]"))
         patterns = self.allowed_hosts if self.allowed_hosts is not None else (ANY_PUBLIC_HOST,)
         address = _address(host)
         if address is not None:
@@ -209,10 +211,24 @@ def _hosts_from_env() -> tuple[str, ...] | None:
     return CallbackSettings._normalise_hosts(value) if value else None
 
 
+def _without_root_dot(host: str) -> str:
+    """``host`` without the trailing dots of a fully qualified name: ``localhost.`` is ``localhost``."""
+    prefix = "*." if host.startswith("*.") else ""
+    return prefix + host[len(prefix):].rstrip(".")
+
+
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address ``host`` spells, None for a name."""
     try:
         return ipaddress.ip_address(host)
     except ValueError:
+        pass
+    if not _NUMERIC_HOST.fullmatch(host):
+        return None
+    # the resolver reads hex, octal, one-number and shortened IPv4 too ('0x7f000001', '127.1'): calls reach that address
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
         return None
 
 

@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 import psycopg
 
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import check_seconds
 from cmb_dagster.eventqueue import sql as q
 from cmb_dagster.eventqueue.errors import InvalidInput, NotDead, UnknownHandler
 from cmb_dagster.eventqueue.models import DEFAULT_MODULE, DeadEvent, HandlerStatus, Rule, check_name
+from cmb_dagster.eventqueue.worker import WORKER_KIND
+
+log = logging.getLogger("cmb_dagster.eventqueue")
+
+WAIT_FOR_WORKERS = 30.0
+"""Seconds pause() and block() wait at most for the live workers to apply a new rule."""
 
 
-def pause(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> bool:
-    """Hold the handler's events of (namespace, event space) until :func:`unpause` (a user's rule)."""
-    return _add_rule(db, "pause", namespace, handler, event_space)
+def pause(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE, *,
+          wait: float = WAIT_FOR_WORKERS) -> bool:
+    """Hold the handler's events of (namespace, event space) until :func:`unpause` (a user's rule).
+
+    Returns once every live worker has applied the rule to the events it has claimed and not started
+    (waiting ``wait`` seconds at most): no such event starts after that. False if the rule existed."""
+    return _add_rule(db, "pause", namespace, handler, event_space, wait)
 
 
 def unpause(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> int:
@@ -22,9 +35,11 @@ def unpause(db: DatabaseSource, namespace: str, handler: str, event_space: str =
     return _drop_rule(db, "pause", namespace, handler, event_space)
 
 
-def block(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> bool:
-    """Hold the handler's events of (namespace, event space) until :func:`unblock` (an admin's rule)."""
-    return _add_rule(db, "block", namespace, handler, event_space)
+def block(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE, *,
+          wait: float = WAIT_FOR_WORKERS) -> bool:
+    """Hold the handler's events of (namespace, event space) until :func:`unblock` (an admin's rule);
+    returns as :func:`pause` does."""
+    return _add_rule(db, "block", namespace, handler, event_space, wait)
 
 
 def unblock(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE) -> int:
@@ -40,10 +55,30 @@ def _rule_params(conn: psycopg.Connection, rule_type: str, namespace: str, handl
     return params
 
 
-def _add_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str) -> bool:
-    with Database.of(db).connection() as conn:
+def _add_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str, wait: float) -> bool:
+    check_seconds(wait, "wait", high=3600)
+    database = Database.of(db)
+    with database.connection() as conn:
         params = _rule_params(conn, rule_type, namespace, handler, event_space)
-        return conn.execute(q.ADD_RULE, params).fetchone() is not None
+        added = conn.execute(q.ADD_RULE, params).fetchone()
+    if added is None:
+        return False
+    _wait_for_workers(database, added[0], wait)
+    return True
+
+
+def _wait_for_workers(database: Database, rule: int, wait: float) -> None:
+    """Until every live worker has acknowledged ``rule`` (or ``wait`` seconds passed: then a warning names them)."""
+    deadline = time.monotonic() + wait
+    while True:
+        with database.connection() as conn:
+            behind = [row[0] for row in conn.execute(q.UNACKNOWLEDGED, {"kind": WORKER_KIND, "rule": rule})]
+        if not behind or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if behind:
+        log.warning("rule %s: %d worker(s) did not confirm it within %.0f s (%s); events they had already "
+                    "claimed may still start", rule, len(behind), wait, ", ".join(behind[:5]))
 
 
 def _drop_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str) -> int:

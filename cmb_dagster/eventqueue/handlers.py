@@ -171,6 +171,7 @@ class HandlerRegistry:
             "max_retries": [h.config.max_retries for h in items],
             "retry_delay": [h.config.retry_delay for h in items],
             "max_retry_delay": [h.config.max_retry_delay for h in items],
+            "max_crashes": [h.config.max_crashes for h in items],
         })
 
 

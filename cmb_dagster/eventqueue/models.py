@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cmb_dagster.eventqueue.errors import InvalidInput
+from cmb_dagster import inputs
+from cmb_dagster.inputs import check_seconds, check_text
+from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 
 DEFAULT_NAMESPACE = "default"
 DEFAULT_MODULE = "worker"  # the original design's event space of events emitted by code
@@ -78,11 +78,14 @@ class Rule:
 
 
 class HandlerConfig(BaseModel):
-    """Per-handler settings: how long a claim holds, how often and how late a failing event is retried."""
+    """Per-handler settings: how long a claim holds, how long a call may run, how often and how late a
+    failing event is retried, and how many crashed runs park it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    lock_expiry: float = Field(default=300.0, gt=0, le=86400, description="Seconds a claim holds before another worker may take it over.")
+    lock_expiry: float = Field(default=300.0, gt=0, le=86400, description="Seconds a claim holds without its worker renewing it (a dead worker's events are taken over after this).")
+    timeout: float = Field(default=300.0, gt=0, le=86400, description="Seconds a call may run; then it fails (the event is retried) and is abandoned.")
+    max_crashes: int = Field(default=DEFAULT_MAX_CRASHES, ge=1, le=1000, description="Runs of one event that may end with the death of their worker before it is dead-lettered.")
     max_retries: int = Field(default=3, ge=0, le=1000, description="Retries after the first attempt; then the event is dead-lettered.")
     retry_delay: float = Field(default=1.0, ge=0, le=86400, description="Delay before the first retry, doubled each retry.")
     max_retry_delay: float = Field(default=300.0, ge=0, le=30 * 86400, description="Upper bound of the retry delay.")
@@ -130,31 +133,14 @@ class EventQueueOptions(BaseModel):
 
 def check_name(field: str, value: object) -> str:
     """``value`` as a name (namespace, handler, module, modifier), or InvalidInput naming ``field``."""
-    if not isinstance(value, str) or not value:
-        raise InvalidInput(f"{field}: expected a non-empty string, got {value!r}")
-    if len(value) > MAX_NAME_LENGTH or "\x00" in value:
-        raise InvalidInput(f"{field}: at most {MAX_NAME_LENGTH} characters and no NUL, got {value[:40]!r}")
-    return value
+    return check_text(value, field, max_length=MAX_NAME_LENGTH)
 
 
 def to_json(value: object, field: str = "value") -> str:
-    """``value`` as JSON text, or InvalidInput naming ``field`` (NaN, Infinity and NUL are refused too)."""
-    try:
-        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"{field}: not JSON-serialisable ({exc})") from None
-    if "\\u0000" in text:
-        raise InvalidInput(f"{field}: JSON with a NUL character cannot be stored in Postgres")
-    return text
+    """``value`` as JSON text within the payload limit, or InvalidInput naming ``field``."""
+    return inputs.to_json(value, field)
 
 
 def delay_seconds(delay: float | timedelta | None) -> float:
-    """``delay`` in seconds; None is 0; negative or not finite is InvalidInput naming ``delay``."""
-    if delay is None:
-        return 0.0
-    seconds = delay.total_seconds() if isinstance(delay, timedelta) else delay
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
-        raise InvalidInput(f"delay: expected seconds or a timedelta, got {delay!r}")
-    if seconds < 0:
-        raise InvalidInput(f"delay: must not be negative, got {delay!r}")
-    return float(seconds)
+    """``delay`` in seconds (None is 0), at most a century, or InvalidInput naming ``delay``."""
+    return check_seconds(delay, "delay")

@@ -1,10 +1,17 @@
 """The dequeue state machine (the original design's flowchart) and the worker that runs it in batches.
 
 A worker claims a batch of due events in one statement (``FOR UPDATE SKIP LOCKED``, compare-and-set on
-``locked_at``), runs each event's handler, deletes the events that completed, and retries or dead-letters
-the ones that raised. LISTEN/NOTIFY hints wake it at once; without them it sweeps every
-``sweep_interval`` seconds, and sleeps no longer than until the next delayed event or lock expiry.
-Several workers share one queue without partitions; each holds only a liveness lease of its own.
+``locked_at``, each event's ``crashes`` counted up before any handler runs), runs each event's handler in
+a thread of user code (:class:`~cmb_dagster.isolation.UserCode`), deletes the events that completed as they
+complete, and retries or dead-letters the ones that raised or ran past their ``timeout``. While a batch
+runs, the worker renews the locks of the events it still holds, so a finished event is deleted before its
+lock can lapse, and a slow call is set aside after about a second so that the events after it go on. A
+rule (pause, block) committed while a batch runs is applied to the events not started yet before the
+worker acknowledges it; ``pause()`` returns once every live worker has.
+
+LISTEN/NOTIFY hints wake it at once; without them it sweeps every ``sweep_interval`` seconds, and sleeps
+no longer than until the next delayed event or lock expiry. Several workers share one queue without
+partitions; each holds only a liveness lease of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -28,6 +34,7 @@ from cmb_dagster.eventqueue import sql as q
 from cmb_dagster.eventqueue.errors import InvalidInput
 from cmb_dagster.eventqueue.handlers import Handler, HandlerRegistry
 from cmb_dagster.eventqueue.models import Event, WorkerSettings, to_json
+from cmb_dagster.isolation import Call, UserCode, describe_error, describe_traceback
 from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.workers import Lease, Worker, WorkerReport, default_owner
 
@@ -35,6 +42,7 @@ log = logging.getLogger("cmb_dagster.eventqueue")
 
 WORKER_KIND = "eventqueue.worker"
 CHANNEL = "eventqueue"
+RULES_HINT = "rules"  # the NOTIFY payload of a new pause or block rule
 MIN_SLEEP = 0.005
 
 
@@ -53,10 +61,11 @@ class Edge(StrEnum):
     RETRY_ALLOWED = "retry_allowed"  # RetryCheck -> Queue: increment, delay
     RETRY_TOO_MANY = "retry_too_many"  # RetryCheck -> dead-letter table
     RETRY_CHECK_FAILED = "retry_check_failed"  # RetryCheck -> Queue: stays locked until the lock expires
+    CRASHED_TOO_OFTEN = "crashed_too_often"  # LockClaim -> dead-letter table: its runs killed their worker
 
 
 _HELD = {"pause": Edge.PAUSED, "block": Edge.BLOCKED, "delay_not_yet": Edge.DELAY_NOT_YET,
-         "is_locked": Edge.IS_LOCKED, "lock_claim_failed": Edge.LOCK_CLAIM_FAILED}
+         "is_locked": Edge.IS_LOCKED, "lock_claim_failed": Edge.LOCK_CLAIM_FAILED, "crashed": Edge.CRASHED_TOO_OFTEN}
 
 
 class Launcher(Protocol):
@@ -65,12 +74,23 @@ class Launcher(Protocol):
     def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str: ...
 
 
-@dataclass(frozen=True, slots=True)
+class _ClaimLapsed(Exception):
+    """The worker could not renew an event's lock in time: another worker may run it; this one does not."""
+
+
+@dataclass(eq=False)
 class Claimed:
+    """An event this worker holds the lock of, from its claim until it is deleted, retried or released."""
+
     event: Event
+    handler: Handler
     locked_at: datetime
     expired: bool  # the claim took over an expired lock
-    claimed_at: float  # time.monotonic() of the claim
+    renewed_at: float  # time.monotonic() of the claim or of the last renewal of its lock
+
+    @property
+    def label(self) -> str:
+        return f"event {self.event.id} ({self.handler.name})"
 
 
 class EventWorker:
@@ -104,6 +124,12 @@ class EventWorker:
         self.listener: Listener | None = None
         self.worker = Worker(self.db, WORKER_KIND, [self.owner], self._step, owner=self.owner,
                              ttl=self.settings.lease_ttl, idle_sleep=self.settings.sweep_interval)
+        self.user_code = UserCode(f"eventqueue:{self.owner}")
+        self._held: dict[int, Claimed] = {}  # events whose lock this worker holds
+        self._done: list[Claimed] = []  # finished, not deleted yet
+        self._rules_changed = threading.Event()
+        self._acknowledged = 0  # the newest rule this worker applies to every event it starts
+        self._tick = min(1.0, min(h.config.lock_expiry for h in self.registry.handlers.values()) / 4)
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -121,7 +147,7 @@ class EventWorker:
             cursor = conn.execute(query, params)
             return cursor.fetchall() if cursor.description else []
         except psycopg.OperationalError:
-            self.close()
+            self._own.close()
             raise
 
     def close(self) -> None:
@@ -137,16 +163,19 @@ class EventWorker:
     def run_once(self) -> int:
         """Claim one batch of due events and process it; return how many events it claimed or held."""
         with self._lock:
+            self._settle_set_aside()
+            self._apply_new_rules()
             rows = self._execute(q.CLAIM_DUE, {"handlers": self.names, "limit": self.settings.batch_size})
             edges: dict[int, list[Edge]] = {}
             claimed = self._sort(rows, edges)
             self._process(claimed, edges)
-            return len(rows)
+            return len(edges)
 
     def dequeue(self, ids: Iterable[int]) -> dict[int, list[Edge]]:
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
         with self._lock:
             ids = list(ids)
+            self._apply_new_rules()
             rows = self._execute(q.CLAIM_IDS, {"ids": ids, "handlers": self.names})
             edges: dict[int, list[Edge]] = {}
             claimed = self._sort(rows, edges)
@@ -162,33 +191,35 @@ class EventWorker:
         now = time.monotonic()
         claimed = []
         for decision, event_id, namespace, module, handler, modifier, value, retries, enqueued, locked, seen in rows:
-            if decision == "claim":
+            if decision == "rules":
+                self._acknowledge(event_id)
+            elif decision == "claim":
                 event = Event(event_id, namespace, module, handler, modifier, value, retries, enqueued)
-                claimed.append(Claimed(event, locked, seen is not None, now))
+                item = Claimed(event, self.registry.handlers[handler], locked, seen is not None, now)
+                claimed.append(item)
+                self._held[event_id] = item
                 edges[event_id] = [Edge.LOCK_EXPIRED if seen is not None else Edge.LOCK_NONE]
             else:
                 edges[event_id] = [_HELD[decision]]
+                if decision == "crashed":
+                    log.error("event %s: its last runs ended with the death of their worker; moved to the "
+                              "dead-letter table", event_id)
         return claimed
 
     def _process(self, claimed: list[Claimed], edges: dict[int, list[Edge]]) -> None:
-        done: list[int] = []
         try:
-            for item in claimed:
-                handler = self.registry.handlers[item.event.handler]
-                if time.monotonic() - item.claimed_at > handler.config.lock_expiry:
-                    continue  # our claim has lapsed: another worker may run it; leave it to them
-                try:
-                    self._call(handler, item.event)
-                except Exception as exc:  # noqa: BLE001 - a handler's failure is the event's, not the worker's
-                    edges[item.event.id].append(self._retry_check(handler, item, exc))
-                else:
-                    done.append(item.event.id)
-                    edges[item.event.id].append(Edge.EXECUTES_TO_COMPLETION)
+            calls = self.user_code.run(claimed, self._call, lambda c: c.handler.config.timeout,
+                                       on_wait=self._housekeeping, wait_step=self._tick)
+            for call in calls:
+                self._settle(call, edges)
         finally:
-            if done:
-                self._execute(q.DELETE_DONE, {"ids": done})
+            self._flush()
 
-    def _call(self, handler: Handler, event: Event) -> None:
+    def _call(self, item: Claimed) -> None:
+        """Run the event's handler (in the thread of user code)."""
+        if time.monotonic() - item.renewed_at > item.handler.config.lock_expiry:
+            raise _ClaimLapsed()
+        handler, event = item.handler, item.event
         if handler.fn is not None:
             handler.fn(event)
             return
@@ -201,9 +232,24 @@ class EventWorker:
         self.launcher.launch(handler.job_name or handler.name, run_key=f"eventqueue:{event.id}",
                              run_config=run_config, tags=tags)
 
-    def _retry_check(self, handler: Handler, item: Claimed, exc: BaseException) -> Edge:
+    def _settle(self, call: Call[Claimed], edges: dict[int, list[Edge]]) -> None:
+        """Record how a call ended: done (deleted with the next flush), or a failure to retry."""
+        item = call.item
         try:
-            error = f"{type(exc).__name__}: {exc}".replace("\x00", "\\0")
+            call.outcome
+        except _ClaimLapsed:
+            self._held.pop(item.event.id, None)  # our claim has lapsed: another worker may run it
+        except Exception as exc:  # noqa: BLE001 - a handler's failure is the event's, not the worker's
+            edges.setdefault(item.event.id, []).append(self._retry_check(item, exc))
+        else:
+            self._done.append(item)
+            edges.setdefault(item.event.id, []).append(Edge.EXECUTES_TO_COMPLETION)
+
+    def _retry_check(self, item: Claimed, exc: BaseException) -> Edge:
+        handler = item.handler
+        self._held.pop(item.event.id, None)
+        try:
+            error = describe_error(exc)
             params = {"id": item.event.id, "locked_at": item.locked_at, "error": error}
             if item.event.retries < handler.config.max_retries:
                 delay = handler.config.backoff(item.event.retries)
@@ -211,8 +257,7 @@ class EventWorker:
                 log.warning("event %s (%s) failed, retry %s in %.1fs: %s", item.event.id, handler.name,
                             item.event.retries + 1, delay, error)
                 return Edge.RETRY_ALLOWED
-            trace = "".join(traceback.format_exception(exc)).replace("\x00", "\\0")
-            self._execute(q.KILL, {**params, "traceback": trace})
+            self._execute(q.KILL, {**params, "traceback": describe_traceback(exc)})
             log.error("event %s (%s) failed %s times; moved to the dead-letter table: %s", item.event.id,
                       handler.name, item.event.retries + 1, error)
             return Edge.RETRY_TOO_MANY
@@ -220,6 +265,76 @@ class EventWorker:
             log.exception("event %s: recording its failure failed; it runs again after its lock expires",
                           item.event.id)
             return Edge.RETRY_CHECK_FAILED
+
+    # -- while handlers run ---------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        """Apply new rules to the events not started, delete the finished ones, renew the locks still
+        held and the worker's lease (from the worker's thread, while handlers run)."""
+        self._apply_new_rules()
+        self._flush()
+        self._renew_locks()
+        self.worker.keep_alive()
+
+    def _flush(self) -> None:
+        """Delete the finished events; kept for the next flush if the database cannot be reached."""
+        if not self._done:
+            return
+        try:
+            self._execute(q.DELETE_DONE, {"ids": [item.event.id for item in self._done]})
+        except psycopg.Error as exc:
+            log.warning("could not delete %d finished events (%s); retrying", len(self._done), exc)
+            return
+        for item in self._done:
+            self._held.pop(item.event.id, None)
+        self._done = []
+
+    def _renew_locks(self) -> None:
+        now = time.monotonic()
+        due = [item for item in self._held.values() if now - item.renewed_at > item.handler.config.lock_expiry / 3]
+        if not due:
+            return
+        try:
+            self._execute(q.EXTEND_LOCKS, {"ids": [i.event.id for i in due], "locked": [i.locked_at for i in due]})
+        except psycopg.Error as exc:
+            log.warning("could not renew the locks of %d events (%s); retrying", len(due), exc)
+            return
+        for item in due:
+            item.renewed_at = now
+
+    def _apply_new_rules(self) -> None:
+        """After a rule changed: park the claimed events not started yet that a rule now holds, then
+        acknowledge the newest rule (from now on, every event started was checked against it)."""
+        if not self._rules_changed.is_set():
+            return
+        self._rules_changed.clear()
+        try:
+            with self.user_code.holding() as pending:
+                waiting = [call for call in pending if isinstance(call.item, Claimed)]
+                newest, held = self._execute(q.RECHECK_RULES, {
+                    "owner": self.owner, "ids": [c.item.event.id for c in waiting],
+                    "locked": [c.item.locked_at for c in waiting]})[0]
+                parked = set(held)
+                self.user_code.withdraw([c for c in waiting if c.item.event.id in parked])
+        except psycopg.Error as exc:
+            self._rules_changed.set()
+            log.warning("could not check the claimed events against new rules (%s); retrying", exc)
+            return
+        for event_id in parked:
+            self._held.pop(event_id, None)
+        self._acknowledged = max(self._acknowledged, newest)
+
+    def _acknowledge(self, newest: int) -> None:
+        """A claim read rules up to ``newest``, and nothing claimed earlier is still to start."""
+        if newest > self._acknowledged:
+            self._execute(q.ACKNOWLEDGE_RULES, {"owner": self.owner, "rule": newest})
+            self._acknowledged = newest
+
+    def _settle_set_aside(self) -> None:
+        """Record the calls set aside that ended since (or passed their timeout)."""
+        for call in self.user_code.collect():
+            self._settle(call, {})
+        self._flush()
 
     # -- cron ---------------------------------------------------------------------------------------
 
@@ -247,23 +362,29 @@ class EventWorker:
             self._next_cron = time.monotonic() + self.settings.cron_interval
             self.fire_crons()
         count = self.run_once()
+        self._housekeeping()
         if count == 0:
             self.worker.idle_sleep = self._sleep_for()
         return count
 
     def _sleep_for(self) -> float:
-        """Seconds until the next delayed event or lock expiry, at most the sweep interval."""
+        """Seconds until the next delayed event or lock expiry, at most the sweep interval (shorter while
+        calls set aside run, or events are held: their locks are renewed on the way)."""
         sleep = self.settings.sweep_interval
         if self.registry.crons:
             sleep = min(sleep, max(MIN_SLEEP, self._next_cron - time.monotonic()))
+        if self._held:
+            sleep = min(sleep, self._tick, 0.05 if self.user_code.set_aside else self._tick)
         rows = self._execute(q.NEXT_VISIBLE, {"handlers": self.names})
         if rows:
-            visible_at, now = rows[0]
-            sleep = min(sleep, max(MIN_SLEEP, (visible_at - now).total_seconds()))
+            sleep = min(sleep, max(MIN_SLEEP, rows[0][0]))
         return sleep
 
     def _on_notify(self, channel: str, payload: str | None) -> None:
-        if not payload or payload in self.registry.handlers:
+        if payload is None or payload == RULES_HINT:  # a new rule, or a reconnect that may have missed one
+            self._rules_changed.set()
+            self.user_code.interrupt()
+        if not payload or payload == RULES_HINT or payload in self.registry.handlers:
             self.worker.wake()
 
     def run(self, duration: float | None = None,
@@ -278,7 +399,25 @@ class EventWorker:
         finally:
             if self.listener is not None:
                 self.listener.stop()
+            self._finish()
             self.close()
+
+    def _finish(self) -> None:
+        """On the way out: wait for the calls set aside (within their timeouts, renewing their locks), record
+        how they ended, and forget this worker's acknowledgement of rules."""
+        deadline = time.monotonic() + max((c.timeout - c.seconds for c in self.user_code.set_aside), default=0.0)
+        try:
+            while self.user_code.set_aside and time.monotonic() < deadline:
+                with self._lock:
+                    self._settle_set_aside()
+                    self._housekeeping()
+                time.sleep(0.05)
+            with self._lock:
+                self._settle_set_aside()
+            self._execute(q.FORGET_WORKER, {"owner": self.owner})
+        except psycopg.Error as exc:
+            log.warning("event queue worker %s: could not finish cleanly (%s); its events run again after "
+                        "their locks expire", self.owner, exc)
 
     @property
     def listening(self) -> bool:

@@ -277,7 +277,8 @@ CREATE TABLE cmb.eventqueue_events (
     enqueued_at timestamp with time zone DEFAULT now() NOT NULL,
     locked_at timestamp with time zone,
     visible_at timestamp with time zone DEFAULT now() NOT NULL,
-    last_error text
+    last_error text,
+    crashes smallint DEFAULT 0 NOT NULL
 )
 WITH (fillfactor='80');
 
@@ -298,8 +299,10 @@ CREATE TABLE cmb.eventqueue_handlers (
     retry_delay_seconds double precision NOT NULL,
     max_retry_delay_seconds double precision NOT NULL,
     registered_at timestamp with time zone DEFAULT now() NOT NULL,
+    max_crashes integer DEFAULT 3 NOT NULL,
     CONSTRAINT eventqueue_handlers_kind_check CHECK ((kind = ANY (ARRAY['python'::text, 'dagster_job'::text]))),
     CONSTRAINT eventqueue_handlers_lock_expiry_seconds_check CHECK ((lock_expiry_seconds > (0)::double precision)),
+    CONSTRAINT eventqueue_handlers_max_crashes_check CHECK ((max_crashes >= 1)),
     CONSTRAINT eventqueue_handlers_max_retries_check CHECK ((max_retries >= 0)),
     CONSTRAINT eventqueue_handlers_max_retry_delay_seconds_check CHECK ((max_retry_delay_seconds >= (0)::double precision)),
     CONSTRAINT eventqueue_handlers_name_check CHECK ((name <> ''::text)),
@@ -323,6 +326,12 @@ ALTER TABLE cmb.eventqueue_rules ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTIT
     NO MINVALUE
     NO MAXVALUE
     CACHE 1
+);
+
+CREATE TABLE cmb.eventqueue_workers (
+    owner text NOT NULL,
+    rules_seen bigint DEFAULT 0 NOT NULL,
+    seen_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
 CREATE TABLE cmb.health_checks (
@@ -424,6 +433,7 @@ CREATE TABLE cmb.pubsub_watermarks (
     last_failed_at timestamp with time zone,
     last_error text,
     notice text,
+    crashes integer DEFAULT 0 NOT NULL,
     CONSTRAINT pubsub_watermarks_consumer_id_check CHECK ((consumer_id ~ '^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$'::text))
 );
 
@@ -541,6 +551,7 @@ CREATE TABLE cmb.stage_queue (
     conflicts integer DEFAULT 0 NOT NULL,
     last_error text,
     parked_at timestamp with time zone,
+    crashes smallint DEFAULT 0 NOT NULL,
     CONSTRAINT stage_queue_lane_check CHECK ((lane = ANY (ARRAY[0, 1])))
 )
 WITH (fillfactor='70');
@@ -626,6 +637,9 @@ ALTER TABLE ONLY cmb.eventqueue_rules
 ALTER TABLE ONLY cmb.eventqueue_rules
     ADD CONSTRAINT eventqueue_rules_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY cmb.eventqueue_workers
+    ADD CONSTRAINT eventqueue_workers_pkey PRIMARY KEY (owner);
+
 ALTER TABLE ONLY cmb.health_checks
     ADD CONSTRAINT health_checks_pkey PRIMARY KEY (id);
 
@@ -706,6 +720,8 @@ CREATE INDEX eventqueue_dead_handler ON cmb.eventqueue_dead USING btree (handler
 CREATE INDEX eventqueue_events_held ON cmb.eventqueue_events USING btree (handler, namespace, module) WHERE (visible_at = 'infinity'::timestamp with time zone);
 
 CREATE INDEX eventqueue_events_visible ON cmb.eventqueue_events USING btree (visible_at);
+
+CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
 
 CREATE UNIQUE INDEX reactive_launches_run_key ON cmb.reactive_launches USING btree (scheduler, run_key);
 

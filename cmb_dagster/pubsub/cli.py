@@ -10,6 +10,7 @@ import click
 
 from cmb_dagster.cli_ranges import BRANCH, DURATION, ROW_ID, FloatRange
 from cmb_dagster.database import Database
+from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.admin import consumer_lag, dead_letters, drop_consumer, replay, reset, trim
 from cmb_dagster.pubsub.consumer import Consumer
@@ -36,13 +37,17 @@ def pubsub() -> None:
 @click.option("--max-attempts", default=10, show_default=True, type=click.IntRange(1, 1000), help="Failed attempts on one event before --on-poison applies.")
 @click.option("--on-poison", type=click.Choice(["park", "stop"]), default="park", show_default=True,
               help="park: move the event to the dead letters and go on; stop: keep retrying it.")
+@click.option("--max-crashes", default=DEFAULT_MAX_CRASHES, show_default=True, type=click.IntRange(1, 1000),
+              help="Deliveries of one event that may kill their worker before --on-poison applies.")
+@click.option("--handler-timeout", default=300.0, show_default=True, type=FloatRange(0.001, 86400),
+              help="Seconds a handler call may run before it fails.")
 @click.option("--order", type=click.Choice(["snapshot", "txid"]), default="snapshot", show_default=True,
               help="txid: strict txid order, waiting for every older transaction to end.")
 @click.option("--start", type=click.Choice(["beginning", "now", "earliest_kept"]), default="beginning", show_default=True,
               help="Where a consumer seen for the first time starts.")
 def consume(
     consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int, lease_ttl: float,
-    max_attempts: int, on_poison: str, order: str, start: str,
+    max_attempts: int, on_poison: str, max_crashes: int, handler_timeout: float, order: str, start: str,
 ) -> None:
     """Run a registered consumer outside Dagster; identical consumers elsewhere stand by."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -56,7 +61,8 @@ def consume(
             )
         handler = row[0]
     consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size, lease_ttl=lease_ttl,
-                        max_attempts=max_attempts, on_poison=on_poison, order=order, start=start)  # type: ignore[arg-type]
+                        max_attempts=max_attempts, on_poison=on_poison, order=order, start=start,  # type: ignore[arg-type]
+                        max_crashes=max_crashes, handler_timeout=handler_timeout)
     consumer.check()  # refuses at once after a restore
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
     click.echo(f"consumer {consumer_id} (branch {branch_id}) started; SIGTERM or Ctrl-C stops it", err=True)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Literal
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.isolation import DEFAULT_MAX_CRASHES, UserCode, describe_error, describe_traceback
 from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
@@ -61,13 +61,13 @@ def lock_watermark(conn: psycopg.Connection, consumer_id: str, branch_id: int, *
         conn.execute(q.CREATE_WATERMARK, params)
     else:  # pragma: no cover - the row was created and deleted between our two statements
         raise ConsumerBusy(f"consumer {spec.consumer_id!r} of branch {spec.branch_id} was dropped while locking it")
-    consumer, branch, snapshot, target, txid, event_id, delivered, handler, failing, attempts, problem = row
+    consumer, branch, snapshot, target, txid, event_id, delivered, handler, failing, attempts, crashes, problem = row
     if problem:
         raise StreamRestored(f"consumer {consumer!r} of branch {branch}: {problem}; {RESET_HINT}")
     return Watermark(
         consumer_id=consumer, branch_id=branch, snapshot=snapshot, target=target,
         txid=int(txid), event_id=event_id, delivered=delivered, handler=handler,
-        failing_event=failing, attempts=attempts,
+        failing_event=failing, attempts=attempts, crashes=crashes,
     )
 
 
@@ -111,6 +111,7 @@ def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int, *, or
             "delivered": watermark.delivered + len(events),
             "failing_event": None,
             "attempts": 0,
+            "crashes": 0,
         }
     )
     return Batch(events=events, after=after, changed=bool(events) or watermark.target is not None)
@@ -153,11 +154,15 @@ class Consumer:
     restarts and competing consumers with the same id. Effects outside this database (HTTP, other
     databases) happen at least once: make them idempotent, e.g. keyed by ``event.id``.
 
-    A handler failing ``max_attempts`` times on one event: with ``on_poison="park"`` the event goes to
-    the consumer's dead letters (``pubsub dead`` / ``pubsub replay``) and the watermark moves past it
-    in the same transaction; with ``on_poison="stop"`` the consumer keeps retrying it and delivers
-    nothing after it. Either way the lag (``pubsub status``, the lag asset) names the event.
-    ``database``: a :class:`Database`, a psycopg ``ConnectionPool`` or a URL.
+    A batch whose handler call fails is delivered again in halves, until the failing event is alone. A
+    handler failing ``max_attempts`` times on one event (a call running past ``handler_timeout`` fails,
+    its transaction ended by the server): with ``on_poison="park"`` the event goes to the consumer's
+    dead letters (``pubsub dead`` / ``pubsub replay``) and the watermark moves past it in the same
+    transaction; with ``on_poison="stop"`` the consumer keeps retrying it and delivers nothing after it.
+    Either way the lag (``pubsub status``, the lag asset) names the event. A consumer taken over from a
+    worker that died delivers the next events one at a time, counting each start in Postgres first, so an
+    event whose deliveries kill the worker ``max_crashes`` times is parked (with ``on_poison="stop"``: no
+    longer delivered). ``database``: a :class:`Database`, a psycopg ``ConnectionPool`` or a URL.
     """
 
     def __init__(
@@ -177,12 +182,14 @@ class Consumer:
         order: Order = "snapshot",
         start: Literal["beginning", "now", "earliest_kept"] = "beginning",
         listen: bool = True,
+        max_crashes: int = DEFAULT_MAX_CRASHES,
+        handler_timeout: float = 300.0,
     ) -> None:
         path = handler if isinstance(handler, str) else handler_path(handler)
         self.spec = validated(
             ConsumerSpec, consumer_id=consumer_id, branch_id=branch_id, handler=path or "unnamed:handler",
             batch_size=batch_size, idle_sleep=idle_sleep, max_attempts=max_attempts, on_poison=on_poison,
-            order=order, start=start,
+            order=order, start=start, max_crashes=max_crashes, handler_timeout=handler_timeout,
         )
         self.handler: Handler = load_handler(handler) if isinstance(handler, str) else handler
         self.handler_path = path
@@ -191,8 +198,13 @@ class Consumer:
         self.listen = listen
         self.database = Database.of(database, schema=schema)
         self._registered = False
-        self._one_at_a_time = 0  # after a failed batch, deliver its events singly to name the failing one
+        self._retry_limit = 0  # after a failed batch: the size of the next ones, halved at each failure
+        self._retry_left = 0  # events of the failed batch not delivered since
+        self._careful = 0  # after a takeover from a dead worker: events to deliver alone, each start counted first
+        self._inherited_fence: int | None = None
+        self._abandoned: psycopg.Connection | None = None
         self._worker: Worker | None = None
+        self.user_code = UserCode(f"pubsub:{self.partition}", set_aside_after=None)
         self._stop_requested = threading.Event()
         self._conn: psycopg.Connection | None = None  # kept across batches (a pool's checkout costs a round trip)
 
@@ -201,7 +213,8 @@ class Consumer:
         """The consumer a :class:`ConsumerSpec` describes."""
         return cls(database, spec.consumer_id, spec.branch_id, spec.handler, batch_size=spec.batch_size,
                    idle_sleep=spec.idle_sleep, max_attempts=spec.max_attempts, on_poison=spec.on_poison,
-                   order=spec.order, start=spec.start)
+                   order=spec.order, start=spec.start, max_crashes=spec.max_crashes,
+                   handler_timeout=spec.handler_timeout)
 
     @property
     def consumer_id(self) -> str:
@@ -266,11 +279,14 @@ class Consumer:
         try:
             yield conn
         except BaseException:
-            try:
-                conn.rollback()
-            except psycopg.Error:
-                self.close()
+            if conn is not self._abandoned:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    self.close()
             raise
+        if conn is self._abandoned:  # its call ran past the deadline: the server ended its transaction
+            return
         try:
             conn.commit()
         except psycopg.Error:
@@ -305,7 +321,16 @@ class Consumer:
     def _batch(self, lease: Lease | None) -> int:
         if not self._registered:
             self.check()
-        limit = 1 if self._one_at_a_time else self.spec.batch_size
+        if lease is not None and lease.inherited and lease.fence != self._inherited_fence:
+            self._inherited_fence = lease.fence
+            self._careful = self.spec.batch_size  # as many as the dead worker may have had in flight
+            log.warning("consumer %r of branch %s: taken over from a worker that died; the next events are "
+                        "delivered one at a time", self.consumer_id, self.branch_id)
+        if self._careful:
+            started = self._record_start(lease)
+            if started is not None:
+                return started
+        limit = self._retry_limit or self.spec.batch_size
         failure: BaseException | None = None
         with self._transaction() as conn:
             if lease is not None:
@@ -314,31 +339,83 @@ class Consumer:
             batch = read_batch(conn, before, limit, order=self.spec.order)
             if batch.events:
                 try:
-                    self.handler(conn, batch.events)
+                    self._call_handler(conn, batch.events)
                 except Exception as exc:  # noqa: BLE001 - recorded below, after this transaction rolls back
                     failure = exc
-                    conn.rollback()
+                    if conn is not self._abandoned:
+                        conn.rollback()
             if failure is None and batch.changed:
                 save_watermark(conn, before, batch.after)
         if failure is not None:
             return self._failed(lease, before, batch, failure)
-        self._one_at_a_time = max(0, self._one_at_a_time - len(batch.events))
+        if self._retry_limit:
+            self._retry_left -= len(batch.events)
+            if self._retry_left <= 0:
+                self._retry_limit = 0
         return len(batch.events)
+
+    def _call_handler(self, conn: psycopg.Connection, events: list[Event]) -> None:
+        """The handler on ``events`` in the thread of user code; past ``handler_timeout`` the transaction is
+        ended by the server (the call is abandoned) and :class:`TimedOut` raised."""
+        backend = conn.info.backend_pid
+        [call] = self.user_code.run([events], lambda batch: self.handler(conn, batch), self.spec.handler_timeout,
+                                    on_wait=self._keep_alive)
+        if call.timed_out:
+            self._abandoned, self._conn = conn, None  # left to the abandoned call: not closed under its thread
+            with self.database.connection() as other:
+                other.execute("SELECT pg_terminate_backend(%s)", (backend,))
+        call.outcome
+
+    def _keep_alive(self) -> None:
+        if self._worker is not None:
+            self._worker.keep_alive()
+
+    def _record_start(self, lease: Lease | None) -> int | None:
+        """In careful mode: count the next event's delivery as started (committed), or park it if its deliveries
+        already killed ``max_crashes`` workers; None when the next event is to be delivered now."""
+        with self._transaction() as conn:
+            if lease is not None:
+                Leases.check(conn, lease)
+            before = lock_watermark(conn, self.consumer_id, self.branch_id, wait=self.wait)
+            batch = read_batch(conn, before, 1, order=self.spec.order)
+            if not batch.events:
+                self._careful = 0
+                return None
+            event = batch.events[0]
+            crashes = before.crashes if before.failing_event == event.id else 0
+            params = {"consumer_id": self.consumer_id, "branch_id": self.branch_id, "event_id": event.id}
+            if crashes < self.spec.max_crashes:
+                conn.execute(q.RECORD_START, params)
+                self._careful -= 1
+                self._retry_limit, self._retry_left = 1, max(self._retry_left, 1)
+                return None
+            where = f"consumer {self.consumer_id!r} of branch {self.branch_id}"
+            error = f"{crashes} deliveries in a row ended with the death of their worker (a crash, kill -9 or OOM)"
+            if self.spec.on_poison == "stop":
+                raise HandlerFailed(f"{where}: stopped on event {event.id}: {error}")
+            conn.execute(q.PARK_EVENT, {**params, "txid": str(event.txid), "error": error, "traceback": "",
+                                        "attempts": before.attempts, "first_failed_at": datetime.now(UTC)})
+            save_watermark(conn, before, batch.after.model_copy(update={"delivered": before.delivered}))
+        self._careful -= 1
+        log.error("%s: parked event %s: %s", where, event.id, error)
+        return 1
 
     def _failed(self, lease: Lease | None, before: Watermark, batch: Batch, exc: BaseException) -> int:
         """After the handler raised on ``batch`` (rolled back): name the event, count the attempt, and
         park the event once it has failed ``max_attempts`` times (``on_poison="park"``)."""
         events = batch.events
         where = f"consumer {self.consumer_id!r} of branch {self.branch_id}"
-        error = f"{type(exc).__name__}: {exc}"
+        error = describe_error(exc)
         if len(events) > 1:
-            self._one_at_a_time = len(events)
+            if not self._retry_limit:
+                self._retry_left = len(events)
+            self._retry_limit = max(1, len(events) // 2)
             raise HandlerFailed(
                 f"{where}: handler failed on a batch of {len(events)} events (ids {events[0].id}..{events[-1].id}): "
-                f"{error}; retrying them one at a time"
+                f"{error}; retrying them in batches of {self._retry_limit}"
             ) from exc
         event = events[0]
-        trace = "".join(traceback.format_exception(exc))
+        trace = describe_traceback(exc)
         with self._transaction() as conn:
             if lease is not None:
                 Leases.check(conn, lease)
@@ -357,7 +434,9 @@ class Consumer:
                     "%s: parked event %s after %s failed attempts (%s); `cmb-dagster pubsub dead` lists it, "
                     "`cmb-dagster pubsub replay` runs it again", where, event.id, attempts, error,
                 )
-                self._one_at_a_time = max(0, self._one_at_a_time - 1)
+                self._retry_left -= 1
+                if self._retry_left <= 0:
+                    self._retry_limit = 0
                 return 1
         if attempts >= self.spec.max_attempts:
             log.error("%s: stuck on event %s after %s failed attempts (on_poison='stop'): %s",

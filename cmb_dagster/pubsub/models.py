@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -13,12 +15,17 @@ import psycopg
 from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cmb_dagster.inputs import shorten
+from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Options
 
 from cmb_dagster.pubsub.errors import InvalidInput
 
 CONSUMER_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$"
-HANDLER_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+MAX_HANDLER_PATH = 255
+_DOTTED_NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+HANDLER_PATH = re.compile(rf"^(?=.{{3,{MAX_HANDLER_PATH}}}\Z){_DOTTED_NAME}:{_DOTTED_NAME}\Z")
+"""'package.module:function' (or ':Class.method'), at most 255 characters."""
 ZERO_SNAPSHOT = "1:1:"  # shows no txid committed: a new consumer starts from the first event
 
 
@@ -60,6 +67,7 @@ class Watermark(BaseModel):
     handler: str | None = None
     failing_event: int | None = None  # the next event, while the handler keeps failing on it
     attempts: int = 0  # failed attempts on failing_event so far
+    crashes: int = 0  # deliveries of failing_event that ended with the death of their worker
 
 
 class Lag(BaseModel):
@@ -125,6 +133,10 @@ class ConsumerSpec(BaseModel):
         description="Seconds between polls when no event is ready; a commit's NOTIFY hint wakes the consumer sooner.",
     )
     max_attempts: int = Field(default=10, ge=1, le=1000, description="Failed attempts on one event before on_poison applies.")
+    max_crashes: int = Field(default=DEFAULT_MAX_CRASHES, ge=1, le=1000,
+                             description="Deliveries of one event that end with the death of their worker before it is parked.")
+    handler_timeout: float = Field(default=300.0, gt=0, le=86400,
+                                   description="Seconds a handler call may run; then its transaction is ended and the call fails.")
     on_poison: Literal["park", "stop"] = Field(
         default="park",
         description="'park': after max_attempts, move the event to the dead letters and go on; 'stop': keep retrying it.",
@@ -176,28 +188,47 @@ class CaptureSpec(BaseModel):
 
 
 def handler_path(handler: Handler) -> str | None:
-    """``'module:function'`` when ``handler`` can be imported back by that name, else None."""
+    """``'module:function'`` when ``handler`` can be loaded back by that name (see :func:`load_handler`), else None."""
     module = getattr(handler, "__module__", None)
     name = getattr(handler, "__qualname__", None)
-    if not module or not name or "<" in name or module == "__main__":
+    if not module or not name or module == "__main__" or _is_standard_library(module):
         return None
-    return f"{module}:{name}"
+    path = f"{module}:{name}"
+    return path if HANDLER_PATH.match(path) else None
 
 
 def load_handler(path: str) -> Handler:
-    """The function a ``'module:function'`` path names."""
+    """The handler a ``'module:function'`` path names.
+
+    Rule: the path must name a callable that accepts the two positional arguments ``(conn, events)``
+    (a callable whose signature cannot be read is refused), defined outside Python's standard library
+    and ``builtins``: a command line or a configuration cannot make a consumer call ``os:system``.
+    """
     if not HANDLER_PATH.match(path):
-        raise InvalidInput(f"handler: {path!r} must be 'module:function'")
+        raise InvalidInput(f"handler: {shorten(path)} must be 'module:function', at most {MAX_HANDLER_PATH} characters")
     module_name, _, name = path.partition(":")
+    if _is_standard_library(module_name):
+        raise InvalidInput(f"handler: {shorten(path)} is in Python's standard library; name your own function")
     try:
         target: Any = importlib.import_module(module_name)
         for part in name.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:
-        raise InvalidInput(f"handler: cannot import {path!r} ({exc})") from None
+        raise InvalidInput(f"handler: cannot import {shorten(path)} ({exc})") from None
     if not callable(target):
-        raise InvalidInput(f"handler: {path!r} is not callable")
+        raise InvalidInput(f"handler: {shorten(path)} is not callable")
+    if _is_standard_library(getattr(target, "__module__", None) or "builtins"):
+        raise InvalidInput(f"handler: {shorten(path)} is defined in Python's standard library; name your own function")
+    try:
+        inspect.signature(target).bind(None, None)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"handler: {shorten(path)} must accept the two arguments (conn, events)") from None
     return target
+
+
+def _is_standard_library(module: str) -> bool:
+    top = module.partition(".")[0]
+    return top in sys.stdlib_module_names or top == "builtins"
 
 
 Model = TypeVar("Model", bound=BaseModel)

@@ -11,7 +11,7 @@ from psycopg import sql
 
 _WATERMARK_COLUMNS = """
     consumer_id, branch_id, snapshot::text, target::text, txid::text, event_id, delivered, handler,
-    failing_event, attempts, pubsub_restore_problem(coalesce(target, snapshot)) AS restore_problem
+    failing_event, attempts, crashes, pubsub_restore_problem(coalesce(target, snapshot)) AS restore_problem
 """
 
 LOCK_WATERMARK = f"""
@@ -60,7 +60,7 @@ SAVE_WATERMARK = """
 UPDATE pubsub_watermarks
 SET snapshot = %(snapshot)s::pg_snapshot, target = %(target)s::pg_snapshot, txid = %(txid)s::xid8,
     event_id = %(event_id)s, delivered = delivered + %(count)s, updated_at = now(),
-    failing_event = NULL, attempts = 0, first_failed_at = NULL, last_failed_at = NULL, last_error = NULL
+    failing_event = NULL, attempts = 0, crashes = 0, first_failed_at = NULL, last_failed_at = NULL, last_error = NULL
 WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 """
 
@@ -141,14 +141,26 @@ SELECT (SELECT t::text FROM target),
 
 # -- failures and dead letters -------------------------------------------------------------------
 
-# One more failed attempt on %(event_id)s (the count starts again when the failing event changes).
+# One more failed attempt on %(event_id)s (the count starts again when the failing event changes); a failure
+# is an orderly end of a run, so it clears the crash count.
 RECORD_FAILURE = """
 UPDATE pubsub_watermarks
 SET attempts = CASE WHEN failing_event = %(event_id)s THEN attempts + 1 ELSE 1 END,
     first_failed_at = CASE WHEN failing_event = %(event_id)s THEN first_failed_at ELSE now() END,
-    failing_event = %(event_id)s, last_failed_at = now(), last_error = %(error)s, updated_at = now()
+    failing_event = %(event_id)s, last_failed_at = now(), last_error = %(error)s, updated_at = now(), crashes = 0
 WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 RETURNING attempts, first_failed_at
+"""
+
+# A delivery of %(event_id)s alone is about to begin, committed before the handler runs: if the worker dies in
+# it, the next holder of the consumer finds the crash counted.
+RECORD_START = """
+UPDATE pubsub_watermarks
+SET crashes = CASE WHEN failing_event = %(event_id)s THEN crashes + 1 ELSE 1 END,
+    attempts = CASE WHEN failing_event = %(event_id)s THEN attempts ELSE 0 END,
+    first_failed_at = CASE WHEN failing_event = %(event_id)s THEN first_failed_at END,
+    failing_event = %(event_id)s, updated_at = now()
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 """
 
 PARK_EVENT = """

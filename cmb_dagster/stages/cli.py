@@ -13,6 +13,7 @@ import click
 
 from cmb_dagster.cli_ranges import BIGINT_MAX, DURATION
 from cmb_dagster.database import Database
+from cmb_dagster.inputs import shorten
 from cmb_dagster.settings import Settings
 from cmb_dagster.stages import admin
 from cmb_dagster.stages.engine import Engine
@@ -22,6 +23,29 @@ from cmb_dagster.stages.store import StageStore
 from cmb_dagster.stages.worker import StageWorker
 
 STAGES_HELP = "module:attribute of a StageOptions or a list of Stage instances (default: $CMB_STAGES)."
+MAX_SHARDS = 4096  # the most shards a deployment has (StageOptions.shard_count, admin.set_shard_count)
+
+
+class ShardList(click.ParamType):
+    """A comma-separated list of shard ids, each within 0..4095; at least one."""
+
+    name = "shard,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        shards = []
+        for part in filter(str.strip, str(value).split(",")):
+            try:
+                shard = int(part)
+            except ValueError:
+                self.fail(f"{shorten(part.strip())} is not a shard id", param, ctx)
+            if not 0 <= shard < MAX_SHARDS:
+                self.fail(f"shard {shorten(shard)} is outside 0..{MAX_SHARDS - 1}", param, ctx)
+            shards.append(shard)
+        if not shards:
+            self.fail("name at least one shard id, e.g. 0,1,5", param, ctx)
+        return list(dict.fromkeys(shards))
 
 
 def _database() -> Database:
@@ -35,11 +59,11 @@ def load_options(path: str | None) -> StageOptions:
         raise click.UsageError("name your stages with --stages module:attribute (or set CMB_STAGES)")
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
-        raise InvalidStageInput(f"stages: {path!r} is not module:attribute")
+        raise InvalidStageInput(f"stages: {shorten(path)} is not module:attribute")
     try:
         value: Any = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
-        raise InvalidStageInput(f"stages: cannot load {path!r} ({exc})") from None
+        raise InvalidStageInput(f"stages: cannot load {shorten(path)} ({exc})") from None
     return value if isinstance(value, StageOptions) else StageOptions(stages=list(value))
 
 
@@ -60,16 +84,19 @@ def stages() -> None:
 
 @stages.command()
 @stages_option
-@click.option("--index", default=0, show_default=True, type=click.IntRange(0, 4095), help="This worker's index (serves shards with id % workers == index).")
-@click.option("--workers", default=None, type=click.IntRange(1, 4096), help="Number of workers splitting the shards (default: the options').")
-@click.option("--shards", default=None, help="Only these shards, e.g. 0,1,5.")
+@click.option("--index", default=0, show_default=True, type=click.IntRange(0, MAX_SHARDS - 1),
+              help="This worker's index (serves shards with id % workers == index).")
+@click.option("--workers", default=None, type=click.IntRange(1, MAX_SHARDS),
+              help="Number of workers splitting the shards (default: the options').")
+@click.option("--shards", default=None, type=ShardList(), help=f"Only these shards (ids within 0..{MAX_SHARDS - 1}), e.g. 0,1,5.")
 @click.option("--duration", default=None, type=DURATION, help="Seconds to run (default: until SIGTERM/SIGINT).")
-def worker(stages_path: str | None, index: int, workers: int | None, shards: str | None, duration: float | None) -> None:
+def worker(
+    stages_path: str | None, index: int, workers: int | None, shards: list[int] | None, duration: float | None
+) -> None:
     """Run a stage worker: long-running; SIGTERM or Ctrl-C finishes the current batch and stops."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = load_options(stages_path)
-    chosen = None if shards is None else [int(s) for s in shards.split(",") if s.strip()]
-    runner = StageWorker(_database(), options, index=index, workers=workers, shards=chosen)
+    runner = StageWorker(_database(), options, index=index, workers=workers, shards=shards)
     signal.signal(signal.SIGTERM, lambda *_: runner.stop())
     signal.signal(signal.SIGINT, lambda *_: runner.stop())
     click.echo(f"stage worker {index}: stages {', '.join(s.name for s in options.stages)}", err=True)
@@ -126,7 +153,7 @@ def rescan(stages_path: str | None, duration: float | None) -> None:
 
 
 @stages.command()
-@click.argument("count", required=False, type=click.IntRange(1, 4096))
+@click.argument("count", required=False, type=click.IntRange(1, MAX_SHARDS))
 def shards(count: int | None) -> None:
     """Show the shard count, or change it (workers keep running; nothing is lost)."""
     db = _database()
@@ -158,7 +185,7 @@ def get(entity_id: str) -> None:
     """Print an entity as JSON."""
     entity = StageStore(_database()).get(entity_id)
     if entity is None:
-        raise click.ClickException(f"no entity {entity_id!r}")
+        raise click.ClickException(f"no entity {shorten(entity_id)}")
     click.echo(json.dumps({"entity_id": entity.id, "version": entity.version, "payload": entity.payload}))
 
 
@@ -189,5 +216,6 @@ def state_update(stages_path: str | None, entity_id: str, stage: str, new_state:
     if store.update_state(entity_id, stage, _json(new_state, "new_state"), version):
         click.echo("updated")
     else:
-        click.echo(f"not updated: the state of {stage!r} for {entity_id!r} is no longer at version {version}", err=True)
+        click.echo(f"not updated: the state of {shorten(stage)} for {shorten(entity_id)} is no longer at version "
+                   f"{version}", err=True)
         raise SystemExit(2)

@@ -1,25 +1,28 @@
-"""The processing engine: the original design's algorithm, many shards and stages per transaction.
+"""The processing engine: the original design's algorithm, many shards and stages per batch.
 
-A batch (one transaction) of stages S1..Sn over the shards a worker holds:
+A batch of stages S1..Sn over the shards a worker holds:
 
-1. checks the worker's leases of the shards (fences, share-locked until commit) and the shard count;
-2. takes a max-parallelism slot of each S that has one (an advisory lock held until commit);
-3. peeks due entries (``FOR UPDATE SKIP LOCKED``) of each stage and shard, the low-priority lane
-   only where the main one has nothing due, keeps one entry per entity (one stage works on an
-   entity at a time) up to ``batch_size``, and loads each entity, its version and every stage's
-   state of it. Steps 1 and 3 are one round trip;
-4. calls ``S.process`` for each (pure code: the transaction stays open, nothing is locked but the
-   queue entries, so external writers are not blocked);
-5. locks the entities (``FOR NO KEY UPDATE``) and compares versions: the entity version and S's
-   state version must be those loaded. Each entity is checked on its own: a conflicted entity keeps
-   its queue entry (counted) and is loaded again by the next batch, the others commit;
-6. writes the changed entities (version + 1), the states, the timers (or deletes the entries), asks
-   every other stage ``should_process`` on changed entities and offers them (an exception offers
-   anyway), publishes each saved entity + state to the pub/sub stream, counts, and commits, all in
-   one round trip. A crash anywhere before the commit leaves everything as it was.
+1. takes a max-parallelism slot of each S that has one (an advisory lock of the worker's session);
+2. **claims** due entries in one statement, committed before any stage runs: the worker's leases and the
+   shard count are checked in it; each (shard, stage)'s due entries, the low-priority lane only where the
+   main one has nothing due, one entry per entity (one stage works on an entity at a time), up to
+   ``batch_size`` entries and about ``max_batch_bytes`` of payload; each entry's ``crashes`` goes up by one
+   (see :mod:`cmb_dagster.isolation`: an entry whose earlier run never ended is claimed alone, and parked
+   after the stage's ``max_crashes``), and each entity is loaded with its version and every stage's state;
+3. **runs** ``S.process`` for each, and asks the other stages ``should_process`` about a changed entity,
+   in a thread of user code with no transaction open: a call still running after about a second is set
+   aside (the others go on; its result commits in a later batch), one past the stage's ``timeout`` fails;
+   entries not started after ``batch_seconds`` are released;
+4. **commits** in one transaction: the leases (key-share-locked until commit) and the shard count again;
+   the entities locked (``FOR NO KEY UPDATE``) and their versions compared: the entity version and S's
+   state version must be those loaded. Each entity is checked on its own: a conflicted entity keeps its
+   entry (counted) and is loaded again, the others commit their entity (version + 1), state, timer (or
+   deleted entry), the offers of the other stages, the post-save publication and the counters. A commit
+   refused for the data of one entry is split until that entry is alone; it then fails like a ``process``
+   that raised, and the others commit.
 
-A ``process`` that raises (or returns something invalid) leaves the entity unchanged; its entry is
-retried after a doubling backoff and parked after ``max_attempts``.
+A ``process`` that raises, returns something invalid or times out leaves the entity unchanged; its entry
+is retried after a doubling backoff and parked after ``max_attempts``.
 """
 
 from __future__ import annotations
@@ -30,21 +33,27 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, OwnConnection
+from cmb_dagster.inputs import to_json
+from cmb_dagster.isolation import Call, UserCode, describe_error, split_until_alone
 from cmb_dagster.stages import sql as q
 from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult
-from cmb_dagster.stages.models import Entity, MergePatch, StageResult, changed_fields, dump_payload, merge_patch
+from cmb_dagster.stages.models import Entity, MergePatch, StageResult, changed_fields, merge_patch
 from cmb_dagster.stages.stage import Stage, check_stages, due_of
 from cmb_dagster.workers import Lease, LeaseLost, Leases
 
 log = logging.getLogger("cmb_dagster.stages")
 
 MAIN, LOW = 0, 1
-ERROR_LIMIT = 2000  # characters of an error message kept on the queue entry
+MAX_BATCH_BYTES = 16 * 1024 * 1024
+"""Payload bytes a batch loads at most (one entity bigger than that is loaded alone)."""
+
+# the counters of stage_counters, in this order
+PROCESSED, CHANGED, CONFLICTS, ERRORS, PARKED, CAPPED = range(6)
 
 
 class ShardCountChanged(LeaseLost):
@@ -63,30 +72,76 @@ class BatchReport:
     parked: int = 0
     capped: int = 0
     offered: int = 0
+    set_aside: int = 0
     blocked_until: float | None = None  # monotonic time a rate limit / parallelism lets the stage go again
 
 
 @dataclass
-class _Writes:
-    """What a batch writes for one stage."""
-
-    state_ids: list[str] = field(default_factory=list)
-    state_texts: list[str | None] = field(default_factory=list)
-    state_flags: list[bool] = field(default_factory=list)
-    no_timer: list[str] = field(default_factory=list)
-    timer_ids: list[str] = field(default_factory=list)
-    timer_dues: list[datetime] = field(default_factory=list)
-    published_ids: list[str] = field(default_factory=list)
-    published_changed: list[bool] = field(default_factory=list)
-
-
-@dataclass
 class _Counts:
-    by_stage: dict[str, list[int]] = field(default_factory=dict)  # processed, changed, conflicts, errors, parked, capped
+    by_stage: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, stage: str, index: int, n: int = 1) -> None:
         if n:
             self.by_stage.setdefault(stage, [0] * 6)[index] += n
+
+    def total(self, index: int) -> int:
+        return sum(c[index] for c in self.by_stage.values())
+
+
+Offer = tuple[str, str, datetime]  # entity id, stage, due
+
+
+@dataclass(eq=False)
+class _Claimed:
+    """A queue entry claimed for a run of its stage, with what the run needs."""
+
+    entity: Entity | None  # None: the entity is gone
+    stage: Stage
+    attempts: int
+    states: dict[str, Any]
+    ready: set[str]
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage.name} on {self.entity_id!r}"
+
+    @property
+    def entity_id(self) -> str:
+        return self.entity.id if self.entity is not None else "?"
+
+
+@dataclass(eq=False)
+class _Outcome:
+    """How a claimed entry ends in a commit."""
+
+    claimed: _Claimed
+    entity_id: str
+    kind: Literal["done", "failed", "released", "gone"]
+    new_payload: dict[str, Any] | None = None
+    payload_text: str | None = None
+    state_text: str | None = None
+    state_changed: bool = False
+    due: datetime | None = None
+    offers: list[Offer] = field(default_factory=list)
+    capped: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def stage(self) -> Stage:
+        return self.claimed.stage
+
+
+@dataclass
+class _Computed:
+    """What a run of user code produced for one entry (in the user-code thread)."""
+
+    new_payload: dict[str, Any] | None
+    payload_text: str | None
+    state_text: str | None
+    state_changed: bool
+    due: datetime | None
+    offers: list[Offer]
+    capped: list[str]
 
 
 def _within_limits(rows: list[tuple[Any, ...]], limits: dict[str, int]) -> list[tuple[Any, ...]]:
@@ -94,7 +149,7 @@ def _within_limits(rows: list[tuple[Any, ...]], limits: dict[str, int]) -> list[
     taken: dict[str, int] = {}
     kept = []
     for row in rows:
-        stage = row[1]
+        stage = row[2]
         if taken.get(stage, 0) < limits[stage]:
             taken[stage] = taken.get(stage, 0) + 1
             kept.append(row)
@@ -103,7 +158,7 @@ def _within_limits(rows: list[tuple[Any, ...]], limits: dict[str, int]) -> list[
 
 class Engine:
     """Runs batches of stages over shards; used by :class:`~cmb_dagster.stages.worker.StageWorker`,
-    the rescan and tests."""
+    the rescan and tests. One thread uses an engine at a time (it keeps a connection of its own)."""
 
     def __init__(
         self,
@@ -114,22 +169,44 @@ class Engine:
         publish: bool = True,
         batch_seconds: float = 2.0,
         idle_timeout: float = 30.0,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+        owner: str | None = None,
     ) -> None:
         self.db = db
         self.stages = check_stages(stages)
         self.batch_size = batch_size
         self.publish = publish
         self.batch_seconds = batch_seconds
-        self.idle_timeout_ms = f"{int(idle_timeout * 1000)}ms"
+        self.max_batch_bytes = max_batch_bytes
+        # a worker that hangs inside one of its own transactions (never inside user code: none is open
+        # then) is disconnected by the server, so its leases can be taken over
+        self._own = OwnConnection(db, settings={
+            "idle_in_transaction_session_timeout": f"{int(idle_timeout * 1000)}ms",
+            "jit": "off",  # without statistics the batch queries' estimates trigger JIT compiles of 100s of ms
+        })
+        self.user_code = UserCode(f"stages:{owner or 'engine'}")
+        self._busy: dict[str, _Claimed] = {}  # entity id -> its entry whose call is set aside
+
+    def close(self) -> None:
+        """Release the entries of calls still set aside (their results are dropped; they run again) and
+        close the connection."""
+        busy, self._busy = list(self._busy.values()), {}
+        for stage, ids in _by_stage(busy).items():
+            try:
+                self._own.get().execute(q.RELEASE, {"stage": stage, "ids": ids})
+            except psycopg.Error as exc:
+                log.warning("stages: could not release %d entries (%s); they run alone next time", len(ids), exc)
+        self._own.close()
 
     # -- one batch of stages over shards ---------------------------------------------------------
 
     def process_batch(
         self, shards: Sequence[int], stage_names: Sequence[str] | None = None, *, leases: Sequence[Lease] = (),
-        shard_count: int | None = None,
+        shard_count: int | None = None, on_wait: Callable[[], None] | None = None,
     ) -> BatchReport:
-        """One transaction: due entries of ``stage_names`` (default: all) in ``shards``, at most one
-        stage per entity, each stage's main queue before its low-priority one."""
+        """Claim, run and commit one batch: due entries of ``stage_names`` (default: all) in ``shards``, at
+        most one stage per entity, each stage's main queue before its low-priority one. ``on_wait`` runs
+        while user code does (e.g. to renew leases)."""
         names = list(self.stages) if stage_names is None else list(stage_names)
         report = BatchReport()
         shards = list(shards)
@@ -145,166 +222,237 @@ class Engine:
                     report.blocked_until = time.monotonic() + wait
                     continue
             limits[name] = limit
-        if not limits:
-            return report
-        with self.db.connection() as conn:
-            for name in [n for n in limits if self.stages[n].max_parallelism is not None]:
-                key = f"cmb_dagster.stages.parallel:{name}"
-                if conn.execute(q.TAKE_SLOT, {"slots": self.stages[name].max_parallelism, "key": key}).fetchone() is None:
-                    report.blocked_until = time.monotonic() + 0.05
-                    del limits[name]
+        slots = self._take_slots(limits)
+        try:
+            for name in [n for n in limits if self.stages[n].max_parallelism is not None and n not in slots]:
+                report.blocked_until = time.monotonic() + 0.05
+                del limits[name]
             if not limits:
                 return report
-            per_shard = -(-self.batch_size // len(shards))  # shards are hash-balanced: lock little more than used
-            with conn.pipeline():  # one round trip: leases, settings and the due entries
-                confirm = self._begin(conn, leases)
-                picked = conn.execute(q.PEEK_AND_LOAD, {
-                    "shards": shards, "stages": list(limits), "limits": [min(n, per_shard) for n in limits.values()],
-                    "limit": self.batch_size})
-                count, branch = confirm(shard_count)
-                rows = _within_limits(picked.fetchall(), limits)
-            if rows:
-                report.taken = len(rows)
-                self._process_rows(conn, shards[0], count, branch, rows, report)
+            claimed, parked = self._claim(shards, limits, leases, shard_count)
+            report.taken = len(claimed)
+            counts = _Counts()
+            for stage_name, entity_id, attempts, crashes in parked:
+                counts.add(stage_name, PARKED)
+                counts.add(stage_name, ERRORS)
+                log.error("stage %s: entity %r parked: %d runs in a row ended with the death of their worker",
+                          stage_name, entity_id, crashes)
+            outcomes = self._run(claimed, on_wait)
+            report.set_aside = len(claimed) - len(outcomes)
+            self._commit(outcomes, shards[0], leases, shard_count, counts)
+        finally:
+            self._free_slots(slots)
+        _report_counts(report, counts, outcomes)
         return report
 
-    def _begin(self, conn: psycopg.Connection, leases: Sequence[Lease]) -> Callable[[int | None], tuple[int, int]]:
-        """Send the lease check (share-locked until commit) and the batch settings; the returned
-        function checks both and gives the shard count and the results branch."""
-        leases_held = Leases.check_many(conn, leases)
-        settings = conn.execute(q.BEGIN_BATCH, {"idle_timeout": self.idle_timeout_ms})
+    def finish_set_aside(self, shard: int, *, leases: Sequence[Lease] = (), shard_count: int | None = None) -> int:
+        """Commit the results of set-aside calls that ended since (a call past its timeout fails); return how
+        many entries that ended."""
+        calls = self.user_code.collect()
+        if not calls:
+            return 0
+        for call in calls:
+            self._busy.pop(call.item.entity_id, None)
+        counts = _Counts()
+        self._commit([self._outcome(call) for call in calls], shard, leases, shard_count, counts)
+        return len(calls)
 
-        def confirm(shard_count: int | None) -> tuple[int, int]:
+    def _claim(
+        self, shards: list[int], limits: dict[str, int], leases: Sequence[Lease], shard_count: int | None,
+    ) -> tuple[list[_Claimed], list[tuple[str, str, int, int]]]:
+        """Claim due entries (committed at once); returns the entries to run and those parked instead."""
+        per_shard = -(-self.batch_size // len(shards))  # shards are hash-balanced: lock little more than used
+        conn = self._own.get()
+        with conn.pipeline():
+            leases_held = Leases.check_many(conn, leases)
+            settings = conn.execute(q.SETTINGS)
+            claim = conn.execute(q.CLAIM, {
+                "shards": shards, "stages": list(limits), "limits": [min(n, per_shard) for n in limits.values()],
+                "max_crashes": [self.stages[n].max_crashes for n in limits], "limit": self.batch_size,
+                "max_bytes": self.max_batch_bytes, "busy": list(self._busy), "shard_count": shard_count,
+                **_lease_params(leases),
+            })
+        leases_held()
+        if shard_count is not None and (count := settings.fetchone()[0]) != shard_count:
+            raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
+        rows = claim.fetchall()
+        claimed: list[_Claimed] = []
+        parked = []
+        for kind, entity_id, stage_name, attempts, crashes, version, payload, states, ready in rows:
+            if kind == "parked":
+                parked.append((stage_name, entity_id, attempts, crashes))
+                continue
+            entity = None if version is None else Entity(entity_id, version, payload)
+            claimed.append(_Claimed(entity, self.stages[stage_name], attempts, states or {}, set(ready or ())))
+        over = _within_limits([("", c.entity_id, c.stage.name) for c in claimed], limits)
+        if len(over) < len(claimed):  # more than a rate limit allows: the rest is released at once
+            keep = {(r[1], r[2]) for r in over}
+            extra = [c for c in claimed if (c.entity_id, c.stage.name) not in keep]
+            for stage_name, ids in _by_stage(extra).items():
+                conn.execute(q.RELEASE, {"stage": stage_name, "ids": ids})
+            claimed = [c for c in claimed if (c.entity_id, c.stage.name) in keep]
+        return claimed, parked
+
+    def _run(self, claimed: list[_Claimed], on_wait: Callable[[], None] | None) -> list[_Outcome]:
+        """Run the claimed entries' stages; the outcomes of those that ended or were never started."""
+        gone = [_Outcome(c, c.entity_id, "gone") for c in claimed if c.entity is None]
+        runnable = [c for c in claimed if c.entity is not None]
+        calls = self.user_code.run(runnable, self._compute, lambda c: c.stage.timeout, on_wait=on_wait,
+                                   stop_starting_after=self.batch_seconds)
+        ended = {id(call.item) for call in calls}
+        aside = {id(call.item) for call in self.user_code.set_aside}
+        for c in runnable:
+            if id(c) in aside:
+                self._busy[c.entity_id] = c
+        released = [_Outcome(c, c.entity_id, "released") for c in runnable if id(c) not in ended and id(c) not in aside]
+        return gone + [self._outcome(call) for call in calls] + released
+
+    def _compute(self, claimed: _Claimed) -> _Computed:
+        """The stage's run on one entity, with the other stages' answers about the change (user code)."""
+        stage, entity = claimed.stage, claimed.entity
+        assert entity is not None
+        now = datetime.now(UTC)
+        own = claimed.states.get(stage.name)
+        state = stage.load_state(own[0] if own else None)
+        result = stage.process(entity, state)
+        computed = self._validated(stage, entity, own, result, now)
+        if computed.new_payload is not None:
+            changed = Entity(entity.id, entity.version + 1, computed.new_payload)
+            fields = changed_fields(entity.payload, computed.new_payload)
+            computed.offers, computed.capped = self._ask(changed, claimed.states, claimed.ready, fields, now, skip=stage.name)
+        return computed
+
+    def _outcome(self, call: Call[_Claimed]) -> _Outcome:
+        claimed = call.item
+        try:
+            computed: _Computed = call.outcome
+        except Exception as exc:  # noqa: BLE001 - any failure of user code leaves the entity unchanged
+            return _Outcome(claimed, claimed.entity_id, "failed", error=describe_error(exc))
+        return _Outcome(claimed, claimed.entity_id, "done", computed.new_payload, computed.payload_text,
+                        computed.state_text, computed.state_changed, computed.due, computed.offers, computed.capped)
+
+    # -- committing ------------------------------------------------------------------------------
+
+    def _commit(self, outcomes: list[_Outcome], count_shard: int, leases: Sequence[Lease], shard_count: int | None,
+                counts: _Counts) -> None:
+        """Commit the outcomes; a commit refused for one entry's data is split until that entry is alone."""
+        def write(part: Sequence[_Outcome]) -> None:
+            written = _Counts()
+            self._write(part, count_shard, leases, shard_count, written)
+            for stage, values in written.by_stage.items():
+                for index, n in enumerate(values):
+                    counts.add(stage, index, n)
+
+        def unstorable(outcome: _Outcome, exc: BaseException) -> None:
+            log.error("%s: its result cannot be stored (%s); it fails like a process that raised",
+                      outcome.claimed.label, describe_error(exc))
+            write([_Outcome(outcome.claimed, outcome.entity_id, "failed",
+                            error=f"its result cannot be stored: {describe_error(exc)}")])
+
+        if outcomes or counts.by_stage:
+            split_until_alone(outcomes or [], write, unstorable) if outcomes else write([])
+        for outcome in outcomes:
+            if outcome.kind == "failed":
+                self._log_failure(outcome)
+
+    def _write(self, outcomes: Sequence[_Outcome], count_shard: int, leases: Sequence[Lease],
+               shard_count: int | None, counts: _Counts) -> None:
+        """One transaction: check leases and versions, then write every outcome."""
+        done = [o for o in outcomes if o.kind == "done"]
+        conn = self._own.get()
+        with conn.transaction():
+            with conn.pipeline():
+                leases_held = Leases.check_many(conn, leases)
+                settings = conn.execute(q.BEGIN_BATCH)
+                versions = None
+                if done:
+                    conn.execute(q.LOCK_PROCESSED, {"ids": sorted(o.entity_id for o in done)})
+                    versions = conn.execute(q.CHECK_VERSIONS, {"ids": [o.entity_id for o in done],
+                                                               "stages": [o.stage.name for o in done]})
             leases_held()
-            count, branch, _, _, _ = settings.fetchone()
+            count, branch, _ = settings.fetchone()
             if shard_count is not None and count != shard_count:
                 raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
-            return count, branch
-
-        return confirm
-
-    def _process_rows(self, conn: psycopg.Connection, count_shard: int, shard_count: int, branch: int,
-                      rows: list[tuple[Any, ...]], report: BatchReport) -> None:
-        now = datetime.now(UTC)
-        deadline = time.monotonic() + self.batch_seconds
-        done: list[tuple[Stage, Entity, dict[str, Any], set[str], dict[str, Any] | None, str | None, str | None, bool, datetime | None]] = []
-        failures: dict[str, list[tuple[str, str, float]]] = {}
-        gone: dict[str, list[str]] = {}
-        counts = _Counts()
-        for entity_id, stage_name, attempts, version, payload, states, ready in rows:
-            stage = self.stages[stage_name]
-            if version is None:
-                gone.setdefault(stage_name, []).append(entity_id)
-                continue
-            if time.monotonic() > deadline:  # the rest stays queued (and locked until commit)
-                break
-            entity = Entity(entity_id, version, payload)
-            states = states or {}
-            own = states.get(stage_name)
-            try:
-                state = stage.load_state(own[0] if own else None)
-                result = stage.process(entity, state)
-                new_payload, payload_text, state_text, state_changed, due = self._validated(stage, entity, own, result, now)
-            except Exception as exc:  # noqa: BLE001 - any failure of user code leaves the entity unchanged
-                delay = min(stage.max_backoff, stage.retry_backoff * 2 ** attempts)
-                failures.setdefault(stage_name, []).append((entity_id, f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT], delay))
-                counts.add(stage_name, 3)
-                if attempts + 1 >= stage.max_attempts:
-                    report.parked += 1
-                    counts.add(stage_name, 4)
-                    log.error("stage %s: entity %r parked after %d attempts: %s: %s",
-                              stage_name, entity_id, attempts + 1, type(exc).__name__, exc)
-                else:
-                    log.warning("stage %s: entity %r failed (attempt %d of %d, retry in %.1fs): %s: %s",
-                                stage_name, entity_id, attempts + 1, stage.max_attempts, delay, type(exc).__name__, exc)
-                continue
-            done.append((stage, entity, states, set(ready or ()), new_payload, payload_text, state_text, state_changed, due))
-        report.processed = len(done)
-        report.errors = sum(len(f) for f in failures.values())
-
-        ok: list[Any] = []
-        conflicted: dict[str, list[str]] = {}
-        if done:
-            ids = [d[1].id for d in done]
-            with conn.pipeline():  # lock first, then read the versions in a snapshot taken after the locks
-                conn.execute(q.LOCK_PROCESSED, {"ids": sorted(ids)})
-                current = {(r[0], r[1]): (r[2], r[3]) for r in conn.execute(
-                    q.CHECK_VERSIONS, {"ids": ids, "stages": [d[0].name for d in done]})}
-            for item in done:
-                stage, entity, states = item[0], item[1], item[2]
-                own = states.get(stage.name)
-                loaded_state_version = own[1] if own else 0
-                now_version = current.get((entity.id, stage.name))
+            current = {(r[0], r[1]): (r[2], r[3]) for r in versions} if versions is not None else {}
+            ok, conflicted, gone = [], [], [o for o in outcomes if o.kind == "gone"]
+            for o in done:
+                own = o.claimed.states.get(o.stage.name)
+                now_version = current.get((o.entity_id, o.stage.name))
                 if now_version is None:
-                    gone.setdefault(stage.name, []).append(entity.id)
-                elif now_version != (entity.version, loaded_state_version):
-                    conflicted.setdefault(stage.name, []).append(entity.id)
-                    counts.add(stage.name, 2)
+                    gone.append(o)
+                elif now_version != (o.claimed.entity.version, own[1] if own else 0):  # type: ignore[union-attr]
+                    conflicted.append(o)
                 else:
-                    ok.append(item)
-        report.conflicts = sum(len(c) for c in conflicted.values())
+                    ok.append(o)
+            with conn.pipeline():
+                self._send_writes(conn, count, branch, ok, conflicted, gone, outcomes, counts)
+                self._count(conn, count_shard, counts)
+        if conflicted:
+            log.info("stages: %d entities changed while processed; they run again on the new version", len(conflicted))
 
-        saves_ids, saves_payloads = [], []
-        by_stage: dict[str, _Writes] = {}
-        offers: list[tuple[str, str, datetime]] = []
-        for stage, entity, states, ready, new_payload, payload_text, state_text, state_changed, due in ok:
-            writes = by_stage.setdefault(stage.name, _Writes())
-            if new_payload is not None:
-                saves_ids.append(entity.id)
-                saves_payloads.append(payload_text)
-                new_entity = Entity(entity.id, entity.version + 1, new_payload)
-                fields = changed_fields(entity.payload, new_payload)
-                offers.extend(self._ask(new_entity, states, ready, fields, now, counts, skip=stage.name))
-                counts.add(stage.name, 1)
-            counts.add(stage.name, 0)
-            if state_changed or stage.max_triggers is not None:
-                writes.state_ids.append(entity.id)
-                writes.state_texts.append(state_text)
-                writes.state_flags.append(state_changed)
-            if due is None:
-                writes.no_timer.append(entity.id)
-            else:
-                writes.timer_ids.append(entity.id)
-                writes.timer_dues.append(due)
-            if self.publish:
-                writes.published_ids.append(entity.id)
-                writes.published_changed.append(new_payload is not None)
-        report.changed = len(saves_ids)
-        report.offered = len(offers)
-        report.capped = sum(c[5] for c in counts.by_stage.values())
+    def _send_writes(self, conn: psycopg.Connection, shard_count: int, branch: int, ok: list[_Outcome],
+                     conflicted: list[_Outcome], gone: list[_Outcome], outcomes: Sequence[_Outcome],
+                     counts: _Counts) -> None:
+        saves = [o for o in ok if o.new_payload is not None]
+        if saves:
+            conn.execute(q.SAVE_ENTITIES, {"ids": [o.entity_id for o in saves], "payloads": [o.payload_text for o in saves]})
+        offers: list[Offer] = []
+        for o in ok:
+            counts.add(o.stage.name, PROCESSED)
+            if o.new_payload is not None:
+                counts.add(o.stage.name, CHANGED)
+                offers.extend(o.offers)
+                for name in o.capped:
+                    counts.add(name, CAPPED)
+        for o in conflicted:
+            counts.add(o.stage.name, CONFLICTS)
+        by_name = {o.stage.name for o in outcomes}
+        for name in sorted(by_name):
+            stage = self.stages[name]
+            mine = [o for o in ok if o.stage.name == name]
+            states = [o for o in mine if o.state_changed or stage.max_triggers is not None]
+            if states:
+                conn.execute(q.SAVE_STATES, {"stage": name, "ids": [o.entity_id for o in states],
+                                             "states": [o.state_text for o in states],
+                                             "changed": [o.state_changed for o in states], "window": stage.trigger_window})
+            finished = [o.entity_id for o in mine if o.due is None] + [o.entity_id for o in gone if o.stage.name == name]
+            if finished:
+                conn.execute(q.DELETE_ENTRIES, {"stage": name, "ids": finished})
+            timers = [o for o in mine if o.due is not None]
+            if timers:
+                conn.execute(q.SET_TIMERS, {"stage": name, "ids": [o.entity_id for o in timers],
+                                            "dues": [o.due for o in timers]})
+            failed = [o for o in outcomes if o.kind == "failed" and o.stage.name == name]
+            if failed:
+                delays = [min(stage.max_backoff, stage.retry_backoff * 2 ** min(o.claimed.attempts, 60)) for o in failed]
+                conn.execute(q.FAILED, {"stage": name, "max_attempts": stage.max_attempts,
+                                        "ids": [o.entity_id for o in failed], "errors": [o.error for o in failed],
+                                        "delays": delays})
+                counts.add(name, ERRORS, len(failed))
+                counts.add(name, PARKED, sum(o.claimed.attempts + 1 >= stage.max_attempts for o in failed))
+            conflicts = [o.entity_id for o in conflicted if o.stage.name == name]
+            if conflicts:
+                conn.execute(q.CONFLICTED, {"stage": name, "ids": conflicts, "max_conflicts": stage.max_conflicts})
+            released = [o.entity_id for o in outcomes if o.kind == "released" and o.stage.name == name]
+            if released:
+                conn.execute(q.RELEASE, {"stage": name, "ids": released})
+            if self.publish and mine:
+                conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{name}", "stage": name,
+                                         "ids": [o.entity_id for o in mine],
+                                         "changed": [o.new_payload is not None for o in mine]})
+        if offers:
+            self._offer(conn, shard_count, offers)
 
-        with conn.pipeline():
-            if saves_ids:
-                conn.execute(q.SAVE_ENTITIES, {"ids": saves_ids, "payloads": saves_payloads})
-            for name in sorted(set(by_stage) | set(gone) | set(failures) | set(conflicted)):
-                stage = self.stages[name]
-                writes = by_stage.get(name, _Writes())
-                if writes.state_ids:
-                    conn.execute(q.SAVE_STATES, {"stage": name, "ids": writes.state_ids, "states": writes.state_texts,
-                                                 "changed": writes.state_flags, "window": stage.trigger_window})
-                no_timer = writes.no_timer + gone.get(name, [])
-                if no_timer:
-                    conn.execute(q.DELETE_ENTRIES, {"stage": name, "ids": no_timer})
-                if writes.timer_ids:
-                    conn.execute(q.SET_TIMERS, {"stage": name, "ids": writes.timer_ids, "dues": writes.timer_dues})
-                if name in failures:
-                    failed = failures[name]
-                    conn.execute(q.FAILED, {"stage": name, "max_attempts": stage.max_attempts,
-                                            "ids": [f[0] for f in failed], "errors": [f[1] for f in failed],
-                                            "delays": [f[2] for f in failed]})
-                if name in conflicted:
-                    conn.execute(q.CONFLICTED, {"stage": name, "ids": conflicted[name], "max_conflicts": stage.max_conflicts})
-                if writes.published_ids:
-                    conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{name}", "stage": name,
-                                             "ids": writes.published_ids, "changed": writes.published_changed})
-            if offers:
-                self._offer(conn, shard_count, offers)
-            self._count(conn, count_shard, counts)
-            conn.commit()
-        for name, ids in conflicted.items():
-            log.info("stage %s: %d entities changed while processed; they run again on the new version", name, len(ids))
+    def _log_failure(self, outcome: _Outcome) -> None:
+        stage, attempts = outcome.stage, outcome.claimed.attempts
+        if attempts + 1 >= stage.max_attempts:
+            log.error("%s: parked after %d attempts: %s", outcome.claimed.label, attempts + 1, outcome.error)
+        else:
+            delay = min(stage.max_backoff, stage.retry_backoff * 2 ** min(attempts, 60))
+            log.warning("%s failed (attempt %d of %d, retry in %.1fs): %s", outcome.claimed.label, attempts + 1,
+                        stage.max_attempts, delay, outcome.error)
 
-    def _validated(self, stage: Stage, entity: Entity, own: Any, result: Any, now: datetime):  # type: ignore[no-untyped-def]
+    def _validated(self, stage: Stage, entity: Entity, own: Any, result: Any, now: datetime) -> _Computed:
         if not isinstance(result, StageResult):
             raise InvalidStageResult(f"result: stage {stage.name!r} must return a StageResult, not {type(result).__name__}")
         update = result.update
@@ -313,28 +461,28 @@ class Engine:
             if not isinstance(update, dict):
                 raise InvalidStageResult(f"update: stage {stage.name!r} must return a dict or MergePatch, not {type(update).__name__}")
             candidate = merge_patch(entity.payload, dict(update)) if isinstance(update, MergePatch) else update
-            try:
-                text = dump_payload(candidate, "update")
-            except InvalidStageInput as exc:
-                raise InvalidStageResult(f"{exc} (stage {stage.name!r})") from None
+            text = to_json(candidate, "update", error=InvalidStageResult)
             if candidate != entity.payload:
                 new_payload, payload_text = json.loads(text), text
         state_text, state_changed = None, False
         if result.new_state is not None:
             dumped = stage.dump_state(result.new_state)
             if own is None or dumped != own[0]:
-                state_text, state_changed = json.dumps(dumped), True
+                state_text = to_json(dumped, "new_state", error=InvalidStageResult)
+                state_changed = True
         if isinstance(result.timer, bool):
             raise InvalidStageResult(f"timer: must be None, a timedelta or an aware datetime, not {result.timer}")
         due = due_of(result.timer, now, "timer")
-        return new_payload, payload_text, state_text, state_changed, due
+        return _Computed(new_payload, payload_text, state_text, state_changed, due, [], [])
 
     # -- fan-out -------------------------------------------------------------------------------
 
     def _ask(self, entity: Entity, states: dict[str, Any], ready: set[str], fields: set[str] | None,
-             now: datetime, counts: _Counts, *, skip: str | None = None) -> list[tuple[str, str, datetime]]:
-        """Offers (entity, stage, due) of the stages that want to see ``entity`` after a change."""
-        offers = []
+             now: datetime, *, skip: str | None = None) -> tuple[list[Offer], list[str]]:
+        """Offers (entity, stage, due) of the stages that want to see ``entity`` after a change, and the
+        stages whose re-trigger cap deferred theirs."""
+        offers: list[Offer] = []
+        capped: list[str] = []
         for name, other in self.stages.items():
             if name == skip or name in ready:
                 continue
@@ -345,8 +493,7 @@ class Engine:
                 answer = other.should_process(entity, other.load_state(raw[0] if raw else None))
                 due = due_of(answer, now, "should_process")
             except Exception as exc:  # noqa: BLE001 - the original design's rule: enqueue when should_process fails
-                log.warning("stage %s: should_process failed on %r (%s: %s); enqueued anyway",
-                            name, entity.id, type(exc).__name__, exc)
+                log.warning("stage %s: should_process failed on %r (%s); enqueued anyway", name, entity.id, describe_error(exc))
                 due = now
             if due is None:
                 continue
@@ -356,42 +503,55 @@ class Engine:
                 if runs >= other.max_triggers and window_end > now and due < window_end:
                     log.warning("stage %s: entity %r re-triggered %d times within %.0fs (cap %d); deferred to %s",
                                 name, entity.id, runs, other.trigger_window, other.max_triggers, window_end.isoformat())
-                    counts.add(name, 5)
+                    capped.append(name)
                     due = window_end
             offers.append((entity.id, name, due))
-        return offers
+        return offers, capped
 
-    def _offer(self, conn: psycopg.Connection, shard_count: int, offers: list[tuple[str, str, datetime]], lane: int = MAIN) -> None:
+    def _offer(self, conn: psycopg.Connection, shard_count: int, offers: list[Offer], lane: int = MAIN) -> None:
         offers.sort(key=lambda o: (o[0], o[1]))
         conn.execute(q.OFFER if lane == MAIN else q.OFFER_LOW, {
             "shard_count": shard_count, "ids": [o[0] for o in offers], "stages": [o[1] for o in offers],
             "dues": [o[2] for o in offers],
         })
 
-    def changes_batch(self, shards: Sequence[int], *, leases: Sequence[Lease] = (), shard_count: int | None = None) -> int:
+    def changes_batch(self, shards: Sequence[int], *, leases: Sequence[Lease] = (), shard_count: int | None = None,
+                      on_wait: Callable[[], None] | None = None) -> int:
         """Ask the stages about entities changed through the API or plain SQL (the change path)."""
-        with self.db.connection() as conn:
+        conn = self._own.get()
+        rows = conn.execute(q.PEEK_CHANGES, {"shards": list(shards), "limit": self.batch_size}).fetchall()
+        if not rows:
+            return 0
+        changed = [_Change(Entity(r[0], r[3], r[4]) if r[3] is not None else None, r[1], r[2], r[5] or {}, set(r[6] or ()))
+                   for r in rows]
+        now = datetime.now(UTC)
+        asking = UserCode("stages:changes", set_aside_after=None)  # every answer is needed before the commit
+        calls = asking.run([c for c in changed if c.entity is not None], lambda c: self._ask(
+            c.entity, c.states, c.ready, None if c.fields is None else set(c.fields), now),  # type: ignore[arg-type]
+            lambda c: max(self.stages[n].timeout for n in self.stages))
+        offers: list[Offer] = []
+        counts = _Counts()
+        for call in calls:
+            if call.timed_out:  # the rule for a should_process that fails: offered anyway
+                offers.extend((call.item.entity.id, name, now) for name in self.stages if name not in call.item.ready)
+                continue
+            found, capped = call.result
+            offers.extend(found)
+            for name in capped:
+                counts.add(name, CAPPED)
+        with conn.transaction():
             with conn.pipeline():
-                confirm = self._begin(conn, leases)
-                picked = conn.execute(q.PEEK_CHANGES, {"shards": list(shards), "limit": self.batch_size})
-                count, _ = confirm(shard_count)
-                rows = picked.fetchall()
-            if not rows:
-                return 0
-            now = datetime.now(UTC)
-            counts = _Counts()
-            offers: list[tuple[str, str, datetime]] = []
-            for entity_id, fields, version, payload, states, ready in rows:
-                if version is None:  # deleted meanwhile
-                    continue
-                entity = Entity(entity_id, version, payload)
-                offers.extend(self._ask(entity, states or {}, set(ready or ()), None if fields is None else set(fields), now, counts))
+                leases_held = Leases.check_many(conn, leases)
+                settings = conn.execute(q.BEGIN_WRITE)
+            leases_held()
+            count = settings.fetchone()[0]
+            if shard_count is not None and count != shard_count:
+                raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
             with conn.pipeline():
                 if offers:
                     self._offer(conn, count, offers)
-                conn.execute(q.DELETE_CHANGES, {"ids": [r[0] for r in rows]})
+                conn.execute(q.DELETE_CHANGES, {"ids": [c.id for c in changed], "seen": [c.seen for c in changed]})
                 self._count(conn, shards[0], counts)
-                conn.commit()
         return len(rows)
 
     # -- limits, counters ----------------------------------------------------------------------
@@ -399,11 +559,32 @@ class Engine:
     def _take_tokens(self, stage: Stage, want: int) -> tuple[int, float]:
         rate = float(stage.rate_limit)  # type: ignore[arg-type]
         burst = max(1.0, rate)
-        with self.db.connection() as conn:
+        conn = self._own.get()
+        with conn.transaction():
             conn.execute(q.RATE_ROW, {"stage": stage.name, "burst": burst})
             taken, available = conn.execute(q.TAKE_TOKENS, {"stage": stage.name, "burst": burst, "rate": rate, "want": want}).fetchone()
         wait = 0.0 if taken else max(0.01, (1.0 - float(available)) / rate)
         return int(taken), wait
+
+    def _take_slots(self, limits: dict[str, int]) -> dict[str, int]:
+        """A max-parallelism slot of each limited stage that has one free: {stage: slot}."""
+        slots = {}
+        for name in [n for n in limits if self.stages[n].max_parallelism is not None]:
+            row = self._own.get().execute(q.TAKE_SLOT, {"slots": self.stages[name].max_parallelism,
+                                                        "key": self._slot_key(name)}).fetchone()
+            if row is not None:
+                slots[name] = row[0]
+        return slots
+
+    def _free_slots(self, slots: dict[str, int]) -> None:
+        for name, slot in slots.items():
+            try:
+                self._own.get().execute(q.FREE_SLOT, {"key": self._slot_key(name), "slot": slot})
+            except psycopg.Error:  # a lost session has freed its locks with it
+                self._own.close()
+
+    def _slot_key(self, stage: str) -> str:
+        return f"{self.db.schema}:stages.parallel:{stage}"
 
     def _count(self, conn: psycopg.Connection, shard: int, counts: _Counts) -> None:
         if not counts.by_stage:
@@ -420,8 +601,7 @@ class Engine:
     def plan(self, shards: Sequence[int]) -> tuple[dict[tuple[str, int], float], bool]:
         """Seconds until the earliest entry of each (stage, lane) in ``shards`` is due (<= 0: due now),
         and whether the change path has entries."""
-        with self.db.connection() as conn:
-            rows = conn.execute(q.PLAN, {"shards": list(shards), "stages": list(self.stages)}).fetchall()
+        rows = self._own.get().execute(q.PLAN, {"shards": list(shards), "stages": list(self.stages)}).fetchall()
         waits: dict[tuple[str, int], float] = {}
         changes = False
         for stage, lane, due, now in rows:
@@ -438,20 +618,65 @@ class Engine:
         ask to the low-priority queue. Returns (entities seen, entries offered, where it stopped or None)."""
         deadline = None if duration is None else time.monotonic() + duration
         seen = offered = 0
+        asking = UserCode("stages:rescan", set_aside_after=None)
+        timeout = max(s.timeout for s in self.stages.values())
+        conn = self._own.get()
         while deadline is None or time.monotonic() < deadline:
-            with self.db.connection() as conn:
-                count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
-                rows = conn.execute(q.RESCAN_PAGE, {"after": after, "limit": page}).fetchall()
-                if not rows:
-                    return seen, offered, None
-                now = datetime.now(UTC)
-                offers: list[tuple[str, str, datetime]] = []
-                counts = _Counts()
-                for entity_id, version, payload, states, queued in rows:
-                    offers.extend(self._ask(Entity(entity_id, version, payload), states or {}, set(queued or ()), None, now, counts))
-                if offers:
+            rows = conn.execute(q.RESCAN_PAGE, {"after": after, "limit": page}).fetchall()
+            if not rows:
+                return seen, offered, None
+            now = datetime.now(UTC)
+            calls = asking.run(rows, lambda r: self._ask(Entity(r[0], r[1], r[2]), r[3] or {}, set(r[4] or ()), None, now)[0],
+                               timeout)
+            offers = [offer for call in calls if not call.timed_out for offer in call.result]
+            if offers:
+                with conn.transaction():
+                    count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
                     self._offer(conn, count, offers, LOW)
-                seen += len(rows)
-                offered += len(offers)
-                after = rows[-1][0]
+            seen += len(rows)
+            offered += len(offers)
+            after = rows[-1][0]
         return seen, offered, after
+
+
+@dataclass(eq=False)
+class _Change:
+    entity: Entity | None
+    fields: list[str] | None
+    seen: str
+    states: dict[str, Any]
+    ready: set[str]
+
+    @property
+    def id(self) -> str:
+        return self.entity.id if self.entity is not None else ""
+
+    @property
+    def label(self) -> str:
+        return f"should_process on {self.id!r}"
+
+
+def _by_stage(claimed: Sequence[_Claimed]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for c in claimed:
+        found.setdefault(c.stage.name, []).append(c.entity_id)
+    return found
+
+
+def _lease_params(leases: Sequence[Lease]) -> dict[str, Any]:
+    first = leases[0] if leases else None
+    return {"kind": first.kind if first else "", "owner": first.owner if first else "",
+            "partitions": [lease.partition for lease in leases], "fences": [lease.fence for lease in leases]}
+
+
+def _report_counts(report: BatchReport, counts: _Counts, outcomes: list[_Outcome]) -> None:
+    report.processed = counts.total(PROCESSED)
+    report.changed = counts.total(CHANGED)
+    report.conflicts = counts.total(CONFLICTS)
+    report.errors = counts.total(ERRORS)
+    report.parked = counts.total(PARKED)
+    report.capped = counts.total(CAPPED)
+    report.offered = sum(len(o.offers) for o in outcomes if o.kind == "done")
+
+
+__all__ = ["BatchReport", "Engine", "InvalidStageInput", "ShardCountChanged"]

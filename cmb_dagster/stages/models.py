@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -11,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cmb_dagster.inputs import check_text, to_json
 from cmb_dagster.stages.errors import InvalidStageInput
 
 MAX_ENTITY_ID_LENGTH = 256
@@ -146,26 +146,21 @@ class QueueEntry(BaseModel):
     due_at: datetime
     attempts: int
     conflicts: int
+    crashes: int
     last_error: str | None
     parked_at: datetime | None
 
 
 def check_entity_id(entity_id: Any) -> str:
-    if not isinstance(entity_id, str) or not entity_id:
-        raise InvalidStageInput(f"entity_id: must be a non-empty string, not {entity_id!r}")
-    if len(entity_id) > MAX_ENTITY_ID_LENGTH:
-        raise InvalidStageInput(f"entity_id: {len(entity_id)} characters, at most {MAX_ENTITY_ID_LENGTH} allowed")
-    return entity_id
+    """``entity_id`` if it is a storable id of 1 to 256 characters."""
+    return check_text(entity_id, "entity_id", max_length=MAX_ENTITY_ID_LENGTH, error=InvalidStageInput)
 
 
 def dump_payload(payload: Any, what: str = "payload") -> str:
-    """``payload`` as JSON text, refusing anything but a JSON object."""
+    """``payload`` as JSON text, refusing anything but a JSON object within the payload limit."""
     if not isinstance(payload, dict):
         raise InvalidStageInput(f"{what}: must be a JSON object, not {type(payload).__name__}")
-    try:
-        return json.dumps(payload, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidStageInput(f"{what}: not JSON-serializable ({exc})") from None
+    return to_json(payload, what, error=InvalidStageInput)
 
 
 def changed_fields(old: dict[str, Any] | None, new: dict[str, Any]) -> set[str]:

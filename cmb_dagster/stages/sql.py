@@ -22,7 +22,7 @@ SET_SHARD_COUNT = "UPDATE stage_settings SET shard_count = %(n)s, updated_at = n
 CAPTURE_INSTALLED = """
 SELECT 1 FROM pg_trigger WHERE tgrelid = 'stage_entities'::regclass AND tgname = 'cmb_pubsub_update'
 """
-CAPTURE_LOCK = "SELECT pg_advisory_xact_lock(hashtext('cmb_dagster.stages.capture'))"
+CAPTURE_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%(schema)s || ':stages.capture', 0))"
 
 NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
 
@@ -73,41 +73,42 @@ FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND 
 WHERE e.entity_id = %(id)s
 """
 
-# Every state writer locks the entity row first: the stage engine's commit does too, so a CAS and a
-# stage commit of the same entity never interleave.
-LOCK_ENTITY_STATE = """
-SELECT coalesce(s.version, 0)
-FROM stage_entities e LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = %(stage)s
-WHERE e.entity_id = %(id)s
-FOR NO KEY UPDATE OF e
-"""
+# Every state writer locks the entity row first (the stage engine's commit does too), so a CAS and a stage
+# commit of the same entity never interleave.
+LOCK_ENTITY = "SELECT 1 FROM stage_entities WHERE entity_id = %(id)s FOR NO KEY UPDATE"
 
-WRITE_STATE = """
-INSERT INTO stage_states AS s (entity_id, stage, state, version) VALUES (%(id)s, %(stage)s, %(state)s::jsonb, 1)
-ON CONFLICT (entity_id, stage) DO UPDATE SET state = EXCLUDED.state, version = s.version + 1, updated_at = now()
-RETURNING version
+# The compare-and-set itself: the state is written only while its version is %(version)s (0: no state yet),
+# checked on the row as it is when written, whatever the statement's snapshot saw.
+WRITE_STATE_IF_VERSION = """
+WITH updated AS (
+    UPDATE stage_states SET state = %(state)s::jsonb, version = version + 1, updated_at = now()
+    WHERE entity_id = %(id)s AND stage = %(stage)s AND version = %(version)s
+    RETURNING version
+), inserted AS (
+    INSERT INTO stage_states AS s (entity_id, stage, state, version)
+    SELECT %(id)s, %(stage)s, %(state)s::jsonb, 1 WHERE %(version)s = 0
+    ON CONFLICT (entity_id, stage) DO NOTHING
+    RETURNING version
+)
+SELECT version FROM updated UNION ALL SELECT version FROM inserted
 """
 
 # -- processing ----------------------------------------------------------------------------------
 
-# Inside the batch transaction: the settings row as BEGIN_WRITE does (under the engine's writer mark),
-# a server-side limit on idling in it, so a worker hung inside process() cannot hold its shard, and no
-# JIT: without planner statistics the batch queries' cost estimates are high enough to trigger a JIT
-# compilation (hundreds of ms) for queries that run in a few ms.
+# The batch's write transaction: the settings row as BEGIN_WRITE locks it, under the engine's writer mark.
 BEGIN_BATCH = """
-SELECT shard_count, results_branch,
-       set_config('cmb.stages_writer', 'engine', true),
-       set_config('idle_in_transaction_session_timeout', %(idle_timeout)s, true),
-       set_config('jit', 'off', true)
+SELECT shard_count, results_branch, set_config('cmb.stages_writer', 'engine', true)
 FROM stage_settings FOR KEY SHARE
 """
 
-# One of max_parallelism slots of a stage, held until the batch commits (or its session dies).
+# One of max_parallelism slots of a stage, held by the worker's session until its batch pass ends (or the
+# session dies); the key names the schema, so two deployments in one database never share a slot.
 TAKE_SLOT = """
 SELECT slot FROM generate_series(0, %(slots)s - 1) AS slot
-WHERE pg_try_advisory_xact_lock(hashtext(%(key)s), slot)
+WHERE pg_try_advisory_lock(hashtext(%(key)s), slot)
 LIMIT 1
 """
+FREE_SLOT = "SELECT pg_advisory_unlock(hashtext(%(key)s), %(slot)s)"
 
 # Token bucket of a rate-limited stage: take up to %(want)s whole tokens.
 RATE_ROW = """
@@ -124,18 +125,29 @@ FROM now_ WHERE r.stage = now_.stage
 RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
 """
 
-# The original design's Queue.peek + loading, over several shards and stages: each (shard, stage)'s due
-# entries (the low-priority lane only where the main one has nothing due), locked for this batch (SKIP
-# LOCKED); of those, one entry per entity (one stage at a time on an entity), the earliest due first,
-# with the entity, every stage's state of it, and the stages it is already due in.
-PEEK_AND_LOAD = """
-WITH picked AS (
-    SELECT q.entity_id, q.stage, q.attempts, q.due_at
-    FROM unnest(%(shards)b::int[]) AS sh(shard_id)
-    CROSS JOIN unnest(%(stages)b::text[], %(limits)b::int[]) AS st(stage, lim)
+# The original design's Queue.peek + loading, over several shards and stages, as one claim committed before
+# any stage runs: each (shard, stage)'s due entries (the low-priority lane only where the main one has nothing
+# due), except entities whose call is still running (%(busy)s); of those, one entry per entity (one stage at a
+# time on an entity), the earliest due first, up to %(limit)s entries and about %(max_bytes)s bytes of payload
+# (the first always). Claiming adds one to each entry's crashes; an entry that already has crashes began a run
+# that never ended, so it is claimed alone, and parked once it reaches its stage's max_crashes. Nothing is
+# claimed unless the worker still holds every lease given and the shard count is %(shard_count)s. Returns each
+# entry claimed ('run': with the entity, every stage's state of it and the stages it is due in) or parked.
+CLAIM = """
+WITH allowed AS (
+    SELECT (cardinality(%(partitions)s::text[]) = 0
+            OR (SELECT count(*) FROM leases l
+                JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) AS u(partition, fence)
+                  ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
+                WHERE l.owner = %(owner)s AND l.expires_at > now()) = cardinality(%(partitions)s::text[]))
+       AND (%(shard_count)s::int IS NULL OR (SELECT shard_count FROM stage_settings) = %(shard_count)s) AS ok
+), picked AS (
+    SELECT q.entity_id, q.stage, q.attempts, q.crashes, q.due_at, st.max_crashes
+    FROM unnest(%(shards)s::int[]) AS sh(shard_id)
+    CROSS JOIN unnest(%(stages)s::text[], %(limits)s::int[], %(max_crashes)s::int[]) AS st(stage, lim, max_crashes)
     CROSS JOIN (VALUES (0::smallint), (1::smallint)) AS ln(lane)
     CROSS JOIN LATERAL (
-        SELECT q.entity_id, q.stage, q.attempts, q.due_at
+        SELECT q.entity_id, q.stage, q.attempts, q.crashes, q.due_at
         FROM stage_queue q
         WHERE q.shard_id = sh.shard_id AND q.stage = st.stage AND q.lane = ln.lane
           AND q.parked_at IS NULL AND q.due_at <= now()
@@ -143,41 +155,74 @@ WITH picked AS (
                 SELECT 1 FROM stage_queue m
                 WHERE m.shard_id = sh.shard_id AND m.stage = st.stage AND m.lane = 0
                   AND m.parked_at IS NULL AND m.due_at <= now()))
+          AND q.entity_id <> ALL(%(busy)s::text[])
         ORDER BY q.due_at
         LIMIT st.lim
         FOR UPDATE SKIP LOCKED
     ) q
+    WHERE (SELECT ok FROM allowed)
 ), chosen AS (
-    SELECT * FROM (SELECT DISTINCT ON (entity_id) * FROM picked ORDER BY entity_id, due_at, stage) one
-    ORDER BY due_at
+    SELECT one.*, coalesce(pg_column_size(e.payload), 0) AS bytes
+    FROM (SELECT DISTINCT ON (entity_id) * FROM picked ORDER BY entity_id, due_at, stage) one
+    LEFT JOIN stage_entities e ON e.entity_id = one.entity_id
+    ORDER BY one.due_at
     LIMIT %(limit)s
+), sized AS (
+    SELECT c.*, sum(c.bytes) OVER (ORDER BY c.due_at, c.entity_id) - c.bytes AS bytes_before
+    FROM chosen c WHERE c.crashes = 0
+), suspect AS (
+    SELECT entity_id, stage FROM chosen WHERE crashes > 0 AND crashes < max_crashes ORDER BY due_at LIMIT 1
+), taken AS (
+    SELECT entity_id, stage, attempts, crashes, due_at FROM suspect JOIN chosen USING (entity_id, stage)
+    UNION ALL
+    SELECT entity_id, stage, attempts, crashes, due_at FROM sized
+    WHERE bytes_before < %(max_bytes)s AND NOT EXISTS (SELECT 1 FROM suspect)
+), marked AS (
+    UPDATE stage_queue q SET crashes = q.crashes + 1
+    FROM taken t WHERE q.entity_id = t.entity_id AND q.stage = t.stage
+    RETURNING q.entity_id, q.stage
+), parked AS (
+    UPDATE stage_queue q
+    SET parked_at = now(), crashes = 0, attempts = q.attempts + 1,
+        last_error = format('%%s runs in a row ended with the death of their worker (a crash, kill -9 or OOM)', c.crashes)
+    FROM chosen c WHERE c.crashes >= c.max_crashes AND q.entity_id = c.entity_id AND q.stage = c.stage
+    RETURNING q.entity_id, q.stage, q.attempts, c.crashes
 )
-SELECT p.entity_id, p.stage, p.attempts, e.version, e.payload,
+SELECT 'run', t.entity_id, t.stage, t.attempts, t.crashes, e.version, e.payload,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
                                 extract(epoch FROM s.window_start)))
-        FROM stage_states s WHERE s.entity_id = p.entity_id),
+        FROM stage_states s WHERE s.entity_id = t.entity_id),
        (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
-        FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
-FROM chosen p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
-ORDER BY p.due_at
+        FROM stage_queue q2 WHERE q2.entity_id = t.entity_id)  -- filters in FILTER: the primary key drives it
+FROM taken t JOIN marked m ON m.entity_id = t.entity_id AND m.stage = t.stage
+LEFT JOIN stage_entities e ON e.entity_id = t.entity_id
+UNION ALL
+SELECT 'parked', p.entity_id, p.stage, p.attempts, p.crashes, NULL, NULL, NULL, NULL FROM parked p
 """
 
-# The change path's batch: changed entities of some shards, with every state and the stages queued.
+# Entries claimed and not run (the batch's time was up, or the worker stops): their claim is undone.
+RELEASE = """
+UPDATE stage_queue SET crashes = greatest(crashes - 1, 0)
+WHERE stage = %(stage)s AND entity_id = ANY(%(ids)s::text[])
+"""
+
+# The change path's batch: changed entities of some shards, with every state and the stages queued. Read
+# without locks (only the shard's lease holder asks); DELETE_CHANGES then removes only the changes that were
+# not written again meanwhile (same xmin), so a writer's newer fields are asked about in the next batch.
 PEEK_CHANGES = """
 WITH picked AS (
-    SELECT c.entity_id, c.fields, c.changed_at
-    FROM unnest(%(shards)b::int[]) AS sh(shard_id)
+    SELECT c.entity_id, c.fields, c.changed_at, c.xmin::text AS seen
+    FROM unnest(%(shards)s::int[]) AS sh(shard_id)
     CROSS JOIN LATERAL (
-        SELECT c.entity_id, c.fields, c.changed_at FROM stage_changes c
+        SELECT c.entity_id, c.fields, c.changed_at, c.xmin FROM stage_changes c
         WHERE c.shard_id = sh.shard_id
         ORDER BY c.changed_at
         LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
     ) c
 ), chosen AS (
     SELECT * FROM picked ORDER BY changed_at LIMIT %(limit)s
 )
-SELECT p.entity_id, p.fields, e.version, e.payload,
+SELECT p.entity_id, p.fields, p.seen, e.version, e.payload,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
                                 extract(epoch FROM s.window_start)))
         FROM stage_states s WHERE s.entity_id = p.entity_id),
@@ -186,7 +231,10 @@ SELECT p.entity_id, p.fields, e.version, e.payload,
 FROM chosen p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
 """
 
-DELETE_CHANGES = "DELETE FROM stage_changes WHERE entity_id = ANY(%(ids)b::text[])"
+DELETE_CHANGES = """
+DELETE FROM stage_changes c USING unnest(%(ids)s::text[], %(seen)s::text[]) AS u(entity_id, seen)
+WHERE c.entity_id = u.entity_id AND c.xmin::text = u.seen
+"""
 
 # The optimistic check, in two statements sent together: lock the entities processed, then (a new
 # snapshot, taken after the locks) read their versions and the processing stage's state version.
@@ -224,7 +272,7 @@ ON CONFLICT (entity_id, stage) DO UPDATE SET
 DELETE_ENTRIES = "DELETE FROM stage_queue WHERE stage = %(stage)s AND entity_id = ANY(%(ids)b::text[])"
 SET_TIMERS = """
 UPDATE stage_queue q
-SET due_at = u.due_at, lane = 0, attempts = 0, conflicts = 0, last_error = NULL, enqueued_at = now()
+SET due_at = u.due_at, lane = 0, attempts = 0, conflicts = 0, crashes = 0, last_error = NULL, enqueued_at = now()
 FROM unnest(%(ids)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, due_at)
 WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
 """
@@ -251,7 +299,7 @@ ON CONFLICT (entity_id, stage) DO NOTHING
 
 FAILED = """
 UPDATE stage_queue q
-SET attempts = q.attempts + 1, last_error = u.error,
+SET attempts = q.attempts + 1, last_error = u.error, crashes = 0,
     due_at = now() + make_interval(secs => u.delay),
     parked_at = CASE WHEN q.attempts + 1 >= %(max_attempts)s THEN now() END
 FROM unnest(%(ids)b::text[], %(errors)b::text[], %(delays)b::float8[]) AS u(entity_id, error, delay)
@@ -261,7 +309,7 @@ RETURNING q.parked_at IS NOT NULL
 
 CONFLICTED = """
 UPDATE stage_queue q
-SET conflicts = q.conflicts + 1,
+SET conflicts = q.conflicts + 1, crashes = 0,
     due_at = CASE WHEN (q.conflicts + 1) %% %(max_conflicts)s = 0 THEN now() + interval '1 second' ELSE q.due_at END
 WHERE q.stage = %(stage)s AND q.entity_id = ANY(%(ids)b::text[])
 RETURNING q.entity_id, q.conflicts
@@ -341,7 +389,7 @@ FROM stage_counters GROUP BY stage
 """
 
 LIST_ENTRIES = """
-SELECT entity_id, stage, shard_id, lane, due_at, attempts, conflicts, last_error, parked_at
+SELECT entity_id, stage, shard_id, lane, due_at, attempts, conflicts, crashes, last_error, parked_at
 FROM stage_queue
 WHERE (%(stage)s::text IS NULL OR stage = %(stage)s) AND (%(entity)s::text IS NULL OR entity_id = %(entity)s)
   AND (NOT %(problems)s OR attempts > 0 OR parked_at IS NOT NULL)
@@ -350,7 +398,7 @@ LIMIT %(limit)s
 """
 
 RETRY = """
-UPDATE stage_queue SET parked_at = NULL, attempts = 0, due_at = now(), last_error = NULL
+UPDATE stage_queue SET parked_at = NULL, attempts = 0, crashes = 0, due_at = now(), last_error = NULL
 WHERE parked_at IS NOT NULL
   AND (%(stage)s::text IS NULL OR stage = %(stage)s) AND (%(entity)s::text IS NULL OR entity_id = %(entity)s)
 """

@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from cmb_dagster.inputs import shorten
+from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult, UnknownStage
 from cmb_dagster.stages.models import STAGE_NAME_PATTERN, Entity, StageResult, Timer
 
@@ -32,7 +34,10 @@ class Stage:
     ``max_attempts`` (failed calls before the entry is parked), ``retry_backoff`` / ``max_backoff``
     (seconds, doubling), ``rate_limit`` (process calls per second across all workers),
     ``max_parallelism`` (concurrent process batches across all workers), ``max_triggers`` per
-    ``trigger_window`` seconds (re-trigger cap; later triggers wait for the next window).
+    ``trigger_window`` seconds (re-trigger cap; later triggers wait for the next window), ``timeout``
+    (seconds a ``process`` call may run before it fails; after about a second it is set aside and the
+    other entities go on), ``max_crashes`` (runs on one entity that ended with the death of their
+    worker before the entry is parked).
     """
 
     name: ClassVar[str] = ""
@@ -46,6 +51,8 @@ class Stage:
     max_triggers: int | None = None
     trigger_window: float = 60.0
     max_conflicts: int = 20  # in a row, before the entry backs off a second (counted and logged)
+    timeout: float = 60.0
+    max_crashes: int = DEFAULT_MAX_CRASHES
 
     def __init__(self, **overrides: Any) -> None:
         for key, value in overrides.items():
@@ -93,18 +100,23 @@ def check_stages(stages: Sequence[Any]) -> dict[str, Stage]:
             raise InvalidStageInput(f"{where}.name: two stages are named {stage.name!r}")
         if not (isinstance(stage.state_model, type) and issubclass(stage.state_model, BaseModel)):
             raise InvalidStageInput(f"{where}.state_model: must be a pydantic model class")
-        if stage.max_attempts < 1:
-            raise InvalidStageInput(f"{where}.max_attempts: must be at least 1")
-        if stage.rate_limit is not None and not stage.rate_limit > 0:
-            raise InvalidStageInput(f"{where}.rate_limit: must be positive (calls per second)")
-        if stage.max_parallelism is not None and stage.max_parallelism < 1:
-            raise InvalidStageInput(f"{where}.max_parallelism: must be at least 1")
-        if stage.max_triggers is not None and (stage.max_triggers < 1 or not stage.trigger_window > 0):
-            raise InvalidStageInput(f"{where}.max_triggers: must be at least 1 with a positive trigger_window")
+        for setting, low, high in _BOUNDS:
+            value = getattr(stage, setting)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or not low <= value <= high):
+                raise InvalidStageInput(f"{where}.{setting}: {shorten(value)} is outside {low:g}..{high:g}")
         if stage.fields is not None and not all(isinstance(f, str) for f in stage.fields):
             raise InvalidStageInput(f"{where}.fields: must be payload key names")
         by_name[stage.name] = stage
     return by_name
+
+
+_BOUNDS = (  # (setting, lowest, highest) of every number a stage sets
+    ("max_attempts", 1, 10_000), ("retry_backoff", 0, 86400), ("max_backoff", 0, 30 * 86400),
+    ("rate_limit", 0.001, 1_000_000), ("max_parallelism", 1, 1024), ("max_triggers", 1, 1_000_000),
+    ("trigger_window", 0.001, 30 * 86400), ("max_conflicts", 1, 10_000), ("timeout", 0.001, 86400),
+    ("max_crashes", 1, 1000),
+)
 
 
 def stage_named(stages: dict[str, Stage], name: str) -> Stage:

@@ -9,13 +9,13 @@ trigger, so a stage in flight notices it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
 
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import check_int, to_json
 from cmb_dagster.notifications import channel_name
 from cmb_dagster.pubsub import install_capture
 from cmb_dagster.stages import sql as q
@@ -36,7 +36,7 @@ def ensure_capture(db: Database) -> None:
     with db.connection() as conn:
         if conn.execute(q.CAPTURE_INSTALLED).fetchone():
             return
-        conn.execute(q.CAPTURE_LOCK)
+        conn.execute(q.CAPTURE_LOCK, {"schema": db.schema})
         if conn.execute(q.CAPTURE_INSTALLED).fetchone():
             return
         branch = conn.execute(q.SETTINGS).fetchone()[1]
@@ -139,8 +139,7 @@ class StageStore:
         """Compare-and-set: store ``new_state`` only if the state is still at ``version``; True if stored."""
         check_entity_id(entity_id)
         spec = stage_named(self.stages, stage)
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidStageInput(f"version: must be a non-negative integer, not {version!r}")
+        check_int(version, "version", low=0, error=InvalidStageInput)
         if isinstance(new_state, Mapping):
             try:
                 new_state = spec.state_model.model_validate(new_state)
@@ -148,15 +147,13 @@ class StageStore:
                 raise InvalidStageInput(f"new_state: not a valid {spec.state_model.__name__}: {exc}") from None
         if not isinstance(new_state, spec.state_model):
             raise InvalidStageInput(f"new_state: must be a {spec.state_model.__name__}, not {type(new_state).__name__}")
-        text = json.dumps(new_state.model_dump(mode="json"))
+        text = to_json(new_state.model_dump(mode="json"), "new_state", error=InvalidStageInput)
         with self.db.connection() as conn:
-            row = conn.execute(q.LOCK_ENTITY_STATE, {"id": entity_id, "stage": stage}).fetchone()
-            if row is None:
+            if conn.execute(q.LOCK_ENTITY, {"id": entity_id}).fetchone() is None:
                 raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
-            if row[0] != version:
-                return False
-            conn.execute(q.WRITE_STATE, {"id": entity_id, "stage": stage, "state": text})
-        return True
+            stored = conn.execute(q.WRITE_STATE_IF_VERSION, {
+                "id": entity_id, "stage": stage, "state": text, "version": version}).fetchone()
+        return stored is not None
 
     # -- internals -----------------------------------------------------------------------------
 

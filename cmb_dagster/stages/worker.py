@@ -5,8 +5,9 @@ leases), ``capture`` (the pub/sub consumer that puts writes bypassing the API on
 ``after_commit:<stage>`` per stage with an after-commit handler. The held shards are served together:
 a step asks the database what is due in all of them (one query), runs the change path, then batches
 over all shards and all stages due (a stage with a rate limit or max parallelism in batches of its
-own), each stage's low-priority queue only where its main one has nothing due. Idle, the worker sleeps until the next timer (a wake-up timer), a
-NOTIFY from a writer, or ``idle_sleep``.
+own), each stage's low-priority queue only where its main one has nothing due. Idle, the worker sleeps
+until the next timer (a wake-up timer), a NOTIFY from a writer, or ``idle_sleep``. The pub/sub consumers
+run in a loop of their own (a thread), so a slow after-commit handler never holds up the shards.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ class StageWorker:
         self.owner = owner
         self.listen = listen
         self.engine = Engine(self.db, self.options.stages, batch_size=self.options.batch_size,
-                             publish=self.options.publish, idle_timeout=max(10.0, 3 * self.options.lease_ttl))
+                             publish=self.options.publish, idle_timeout=max(10.0, 3 * self.options.lease_ttl),
+                             owner=owner)
         self.stages = self.engine.stages
         self._worker: Worker | None = None
+        self._consumer_worker: Worker | None = None
         self._blocked: dict[str, float] = {}
         self._timer: threading.Timer | None = None
         self._timer_at: float | None = None
@@ -89,39 +92,50 @@ class StageWorker:
         """Work for ``duration`` seconds (None: until :meth:`stop`)."""
         self.setup()
         self._worker = worker = Worker(
-            self.db, LEASE_KIND, self.partitions, self.step, owner=self.owner, ttl=self.options.lease_ttl,
+            self.db, LEASE_KIND, self.shard_partitions, self.step, owner=self.owner, ttl=self.options.lease_ttl,
             idle_sleep=self.options.idle_sleep, on_progress=on_progress,
             joint=lambda partition: partition.startswith("shard:"), joint_step=self.joint_step,
         )
+        consumers = None
+        if self.index == 0:
+            self._consumer_worker = consumers = Worker(
+                self.db, LEASE_KIND, list(self._consumers), self.step, owner=worker.owner, ttl=self.options.lease_ttl,
+                idle_sleep=CONSUMER_IDLE_SECONDS)
         if self._stopping.is_set():
             worker.stop()
         listener = None
         if self.listen:
             listener = Listener(self.db, [channel_name(self.db, CHANNEL)], lambda channel, payload: worker.wake()).start()
+        thread = None
+        if consumers is not None:
+            thread = threading.Thread(target=consumers.run, args=(duration,), name="cmb-stages-consumers", daemon=True)
+            thread.start()
         try:
             return worker.run(duration)
         finally:
+            if consumers is not None and thread is not None:
+                consumers.stop()
+                thread.join()
             if listener is not None:
                 listener.stop()
             with self._timer_lock:
                 if self._timer is not None:
                     self._timer.cancel()
+            self.engine.close()
 
     def stop(self) -> None:
         """Finish the current batch and return (safe from a signal handler)."""
         self._stopping.set()
-        if self._worker is not None:
-            self._worker.stop()
+        for worker in (self._worker, self._consumer_worker):
+            if worker is not None:
+                worker.stop()
 
-    def partitions(self) -> list[str]:
-        """The partitions this worker asks for (asked again at every lease renewal)."""
+    def shard_partitions(self) -> list[str]:
+        """The shards this worker asks for (asked again at every lease renewal)."""
         with self.db.connection() as conn:
             count = conn.execute(q.SETTINGS).fetchone()[0]
         mine = [s for s in range(count) if s % self.workers == self.index and (self.shards is None or s in self.shards)]
-        parts = [f"shard:{s}/{count}" for s in mine]
-        if self.index == 0:
-            parts.extend(self._consumers)
-        return parts
+        return [f"shard:{s}/{count}" for s in mine]
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -152,10 +166,10 @@ class StageWorker:
     def shards_step(self, shards: Sequence[int], count: int, leases: Sequence[Lease] = ()) -> int:
         """Everything due in ``shards``, for at most about a second; returns entries handled."""
         deadline = time.monotonic() + STEP_SECONDS
+        handled = self.engine.finish_set_aside(shards[0], leases=leases, shard_count=count)
         waits, changes = self.engine.plan(shards)
-        handled = 0
         while changes and time.monotonic() < deadline:
-            n = self.engine.changes_batch(shards, leases=leases, shard_count=count)
+            n = self.engine.changes_batch(shards, leases=leases, shard_count=count, on_wait=self._keep_alive)
             handled += n
             changes = n >= self.engine.batch_size
         if handled:  # the change path may have queued entries due now
@@ -180,7 +194,7 @@ class StageWorker:
     def _drain(self, shards: Sequence[int], count: int, names: list[str], leases: Sequence[Lease], deadline: float) -> int:
         handled = 0
         while time.monotonic() < deadline:
-            report = self.engine.process_batch(shards, names, leases=leases, shard_count=count)
+            report = self.engine.process_batch(shards, names, leases=leases, shard_count=count, on_wait=self._keep_alive)
             handled += report.taken
             if report.blocked_until is not None:
                 for name in names:
@@ -190,6 +204,10 @@ class StageWorker:
             if report.taken == 0:
                 break
         return handled
+
+    def _keep_alive(self) -> None:
+        if self._worker is not None:
+            self._worker.keep_alive()
 
     def _wake_at(self, when: float) -> None:
         """Wake the worker's idle sleep at monotonic time ``when`` (the earliest asked for wins)."""

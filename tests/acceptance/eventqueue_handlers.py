@@ -28,3 +28,12 @@ def record(event) -> None:
 @registry.handler("always_fails", max_retries=1, retry_delay=0.1)
 def always_fails(event) -> None:
     raise ValueError(f"cannot handle {event.value}")
+
+
+@registry.handler("mixed", lock_expiry=float(os.environ.get("EQ_MIXED_LOCK_EXPIRY", "1")), max_crashes=3)
+def mixed(event) -> None:
+    """Records the run, then sleeps ``value["sleep"]`` seconds; ``value["crash"]`` kills the process first."""
+    if event.value.get("crash"):
+        os.kill(os.getpid(), 9)  # as a segfaulting library or the OOM killer would
+    os.write(_out(), f"{event.id} {time.time():.6f}\n".encode())
+    time.sleep(event.value.get("sleep", 0))

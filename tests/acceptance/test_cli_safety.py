@@ -37,7 +37,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (GOOD, ["pubsub", "trim"]),
     (GOOD, ["pubsub", "reset"]),
     (GOOD, ["pubsub", "drop", "nobody"]),
-    (GOOD, ["pubsub", "consume", "quiet", "--handler", "json:dumps", "--duration", "0.3"]),
+    (GOOD, ["pubsub", "consume", "quiet", "--handler", "cmb_dagster.examples.pubsub:add_to_totals", "--duration", "0.3"]),
     (GOOD, ["pubsub", "dead"]),
     (GOOD, ["callbacks", "buckets", "5"]),
     (GOOD, ["callbacks", "buckets", "3"]),

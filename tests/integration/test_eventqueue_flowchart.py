@@ -160,14 +160,30 @@ class BrokenError(Exception):
         raise ValueError("cannot even describe myself")
 
 
-def test_exception_in_retry_check_requeues_after_lock_expiry(db, calls):
+def test_an_exception_that_cannot_describe_itself_is_still_retried(db, calls):
     def broken(event):
         calls.events.append(event)
-        if len(calls.events) == 1:
-            raise BrokenError()
+        raise BrokenError()
 
     registry = HandlerRegistry()
-    registry.add("h", broken, lock_expiry=1.0)
+    registry.add("h", broken)
+    worker = EventWorker(db, registry, SETTINGS)
+    event_id = emit("ns", "h", 1, db=db) if worker.register() is None else None
+    assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_NONE, Edge.RETRY_ALLOWED]}
+    assert row(db, event_id)[5] == "BrokenError: (its message could not be read)"
+    worker.close()
+
+
+def test_exception_in_retry_check_requeues_after_lock_expiry(db, calls):
+    def cut_off(event):  # the worker's connection dies while the handler runs: its failure cannot be recorded
+        calls.events.append(event)
+        if len(calls.events) == 1:
+            with db.connection() as conn:
+                conn.execute("SELECT pg_terminate_backend(%s)", (worker._own.get().info.backend_pid,))
+            raise RuntimeError("boom")
+
+    registry = HandlerRegistry()
+    registry.add("h", cut_off, lock_expiry=1.0)
     worker = EventWorker(db, registry, SETTINGS)
     event_id = emit("ns", "h", 1, db=db) if worker.register() is None else None
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_NONE, Edge.RETRY_CHECK_FAILED]}

@@ -36,6 +36,40 @@ def test_check_many_refuses_when_any_lease_moved(db):
             Leases.check_many(conn, list(held.values()))()
 
 
+def test_a_takeover_waits_for_a_transaction_that_checked_the_lease_while_renewals_do_not(db):
+    a = Leases(db, "test.kind", owner="a", ttl=0.5)
+    held = a.acquire(["p"])["p"]
+    done: dict[str, float] = {}
+    with db.connection() as conn:
+        Leases.check(conn, held)  # a's work in progress, key-share-locking the lease row
+        started = time.monotonic()
+        a.ttl = 60
+        assert a.acquire(["p"])["p"].fence == held.fence  # a renews at once, in another session
+        assert time.monotonic() - started < 2
+        a.ttl = 0.5
+        assert a.acquire(["p"])  # and lets the lease lapse
+        time.sleep(0.6)
+        b = Leases(db, "test.kind", owner="b", ttl=60)
+        taker = threading.Thread(target=lambda: done.update(b.acquire(["p"]) and {"at": time.monotonic()}))
+        taker.start()
+        taker.join(1.0)
+        assert taker.is_alive(), "b took the partition while a's transaction that checked it was open"
+        committed = time.monotonic()
+    taker.join(5)
+    assert done["at"] >= committed
+
+
+def test_a_lease_taken_from_a_holder_that_neither_renewed_nor_released_it_is_inherited(db):
+    a = Leases(db, "test.kind", owner="a", ttl=0.3)
+    b = Leases(db, "test.kind", owner="b", ttl=0.3)
+    assert not a.acquire(["died", "released"])["died"].inherited  # a new partition
+    a.release(["released"])
+    assert not b.acquire(["released"])["released"].inherited
+    taken = wait_until(lambda: b.acquire(["died"]).get("died"), timeout=5, what="b takes the lapsed lease")
+    assert taken.inherited
+    assert not b.acquire(["died"])["died"].inherited  # b's own renewal
+
+
 def test_joint_partitions_are_stepped_together(db):
     seen: list[list[str]] = []
     singles: list[str] = []

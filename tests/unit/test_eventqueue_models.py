@@ -14,23 +14,32 @@ def test_backoff_doubles_up_to_the_maximum():
     assert HandlerConfig(retry_delay=1.0).backoff(10_000) == 300.0
 
 
-@pytest.mark.parametrize("value", ["", None, 3, "x" * 201, "a\x00b"])
+@pytest.mark.parametrize("value", ["", None, 3, "x" * 201, "a\x00b", "half \udc80 a character"])
 def test_bad_names_are_refused_naming_the_field(value):
     with pytest.raises(InvalidInput, match="^namespace: "):
         check_name("namespace", value)
 
 
-@pytest.mark.parametrize("value", [object(), float("nan"), float("inf"), {1j: 2}, "nul\x00"])
+@pytest.mark.parametrize("value", [object(), float("nan"), float("inf"), {1j: 2}, "nul\x00", {"k": "\ud800"},
+                                   pytest.param(10 ** 5000, id="int of 5000 digits"),
+                                   pytest.param("x" * (4 * 1024 * 1024), id="over the payload limit")])
 def test_values_that_are_not_json_are_refused(value):
     with pytest.raises(InvalidInput, match="^value: "):
         to_json(value)
 
 
+def test_the_payload_limit_is_a_setting(monkeypatch):
+    monkeypatch.setenv("CMB_MAX_PAYLOAD_BYTES", "2048")
+    with pytest.raises(InvalidInput, match=r"^value: 3002 bytes as JSON, at most 2048 allowed \(CMB_MAX_PAYLOAD_BYTES\)"):
+        to_json("x" * 3000)
+
+
 def test_json_values_pass():
-    assert to_json({"a": [1, 2.5, None, True, "é"]}) == '{"a":[1,2.5,null,true,"\\u00e9"]}'
+    assert to_json({"a": [1, 2.5, None, True, "é", "a\\u0000"]}) == '{"a":[1,2.5,null,true,"é","a\\\\u0000"]}'
 
 
-@pytest.mark.parametrize("delay", [-1, -0.001, timedelta(seconds=-1), float("nan"), "5", True])
+@pytest.mark.parametrize("delay", [-1, -0.001, timedelta(seconds=-1), float("nan"), "5", True, 1e300, 1.7e12,
+                                   timedelta(days=40_000)])
 def test_bad_delays_are_refused(delay):
     with pytest.raises(InvalidInput, match="^delay: "):
         delay_seconds(delay)

@@ -35,8 +35,8 @@ def test_handlers_round_trip_through_their_dotted_path():
     path = handler_path(module_level_handler)
     assert path == f"{module_level_handler.__module__}:module_level_handler"
     assert handler_path(lambda conn, events: None) is None
-    assert load_handler("json:dumps").__name__ == "dumps"
-    with pytest.raises(InvalidInput, match="handler: cannot import 'json:nope'"):
-        load_handler("json:nope")
+    assert load_handler(path) is module_level_handler
+    with pytest.raises(InvalidInput, match="handler: cannot import 'cmb_dagster.examples.pubsub:nope'"):
+        load_handler("cmb_dagster.examples.pubsub:nope")
     with pytest.raises(InvalidInput, match="not callable"):
-        load_handler("json.decoder:WHITESPACE.pattern")
+        load_handler("cmb_dagster.examples.pubsub:DEMO_BRANCH")

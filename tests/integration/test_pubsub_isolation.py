@@ -1,0 +1,110 @@
+"""Isolation in the pub/sub consumer against real Postgres: an error Postgres cannot store as it is, a handler
+past its time limit, and a handler that kills its consumer process, each parked alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from waiting import wait_until
+
+from cmb_dagster.pubsub import Consumer, dead_letters, publish
+from cmb_dagster.pubsub.errors import HandlerFailed
+
+ACCEPTANCE = Path(__file__).parents[1] / "acceptance"
+
+
+def results(db) -> list[int]:
+    with db.connection() as conn:
+        return [r[0] for r in conn.execute("SELECT event_id FROM public.results ORDER BY event_id")]
+
+
+def publish_all(db, payloads: list[dict]) -> list[int]:
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE public.results (event_id bigint PRIMARY KEY)")
+        return [publish(conn, 0, p) for p in payloads]
+
+
+def parked(db, consumer_id: str):
+    with db.connection() as conn:
+        return dead_letters(conn, consumer_id, 0)
+
+
+def drain(consumer: Consumer, rounds: int = 100) -> None:
+    for _ in range(rounds):
+        try:
+            if consumer.run_once() == 0:
+                return
+        except HandlerFailed:
+            continue
+    raise AssertionError("the consumer is still busy")
+
+
+def test_an_error_message_postgres_cannot_store_as_it_is_parks_the_event_and_the_others_go_on(db):
+    ids = publish_all(db, [{"n": n} for n in range(20)])
+
+    def handler(conn, events):
+        if any(e.payload["n"] == 3 for e in events):
+            raise ValueError("bad \x00 byte and \udc80 half a character")
+        conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
+
+    consumer = Consumer(db, "poisoned", 0, handler, max_attempts=2)
+    drain(consumer)
+    assert results(db) == [i for i in ids if i != ids[3]]
+    [dead] = parked(db, "poisoned")
+    assert dead.event.id == ids[3] and dead.error == "ValueError: bad \\0 byte and \ufffd half a character"
+    consumer.close()
+
+
+def test_a_handler_past_its_time_limit_has_its_transaction_ended_and_fails(db):
+    ids = publish_all(db, [{"n": n} for n in range(5)])
+    release = threading.Event()
+
+    def handler(conn, events):
+        conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
+        if any(e.payload["n"] == 2 for e in events):
+            release.wait(30)  # holds its transaction open (and the watermark locked) until the deadline
+
+    consumer = Consumer(db, "slow", 0, handler, max_attempts=2, handler_timeout=0.5)
+    drain(consumer)
+    release.set()
+    assert results(db) == [i for i in ids if i != ids[2]]  # its insert was rolled back with its transaction
+    [dead] = parked(db, "slow")
+    assert dead.event.id == ids[2] and dead.error.startswith("TimedOut: timed out after 0.5 s")
+    consumer.close()
+
+
+@pytest.mark.slow
+def test_an_event_whose_delivery_kills_the_consumer_is_parked_after_its_crashes(db, database_url):
+    ids = publish_all(db, [{"crash": n == 30} for n in range(100)])
+    command = [sys.executable, "-c", "from cmb_dagster.cli import run; run()", "pubsub", "consume", "fragile",
+               "--handler", "pubsub_isolation_handlers:record", "--lease-ttl", "1", "--batch-size", "50"]
+    env = {**os.environ, "CMB_DATABASE_URL": database_url,
+           "PYTHONPATH": f"{ACCEPTANCE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
+    deaths = 0
+
+    def settled() -> bool:
+        nonlocal deaths
+        for i, proc in enumerate(procs):
+            if proc.poll() is not None:
+                deaths += 1
+                procs[i] = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return len(results(db)) == 99
+
+    try:
+        wait_until(settled, 120, "every other event delivered once and the crashing one parked", interval=0.2)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(20)
+    assert results(db) == [i for i in ids if i != ids[30]]  # exactly once each (a primary key)
+    [dead] = parked(db, "fragile")
+    assert dead.event.id == ids[30] and "deliveries in a row ended with the death of their worker" in dead.error
+    assert 4 <= deaths <= 5, deaths  # the batch it was in, then max_crashes deliveries alone

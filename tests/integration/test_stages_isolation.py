@@ -1,0 +1,198 @@
+"""Isolation in the stage engine against real Postgres: results Postgres refuses, time limits, big payloads
+over both transports, tenants sharing a database, and the state API's compare-and-set under concurrency."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from urllib.parse import urlsplit
+
+import psycopg
+import pytest
+from pydantic import BaseModel
+
+from cmb_dagster.database import Database
+from cmb_dagster.stages import Engine, Entity, MergePatch, Stage, StageResult, StageStore, StageWorker, entries
+from cmb_dagster.stages import engine as engine_module
+from stages_helpers import drain
+from waiting import wait_until
+
+
+class Patch(Stage):
+    """Adds ``done`` to every entity; ``bad`` entities get a value Postgres refuses (a NUL character)."""
+
+    name = "patch"
+
+    def process(self, entity: Entity, state: BaseModel) -> StageResult:
+        if entity.payload.get("bad"):
+            return StageResult(update=MergePatch({"done": "a\x00b"}))
+        return StageResult(update=MergePatch({"done": True}))
+
+
+def test_a_result_postgres_refuses_is_split_off_and_the_others_commit(db, monkeypatch):
+    # let a bad value past the engine's own check, so that Postgres itself refuses the batch's commit
+    monkeypatch.setattr(engine_module, "to_json", lambda value, field, **kw: json.dumps(value))
+    store = StageStore(db, [Patch()])
+    store.put_many({f"e{i}": {"i": i} for i in range(50)} | {"bad": {"bad": True}})
+    drain(StageWorker(db, [Patch(max_attempts=1)], listen=False))
+    assert all(store.get(f"e{i}").payload.get("done") is True for i in range(50))
+    [bad] = entries(db, stage="patch")
+    assert bad.entity_id == "bad" and bad.parked_at is not None and bad.attempts == 1
+    assert bad.last_error.startswith("its result cannot be stored: "), bad.last_error
+
+
+class Held(Stage):
+    name = "held"
+    release = threading.Event()
+    entered = threading.Event()
+
+    def process(self, entity: Entity, state: BaseModel) -> StageResult:
+        Held.entered.set()
+        Held.release.wait(30)
+        return StageResult(update=MergePatch({"done": True}))
+
+
+def test_a_process_past_its_timeout_fails_and_is_retried_later(db):
+    Held.release.clear()
+    stage = Held(timeout=0.3, retry_backoff=60)
+    StageStore(db, [stage]).put("slow", {})
+    engine = Engine(db, [stage])
+    engine.changes_batch(range(8))
+    engine.user_code.set_aside_after = None  # wait for the call until its timeout
+    report = engine.process_batch(range(8))
+    Held.release.set()
+    assert report.errors == 1 and report.processed == 0
+    [entry] = entries(db, stage="held")
+    assert entry.attempts == 1 and entry.parked_at is None and entry.crashes == 0
+    assert entry.last_error == "TimedOut: timed out after 0.3 s (still running, abandoned)"
+    assert StageStore(db).get("slow").payload == {}
+    engine.close()
+
+
+def test_two_tenants_in_one_database_never_wait_on_each_other(database_url):
+    """A stage with max_parallelism=1 in schema ta holds its slot while it runs; the same stage in tb runs."""
+    Held.release.clear()
+    Held.entered.clear()
+    ta, tb = Database(database_url, schema="ta"), Database(database_url, schema="tb")
+    engines = {}
+    for tenant in (ta, tb):
+        stage = Held(max_parallelism=1)
+        StageStore(tenant, [stage]).put("x", {})
+        engines[tenant.schema] = engine = Engine(tenant, [stage])
+        engine.changes_batch(range(8))
+        engine.user_code.set_aside_after = None  # ta keeps its slot for as long as its call runs
+    running = threading.Thread(target=engines["ta"].process_batch, args=(range(8),))
+    running.start()
+    assert Held.entered.wait(10)
+    Held.release.set()  # tb's call returns at once...
+    report = engines["tb"].process_batch(range(8))
+    assert report.blocked_until is None and report.processed == 1  # ...and it did not wait for ta's slot
+    running.join(10)
+    for engine in engines.values():
+        engine.close()
+    ta.close()
+    tb.close()
+
+
+def _transport_url(database_url: str, transport: str) -> str:
+    with psycopg.connect(database_url) as conn:
+        sockets = conn.execute("SHOW unix_socket_directories").fetchone()[0]
+        addresses = conn.execute("SHOW listen_addresses").fetchone()[0]
+        port = conn.execute("SHOW port").fetchone()[0]
+    parts = urlsplit(database_url)
+    if transport == "socket":
+        directory = sockets.split(",")[0].strip()
+        if not directory:
+            pytest.skip("the server listens on no unix socket")
+        return f"postgresql://{parts.username or 'postgres'}@/{parts.path.lstrip('/')}?host={directory}&port={port}"
+    if not addresses.strip():
+        pytest.skip("the server listens on no TCP address")
+    return f"postgresql://{parts.username or 'postgres'}@127.0.0.1:{port}/{parts.path.lstrip('/')}"
+
+
+@pytest.mark.parametrize("transport", ["socket", "tcp"])
+def test_a_batch_with_large_payloads_commits_within_seconds(database_url, transport, monkeypatch):
+    """A 10 MB entity and 60 entities of 100 KB in one batch: the commit is never sent inside a pipeline."""
+    monkeypatch.setenv("CMB_MAX_PAYLOAD_BYTES", str(32 * 1024 * 1024))
+    db = Database(_transport_url(database_url, transport))
+    store = StageStore(db, [Patch()])
+    store.put("big", {"blob": "x" * (10 * 1024 * 1024)})
+    store.put_many({f"p{i}": {"blob": "y" * 100_000} for i in range(60)})
+    worker = StageWorker(db, [Patch()], listen=False)
+    finished = threading.Event()
+    threading.Thread(target=lambda: (drain(worker), finished.set()), daemon=True).start()
+    assert finished.wait(60), "the batch did not finish (a commit blocked inside a pipeline?)"
+    assert store.get("big").payload["done"] is True
+    assert all(store.get(f"p{i}").payload["done"] is True for i in range(60))
+    worker.engine.close()
+    db.close()
+
+
+def test_the_engine_session_limit_on_idling_in_a_transaction_takes_effect(db):
+    engine = Engine(db, [Patch()], idle_timeout=0.5)
+    conn = engine._own.get()
+    conn.execute("BEGIN")
+    time.sleep(1.5)  # idle inside a transaction for longer than the limit: the server ends the session
+    with pytest.raises((psycopg.OperationalError, psycopg.errors.IdleInTransactionSessionTimeout)):
+        conn.execute("SELECT 1")
+    engine.close()
+
+
+class Counter(BaseModel):
+    n: int = 0
+
+
+class Counted(Stage):
+    name = "counted"
+    state_model = Counter
+
+    def process(self, entity: Entity, state: Counter) -> StageResult:  # pragma: no cover - never runs here
+        return StageResult()
+
+
+def test_concurrent_update_state_calls_lose_no_update(db):
+    """Property: threads increment a state by compare-and-set; every success is one increment."""
+    store = StageStore(db, [Counted()])
+    store.put("c", {})
+    successes = []
+
+    def increment() -> None:
+        mine = 0
+        for _ in range(40):
+            state, version = store.read_state("c", "counted")
+            if store.update_state("c", "counted", Counter(n=state.n + 1), version):
+                mine += 1
+        successes.append(mine)
+
+    threads = [threading.Thread(target=increment) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    state, version = store.read_state("c", "counted")
+    assert sum(successes) > 0
+    assert state.n == sum(successes) == version, (state.n, sum(successes), version)
+
+
+def test_update_state_refuses_a_version_that_moved_while_it_waited(db):
+    """A CAS blocked behind another writer's lock compares the version that writer left, not the one it saw."""
+    store = StageStore(db, [Counted()])
+    store.put("c", {})
+    assert store.update_state("c", "counted", Counter(n=1), 0)
+    results: list[bool] = []
+    with db.connection() as blocker:
+        blocker.execute("SELECT 1 FROM stage_entities WHERE entity_id = 'c' FOR NO KEY UPDATE")
+        waiting = threading.Thread(target=lambda: results.append(store.update_state("c", "counted", Counter(n=99), 1)))
+        waiting.start()
+        wait_until(lambda: _waits_for_a_lock(db), 10, "the CAS waits for the entity lock")
+        blocker.execute("UPDATE stage_states SET state = '{\"n\": 2}', version = 2 WHERE entity_id = 'c'")
+    waiting.join(10)
+    assert results == [False]
+    assert store.read_state("c", "counted") == (Counter(n=2), 2)
+
+
+def _waits_for_a_lock(db: Database) -> bool:
+    with db.connection() as conn:
+        return bool(conn.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                 "AND datname = current_database()").fetchone())
