@@ -97,12 +97,12 @@ def is_item_error(exc: BaseException) -> bool:
     item), not for the connection, a lock or the server (then the whole write is retried later)."""
     if isinstance(exc, UnicodeError):
         return True
-    if isinstance(exc, psycopg.Error) and not isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-        state = exc.sqlstate
-        if state is None:  # refused by psycopg before sending: a NUL in text, a value it cannot adapt
-            return isinstance(exc, psycopg.DataError | psycopg.ProgrammingError)
-        return state[:2] in _ITEM_ERROR_CLASSES
-    return False
+    if not isinstance(exc, psycopg.Error):
+        return False
+    if exc.sqlstate is not None:
+        return exc.sqlstate[:2] in _ITEM_ERROR_CLASSES
+    # refused by psycopg before sending (a NUL in text, a value it cannot adapt), not by the connection
+    return isinstance(exc, psycopg.DataError | psycopg.ProgrammingError)
 
 
 def split_until_alone(

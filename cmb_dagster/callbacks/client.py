@@ -33,7 +33,6 @@ from cmb_dagster.callbacks.models import (
     check_many,
     check_run_at,
     check_url,
-    context_json,
     validated,
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
@@ -197,13 +196,12 @@ class CallbackClient:
             new_run_at = changes.run_at or before["run_at"]
             url = changes.cb_url or before["cb_url"]
             new_context = before["context"] if context is None else changes.context
-            check_context(new_context, self.settings, url)
             params = {
                 "event_id": before["event_id"],
                 "run_at": new_run_at,
                 "originally_run_at": changes.originally_run_at or changes.run_at or before["originally_run_at"],
                 "cb_url": url,
-                "context": None if new_context is None else context_json(new_context),
+                "context": check_context(new_context, self.settings, url),
             }
             after = conn.cursor(row_factory=dict_row).execute(sql.UPDATE_EVENT, params).fetchone()
             _log(conn, "update", before, after)
@@ -269,7 +267,7 @@ class CallbackClient:
             "cron": new.cron,
             "timezone": new.timezone,
             "cb_url": new.cb_url,
-            "context": None if new.context is None else context_json(new.context),
+            "context": check_context(new.context, self.settings, new.cb_url),
             "retry": new.retry.model_dump_json(),
             "horizon": int(new.horizon),
         }

@@ -29,12 +29,14 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_job_name
+from cmb_dagster.isolation import describe_error, sanitize
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -379,7 +381,9 @@ class DeliveryPool:
         self.gate = gate
         self.on_broken = on_broken  # told if the dispatcher ends by an error: no delivery would be called after it
         self.broken: BaseException | None = None
-        self._launch_lock = threading.Lock()
+        # launches run one at a time (a run key is looked up, then its run created), on a thread of their own:
+        # one that hangs holds no thread of the loop's executor, which resolves the names of HTTP targets
+        self._launches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cmb-callback-launch")
         self._heap: list[tuple[float, int, Delivery]] = []
         self._cond = threading.Condition()  # guards the heap and the counters; close() waits on it
         self._idle = settings.concurrency
@@ -534,6 +538,7 @@ class DeliveryPool:
             if self.gate is not None:
                 self._loop.run_until_complete(self.gate.close())
             self._loop.close()
+            self._launches.shutdown(wait=False, cancel_futures=True)
 
     def _dispatcher_ended(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:
@@ -590,31 +595,36 @@ class DeliveryPool:
             return await self.sender.post(delivery.cb_url, delivery.body())
         if self.launcher is None:
             return RETRY, "dagster:// callbacks need a worker with a Dagster launcher (the Dagster worker job)"
-        return await self._loop.run_in_executor(None, self._launch, delivery, job_name)
+        try:  # at the deadline a launch not started is dropped, one running is left to end; the event is retried
+            async with asyncio.timeout(self.settings.timeout):
+                return await self._loop.run_in_executor(self._launches, self._launch, delivery, job_name)
+        except TimeoutError:
+            return RETRY, "timed out"
 
     def _launch(self, delivery: Delivery, job_name: str) -> tuple[str, str | None]:
-        """Start the Dagster run of a ``dagster://`` event (blocking: on a thread of the loop's executor)."""
+        """Start the Dagster run of a ``dagster://`` event (blocking: on the pool's launch thread)."""
         assert self.launcher is not None
         context = json.loads(delivery.context_json or "null")
         context = context if isinstance(context, dict) else {}
         tags = {str(k): str(v) for k, v in (context.get("tags") or {}).items()}
         tags.update({"cmb/callback": f"{delivery.owner_client_id}/{delivery.group_key}/{delivery.event_key}"})
         try:
-            with self._launch_lock:
-                self.launcher.launch(
-                    job_name,
-                    run_key=f"cmb-callback-{delivery.event_id}",
-                    run_config=context.get("run_config") or {},
-                    tags=tags,
-                )
+            self.launcher.launch(
+                job_name,
+                run_key=f"cmb-callback-{delivery.event_id}",
+                run_config=context.get("run_config") or {},
+                tags=tags,
+            )
         except LookupError as exc:
-            return FAILED, f"no Dagster job {job_name!r}: {exc}"
+            return FAILED, f"no Dagster job {job_name!r}: {describe_error(exc)}"
         except Exception as exc:  # noqa: BLE001 - any launch failure is retried by the policy
-            return RETRY, f"Dagster launch failed: {type(exc).__name__}: {exc}"
+            return RETRY, f"Dagster launch failed: {describe_error(exc)}"
         return NOTIFIED, None
 
     def _finish(self, delivery: Delivery, outcome: str, error: str | None) -> None:
+        """Record ``outcome`` and hand ``delivery`` back; ``error`` may quote the target or the launcher, so it
+        is sanitised before it is stored or logged."""
         delivery.outcome = outcome
-        delivery.error = error
+        delivery.error = None if error is None else sanitize(error)
         delivery.finished = time.monotonic()
         delivery.on_done(delivery)

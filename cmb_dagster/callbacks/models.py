@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-import json
 import math
 import os
 import re
@@ -28,10 +27,12 @@ from pydantic import (
 )
 
 from cmb_dagster.callbacks.errors import CallbackValidationError
+from cmb_dagster.inputs import check_text, max_payload_bytes, to_json
 
 MAX_OWNER_LENGTH = 128
 MAX_GROUP_LENGTH = 128
 MAX_KEY_LENGTH = 256
+MAX_SCHEDULE_KEY_LENGTH = MAX_KEY_LENGTH - 40  # its events' keys append '@<fire time>'
 MAX_URL_LENGTH = 2048
 DAGSTER_SCHEME = "dagster"
 MAX_STOP_AFTER = 366 * 86400.0  # seconds: a year of retries at most
@@ -40,13 +41,13 @@ MAX_FACTOR = 1000.0
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)  # far inside what Python and Postgres both store, retries included
 MAX_BUCKETS = 4096  # each bucket is a row, a lease and a poll per poll_interval
+MAX_CONTEXT_BYTES = 16 * 1024 * 1024  # a context travels in the body of every call of its event
 ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
 ANY_PUBLIC_HOST = "*"
 # Names refused unless listed by name: they point at this machine or at a cloud metadata service.
 _LOCAL_NAMES = ("localhost", "metadata.google.internal", "metadata")
 _CONTROL = re.compile(r"[\x00-\x20\x7f]")
 _NUMERIC_HOST = re.compile(r"[0-9a-fA-FxX.]+")  # what an IPv4 address may look like to the resolver
-_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 _JOB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -121,7 +122,10 @@ class CallbackSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_context_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 1024 * 1024, description="Largest context, as compact JSON.")
+    max_context_bytes: int = Field(
+        default_factory=lambda: min(max_payload_bytes(), MAX_CONTEXT_BYTES), gt=0, le=MAX_CONTEXT_BYTES,
+        description="Largest context as compact JSON (default: the payload limit CMB_MAX_PAYLOAD_BYTES, up to 16 MiB).",
+    )
     allowed_hosts: tuple[str, ...] | None = Field(
         default_factory=lambda: _hosts_from_env(),
         description=(
@@ -306,34 +310,6 @@ def dagster_job_name(url: str) -> str | None:
     return parts.netloc if parts.scheme == DAGSTER_SCHEME else None
 
 
-def context_json(context: Any, field: str = "context") -> str:
-    """``context`` as the compact JSON stored in Postgres jsonb; CallbackValidationError for what jsonb refuses."""
-    try:
-        text = json.dumps(context, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except ValueError as exc:
-        raise CallbackValidationError(f"{field}: NaN and Infinity are not JSON ({exc})") from None
-    except TypeError as exc:
-        raise CallbackValidationError(f"{field}: not JSON ({exc})") from None
-    if "\\u0000" in text and _NUL_ESCAPE.search(text):
-        raise CallbackValidationError(f"{field}: the character U+0000 cannot be stored (Postgres jsonb refuses it)")
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        raise CallbackValidationError(f"{field}: lone surrogate characters are not valid Unicode") from None
-    return text
-
-
-def check_text(value: str, field: str) -> str:
-    """Refuse what Postgres text cannot hold (U+0000) and lone surrogates; return ``value``."""
-    if "\x00" in value:
-        raise CallbackValidationError(f"{field}: the character U+0000 is not allowed")
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise CallbackValidationError(f"{field}: lone surrogate characters are not valid Unicode") from None
-    return value
-
-
 def check_run_at(value: datetime, field: str = "run_at") -> datetime:
     """Refuse moments outside 1970..9000 UTC (Postgres and Python must both hold them, retries included)."""
     if not EARLIEST_RUN_AT <= value < LATEST_RUN_AT:
@@ -341,18 +317,20 @@ def check_run_at(value: datetime, field: str = "run_at") -> datetime:
     return value
 
 
-def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> None:
-    """Raise CallbackValidationError if ``context`` exceeds the size limit or does not fit a dagster:// target."""
-    size = 4 if context is None else len(context_json(context).encode())
-    if size > settings.max_context_bytes:
-        raise CallbackValidationError(f"context: {size} bytes is over the limit of {settings.max_context_bytes}")
-    if context is None or dagster_job_name(cb_url) is None:
-        return
+def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> str | None:
+    """``context`` as the compact JSON text stored (None for no context); CallbackValidationError if Postgres
+    jsonb cannot hold it, it exceeds ``settings.max_context_bytes`` or it does not fit a dagster:// target."""
+    if context is None:
+        return None
+    text = to_json(context, "context", error=CallbackValidationError, limit=settings.max_context_bytes)
+    if dagster_job_name(cb_url) is None:
+        return text
     if not isinstance(context, dict) or set(context) - {"run_config", "tags"}:
         raise CallbackValidationError("context: for dagster:// targets it must be {'run_config': {...}, 'tags': {...}}")
     for key in ("run_config", "tags"):
         if not isinstance(context.get(key, {}), dict):
             raise CallbackValidationError(f"context.{key}: must be an object")
+    return text
 
 
 _DEFAULT_RETRY = RetryPolicy()
@@ -373,9 +351,8 @@ class NewCallback(BaseModel):
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
-        check_text(self.owner_client_id, "owner_client_id")
-        check_text(self.group_key, "group_key")
-        check_text(self.event_key, "event_key")
+        _check_keys(self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH,
+                           "event_key": MAX_KEY_LENGTH})
         check_run_at(self.run_at)
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
@@ -403,9 +380,16 @@ def check_many(events: list[NewCallback], settings: CallbackSettings) -> list[Ne
 def _contexts_fit(contexts: list[Any], settings: CallbackSettings) -> bool:
     """True when ``contexts`` encode together within the size limit, so each one does (one encoding per batch)."""
     try:
-        return len(context_json(contexts).encode()) <= settings.max_context_bytes
+        to_json(contexts, "context", error=CallbackValidationError, limit=settings.max_context_bytes)
     except CallbackValidationError:
-        return False  # one of them is bad: checked one at a time, the first bad one is named
+        return False  # one of them is bad or they are big together: checked one at a time, the first bad one is named
+    return True
+
+
+def _check_keys(model: BaseModel, lengths: dict[str, int]) -> None:
+    """The keys of ``model`` (field: longest length) as Postgres text can store them."""
+    for name, max_length in lengths.items():
+        check_text(getattr(model, name), name, max_length=max_length, error=CallbackValidationError)
 
 
 def _encodes(text: str) -> bool:
@@ -448,7 +432,7 @@ class NewSchedule(BaseModel):
 
     owner_client_id: str = Field(min_length=1, max_length=MAX_OWNER_LENGTH)
     group_key: str = Field(min_length=1, max_length=MAX_GROUP_LENGTH)
-    schedule_key: str = Field(min_length=1, max_length=MAX_KEY_LENGTH - 40)  # event keys append '@<fire time>'
+    schedule_key: str = Field(min_length=1, max_length=MAX_SCHEDULE_KEY_LENGTH)
     cron: str
     timezone: str = "UTC"
     cb_url: str = Field(min_length=1, max_length=MAX_URL_LENGTH)
@@ -476,8 +460,8 @@ class NewSchedule(BaseModel):
 
     def check(self, settings: CallbackSettings) -> NewSchedule:
         """Apply the settings' URL policy and context limit; return self."""
-        for name in ("owner_client_id", "group_key", "schedule_key"):
-            check_text(getattr(self, name), name)
+        _check_keys(self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH,
+                           "schedule_key": MAX_SCHEDULE_KEY_LENGTH})
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self
@@ -496,7 +480,7 @@ class CallbackSchedule(BaseModel):
     timezone: str
     cb_url: str
     context: JsonValue = None
-    retry: RetryPolicy
+    retry: RetryPolicy | dict[str, Any]  # a dict only for a policy stored by an older version out of today's bounds
     horizon: float
     paused: bool
     materialized_until: datetime

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from zoneinfo import ZoneInfo
 
+import psycopg
 from croniter import croniter
 from psycopg.rows import dict_row
 
@@ -12,6 +15,9 @@ from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.models import NewCallback, RetryPolicy
 from cmb_dagster.callbacks.writer import insert_events
 from cmb_dagster.database import Database
+from cmb_dagster.isolation import describe_error, sanitize
+
+log = logging.getLogger("cmb_dagster.callbacks")
 
 MAX_FIRE_TIMES = 1000  # per schedule and call; the next call continues
 
@@ -32,38 +38,52 @@ def materialize_schedules(db: Database) -> int:
     """Create the events of every active schedule up to its horizon; return how many were created.
 
     Safe to run from several processes at once: a schedule is materialized by one of them at a time,
-    and each (schedule, fire time) gets at most one event.
+    and each (schedule, fire time) gets at most one event. A schedule that cannot be materialized (e.g. a
+    retry policy stored by an older version out of today's bounds) is skipped with a warning; the others go on.
     """
     created = 0
     with db.connection() as conn:
         schedules = conn.cursor(row_factory=dict_row).execute(sql.CLAIM_SCHEDULES).fetchall()
         for schedule in schedules:
-            until = schedule["db_now"] + timedelta(seconds=schedule["horizon"])
-            times = fire_times(schedule["cron"], schedule["timezone"], schedule["materialized_until"], until)
-            if len(times) == MAX_FIRE_TIMES:
-                until = times[-1]
-            sid = schedule["schedule_id"]
-            claimed = [r[0] for r in conn.execute(sql.CLAIM_FIRE_TIMES, {"schedule_id": sid, "fire_ats": times})]
-            if claimed:
-                retry = RetryPolicy.model_validate(schedule["retry"])
-                events = [
-                    NewCallback(
-                        owner_client_id=schedule["owner_client_id"],
-                        group_key=schedule["group_key"],
-                        event_key=f"{schedule['schedule_key']}@{fire.strftime('%Y-%m-%dT%H:%M:%SZ')}",
-                        run_at=fire,
-                        cb_url=schedule["cb_url"],
-                        context=schedule["context"],
-                        retry=retry,
-                    )
-                    for fire in claimed
-                ]
-                ids = insert_events(conn, events, schedule_id=sid)
-                linked = [(f, i) for f, i in zip(claimed, ids, strict=True) if isinstance(i, int)]
-                conn.execute(
-                    sql.LINK_FIRE_TIMES,
-                    {"schedule_id": sid, "fire_ats": [f for f, _ in linked], "event_ids": [i for _, i in linked]},
-                )
-                created += len(linked)
-            conn.execute(sql.SET_MATERIALIZED, {"schedule_id": sid, "until": until})
+            try:
+                with conn.transaction():  # a savepoint: a schedule that fails leaves nothing behind
+                    created += _materialize(conn, schedule)
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - one bad schedule is skipped, the others go on
+                name = "/".join((schedule["owner_client_id"], schedule["group_key"], schedule["schedule_key"]))
+                log.warning("schedule %s skipped: %s", sanitize(name, 600), describe_error(exc))
     return created
+
+
+def _materialize(conn: psycopg.Connection, schedule: dict[str, Any]) -> int:
+    """Create the events of one claimed schedule up to its horizon; return how many were created."""
+    until = schedule["db_now"] + timedelta(seconds=schedule["horizon"])
+    times = fire_times(schedule["cron"], schedule["timezone"], schedule["materialized_until"], until)
+    if len(times) == MAX_FIRE_TIMES:
+        until = times[-1]
+    sid = schedule["schedule_id"]
+    claimed = [r[0] for r in conn.execute(sql.CLAIM_FIRE_TIMES, {"schedule_id": sid, "fire_ats": times})]
+    linked: list[tuple[datetime, int]] = []
+    if claimed:
+        retry = RetryPolicy.model_validate(schedule["retry"])
+        events = [
+            NewCallback(
+                owner_client_id=schedule["owner_client_id"],
+                group_key=schedule["group_key"],
+                event_key=f"{schedule['schedule_key']}@{fire.strftime('%Y-%m-%dT%H:%M:%SZ')}",
+                run_at=fire,
+                cb_url=schedule["cb_url"],
+                context=schedule["context"],
+                retry=retry,
+            )
+            for fire in claimed
+        ]
+        ids = insert_events(conn, events, schedule_id=sid)
+        linked = [(f, i) for f, i in zip(claimed, ids, strict=True) if isinstance(i, int)]
+        conn.execute(
+            sql.LINK_FIRE_TIMES,
+            {"schedule_id": sid, "fire_ats": [f for f, _ in linked], "event_ids": [i for _, i in linked]},
+        )
+    conn.execute(sql.SET_MATERIALIZED, {"schedule_id": sid, "until": until})
+    return len(linked)

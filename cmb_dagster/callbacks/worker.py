@@ -26,6 +26,7 @@ from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
 from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
 from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
+from cmb_dagster.isolation import sanitize
 from cmb_dagster.notifications import Listener, channel_name
 from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
 
@@ -98,8 +99,8 @@ class EventIdHorizon:
 class BucketGate:
     """The worker's gate (a :class:`~cmb_dagster.callbacks.delivery.Gate`), on a connection of its own.
 
-    One statement, pipelined with its BEGIN: the leases of every bucket concerned, then the events; the
-    calls start before the commit (cancel, update and delete wait for the row locks until then).
+    One transaction of one statement: the leases of every bucket concerned, then the events; the calls
+    start before the commit (cancel, update and delete wait for the row locks until then).
     """
 
     def __init__(self, db: Database, states: dict[int, BucketState], owner: str) -> None:
@@ -118,7 +119,7 @@ class BucketGate:
         params = {"kind": LEASE_KIND, "owner": self._owner, "partitions": [lease.partition for lease in leases],
                   "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
         conn = await self._conn.get()
-        async with conn.pipeline(), conn.transaction():
+        async with conn.transaction():
             cursor = await conn.execute(sql.GATE, params)
             held, go_ids, pending_ids = await cursor.fetchone()
             if held != len(leases):
@@ -247,9 +248,10 @@ class CallbackWorker:
     @contextmanager
     def _on_loop_connection(self, *, pipeline: bool, transaction: bool) -> Iterator[psycopg.Connection]:
         """The worker loop's own connection. Without ``transaction`` each statement commits alone (polls only
-        read); the pipeline sends statements without waiting for each one's answer."""
+        read); the pipeline sends statements without waiting for each one's answer, and syncs before the
+        transaction commits."""
         conn = self._loop_conn.get()
-        with conn.pipeline() if pipeline else nullcontext(), conn.transaction() if transaction else nullcontext():
+        with conn.transaction() if transaction else nullcontext(), conn.pipeline() if pipeline else nullcontext():
             yield conn
 
     def _partitions(self) -> list[str]:
@@ -375,7 +377,7 @@ class CallbackWorker:
             except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
                 policy = None
                 detail = one_line(exc) if isinstance(exc, ValidationError) else type(exc).__name__
-                error = f"stored retry policy is invalid: {detail[:300]}"
+                error = f"stored retry policy is invalid: {sanitize(detail, 300)}"
             delivery = Delivery(
                 bucket_id=state.bucket_id,
                 event_id=event_id,
@@ -472,7 +474,8 @@ class CallbackWorker:
                 except psycopg.Error as exc:
                     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
                         raise
-                    error = f"outcome {d.outcome} could not be written: {str(exc).splitlines()[0][:200]}"
+                    reason = sanitize(str(exc).partition("\n")[0], 200)
+                    error = f"outcome {d.outcome} could not be written: {reason}"
                     log.warning("event %s: %s", d.event_id, error)
                     conn.execute(sql.FAIL_EVENT, {"event_id": d.event_id, "error": error})
             conn.execute(

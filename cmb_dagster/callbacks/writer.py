@@ -188,11 +188,12 @@ def insert_new_events(
     savepoint if ``conn`` is in one); their ids.
 
     Each chunk's statement is sent as soon as the chunk is ready, in pipeline mode, so Postgres inserts one
-    chunk while the next is still being prepared. A key already taken (in the table or earlier in ``chunks``)
-    raises UniqueViolation, an error in ``chunks`` raises itself, and either way nothing is written.
+    chunk while the next is still being prepared; the transaction commits once the pipeline has synced. A
+    key already taken (in the table or earlier in ``chunks``) raises UniqueViolation, an error in ``chunks``
+    raises itself, and either way nothing is written.
     """
     sent = []
-    with conn.pipeline(), conn.transaction():
+    with conn.transaction(), conn.pipeline():
         for events in chunks:
             sent.append(conn.execute(sql.INSERT_NEW_EVENTS, _insert_params(events, None, soon, lock_timeout)))
     return [event_id for cursor in sent for event_id in cursor.fetchone()[0]]

@@ -10,6 +10,7 @@ import click
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.store import MAX_HISTORY, CtlStore, default_actor
 from cmb_dagster.database import Database
+from cmb_dagster.inputs import shorten
 from cmb_dagster.settings import Settings
 
 
@@ -21,9 +22,11 @@ def _moment(value: str) -> datetime:
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:
-        raise InvalidCtlInput(f"value {value!r} is not an ISO datetime such as 2024-05-01T00:00:00+00:00") from None
+        raise InvalidCtlInput(
+            f"value: {shorten(value)} is not an ISO datetime such as 2024-05-01T00:00:00+00:00"
+        ) from None
     if moment.utcoffset() is None:
-        raise InvalidCtlInput(f"value {value!r} has no time zone; add one, e.g. {value}+00:00")
+        raise InvalidCtlInput(f"value: {shorten(value)} has no time zone; add one, e.g. {value}+00:00")
     return moment
 
 

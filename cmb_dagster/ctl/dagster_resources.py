@@ -11,6 +11,7 @@ from pydantic import AwareDatetime, PrivateAttr, TypeAdapter, ValidationError
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, ParameterKey
 from cmb_dagster.ctl.store import CtlStore
+from cmb_dagster.inputs import shorten
 from cmb_dagster.resources import CmbResource
 
 CTL_METADATA_KEY = "cmb/ctl"
@@ -117,6 +118,7 @@ def ctl_values_from_metadata(entity: str, value: Any) -> dict[ParameterKey, date
 
 def metadata_error(exc: ValidationError) -> str:
     problems = [
-        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()
+        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']} (got {shorten(e.get('input'))})"
+        for e in exc.errors()
     ]
     return f"invalid {CTL_METADATA_KEY} metadata, expected {{parameter: aware ISO datetime}}: " + "; ".join(problems)

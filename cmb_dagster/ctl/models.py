@@ -5,20 +5,28 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, ValidationInfo
 
+from cmb_dagster.ctl.errors import InvalidCtlInput
+from cmb_dagster.inputs import check_text
 from cmb_dagster.triggers.models import ParameterKey
 
+MAX_NAME_LENGTH = 200
+"""Longest entity, parameter, actor or feed name."""
 EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
 LATEST = datetime(9999, 12, 30, 23, 59, 59, 999999, tzinfo=UTC)
 """CTL values lie in [EARLIEST, LATEST]: a day inside Python's years 1-9999, so that any time zone
 (a session's, a chunk trigger's) shows them as a ``datetime`` again."""
 
 
-def _no_nul(value: str) -> str:
-    if "\x00" in value:
-        raise ValueError("must not contain a NUL byte (\\x00); Postgres text cannot hold one")
-    return value
+def check_name(value: object, field: str) -> str:
+    """``value`` if it is an entity, parameter, actor or feed name: 1-200 characters Postgres can store;
+    :class:`InvalidCtlInput` naming ``field`` otherwise."""
+    return check_text(value, field, max_length=MAX_NAME_LENGTH, error=InvalidCtlInput)
+
+
+def _name(value: object, info: ValidationInfo) -> str:
+    return check_name(value, info.field_name or "name")
 
 
 def _in_range(value: datetime) -> datetime:
@@ -30,24 +38,8 @@ def _in_range(value: datetime) -> datetime:
     return value
 
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200), AfterValidator(_no_nul)]
-Actor = Annotated[str, StringConstraints(min_length=1, max_length=200), AfterValidator(_no_nul)]
+Name = Annotated[str, BeforeValidator(_name)]
 Moment = Annotated[AwareDatetime, AfterValidator(_in_range)]
-
-
-class CtlKey(BaseModel):
-    """A CTL parameter: ``(entity, parameter)``."""
-
-    model_config = ConfigDict(frozen=True)
-
-    entity: Name
-    parameter: Name
-
-
-class CtlValue(CtlKey):
-    """A value to write: an aware datetime for one parameter."""
-
-    value: Moment
 
 
 class CtlChange(BaseModel):

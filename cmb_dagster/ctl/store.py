@@ -22,8 +22,9 @@ from pydantic import TypeAdapter, ValidationError
 from cmb_dagster import pubsub
 from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidCtlInput
-from cmb_dagster.ctl.models import Actor, CtlChange, CtlKey, CtlValue, Name, ParameterKey
+from cmb_dagster.ctl.models import CtlChange, Moment, ParameterKey, check_name
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import shorten
 
 log = logging.getLogger("cmb_dagster.ctl")
 
@@ -41,9 +42,7 @@ class FeedItem:
     only_forward: bool = False
 
 
-_KEYS = TypeAdapter(list[CtlKey])
-_ACTOR = TypeAdapter(Actor)
-_FILTER = TypeAdapter(Name | None)
+_MOMENT = TypeAdapter(Moment)
 MAX_HISTORY = 100_000
 """The most changes :meth:`CtlStore.history` returns at once."""
 
@@ -57,15 +56,6 @@ def default_actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _one_line(exc: ValidationError, what: str) -> str:
-    problems = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
-        problems.append(f"{where}: {message}" + ("" if "got " in message else f" (got {error.get('input')!r})"))
-    return f"invalid {what}: " + "; ".join(problems)
-
-
 class CtlStore:
     """CTL values over the cmb database.
 
@@ -76,7 +66,7 @@ class CtlStore:
 
     def __init__(self, database: DatabaseSource, *, actor: str | None = None) -> None:
         self.database = Database.of(database)
-        self.actor = _checked(_ACTOR, actor or default_actor(), "actor")
+        self.actor = check_name(actor or default_actor(), "actor")
 
     @contextmanager
     def _connection(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
@@ -116,14 +106,14 @@ class CtlStore:
 
         ``only_forward=True`` skips each value that would move its parameter backwards (or keep it).
         """
-        rows = _validate_values(values)
+        rows = check_values(values)
         if not rows:
             return []
         params = {
-            "entities": [r.entity for r in rows],
-            "parameters": [r.parameter for r in rows],
-            "values": [r.value for r in rows],
-            "by": self.actor if by is None else _checked(_ACTOR, by, "by"),
+            "entities": [entity for entity, _ in rows],
+            "parameters": [parameter for _, parameter in rows],
+            "values": list(rows.values()),
+            "by": self.actor if by is None else check_name(by, "by"),
             "only_forward": bool(only_forward),
         }
         with self._connection(conn) as c:
@@ -149,11 +139,11 @@ class CtlStore:
         self, pairs: Iterable[ParameterKey], *, conn: psycopg.Connection | None = None
     ) -> dict[ParameterKey, datetime]:
         """Current values of ``pairs`` in one query; parameters without a value are left out."""
-        keys = _validate_keys(pairs)
+        keys = _check_keys(pairs)
         if not keys:
             return {}
         with self._connection(conn) as c:
-            return read_values(c, [(k.entity, k.parameter) for k in keys])
+            return read_values(c, keys)
 
     def history(
         self,
@@ -167,8 +157,8 @@ class CtlStore:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_HISTORY:
             raise InvalidCtlInput(f"limit: must be a whole number from 1 to {MAX_HISTORY}, got {limit!r}")
         params = {
-            "entity": _checked(_FILTER, entity, "entity"),
-            "parameter": _checked(_FILTER, parameter, "parameter"),
+            "entity": _filter(entity, "entity"),
+            "parameter": _filter(parameter, "parameter"),
             "limit": limit,
             "backwards_only": bool(backwards_only),
         }
@@ -194,7 +184,7 @@ class CtlStore:
         the feed, or the stored position is ahead of ``newest``, the storage is new (a fresh instance, a
         reset database) and the feed starts again from its beginning; ``on_restart`` (and the log) says so.
         """
-        feed = _checked(_FILTER, feed, "feed")
+        feed = check_name(feed, "feed")
         with self.database.connection() as conn:
             conn.execute(sql.ENSURE_FEED, {"name": feed})
             conn.commit()
@@ -228,7 +218,7 @@ class CtlStore:
 
     def values(self, entity: str | None = None) -> list[dict[str, object]]:
         """Every current value (of one entity), with version and last writer."""
-        entity = _checked(_FILTER, entity, "entity")
+        entity = _filter(entity, "entity")
         with self.database.connection() as conn:
             return _dict_rows(conn.execute(sql.LIST_VALUES, {"entity": entity}))
 
@@ -247,35 +237,51 @@ def values_as_of(conn: psycopg.Connection, keys: Sequence[ParameterKey], moment:
     return {(entity, parameter): value for entity, parameter, value in conn.execute(sql.VALUES_AS_OF, params)}
 
 
-def _validate_values(values: Mapping[ParameterKey, datetime]) -> list[CtlValue]:
+def check_values(values: object) -> dict[ParameterKey, datetime]:
+    """``values`` if it maps (entity, parameter) pairs of valid names to aware datetimes CTL can hold;
+    :class:`InvalidCtlInput` naming the key and the field otherwise."""
     if not isinstance(values, Mapping):
-        raise InvalidCtlInput(f"CTL values must be a mapping {{(entity, parameter): datetime}}, got {values!r}")
-    rows = []
+        raise InvalidCtlInput(f"CTL values must be a mapping {{(entity, parameter): datetime}}, got {shorten(values)}")
+    checked = {}
     for key, value in values.items():
-        if not (isinstance(key, tuple) and len(key) == 2):
-            raise InvalidCtlInput(f"invalid CTL key {key!r}: expected an (entity, parameter) pair; nothing was written")
         try:
-            rows.append(CtlValue(entity=key[0], parameter=key[1], value=value))
-        except ValidationError as exc:
-            raise InvalidCtlInput(_one_line(exc, f"CTL value for {key[0]!r}/{key[1]!r}") + "; nothing was written") from None
-    return rows
+            checked[_check_key(key)] = _moment(value)
+        except InvalidCtlInput as exc:
+            raise InvalidCtlInput(f"invalid CTL value for {shorten(key)}: {exc}; nothing was written") from None
+    return checked
 
 
-def _checked(adapter: TypeAdapter, value: object, field: str):  # type: ignore[no-untyped-def]
+def _check_key(key: object) -> ParameterKey:
+    if not (isinstance(key, tuple | list) and len(key) == 2):
+        raise InvalidCtlInput(f"key: expected an (entity, parameter) pair, got {shorten(key)}")
+    return check_name(key[0], "entity"), check_name(key[1], "parameter")
+
+
+def _check_keys(pairs: Iterable[ParameterKey]) -> list[ParameterKey]:
     try:
-        return adapter.validate_python(value)
+        keys = list(pairs)
+    except TypeError:
+        raise InvalidCtlInput(f"CTL keys must be (entity, parameter) pairs, got {shorten(pairs)}") from None
+    checked = []
+    for key in keys:
+        try:
+            checked.append(_check_key(key))
+        except InvalidCtlInput as exc:
+            raise InvalidCtlInput(f"invalid CTL key {shorten(key)}: {exc}") from None
+    return checked
+
+
+def _moment(value: object) -> datetime:
+    try:
+        return _MOMENT.validate_python(value)
     except ValidationError as exc:
         problems = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
-        raise InvalidCtlInput(f"{field}: {problems} (got {value!r})") from None
+        got = "" if "got " in problems else f" (got {shorten(value)})"
+        raise InvalidCtlInput(f"value: {problems}{got}") from None
 
 
-def _validate_keys(pairs: Iterable[ParameterKey]) -> list[CtlKey]:
-    try:
-        return _KEYS.validate_python([{"entity": e, "parameter": p} for e, p in pairs])
-    except ValidationError as exc:
-        raise InvalidCtlInput(_one_line(exc, "CTL key")) from None
-    except (TypeError, ValueError) as exc:
-        raise InvalidCtlInput(f"invalid CTL key: expected (entity, parameter) pairs ({exc})") from None
+def _filter(value: object, field: str) -> str | None:
+    return None if value is None else check_name(value, field)
 
 
 def _dict_rows(cursor: psycopg.Cursor) -> list[dict[str, object]]:

@@ -35,7 +35,7 @@ def add_to_totals(conn: psycopg.Connection, events: list[Event]) -> None:
 @op(description="Creates the demo tables and capture (once), then places 100 random orders.")
 def place_orders(context: OpExecutionContext, cmb: CmbResource) -> None:
     with cmb.connection() as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('cmb_dagster.examples.pubsub'))")
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('public.pubsub_demo_orders'))")  # guards public tables
         conn.execute(
             "CREATE TABLE IF NOT EXISTS public.pubsub_demo_orders"
             " (id bigserial PRIMARY KEY, customer text NOT NULL, amount numeric NOT NULL)"

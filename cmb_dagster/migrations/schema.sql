@@ -501,6 +501,7 @@ CREATE TABLE cmb.reactive_tasks (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     produces jsonb DEFAULT '[]'::jsonb NOT NULL,
     partition_key text,
+    crashes smallint DEFAULT 0 NOT NULL,
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
 );
 

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
-from psycopg.types.json import Jsonb
 
+from cmb_dagster.inputs import check_int, check_text, to_json
 from cmb_dagster.pubsub import sql as q
 from cmb_dagster.pubsub.errors import InvalidInput, StreamRestored
 from cmb_dagster.pubsub.models import CaptureSpec, validated
 from cmb_dagster.settings import Settings
 
 _TRANSITION = {"insert": "NEW", "update": "NEW", "delete": "OLD"}
+MAX_TOPIC_LENGTH = 500
 
 
 def install_capture(
@@ -111,17 +111,13 @@ def publish(
     cluster until ``cmb-dagster pubsub reset`` has run; captured tables refuse their writes likewise.
 
     ``schema`` is the cmb schema (default: ``CMB_SCHEMA``, so any connection of yours works)."""
-    if isinstance(branch_id, bool) or not isinstance(branch_id, int):
-        raise InvalidInput(f"branch_id: must be an integer, not {branch_id!r}")
-    if not isinstance(topic, str) or not topic:
-        raise InvalidInput("topic: must be a non-empty string")
-    for field, value in (("payload", payload), ("key", key)):
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"{field}: not JSON-serializable ({exc})") from None
+    check_int(branch_id, "branch_id")
+    check_text(topic, "topic", max_length=MAX_TOPIC_LENGTH)
+    if key is not None and not isinstance(key, dict):
+        raise InvalidInput(f"key: must be a JSON object or None, not {type(key).__name__}")
     events = sql.Identifier(schema or Settings.from_env().schema_name, "pubsub_events")
-    params = {"branch_id": branch_id, "topic": topic, "key": None if key is None else Jsonb(key), "payload": Jsonb(payload)}
+    params = {"branch_id": branch_id, "topic": topic, "key": None if key is None else to_json(key, "key"),
+              "payload": to_json(payload, "payload")}
     try:
         return conn.execute(q.PUBLISH.format(events=events), params).fetchone()[0]
     except psycopg.errors.ObjectNotInPrerequisiteState as exc:

@@ -212,7 +212,7 @@ EVENTS_TABLE = "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = 
 
 PUBLISH = sql.SQL("""
 INSERT INTO {events} (branch_id, topic, op, key, payload)
-VALUES (%(branch_id)s, %(topic)s, 'publish', %(key)s, %(payload)s)
+VALUES (%(branch_id)s, %(topic)s, 'publish', %(key)s::jsonb, %(payload)s::jsonb)
 RETURNING id
 """)
 

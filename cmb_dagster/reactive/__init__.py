@@ -7,7 +7,7 @@ load Dagster on first use.
 """
 
 from cmb_dagster._lazy import lazy_names
-from cmb_dagster.reactive.admin import forget_last_values, set_last_value, task_states
+from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, task_states
 from cmb_dagster.reactive.errors import InvalidReactiveTask, ReactiveError, SchedulerConflict
 from cmb_dagster.reactive.models import SchedulerSettings, TaskState
 
@@ -25,6 +25,7 @@ __all__ = [
     "launched_values",
     "reactive_definitions",
     "reactive_sensor_context",
+    "retry_task",
     "set_last_value",
     "task_states",
     "tick_reactive_sensor",

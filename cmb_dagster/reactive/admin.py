@@ -7,10 +7,10 @@ from contextlib import contextmanager
 from datetime import datetime
 
 import psycopg
-from pydantic import ValidationError
 
-from cmb_dagster.ctl.models import CtlValue, ParameterKey
-from cmb_dagster.ctl.store import values_from_json
+from cmb_dagster.ctl.errors import InvalidCtlInput
+from cmb_dagster.ctl.models import ParameterKey
+from cmb_dagster.ctl.store import check_values, values_from_json
 from cmb_dagster.database import Database
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveTask
@@ -47,6 +47,13 @@ def forget_last_values(database: Database | str, scheduler: str, name: str, para
     return row is not None
 
 
+def retry_task(database: Database | str, scheduler: str, name: str) -> bool:
+    """Let a task parked for the crashes of its user code (or backing off) run again: it is evaluated on the
+    next tick. False when there is no such task."""
+    with _connection(database) as conn:
+        return conn.execute(sql.RETRY_TASK, {"scheduler": scheduler, "name": name}).fetchone() is not None
+
+
 def set_last_value(
     database: Database | str, scheduler: str, name: str, parameter: ParameterKey, value: datetime
 ) -> dict[str, dict[str, str]] | None:
@@ -57,11 +64,10 @@ def set_last_value(
     evaluated again on the next tick.
     """
     try:
-        checked = CtlValue(entity=parameter[0], parameter=parameter[1], value=value)
-    except (ValidationError, IndexError, TypeError) as exc:
+        [(key, moment)] = check_values({parameter: value}).items()
+    except (InvalidCtlInput, TypeError) as exc:
         raise InvalidReactiveTask(f"set-last: --parameter ENTITY PARAMETER and an aware --value are needed ({exc})") from None
-    params = {"scheduler": scheduler, "name": name, "entity": checked.entity, "parameter": checked.parameter,
-              "value": checked.value.isoformat()}
+    params = {"scheduler": scheduler, "name": name, "entity": key[0], "parameter": key[1], "value": moment.isoformat()}
     with _connection(database) as conn:
         row = conn.execute(sql.SET_LAST_VALUE, params).fetchone()
     return None if row is None else row[0]

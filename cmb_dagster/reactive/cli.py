@@ -8,7 +8,7 @@ from datetime import datetime
 import click
 
 from cmb_dagster.database import Database
-from cmb_dagster.reactive.admin import forget_last_values, set_last_value, task_states
+from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, task_states
 from cmb_dagster.settings import Settings
 
 
@@ -58,6 +58,16 @@ def forget(scheduler: str, task: str, parameter: tuple[str, str] | None) -> None
     if not forget_last_values(_database(), scheduler, task, parameter or None):
         raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
     click.echo(f"{scheduler}/{task}: last-seen values forgotten; the next tick evaluates it as on a first release")
+
+
+@reactive.command()
+@click.argument("scheduler")
+@click.argument("task")
+def retry(scheduler: str, task: str) -> None:
+    """Run a task again that is parked for the crashes of its user code (or backing off)."""
+    if not retry_task(_database(), scheduler, task):
+        raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
+    click.echo(f"{scheduler}/{task}: retried; the next tick evaluates it")
 
 
 @reactive.command("set-last")

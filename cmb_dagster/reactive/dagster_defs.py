@@ -23,9 +23,9 @@ from cmb_dagster.ctl.dagster_resources import CtlResource
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
 from cmb_dagster.reactive.errors import InvalidReactiveTask
-from cmb_dagster.reactive.models import CtlKeys, Partitioner, SchedulerSettings, TaskName, TaskSpec
+from cmb_dagster.reactive.models import CtlKeys, Partitioner, ReactiveTrigger, SchedulerSettings, TaskName, TaskSpec
 from cmb_dagster.resources import CmbResource
-from cmb_dagster.triggers import Trigger, check, parameters
+from cmb_dagster.triggers import check, parameters
 from cmb_dagster.triggers.chunks import get_zone
 
 Job = JobDefinition | UnresolvedAssetJobDefinition
@@ -53,7 +53,7 @@ class ReactiveTask(BaseModel):
     target: Job | AssetSelection | Sequence[Any] | str = Field(
         description="The job to launch, or the assets to materialize (an AssetSelection, keys or asset definitions)."
     )
-    trigger: Trigger
+    trigger: ReactiveTrigger
     priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="Higher launches first when runs are capped.")
     timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
     produces: CtlKeys = Field(
@@ -163,7 +163,8 @@ class ReactiveOptions(BaseModel):
     """What ``cmb_definitions(reactive=...)`` adds: the tasks of a code location and how their scheduler paces itself.
 
     Defaults: at most 10 reactive runs queued or running, a tick every 10 s time-boxed to 20 s, retries after
-    30 s doubling up to 1 h, the sensor ``<prefix>reactive_scheduler`` running from the start.
+    30 s doubling up to 1 h, 30 s for a task's callables, the sensor ``<prefix>reactive_scheduler`` running from
+    the start.
     """
 
     model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
@@ -178,6 +179,11 @@ class ReactiveOptions(BaseModel):
     batch_size: int = Field(default=2000, ge=1, le=100_000, description="Tasks evaluated per transaction.")
     retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0), le=timedelta(days=30))
     max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0), le=timedelta(days=30))
+    callable_timeout: float = Field(
+        default=30.0, gt=0, le=50,
+        description="Seconds a task's partition, run_config or tags callable may run before the task backs off "
+        "as if it raised.",
+    )
     default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING
     sensor_name: str = "reactive_scheduler"
 
@@ -204,6 +210,7 @@ class ReactiveOptions(BaseModel):
             batch_size=self.batch_size,
             retry_backoff=self.retry_backoff,
             max_retry_backoff=self.max_retry_backoff,
+            callable_timeout=self.callable_timeout,
         )
 
     def definitions(

@@ -13,8 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from cmb_dagster.ctl.models import Name, ParameterKey
-from cmb_dagster.triggers import Trigger
+from cmb_dagster.ctl.models import Name, ParameterKey, check_name
+from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
+from cmb_dagster.triggers import Trigger, parameters
 from cmb_dagster.triggers.chunks import get_zone
 
 _TASK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
@@ -32,13 +33,24 @@ CtlKeys = Annotated[tuple[tuple[Name, Name], ...], AfterValidator(sorted_keys)]
 """(entity, parameter) pairs, e.g. what a task's job writes to CTL."""
 
 
+def _storable_names(trigger: Trigger) -> Trigger:
+    for entity, parameter in sorted(parameters(trigger)):
+        check_name(entity, "entity")
+        check_name(parameter, "parameter")
+    return trigger
+
+
+ReactiveTrigger = Annotated[Trigger, AfterValidator(_storable_names)]
+"""A trigger whose entity and parameter names are CTL names (they are stored with the task)."""
+
+
 class TaskSpec(BaseModel):
     """What the engine needs to know of a reactive task: name, trigger, priority, time zone, CTL it writes."""
 
     model_config = ConfigDict(frozen=True)
 
     name: TaskName
-    trigger: Trigger
+    trigger: ReactiveTrigger
     priority: int = Field(default=0, ge=LOWEST_PRIORITY, lt=ABOVE_HIGHEST_PRIORITY)
     timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
     produces: CtlKeys = Field(default=(), description="(entity, parameter) pairs the task's job writes to CTL.")
@@ -82,6 +94,17 @@ class SchedulerSettings(BaseModel):
         gt=timedelta(0),
         le=timedelta(days=30),
         description="Another code location may take a scheduler name over once its owner has not ticked for this long.",
+    )
+    max_crashes: int = Field(
+        default=DEFAULT_MAX_CRASHES, ge=1, le=1000,
+        description="Runs of a task's user code that may end with the death of their process before the task is parked.")
+    callable_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a task's partition, run config or tags callable may run: past it the task backs off as "
+        "if the callable raised. A tick starts such calls within its time box, or within this long of its first "
+        "call if that ends later; the tasks left wait for the next tick.",
     )
 
     def backoff(self, failures_before: int) -> timedelta:

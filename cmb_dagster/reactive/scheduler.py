@@ -17,6 +17,9 @@ time-boxed and resumable:
    run in flight (reactive, scheduled or launched by hand) materializes an asset upstream of H, ready
    tasks of lower priority than H stay ready and are not launched: the queue waits for the more
    important task. The hold is found from the runs in flight and the parameter -> tasks index.
+   A task's user code (its partition, run config and tags callables) runs between transactions, in a thread
+   of its own, each call under ``callable_timeout``: one that raises, runs past it or returns what cannot be
+   launched backs that task off alone, with its error sanitised.
 6. Hand-launched runs: successful runs tagged with a task's name (not launched by the scheduler) record
    their values as the task's last-seen values, like a reactive run (the original design's manual recovery).
 
@@ -33,7 +36,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -42,8 +45,18 @@ import psycopg
 from cmb_dagster import pubsub
 from cmb_dagster._gc import cyclic_collection_paused
 from cmb_dagster.ctl.models import ParameterKey
-from cmb_dagster.ctl.store import CTL_BRANCH_ID, read_values, values_as_of, values_from_json, values_to_json
+from cmb_dagster.ctl.store import (
+    CTL_BRANCH_ID,
+    check_values,
+    read_values,
+    values_as_of,
+    values_from_json,
+    values_to_json,
+)
 from cmb_dagster.database import Database
+from cmb_dagster.errors import InvalidInput
+from cmb_dagster.inputs import check_text, to_json
+from cmb_dagster.isolation import Call, UserCode, describe_error, sanitize
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveTask, SchedulerConflict
 from cmb_dagster.reactive.models import (
@@ -69,6 +82,8 @@ log = logging.getLogger("cmb_dagster.reactive")
 
 LEASE_KIND = "reactive.scheduler"
 MANUAL_OVERLAP = timedelta(minutes=5)  # hand-launched runs are read again this far back (recorded once each)
+PARTITION_KEY_LIMIT = 1000
+"""Longest partition key a partition callable may return (it is stored with the task and its launch)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +96,8 @@ class _Hold:
 
 
 class _LaunchError(Exception):
-    """A ready task's launch cannot be shaped (its partition, run config or tags raised)."""
+    """A ready task's launch cannot be shaped (its partition, run config or tags raised, timed out or returned
+    what cannot be launched)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +107,30 @@ class _Evaluation:
     explanation: str
     values: dict[ParameterKey, datetime]
     last: dict[ParameterKey, datetime]
+
+
+@dataclass(eq=False)
+class _UserCall:
+    """The user code of one launch (its partition, unless already chosen, run config and tags); ``step`` says
+    which part runs."""
+
+    evaluation: _Evaluation
+    choose_partition: bool
+    step: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"reactive task {self.evaluation.name}"
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """A launch ready to record: its evaluation (with the values its partition commits), partition, run config, tags."""
+
+    evaluation: _Evaluation
+    partition_key: str | None = None
+    run_config: Mapping[str, Any] | None = None
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 def values_hash(values: Mapping[ParameterKey, datetime], partition_key: str | None = None) -> str:
@@ -160,6 +200,10 @@ class TaskScheduler:
         self._lease: Lease | None = None
         self._report: TickReport | None = None
         self._ticking = threading.Lock()  # the lease is per owner: keep this process's ticks apart too
+        self.user_code = UserCode(f"reactive:{name}", set_aside_after=None)  # every answer is needed to launch
+        self._deadline = 0.0  # time.monotonic() when the tick's time box ends
+        self._user_code_until: float | None = None  # after it the tick starts no user code (None: none started)
+        self._renew_at = 0.0  # when the tick's lease is renewed while user code runs
 
     # -- the tick -----------------------------------------------------------------------------
 
@@ -191,6 +235,8 @@ class TaskScheduler:
                 report.busy = f"{self.name}: another process is running this scheduler's tick; skipped"
                 return report
             self._lease, self._report = lease, report
+            self._deadline, self._user_code_until = deadline, None
+            self._renew_at = time.monotonic() + self.leases.ttl / 3
             try:
                 # one connection for the tick, one transaction per step
                 with cyclic_collection_paused(), self.database.connection() as conn:
@@ -275,14 +321,14 @@ class TaskScheduler:
         Leases.check(conn, self._lease)
         affected: set[str] = set()
         notes: dict[str, str] = {}
-        changes = [change for event in events for change in event.payload["changes"]]
+        changes = [change for event in events for change in _changes(event)]
         for payload in changes:
             key = (payload["entity"], payload["parameter"])
             names = self.index.get(key, ())
             affected.update(names)
             if payload.get("backwards") and names:
-                note = (
-                    f"{key[0]}/{key[1]} moved backwards from {payload['old']} to {payload['new']} "
+                note = sanitize(
+                    f"{key[0]}/{key[1]} moved backwards from {payload.get('old')} to {payload.get('new')} "
                     f"(by {payload.get('by')}); Delta triggers on it wait until it passes the last-seen value "
                     f"(move the last-seen value back: cmb-dagster reactive set-last {self.name} TASK "
                     f"--parameter {key[0]} {key[1]} --value VALUE, or forget it: cmb-dagster reactive forget "
@@ -306,22 +352,14 @@ class TaskScheduler:
             found = runs(self.name, [row[1] for row in launched]) if launched else {}
             finished: list[tuple[str, str, str, bool, datetime | None]] = []
             seen: list[tuple[str, str]] = []
+            lost: list[Launch] = []
             for name, run_key, run_id, launched_at, attempts, ready_values, explanation, _, partition in launched:
                 run = found.get(run_key)
                 if run is None:
                     if launched_at <= now - self.settings.launch_grace:
-                        values = values_from_json(ready_values)
                         attempt = int(run_key.rsplit(":", 1)[1])
-                        try:
-                            run_config, tags = self._options(name, values)
-                        except _LaunchError as exc:
-                            report.note(name, "error", f"run {run_key} cannot be requested again: {exc}")
-                            continue
-                        report.launches.append(
-                            Launch(name, run_key, attempt, values, explanation or "", relaunch=True,
-                                   partition_key=partition, run_config=run_config, tags=tags)
-                        )
-                        report.note(name, "relaunched", f"no run with run_key {run_key} appeared; requested again")
+                        lost.append(Launch(name, run_key, attempt, values_from_json(ready_values), explanation or "",
+                                           relaunch=True, partition_key=partition))
                     else:
                         report.note(name, "in progress", f"run {run_key} requested at {launched_at}, not yet created")
                 elif run.state is RunState.ACTIVE:
@@ -356,8 +394,24 @@ class TaskScheduler:
                 ]
                 conn.execute(sql.FINISH_RUNS, {**params, "rows": json.dumps(rows)})
             conn.execute(sql.END_BACKOFFS, params)
+        self._relaunch(lost, report)
         done = {f[0] for f in finished}
         return {row[0]: sorted_keys(row[7]) for row in launched if row[0] not in done}
+
+    def _relaunch(self, lost: Sequence[Launch], report: TickReport) -> None:
+        """Request again the runs that never appeared, with the run config and tags their user code gives now."""
+        shapes = self._shape([_UserCall(_Evaluation(launch.task, "ready", launch.reason, launch.values, {}), False)
+                              for launch in lost])
+        for launch, shape in zip(lost, shapes, strict=True):
+            if shape is None:
+                report.note(launch.task, "in progress", f"no run with run_key {launch.run_key} appeared; "
+                            "requested again by a later tick (this one's time for user code is spent)")
+            elif isinstance(shape, str):
+                report.note(launch.task, "error", f"run {launch.run_key} cannot be requested again: {shape}")
+            else:
+                report.launches.append(replace(launch, run_config=shape.run_config, tags=shape.tags))
+                report.note(launch.task, "relaunched",
+                            f"no run with run_key {launch.run_key} appeared; requested again")
 
     def _record_manual_runs(
         self, conn: psycopg.Connection, lease: Lease, manual: ManualLookup, now: datetime, report: TickReport
@@ -452,7 +506,8 @@ class TaskScheduler:
         report: TickReport,
     ) -> None:
         """Launch ready tasks by priority under the cap and above a hold: those evaluated in this tick (not saved
-        yet) and those left ready by earlier ticks (evaluated again first); the rest are saved as ready."""
+        yet) and those left ready by earlier ticks (evaluated again first); the rest are saved as ready.
+        Their user code runs between transactions."""
         cap = self.settings.max_concurrent_runs
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
         floor = hold.priority if hold else LOWEST_PRIORITY
@@ -474,15 +529,25 @@ class TaskScheduler:
                 ready = [e for e in pending if e.name in names] + [e for e in evaluations if e.status == "ready"]
                 pending = [e for e in pending if e.name not in names]
                 ready.sort(key=self._order)
-                self._save(conn, params, [e for e in evaluations if e.status != "ready"])
-                for e in evaluations:
-                    if e.status != "ready":
-                        report.note(e.name, e.status, "no longer fires now that a slot is free: " + e.explanation)
-                launches = self._launch(conn, lease, params, ready, attempts_so_far, report)
+                gone = [e for e in evaluations if e.status != "ready"]
+                if gone:
+                    Leases.check(conn, lease)
+                    self._save(conn, params, gone)
+            for e in gone:
+                report.note(e.name, e.status, "no longer fires now that a slot is free: " + e.explanation)
+            shapes = self._shape([_UserCall(e, True) for e in ready])
+            launches = self._launch(conn, lease, params, list(zip(ready, shapes, strict=True)), attempts_so_far, report)
             report.launches.extend(launches)
             for launch in launches:
                 report.note(launch.task, "launched", f"run_key {launch.run_key}: {launch.reason}")
             in_flight += len(launches)
+            later = [e for e, shape in zip(ready, shapes, strict=True) if shape is None]
+            if later:
+                unsaved.extend(later)
+                report.complete = False
+                for e in later:
+                    report.note(e.name, "ready", "waits for the next tick: this tick's time for user code is spent")
+                break
         if pending or unsaved:
             with conn.transaction():
                 Leases.check(conn, lease)
@@ -510,61 +575,154 @@ class TaskScheduler:
         if waiting > len(shown):
             report.note("...", action, f"{waiting - len(shown)} more ready task(s): {why}")
 
-    def _options(self, name: str, values: Mapping[ParameterKey, datetime]) -> tuple[Mapping[str, Any] | None, dict[str, str]]:
-        """The run config and extra tags of a launch of ``name`` on ``values``; :class:`_LaunchError` if they fail."""
-        options = self.launch_options.get(name)
-        if options is None:
-            return None, {}
-        try:
-            run_config, tags = options(values)
-            return run_config, {str(k): str(v) for k, v in (tags or {}).items()}
-        except Exception as exc:  # noqa: BLE001 - the user's callable: one bad task must not break the tick
-            raise _LaunchError(f"its run config or tags raised {type(exc).__name__}: {exc}") from exc
+    def _shape(self, calls: Sequence[_UserCall]) -> list[_Shaped | str | None]:
+        """Each launch as its user code shapes it, run outside any transaction: a :class:`_Shaped`, the error of
+        its user code (raised, timed out, or an unusable result), or None when the tick's time for user code
+        was spent before it started."""
+        needed = [c for c in calls if self._has_user_code(c)]
+        crashed = self._count_user_code([c.evaluation.name for c in needed])
+        runnable = [c for c in needed if c.evaluation.name not in crashed]
+        ran = {id(call.item): call for call in self._call_user_code(runnable)}
+        self._end_user_code([c.evaluation.name for c in runnable if id(c) in ran],
+                            [c.evaluation.name for c in runnable if id(c) not in ran])
+        shapes: list[_Shaped | str | None] = []
+        for c in calls:
+            name = c.evaluation.name
+            if not self._has_user_code(c):
+                shapes.append(_Shaped(c.evaluation))
+            elif name in crashed:
+                shapes.append(f"its user code ended with the death of its process {crashed[name]} times in a row; "
+                              f"not run again until `cmb-dagster reactive retry {self.name} {name}`")
+            elif id(c) not in ran:
+                shapes.append(None)
+            else:
+                try:
+                    shapes.append(self._shaped(ran[id(c)]))
+                except _LaunchError as exc:
+                    shapes.append(str(exc))
+        return shapes
 
-    def _shape(self, e: _Evaluation) -> tuple[_Evaluation, str | None, Mapping[str, Any] | None, dict[str, str]]:
-        """The launch's partition, the values it commits, its run config and tags; :class:`_LaunchError` if one fails."""
-        key = None
-        partitioner = self.partitioners.get(e.name)
+    def _count_user_code(self, names: Sequence[str]) -> dict[str, int]:
+        """Count a run of these tasks' user code before it starts (committed); return the tasks whose earlier
+        runs ended with the death of their process ``max_crashes`` times, with that count (they do not run)."""
+        if not names:
+            return {}
+        with self.database.connection() as conn:
+            return dict(conn.execute(sql.COUNT_USER_CODE, {
+                "scheduler": self.name, "names": list(names), "max_crashes": self.settings.max_crashes}).fetchall())
+
+    def _end_user_code(self, ended: Sequence[str], unstarted: Sequence[str]) -> None:
+        if ended or unstarted:
+            with self.database.connection() as conn:
+                conn.execute(sql.END_USER_CODE, {"scheduler": self.name, "ended": list(ended),
+                                                 "unstarted": list(unstarted)})
+
+    def _has_user_code(self, call: _UserCall) -> bool:
+        name = call.evaluation.name
+        return name in self.launch_options or (call.choose_partition and name in self.partitioners)
+
+    def _call_user_code(self, calls: Sequence[_UserCall]) -> list[Call[_UserCall]]:
+        """Run the user code of ``calls`` in its own thread, each call under ``callable_timeout``, keeping the
+        tick's lease; return the calls that ran. A tick starts calls within its time box, or within
+        ``callable_timeout`` of its first call if that ends later."""
+        if not calls:
+            return []
+        timeout = self.settings.callable_timeout
+        now = time.monotonic()
+        if self._user_code_until is None:
+            self._user_code_until = max(self._deadline, now + timeout)
+        if now >= self._user_code_until:
+            return []
+        return self.user_code.run(calls, self._run_user_code, timeout, on_wait=self._keep_lease,
+                                  stop_starting_after=self._user_code_until - now)
+
+    def _run_user_code(self, call: _UserCall) -> tuple[Any, Any, Any, dict[str, str]]:
+        """(partition key, values, run config, tags) of a launch from its user code (in the thread of user code)."""
+        e = call.evaluation
+        key: Any = None
+        values: Any = e.values
+        partitioner = self.partitioners.get(e.name) if call.choose_partition else None
         if partitioner is not None:
+            call.step = "choosing the partition"
+            key, values = partitioner(e.values, e.last)
+        run_config: Any = None
+        tags: dict[str, str] = {}
+        options = self.launch_options.get(e.name)
+        if options is not None:
+            call.step = "its run config or tags"
+            run_config, raw_tags = options(values)
+            tags = {str(k): str(v) for k, v in (raw_tags or {}).items()}
+        return key, values, run_config, tags
+
+    def _shaped(self, call: Call[_UserCall]) -> _Shaped:
+        """The launch a call of user code shaped; :class:`_LaunchError` if it raised, timed out or returned what
+        cannot be launched (a partition key or values CTL cannot store, a run config or tags that are not JSON
+        within the payload limit)."""
+        item = call.item
+        try:
+            key, values, run_config, tags = call.outcome
+        except BaseException as exc:  # noqa: BLE001 - raised in the thread of user code (SystemExit too), or TimedOut
+            raise _LaunchError(f"{item.step} raised {describe_error(exc)}") from None
+        e = item.evaluation
+        if item.choose_partition and e.name in self.partitioners:
             try:
-                key, values = partitioner(e.values, e.last)
-            except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
-                raise _LaunchError(f"choosing the partition raised {type(exc).__name__}: {exc}") from exc
+                key = check_text(key, "partition key", max_length=PARTITION_KEY_LIMIT)
+                values = check_values(values)
+            except InvalidInput as exc:
+                why = describe_error(exc)
+                raise _LaunchError(f"choosing the partition returned an unusable result: {why}") from None
             explanation = f"partition {key} (commits {_values_text(values)} on success)\n{e.explanation}"
-            e = _Evaluation(e.name, e.status, explanation, dict(values), e.last)
-        run_config, tags = self._options(e.name, e.values)
-        return e, key, run_config, tags
+            e = _Evaluation(e.name, e.status, explanation, values, e.last)
+        try:
+            to_json({"run_config": run_config, "tags": tags}, "run config and tags")
+        except InvalidInput as exc:
+            raise _LaunchError(f"its run config or tags returned an unusable result: {describe_error(exc)}") from None
+        return _Shaped(e, key, run_config, tags)
+
+    def _keep_lease(self) -> None:
+        """Renew the tick's lease while user code runs (a slow call must not cost the scheduler its lease)."""
+        if time.monotonic() >= self._renew_at:
+            self.leases.acquire([self.name])
+            self._renew_at = time.monotonic() + self.leases.ttl / 3
 
     def _launch(
         self,
         conn: psycopg.Connection,
         lease: Lease,
         params: dict[str, Any],
-        candidates: list[_Evaluation],
+        candidates: Sequence[tuple[_Evaluation, _Shaped | str | None]],
         attempts_so_far: Mapping[str, int],
         report: TickReport,
     ) -> list[Launch]:
-        """Record launches of the ready ``candidates``; one whose launch cannot be shaped backs off with the error."""
-        if not candidates:
-            return []
-        shaped = []
+        """In one transaction, record the launches of the shaped ``candidates``; one whose user code failed backs
+        off with the error (those not shaped are left as they are)."""
+        shaped = [shape for _, shape in candidates if isinstance(shape, _Shaped)]
         refused = []
-        for candidate in candidates:
-            try:
-                shaped.append(self._shape(candidate))
-            except _LaunchError as exc:
+        for candidate, shape in candidates:
+            if isinstance(shape, str):
                 attempts = attempts_so_far.get(candidate.name, 0)
                 backoff = self.settings.backoff(attempts)
-                why = f"error: {exc}; not launched, retry after {backoff} at {params['now'] + backoff}"
+                why = f"error: {shape}; not launched, retry after {backoff} at {params['now'] + backoff}"
                 refused.append({"name": candidate.name, "explanation": why + "\n" + candidate.explanation,
                                 "backoff_until": (params["now"] + backoff).isoformat()})
                 report.note(candidate.name, "error", why)
-        if refused:
-            Leases.check(conn, lease)
-            conn.execute(sql.LAUNCH_REFUSED, {**params, "rows": json.dumps(refused)})
-        if not shaped:
+        if not shaped and not refused:
             return []
-        encoded = {e.name: _encoded_values(e.values, key) for e, key, _, _ in shaped}
+        with conn.transaction():
+            Leases.check(conn, lease)
+            if refused:
+                conn.execute(sql.LAUNCH_REFUSED, {**params, "rows": json.dumps(refused)})
+            return self._record_launches(conn, params, shaped, attempts_so_far) if shaped else []
+
+    def _record_launches(
+        self,
+        conn: psycopg.Connection,
+        params: dict[str, Any],
+        shaped: Sequence[_Shaped],
+        attempts_so_far: Mapping[str, int],
+    ) -> list[Launch]:
+        """Record the launches of ``shaped`` (run_key: task, values and partition, attempt); return those recorded."""
+        encoded = {s.evaluation.name: _encoded_values(s.evaluation.values, s.partition_key) for s in shaped}
         hashes = {name: digest for name, (_, digest) in encoded.items()}
         previous = {
             (task, digest): count
@@ -574,16 +732,16 @@ class TaskScheduler:
             ).fetchall()
         }
         planned = []
-        for e, key, run_config, tags in shaped:
+        for s in shaped:
+            e = s.evaluation
             attempt = previous.get((e.name, hashes[e.name]), 0) + 1
             reason = e.explanation
             if attempts_so_far.get(e.name):
                 reason = f"retry after {attempts_so_far[e.name]} failed run(s); " + reason
             planned.append(
                 Launch(e.name, f"{e.name}:{hashes[e.name]}:{attempt}", attempt, e.values, reason,
-                       partition_key=key, run_config=run_config, tags=tags)
+                       partition_key=s.partition_key, run_config=s.run_config, tags=s.tags)
             )
-        Leases.check(conn, lease)
         columns = {
             "names": [p.task for p in planned],
             "run_keys": [p.run_key for p in planned],
@@ -620,8 +778,9 @@ class TaskScheduler:
             result = evaluate(spec.trigger, now=now, current=current, last=last, timezone=spec.timezone)
             explanation = result.explanation
         except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
-            log.warning("reactive task %s: evaluating %r raised %r", name, spec.trigger, exc)
-            return _Evaluation(name, "error", f"evaluating the trigger raised {type(exc).__name__}: {exc}", {}, last)
+            error = describe_error(exc)
+            log.warning("reactive task %s: evaluating %r raised %s", name, spec.trigger, error)
+            return _Evaluation(name, "error", f"evaluating the trigger raised {error}", {}, last)
         if backwards_note:
             explanation += f"\nnote: {backwards_note}"
         if not result.fired:
@@ -647,3 +806,17 @@ class TaskScheduler:
 
 def _values_text(values: Mapping[ParameterKey, datetime]) -> str:
     return ", ".join(f"{e}/{p}={v.isoformat()}" for (e, p), v in sorted(values.items()))
+
+
+def _changes(event: pubsub.Event) -> list[dict[str, Any]]:
+    """The CTL changes an event carries; those the CTL store would not have written (an event published by hand)
+    are skipped with a warning."""
+    changes = event.payload.get("changes") if isinstance(event.payload, dict) else None
+    if not isinstance(changes, list):
+        changes = [changes]
+    valid = [c for c in changes
+             if isinstance(c, dict) and isinstance(c.get("entity"), str) and isinstance(c.get("parameter"), str)]
+    if len(valid) < len(changes):
+        log.warning("CTL event %s: %d change(s) naming no entity and parameter skipped", event.id,
+                    len(changes) - len(valid))
+    return valid

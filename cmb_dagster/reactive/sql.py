@@ -207,6 +207,39 @@ WITH refused AS (
 DELETE FROM reactive_marks m USING refused r WHERE m.scheduler = %(scheduler)s AND m.name = r.name
 """
 
+# The user code of these tasks is about to run (committed before it does): one more run counted, unless a task
+# already has max_crashes runs that never ended (those are returned, and not run).
+COUNT_USER_CODE = """
+WITH counted AS (
+    UPDATE reactive_tasks SET crashes = crashes + 1
+    WHERE scheduler = %(scheduler)s AND name = ANY(%(names)s::text[]) AND crashes < %(max_crashes)s
+    RETURNING name
+)
+SELECT t.name, t.crashes FROM reactive_tasks t
+WHERE t.scheduler = %(scheduler)s AND t.name = ANY(%(names)s::text[]) AND t.name NOT IN (SELECT name FROM counted)
+"""
+
+# The user code of %(ended)s ended (returned, raised or timed out); that of %(unstarted)s never started.
+END_USER_CODE = """
+UPDATE reactive_tasks
+SET crashes = CASE WHEN name = ANY(%(ended)s::text[]) THEN 0 ELSE greatest(crashes - 1, 0) END
+WHERE scheduler = %(scheduler)s AND name = ANY(%(ended)s::text[] || %(unstarted)s::text[])
+"""
+
+# `reactive retry`: a task parked for its crashes (or backing off) is evaluated again on the next tick.
+RETRY_TASK = """
+WITH retried AS (
+    UPDATE reactive_tasks
+    SET crashes = 0, status = CASE WHEN status = 'backoff' THEN 'waiting' ELSE status END, backoff_until = NULL,
+        updated_at = now()
+    WHERE scheduler = %(scheduler)s AND name = %(name)s
+    RETURNING name
+), marked AS (
+    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM retried ON CONFLICT DO NOTHING
+)
+SELECT name FROM retried
+"""
+
 # One index probe (scheduler, task, values_hash) per launch: the cost does not grow with the launch history.
 PREVIOUS_ATTEMPTS = """
 SELECT k.task, k.values_hash, n.attempts

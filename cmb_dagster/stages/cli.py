@@ -127,11 +127,11 @@ def status(as_json: bool) -> None:
 @click.option("--problems", is_flag=True, help="Only failing or parked entries.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
 def queue(stage: str | None, entity_id: str | None, problems: bool, limit: int) -> None:
-    """List queue entries (earliest due first) with attempts, conflicts and the last error."""
+    """List queue entries (earliest due first) with attempts, conflicts, crashes and the last error."""
     for e in admin.entries(_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit):
         state = "parked" if e.parked_at else ("low" if e.lane else "main")
         click.echo(f"{e.stage}\t{e.entity_id}\t{state}\tdue {e.due_at.isoformat()}\tattempts {e.attempts}\t"
-                   f"conflicts {e.conflicts}\t{e.last_error or ''}")
+                   f"conflicts {e.conflicts}\tcrashes {e.crashes}\t{e.last_error or ''}")
 
 
 @stages.command()

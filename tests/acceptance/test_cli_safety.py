@@ -64,6 +64,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["ctl", "get", "a", "b"]),
     (BAD, ["reactive", "forget", "nobody", "nothing"]),
     (BAD, ["reactive", "forget", "s", "t", "--parameter", "only-one"]),
+    (BAD, ["reactive", "retry", "nobody", "nothing"]),
     (BAD, ["reactive", "status", "--bogus"]),
     (BAD, ["reactive", "set-last", "nobody", "nothing", "--parameter", "a/b", "p", "--value", "2024-01-01T00:00:00+00:00"]),
     (BAD, ["reactive", "set-last", "s", "t", "--parameter", "a/b", "p", "--value", "yesterday"]),

@@ -122,3 +122,60 @@ def test_cli_sets_reads_and_explains(db):
     assert state["trigger"]["kind"] == "Delta" and state["run_key"].startswith("mart:")
     forgot = cli(db.url, "reactive", "forget", "cli", "nobody")
     assert forgot.returncode == 1 and "no reactive task" in forgot.stderr
+
+
+# A scheduler process whose task 'bad' has run config code that kills the process (a segfaulting library, the
+# OOM killer); 'good' has none. Ticks as fast as it can, as a fixed owner.
+CRASHY = """
+import os, signal, sys
+from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.scheduler import TaskScheduler
+from cmb_dagster.database import Database
+from cmb_dagster.triggers import Delta
+
+def crash(values):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+specs = [TaskSpec(name="good", trigger=Delta("eg", "p", "1s")), TaskSpec(name="bad", trigger=Delta("eb", "p", "1s"))]
+engine = TaskScheduler(Database(sys.argv[1]), "crashy", specs, SchedulerSettings(tick_seconds=1), owner="scheduler-1",
+                       launch_options={"bad": crash})
+succeeded = lambda scheduler, keys: {k: RunInfo("run-" + k, RunState.SUCCESS) for k in keys}
+while True:
+    engine.tick(succeeded)
+"""
+
+
+def test_a_task_whose_user_code_kills_the_scheduler_is_parked_and_the_others_launch(db):
+    from cmb_dagster.reactive import retry_task
+
+    store = CtlStore(db, actor="producer")
+    store.set("eg", "p", BASE)
+    store.set("eb", "p", BASE)
+    deaths = 0
+    process = subprocess.Popen([sys.executable, "-c", CRASHY, db.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def state(name: str):
+        return next(s for s in task_states(db, "crashy") if s.name == name)
+
+    def parked() -> bool:
+        nonlocal process, deaths
+        if process.poll() is not None:
+            deaths += 1
+            process = subprocess.Popen([sys.executable, "-c", CRASHY, db.url], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE)
+        names = {s.name for s in task_states(db, "crashy")}
+        return names == {"good", "bad"} and "not run again until" in (state("bad").explanation or "")
+
+    try:
+        wait_until(parked, 90, "the crashing task parked", interval=0.1)
+        assert deaths == 3
+        assert any(task == "good" for task, *_ in launches(db))  # the other task launched meanwhile
+        assert not any(task == "bad" for task, *_ in launches(db))
+        time.sleep(1.5)  # parked: later ticks do not run its code again
+        assert process.poll() is None
+        assert retry_task(db, "crashy", "bad")
+        process.wait(30)  # retried: its code runs, and kills the scheduler again
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -16,6 +16,7 @@ from cmb_dagster.eventqueue import (
     WorkerSettings,
     dead_letters,
     emit,
+    emit_many,
     pause,
     status,
     unpause,
@@ -36,8 +37,8 @@ def test_no_claimed_event_of_a_paused_handler_starts_after_pause_returns(db):
     wait_until(lambda: worker.listening and starts, 10, "the first event started")
     pause(db, "ns", "slow")
     paused_at = time.monotonic()
-    other = emit("ns", "other", 1, db=db)
-    wait_until(lambda: other in others, 10, "a handler that is not paused goes on")
+    other = emit_many([{"namespace": "ns", "handler": "other", "value": i} for i in range(1000)], db=db)
+    wait_until(lambda: sorted(others) == other, 30, "1,000 events of a handler that is not paused done")
     time.sleep(1.2)  # more than two calls of the paused handler
     started = [event_id for event_id, at in starts if at > paused_at]
     assert not started, f"events started after pause() returned: {started}"

@@ -129,7 +129,7 @@ def test_bad_input_is_refused_by_field_and_writes_nothing(commits):
         assert triggers == 0
         with pytest.raises(InvalidInput, match="payload: not JSON"):
             publish(conn, 0, {"when": object()})
-        with pytest.raises(InvalidInput, match="branch_id: must be an integer"):
+        with pytest.raises(InvalidInput, match="branch_id: expected an integer"):
             publish(conn, "0", {})
     with pytest.raises(InvalidInput, match="consumer_id: String should match"):
         Consumer(db, "x" * 64, 0, print)

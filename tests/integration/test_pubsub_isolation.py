@@ -108,3 +108,21 @@ def test_an_event_whose_delivery_kills_the_consumer_is_parked_after_its_crashes(
     [dead] = parked(db, "fragile")
     assert dead.event.id == ids[30] and "deliveries in a row ended with the death of their worker" in dead.error
     assert 4 <= deaths <= 5, deaths  # the batch it was in, then max_crashes deliveries alone
+
+
+@pytest.mark.parametrize(("field", "arguments"), [
+    ("payload", {"payload": {"text": "a\x00b"}}),
+    ("payload", {"payload": {"text": "\udc80"}}),
+    ("payload", {"payload": "x" * (5 * 1024 * 1024)}),
+    ("key", {"key": {"id": "\ud800"}}),
+    ("topic", {"topic": "t\x00"}),
+    ("branch_id", {"branch_id": 2**63}),
+    ("branch_id", {"branch_id": True}),
+])
+def test_publish_refuses_what_postgres_cannot_store_naming_the_field(db, field, arguments):
+    from cmb_dagster.pubsub.errors import InvalidInput
+
+    with db.connection() as conn:
+        with pytest.raises(InvalidInput, match=f"^{field}: "):
+            publish(conn, **{"branch_id": 0, "payload": {}, **arguments})
+        assert conn.execute("SELECT count(*) FROM pubsub_events").fetchone() == (0,)  # the transaction goes on

@@ -196,3 +196,22 @@ def _waits_for_a_lock(db: Database) -> bool:
     with db.connection() as conn:
         return bool(conn.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                                  "AND datname = current_database()").fetchone())
+
+
+@pytest.mark.parametrize(("field", "entity_id", "payload"), [
+    ("entity_id", "a\x00b", {}),
+    ("entity_id", "\udc80", {}),
+    ("entity_id", "x" * 257, {}),
+    ("payload of 'e'", "e", {"text": "a\x00b"}),
+    ("payload of 'e'", "e", {"text": "\ud800"}),
+    ("payload of 'e'", "e", {"blob": "x" * (5 * 1024 * 1024)}),
+    ("payload of 'e'", "e", {"n": float("nan")}),
+])
+def test_put_refuses_what_postgres_cannot_store_naming_the_field(db, field, entity_id, payload):
+    from cmb_dagster.stages import InvalidStageInput
+
+    store = StageStore(db, [Patch()])
+    with pytest.raises(InvalidStageInput, match=f"^{field}: "):
+        store.put(entity_id, payload)
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM stage_entities").fetchone() == (0,)

@@ -33,3 +33,64 @@ def test_only_the_dagster_shell_imports_dagster():
         if Path(name).name.startswith("dagster_") or name in DAGSTER_SHELL or name.startswith("examples/")
     }
     assert modules_importing_dagster() == allowed, sorted(modules_importing_dagster() - allowed)
+
+
+def _with_calls(node) -> list[str]:
+    """The names called by a ``with`` statement's items (``conn.pipeline()`` -> ``pipeline``)."""
+    import ast
+
+    names = []
+    for item in node.items:
+        call = item.context_expr
+        if isinstance(call, ast.IfExp):  # `x.pipeline() if wanted else nullcontext()`
+            call = call.body
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            names.append(call.func.attr)
+    return names
+
+
+def commits_inside_pipelines() -> list[str]:
+    """``commit()`` calls, and transactions that end, inside a psycopg pipeline block."""
+    import ast
+
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.With | ast.AsyncWith):
+                continue
+            names = _with_calls(node)
+            if "pipeline" not in names:
+                continue
+            where = f"{path.relative_to(PACKAGE)}:{node.lineno}"
+            if "transaction" in names[names.index("pipeline") + 1:]:
+                found.append(f"{where} a transaction inside the pipeline")
+            for inner in ast.walk(node):
+                if inner is node:
+                    continue
+                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "commit":
+                    found.append(f"{where} commit() at line {inner.lineno}")
+                if isinstance(inner, ast.With | ast.AsyncWith) and "transaction" in _with_calls(inner):
+                    found.append(f"{where} a transaction at line {inner.lineno}")
+    return sorted(found)
+
+
+def test_nothing_commits_inside_a_pipeline_block():
+    """A commit sent inside a pipeline block can wait forever on large data (psycopg issue #685): every
+    transaction that uses a pipeline opens outside it and commits after the pipeline has synced."""
+    assert commits_inside_pipelines() == []
+
+
+def test_every_advisory_lock_key_names_the_schema():
+    """Two deployments (schemas) in one database never share a lock: each key is built from the schema of
+    what it guards (the cmb schema, or ``public.`` for the examples' tables there)."""
+    keys = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for match in re.finditer(r"pg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\(", text):
+            call = text[match.end(): match.end() + 150]
+            keys.append((f"{path.relative_to(PACKAGE)}:{text[:match.start()].count(chr(10)) + 1}", call))
+    assert keys
+    unnamed = [(where, call) for where, call in keys
+               if "schema" not in call and "public." not in call and "%(key)s" not in call]
+    assert unnamed == []

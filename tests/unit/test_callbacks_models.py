@@ -6,6 +6,7 @@ import pytest
 from cmb_dagster.callbacks import CallbackSettings, CallbackValidationError, NewCallback, RetryPolicy
 from cmb_dagster.callbacks.models import NewSchedule, check_many, validated
 from cmb_dagster.callbacks.schedules import fire_times
+from cmb_dagster.inputs import DEFAULT_MAX_PAYLOAD_BYTES
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -32,7 +33,7 @@ def test_constant_and_exponential_main_retries():
         ({"event_key": "k" * 257}, "event_key"),
         ({"owner_client_id": ""}, "owner_client_id"),
         ({"group_key": "g" * 129}, "group_key"),
-        ({"context": {"blob": "x" * 70_000}}, "context"),
+        ({"context": {"blob": "x" * DEFAULT_MAX_PAYLOAD_BYTES}}, "context"),  # over the shared payload limit
         ({"cb_url": "dagster://my_job", "context": {"unknown": 1}}, "context"),
         ({"retry": {"fast_retries": -1}}, "retry.fast_retries"),
         ({"retry": {"backoff": "fibonacci"}}, "retry.backoff"),
@@ -47,7 +48,7 @@ def test_context_limit_is_configurable():
     small = CallbackSettings(max_context_bytes=10)
     event = validated(NewCallback, {"owner_client_id": "o", "group_key": "g", "event_key": "k", "run_at": NOW,
                                     "cb_url": "http://x.example", "context": {"a": "0123456789"}})
-    with pytest.raises(CallbackValidationError, match="over the limit of 10"):
+    with pytest.raises(CallbackValidationError, match="^context: 18 bytes as JSON, at most 10 allowed"):
         event.check(small)
 
 
@@ -60,7 +61,7 @@ def test_a_batch_checks_each_context_against_the_limit_not_their_sum():
     settings = CallbackSettings(max_context_bytes=20)
     batch = [unchecked(event_key=f"k{i}", context={"a": "0123456789"}) for i in range(5)]  # 16 bytes each, 80 together
     assert check_many(batch, settings) == batch
-    with pytest.raises(CallbackValidationError, match="^context: 24 bytes is over the limit of 20"):
+    with pytest.raises(CallbackValidationError, match="^context: 24 bytes as JSON, at most 20 allowed"):
         check_many([*batch, unchecked(event_key="big", context={"a": "0123456789012345"})], settings)
 
 

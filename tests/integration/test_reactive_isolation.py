@@ -1,0 +1,253 @@
+"""Isolation of a bad item in the reactive scheduler and the CTL store: a task's bad, slow or huge user code
+affects only that task, and bad CTL input is refused before it reaches Postgres."""
+
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from dagster import DagsterInstance, OpExecutionContext, instance_for_test, job, op
+
+from cmb_dagster import ReactiveOptions, ReactiveTask, cmb_definitions, pubsub
+from cmb_dagster.ctl import CTL_BRANCH_ID, CtlStore, InvalidCtlInput
+from cmb_dagster.ctl.cli import ctl as ctl_cli
+from cmb_dagster.ctl.store import CTL_TOPIC
+from cmb_dagster.database import Database
+from cmb_dagster.reactive import InvalidReactiveTask, ReactiveTriggerWarning, task_states, tick_reactive_sensor
+from cmb_dagster.reactive.models import SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.scheduler import TaskScheduler
+from cmb_dagster.resources import CmbResource
+from cmb_dagster.triggers import Delta
+
+T0 = datetime(2024, 5, 1, tzinfo=UTC)
+NOW = T0 + timedelta(hours=2)
+KEY = ("shop/orders", "loaded_until")
+BACKOFF = timedelta(minutes=1)
+
+
+def no_runs(scheduler, run_keys):
+    return {}
+
+
+def engine(db: Database, names, **kwargs) -> TaskScheduler:
+    settings = SchedulerSettings(retry_backoff=BACKOFF, **kwargs.pop("settings", {}))
+    specs = [TaskSpec(name=name, trigger=Delta(*KEY, "1h")) for name in names]
+    return TaskScheduler(db, "iso", specs, settings, **kwargs)
+
+
+def states(db: Database, scheduler: str = "iso"):
+    return {s.name: s for s in task_states(db, scheduler)}
+
+
+def assert_backs_off(db: Database, name: str, error: str) -> None:
+    state = states(db)[name]
+    assert state.status == "backoff" and state.backoff_until == NOW + BACKOFF, state
+    assert state.explanation.startswith("error: ") and error in state.explanation, state.explanation
+
+
+# -- 1. error text of user code is sanitised before it is stored -----------------------------------
+
+
+def test_a_run_config_error_with_nul_and_a_lone_surrogate_backs_off_its_task_alone(db):
+    def broken(values):
+        raise ValueError("bad \x00 and \udc80")
+
+    scheduler = engine(db, ["bad", "good"], launch_options={"bad": broken})
+    CtlStore(db).set(*KEY, T0)
+    report = scheduler.tick(no_runs, now=NOW)
+    assert [launch.task for launch in report.launches] == ["good"]
+    assert_backs_off(db, "bad", "its run config or tags raised ValueError: bad \\0 and \ufffd")
+    assert scheduler.tick(no_runs, now=NOW).launches == []  # backing off
+
+
+def test_a_partition_key_or_run_config_that_cannot_be_stored_or_sent_fails_only_its_task(db):
+    partitioners = {"nul_key": lambda values, last: ("2024-05\x00", dict(values)),
+                    "naive_value": lambda values, last: ("2024-05", {KEY: datetime(2024, 5, 1)})}
+    options = {"object_config": lambda values: ({"ops": {"x": object()}}, {}),
+               "huge_tags": lambda values: (None, {"t": "x" * 5_000_000})}
+    scheduler = engine(db, [*partitioners, *options, "good"], partitioners=partitioners, launch_options=options)
+    CtlStore(db).set(*KEY, T0)
+    report = scheduler.tick(no_runs, now=NOW)
+    assert [launch.task for launch in report.launches] == ["good"]
+    assert_backs_off(db, "nul_key", "choosing the partition returned an unusable result: InvalidInput: partition key")
+    assert_backs_off(db, "naive_value", "choosing the partition returned an unusable result")
+    assert_backs_off(db, "object_config", "its run config or tags returned an unusable result")
+    assert_backs_off(db, "huge_tags", "bytes as JSON, at most")
+
+
+def test_a_change_event_published_by_hand_without_entity_does_not_stop_the_tick(db):
+    scheduler = engine(db, ["good"])
+    scheduler.tick(no_runs, now=NOW)
+    with db.connection() as conn:
+        pubsub.publish(conn, CTL_BRANCH_ID, {"changes": [{"entity": 1}, "nonsense"]}, topic=CTL_TOPIC, schema=db.schema)
+        pubsub.publish(conn, CTL_BRANCH_ID, {"no changes": True}, topic=CTL_TOPIC, schema=db.schema)
+    CtlStore(db).set(*KEY, T0)
+    assert [launch.task for launch in scheduler.tick(no_runs, now=NOW).launches] == ["good"]
+
+
+def test_names_a_trigger_reads_are_refused_when_ctl_could_not_store_them():
+    for entity, problem in (("shop\x00", "U\\+0000"), ("shop\udc80", "surrogate"), ("s" * 201, "201 characters")):
+        with pytest.raises(InvalidReactiveTask, match=f"entity: .*{problem}"):
+            ReactiveTask("t", plain, Delta(entity, "loaded_until", "1h"))
+        with pytest.raises(ValueError, match=f"entity: .*{problem}"):
+            TaskSpec(name="t", trigger=Delta(entity, "loaded_until", "1h"))
+
+
+# -- 2. user code runs under a deadline, outside any transaction -----------------------------------
+
+
+def test_a_callable_that_never_returns_times_out_and_backs_off_its_task_alone(db, instance, resource):
+    release = threading.Event()
+
+    def stuck(values):
+        release.wait(5)
+        return {}
+
+    tasks = [ReactiveTask("stuck", plain, Delta(*KEY, "1h"), run_config=stuck), ReactiveTask("good", plain, Delta(*KEY, "1h"))]
+    location = Location(db, instance, resource, tasks, callable_timeout=0.5)
+    CtlStore(db).set(*KEY, T0)
+    try:
+        started = time.monotonic()
+        result = location.tick()
+        assert time.monotonic() - started < 4
+        assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
+        state = location.state("stuck")
+        assert state.status == "backoff" and state.backoff_until == NOW + BACKOFF
+        assert "its run config or tags raised TimedOut: timed out after 0.5 s" in state.explanation
+    finally:
+        release.set()
+
+
+def test_a_tick_starts_no_user_code_after_its_time_box_and_one_timeout(db):
+    release = threading.Event()
+    calls = []
+
+    def stuck(values):
+        calls.append(time.monotonic())
+        release.wait(10)
+        return None, {}
+
+    options = {"stuck_a": stuck, "stuck_b": stuck}
+    scheduler = engine(db, ["stuck_a", "stuck_b"], launch_options=options,
+                       settings={"tick_seconds": 0.01, "callable_timeout": 0.5})
+    CtlStore(db).set(*KEY, T0)
+    try:
+        started = time.monotonic()
+        report = scheduler.tick(no_runs, now=NOW)
+        assert time.monotonic() - started < 1.5 and len(calls) == 1
+        assert report.launches == [] and not report.complete
+        assert states(db)["stuck_b"].status == "ready"  # left for the next tick
+        assert_backs_off(db, "stuck_a", "raised TimedOut: timed out after 0.5 s")
+        scheduler.tick(no_runs, now=NOW)
+        assert len(calls) == 2
+        assert_backs_off(db, "stuck_b", "raised TimedOut: timed out after 0.5 s")
+    finally:
+        release.set()
+
+
+def test_user_code_runs_while_the_tick_holds_no_transaction_open(db):
+    seen = []
+
+    def options(values):
+        with psycopg.connect(db.url, autocommit=True) as conn:
+            seen.append(conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+            ).fetchone()[0])
+        return None, {}
+
+    scheduler = engine(db, ["good"], launch_options={"good": options})
+    CtlStore(db).set(*KEY, T0)
+    assert [launch.task for launch in scheduler.tick(no_runs, now=NOW).launches] == ["good"]
+    assert seen == [0]
+
+
+# -- 3. bad input of the CTL API --------------------------------------------------------------------
+
+BAD_INPUT = [
+    (("sa\x00les", "loaded_until", T0), "entity", "U\\+0000"),
+    (("sales", "loaded\udc80", T0), "parameter", "lone surrogate"),
+    (("s" * 1_000_000, "loaded_until", T0), "entity", "1000000 characters, at most 200"),
+    (("sales", "p" * 201, T0), "parameter", "201 characters, at most 200"),
+    (("sales", "loaded_until", datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))), "value", "between"),
+    (("sales", "loaded_until", datetime(1, 1, 1, tzinfo=UTC)), "value", "between"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "field", "problem"), BAD_INPUT)
+def test_bad_ctl_input_is_refused_naming_the_field_and_the_callers_transaction_goes_on(db, arguments, field, problem):
+    store = CtlStore(db)
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE public.orders (id int)")
+    with db.connection() as conn:
+        conn.execute("INSERT INTO public.orders VALUES (1)")
+        with pytest.raises(InvalidCtlInput, match=rf"\b{field}: .*{problem}") as refused:
+            store.set(*arguments, conn=conn)
+        assert len(str(refused.value)) < 300
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        conn.execute("INSERT INTO public.orders VALUES (2)")
+        store.set("sales", "loaded_until", T0, conn=conn)
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM public.orders").fetchone()[0] == 2
+    assert [(c.entity, c.parameter) for c in store.history()] == [("sales", "loaded_until")]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [(["x" * 100_000, "loaded_until", "2024-05-01T00:00:00+00:00"], "entity"),
+     (["sales", "loaded\udc80", "2024-05-01T00:00:00+00:00"], "parameter"),
+     (["sales", "loaded_until", "9" * 100_000], "value")],
+)
+def test_the_ctl_cli_refuses_bad_input_in_a_short_message_naming_the_field(db, arguments, field):
+    result = CliRunner().invoke(ctl_cli, ["set", *arguments], env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
+    assert isinstance(result.exception, InvalidCtlInput), result.output
+    assert str(result.exception).count(f"{field}: ") == 1 and len(str(result.exception)) < 300
+    assert CtlStore(db).history() == []
+
+
+# -- the Dagster side -----------------------------------------------------------------------------
+
+
+@op
+def work(context: OpExecutionContext) -> None:
+    pass
+
+
+@job
+def plain() -> None:
+    work()
+
+
+@pytest.fixture
+def instance() -> Iterator[DagsterInstance]:
+    with instance_for_test() as dagster_instance:
+        yield dagster_instance
+
+
+@pytest.fixture
+def resource(db: Database) -> Iterator[CmbResource]:
+    yield CmbResource(database_url=db.url)
+    Database.shared(db.url).close()
+
+
+class Location:
+    """A code location's reactive tasks under scheduler name ``iso``, ticked by hand at :data:`NOW`."""
+
+    def __init__(self, db, instance, resource, tasks, **options) -> None:
+        self.db, self.instance = db, instance
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ReactiveTriggerWarning)
+            self.defs = cmb_definitions(
+                resource=resource,
+                reactive=ReactiveOptions(tasks=tasks, name="iso", retry_backoff=BACKOFF, **options),
+            )
+
+    def tick(self):
+        return tick_reactive_sensor(self.defs, instance=self.instance, evaluation_time=NOW)
+
+    def state(self, task: str):
+        return states(self.db)[task]
