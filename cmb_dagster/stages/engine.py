@@ -335,13 +335,19 @@ class Engine:
 
     def _commit(self, outcomes: list[_Outcome], count_shard: int, leases: Sequence[Lease], shard_count: int | None,
                 counts: _Counts) -> None:
-        """Commit the outcomes; a commit refused for one entry's data is split until that entry is alone."""
+        """Commit the outcomes, with ``counts`` counted so far (they become the batch's counts); a commit refused
+        for one entry's data is split until that entry is alone."""
+        carried = {stage: list(values) for stage, values in counts.by_stage.items()}  # written by the first commit
+
         def write(part: Sequence[_Outcome]) -> None:
-            written = _Counts()
+            nonlocal carried
+            written = _Counts({stage: list(values) for stage, values in carried.items()})
             self._write(part, count_shard, leases, shard_count, written)
             for stage, values in written.by_stage.items():
+                before = carried.get(stage, [0] * 6)
                 for index, n in enumerate(values):
-                    counts.add(stage, index, n)
+                    counts.add(stage, index, n - before[index])
+            carried = {}
 
         def unstorable(outcome: _Outcome, exc: BaseException) -> None:
             log.error("%s: its result cannot be stored (%s); it fails like a process that raised",
@@ -349,8 +355,10 @@ class Engine:
             write([_Outcome(outcome.claimed, outcome.entity_id, "failed",
                             error=f"its result cannot be stored: {describe_error(exc)}")])
 
-        if outcomes or counts.by_stage:
-            split_until_alone(outcomes or [], write, unstorable) if outcomes else write([])
+        if outcomes:
+            split_until_alone(outcomes, write, unstorable)
+        elif carried:
+            write([])
         for outcome in outcomes:
             if outcome.kind == "failed":
                 self._log_failure(outcome)

@@ -14,7 +14,7 @@ import pytest
 from waiting import wait_until
 
 from cmb_dagster.database import Database
-from cmb_dagster.stages import StageStore, entries
+from cmb_dagster.stages import StageStore, entries, status
 
 HERE = Path(__file__).parent
 WORKER = [sys.executable, "-c", "from cmb_dagster.cli import run; run()", "stages", "worker", "--stages"]
@@ -119,3 +119,5 @@ def test_an_entity_that_kills_its_worker_is_parked_and_the_others_move(db, datab
     [entry] = entries(db, stage="mark")
     assert "3 runs in a row ended with the death of their worker" in entry.last_error
     assert 3 <= group.deaths <= 4, group.deaths  # each of its runs killed one worker, then it was parked
+    [mark] = status(db)
+    assert mark.parked == 1 and mark.errors == 1  # counted once, as a failure
