@@ -84,7 +84,7 @@ def to_json(value: Any, field: str, *, error: type[InvalidInput] = InvalidInput,
     if "\\u0000" in text and _NUL_ESCAPE.search(text):
         raise error(f"{field}: the character U+0000 cannot be stored (Postgres jsonb refuses it)")
     try:
-        size = len(text.encode())
+        size = len(text) if text.isascii() else len(text.encode())  # isascii is a flag: no copy for plain text
     except UnicodeEncodeError:
         raise error(f"{field}: lone surrogate characters are not valid Unicode") from None
     limit = max_payload_bytes() if limit is None else limit

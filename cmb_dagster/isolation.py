@@ -140,6 +140,8 @@ class Call(Generic[T]):
     result: Any = None
     error: BaseException | None = None
     timed_out: bool = False
+    aside: bool = False  # set aside: it runs on in a lane of its own
+    withdrawn: bool = False
 
     @property
     def seconds(self) -> float:
@@ -182,7 +184,6 @@ class UserCode:
     _lane: _Lane | None = field(default=None, repr=False)
     _set_aside: list[Call[Any]] = field(default_factory=list, repr=False)
     _abandoned: list[Call[Any]] = field(default_factory=list, repr=False)
-    _withdrawn: set[int] = field(default_factory=set, repr=False)
     _interrupted: bool = field(default=False, repr=False)
 
     # -- running ---------------------------------------------------------------------------------
@@ -210,7 +211,6 @@ class UserCode:
             return []
         began = time.monotonic()
         with self._cond:
-            self._withdrawn.clear()
             self._todo.extend(calls)
             lane = self._lane if self._lane is not None else self._start_lane()
             self._cond.notify_all()
@@ -228,6 +228,7 @@ class UserCode:
                 if current is not None and current.started is not None:
                     running = now - current.started
                     if self._may_set_aside() and running >= self.set_aside_after:  # type: ignore[operator]
+                        current.aside = True
                         self._set_aside.append(current)
                         lane = self._replace_lane(lane)
                         log.warning("%s: a call on %s has run %.1f s; set aside, the items after it go on",
@@ -249,8 +250,7 @@ class UserCode:
                 interrupted, self._interrupted = self._interrupted, False
             if on_wait is not None and (interrupted or time.monotonic() - began >= wait_step):
                 on_wait()
-        aside = self.set_aside
-        return [c for c in calls if (c.ended or c.timed_out) and not any(c is a for a in aside)]
+        return [c for c in calls if (c.ended or c.timed_out) and not c.aside]
 
     def collect(self) -> list[Call[Any]]:
         """Set-aside calls that ended since (``timed_out`` for those past their timeout, abandoned)."""
@@ -266,6 +266,7 @@ class UserCode:
                     log.error("%s: a call on %s ran past its %g s limit; abandoned", self.name, _label(call.item), call.timeout)
             for call in done:
                 self._set_aside.remove(call)
+                call.aside = False
         self._check_abandoned()
         return done
 
@@ -306,8 +307,9 @@ class UserCode:
     def _may_set_aside(self) -> bool:
         return self.set_aside_after is not None and len(self._set_aside) < self.max_set_aside
 
-    def _settled(self, call: Call[Any]) -> bool:
-        return call.ended or call.timed_out or id(call) in self._withdrawn or any(c is call for c in self._set_aside)
+    @staticmethod
+    def _settled(call: Call[Any]) -> bool:
+        return call.ended or call.timed_out or call.aside or call.withdrawn
 
     def _withdraw_locked(self, calls: Sequence[Call[Any]]) -> None:
         for call in calls:
@@ -315,7 +317,7 @@ class UserCode:
                 self._todo.remove(call)
             except ValueError:
                 continue
-            self._withdrawn.add(id(call))
+            call.withdrawn = True
 
     def _start_lane(self) -> _Lane:
         lane = _Lane()

@@ -38,7 +38,7 @@ from typing import Any, Literal
 import psycopg
 
 from cmb_dagster.database import Database, OwnConnection
-from cmb_dagster.inputs import to_json
+from cmb_dagster.inputs import max_payload_bytes, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, split_until_alone
 from cmb_dagster.stages import sql as q
 from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult
@@ -125,10 +125,10 @@ class _Outcome:
     offers: list[Offer] = field(default_factory=list)
     capped: list[str] = field(default_factory=list)
     error: str | None = None
+    stage: Stage = field(init=False)
 
-    @property
-    def stage(self) -> Stage:
-        return self.claimed.stage
+    def __post_init__(self) -> None:
+        self.stage = self.claimed.stage
 
 
 @dataclass
@@ -178,6 +178,7 @@ class Engine:
         self.publish = publish
         self.batch_seconds = batch_seconds
         self.max_batch_bytes = max_batch_bytes
+        self.max_payload_bytes = max_payload_bytes()
         # a worker that hangs inside one of its own transactions (never inside user code: none is open
         # then) is disconnected by the server, so its leases can be taken over
         self._own = OwnConnection(db, settings={
@@ -185,6 +186,8 @@ class Engine:
             "jit": "off",  # without statistics the batch queries' estimates trigger JIT compiles of 100s of ms
         })
         self.user_code = UserCode(f"stages:{owner or 'engine'}")
+        # should_process on the change path and in the rescan: every answer is needed before the commit
+        self._asking = UserCode(f"stages:{owner or 'engine'}:asking", set_aside_after=None)
         self._busy: dict[str, _Claimed] = {}  # entity id -> its entry whose call is set aside
 
     def close(self) -> None:
@@ -469,14 +472,14 @@ class Engine:
             if not isinstance(update, dict):
                 raise InvalidStageResult(f"update: stage {stage.name!r} must return a dict or MergePatch, not {type(update).__name__}")
             candidate = merge_patch(entity.payload, dict(update)) if isinstance(update, MergePatch) else update
-            text = to_json(candidate, "update", error=InvalidStageResult)
+            text = to_json(candidate, "update", error=InvalidStageResult, limit=self.max_payload_bytes)
             if candidate != entity.payload:
                 new_payload, payload_text = json.loads(text), text
         state_text, state_changed = None, False
         if result.new_state is not None:
             dumped = stage.dump_state(result.new_state)
             if own is None or dumped != own[0]:
-                state_text = to_json(dumped, "new_state", error=InvalidStageResult)
+                state_text = to_json(dumped, "new_state", error=InvalidStageResult, limit=self.max_payload_bytes)
                 state_changed = True
         if isinstance(result.timer, bool):
             raise InvalidStageResult(f"timer: must be None, a timedelta or an aware datetime, not {result.timer}")
@@ -533,8 +536,7 @@ class Engine:
         changed = [_Change(Entity(r[0], r[3], r[4]) if r[3] is not None else None, r[1], r[2], r[5] or {}, set(r[6] or ()))
                    for r in rows]
         now = datetime.now(UTC)
-        asking = UserCode("stages:changes", set_aside_after=None)  # every answer is needed before the commit
-        calls = asking.run([c for c in changed if c.entity is not None], lambda c: self._ask(
+        calls = self._asking.run([c for c in changed if c.entity is not None], lambda c: self._ask(
             c.entity, c.states, c.ready, None if c.fields is None else set(c.fields), now),  # type: ignore[arg-type]
             lambda c: max(self.stages[n].timeout for n in self.stages))
         offers: list[Offer] = []
@@ -626,7 +628,6 @@ class Engine:
         ask to the low-priority queue. Returns (entities seen, entries offered, where it stopped or None)."""
         deadline = None if duration is None else time.monotonic() + duration
         seen = offered = 0
-        asking = UserCode("stages:rescan", set_aside_after=None)
         timeout = max(s.timeout for s in self.stages.values())
         conn = self._own.get()
         while deadline is None or time.monotonic() < deadline:
@@ -634,7 +635,7 @@ class Engine:
             if not rows:
                 return seen, offered, None
             now = datetime.now(UTC)
-            calls = asking.run(rows, lambda r: self._ask(Entity(r[0], r[1], r[2]), r[3] or {}, set(r[4] or ()), None, now)[0],
+            calls = self._asking.run(rows, lambda r: self._ask(Entity(r[0], r[1], r[2]), r[3] or {}, set(r[4] or ()), None, now)[0],
                                timeout)
             offers = [offer for call in calls if not call.timed_out for offer in call.result]
             if offers:

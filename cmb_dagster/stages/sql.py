@@ -60,6 +60,7 @@ SELECT u.entity_id, stage_hash(u.entity_id) %% %(shard_count)s,
        CASE WHEN u.fields = '*' THEN NULL ELSE string_to_array(u.fields, ',') END
 FROM unnest(%(ids)b::text[], %(fields)b::text[]) AS u(entity_id, fields)
 JOIN stage_entities e ON e.entity_id = u.entity_id
+ORDER BY u.entity_id  -- one lock order for every writer of changes
 ON CONFLICT (entity_id) DO UPDATE
     SET fields = CASE WHEN c.fields IS NULL OR EXCLUDED.fields IS NULL THEN NULL
                       ELSE ARRAY(SELECT DISTINCT unnest(c.fields || EXCLUDED.fields)) END
@@ -133,6 +134,8 @@ RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
 # that never ended, so it is claimed alone, and parked once it reaches its stage's max_crashes. Nothing is
 # claimed unless the worker still holds every lease given and the shard count is %(shard_count)s. Returns each
 # entry claimed ('run': with the entity, every stage's state of it and the stages it is due in) or parked.
+# Its commit need not wait for the WAL flush: what it records (crashes) matters when a worker dies, and a
+# worker's death does not lose what the server has; a server crash only undercounts crashes.
 CLAIM = """
 WITH allowed AS (
     SELECT (cardinality(%(partitions)s::text[]) = 0
@@ -140,7 +143,8 @@ WITH allowed AS (
                 JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) AS u(partition, fence)
                   ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
                 WHERE l.owner = %(owner)s AND l.expires_at > now()) = cardinality(%(partitions)s::text[]))
-       AND (%(shard_count)s::int IS NULL OR (SELECT shard_count FROM stage_settings) = %(shard_count)s) AS ok
+       AND (%(shard_count)s::int IS NULL OR (SELECT shard_count FROM stage_settings) = %(shard_count)s)
+       AND set_config('synchronous_commit', 'off', true) = 'off' AS ok
 ), picked AS (
     SELECT q.entity_id, q.stage, q.attempts, q.crashes, q.due_at, st.max_crashes
     FROM unnest(%(shards)s::int[]) AS sh(shard_id)
@@ -162,14 +166,14 @@ WITH allowed AS (
     ) q
     WHERE (SELECT ok FROM allowed)
 ), chosen AS (
-    SELECT one.*, coalesce(pg_column_size(e.payload), 0) AS bytes
-    FROM (SELECT DISTINCT ON (entity_id) * FROM picked ORDER BY entity_id, due_at, stage) one
-    LEFT JOIN stage_entities e ON e.entity_id = one.entity_id
-    ORDER BY one.due_at
+    SELECT * FROM (SELECT DISTINCT ON (entity_id) * FROM picked ORDER BY entity_id, due_at, stage) one
+    ORDER BY due_at
     LIMIT %(limit)s
-), sized AS (
+), sized AS (  -- the payload's stored size, by primary key (a join could read the whole table without statistics)
     SELECT c.*, sum(c.bytes) OVER (ORDER BY c.due_at, c.entity_id) - c.bytes AS bytes_before
-    FROM chosen c WHERE c.crashes = 0
+    FROM (SELECT c.*, coalesce((SELECT pg_column_size(e.payload) FROM stage_entities e WHERE e.entity_id = c.entity_id),
+                               0) AS bytes
+          FROM chosen c WHERE c.crashes = 0) c
 ), suspect AS (
     SELECT entity_id, stage FROM chosen WHERE crashes > 0 AND crashes < max_crashes ORDER BY due_at LIMIT 1
 ), taken AS (
@@ -180,7 +184,7 @@ WITH allowed AS (
 ), marked AS (
     UPDATE stage_queue q SET crashes = q.crashes + 1
     FROM taken t WHERE q.entity_id = t.entity_id AND q.stage = t.stage
-    RETURNING q.entity_id, q.stage
+    RETURNING q.entity_id, q.stage, t.attempts, t.crashes, t.due_at
 ), parked AS (
     UPDATE stage_queue q
     SET parked_at = now(), crashes = 0, attempts = q.attempts + 1,
@@ -188,14 +192,14 @@ WITH allowed AS (
     FROM chosen c WHERE c.crashes >= c.max_crashes AND q.entity_id = c.entity_id AND q.stage = c.stage
     RETURNING q.entity_id, q.stage, q.attempts, c.crashes
 )
-SELECT 'run', t.entity_id, t.stage, t.attempts, t.crashes, e.version, e.payload,
+(SELECT 'run', m.entity_id, m.stage, m.attempts, m.crashes, e.version, e.payload,
        (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
                                 extract(epoch FROM s.window_start)))
-        FROM stage_states s WHERE s.entity_id = t.entity_id),
+        FROM stage_states s WHERE s.entity_id = m.entity_id),
        (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
-        FROM stage_queue q2 WHERE q2.entity_id = t.entity_id)  -- filters in FILTER: the primary key drives it
-FROM taken t JOIN marked m ON m.entity_id = t.entity_id AND m.stage = t.stage
-LEFT JOIN stage_entities e ON e.entity_id = t.entity_id
+        FROM stage_queue q2 WHERE q2.entity_id = m.entity_id)  -- filters in FILTER: the primary key drives it
+FROM marked m LEFT JOIN stage_entities e ON e.entity_id = m.entity_id
+ORDER BY m.due_at)
 UNION ALL
 SELECT 'parked', p.entity_id, p.stage, p.attempts, p.crashes, NULL, NULL, NULL, NULL FROM parked p
 """
@@ -231,9 +235,16 @@ SELECT p.entity_id, p.fields, p.seen, e.version, e.payload,
 FROM chosen p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
 """
 
+# Locks in entity id order, as writers upsert changes (a transaction deleting in another order could deadlock
+# with them).
 DELETE_CHANGES = """
-DELETE FROM stage_changes c USING unnest(%(ids)s::text[], %(seen)s::text[]) AS u(entity_id, seen)
-WHERE c.entity_id = u.entity_id AND c.xmin::text = u.seen
+WITH doomed AS (
+    SELECT c.entity_id FROM stage_changes c JOIN unnest(%(ids)s::text[], %(seen)s::text[]) AS u(entity_id, seen)
+      ON c.entity_id = u.entity_id AND c.xmin::text = u.seen
+    ORDER BY c.entity_id
+    FOR UPDATE OF c
+)
+DELETE FROM stage_changes c USING doomed d WHERE c.entity_id = d.entity_id
 """
 
 # The optimistic check, in two statements sent together: lock the entities processed, then (a new
