@@ -21,6 +21,7 @@ import click
 import psutil
 
 from cmb_dagster.callbacks.cli import callbacks
+from cmb_dagster.cli_common import open_database
 from cmb_dagster.ctl.cli import ctl
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
@@ -36,11 +37,6 @@ MAX_ERROR_LINE = 500
 """Most characters of an error line; a longer one (quoting a huge argument) is cut, saying how long it was."""
 SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
 """Variables whose secrets never appear in the CLI's output, errors or logs (nor does ``PGPASSWORD``)."""
-
-
-def open_database(schema: str | None = None) -> Database:
-    """The database named by the environment (starting the embedded server if needed)."""
-    return Database.from_settings(Settings.from_env(schema_name=schema))
 
 
 def dagster_storage_url(url: str) -> str:

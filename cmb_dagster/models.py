@@ -1,26 +1,42 @@
-"""The base of user-facing option models: bad values raise :class:`InvalidInput` naming the field."""
+"""The base of every user-facing options and settings model, and the one backoff every engine uses."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cmb_dagster.errors import InvalidInput
 
 
 def describe(exc: ValidationError) -> str:
     """A validation error as one line: ``field: problem; field: problem``."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+    )
 
 
 class Options(BaseModel):
-    """Options of one engine in :func:`cmb_definitions`; unknown or invalid fields raise InvalidInput."""
+    """Options or settings of one engine: unknown or invalid fields raise the engine's :class:`InvalidInput`
+    (``error``), one line naming each field; every number has both bounds."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    error: ClassVar[type[InvalidInput]] = InvalidInput
 
     def __init__(self, /, **values: Any) -> None:
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise InvalidInput(f"{type(self).__name__}: {describe(exc)}") from None
+            raise self.error(f"{type(self).__name__}: {describe(exc)}") from None
+
+
+class Backoff(Options):
+    """Seconds to wait after failures in a row: ``first``, then ``factor`` times longer each time, at most ``max``."""
+
+    first: float = Field(default=1.0, ge=0, le=30 * 86400, description="Seconds after the first failure.")
+    factor: float = Field(default=2.0, ge=1, le=1000, description="Growth per further failure in a row.")
+    max: float = Field(default=300.0, ge=0, le=30 * 86400, description="Longest wait.")
+
+    def delay(self, failures_before: int) -> float:
+        """Seconds to wait after a failure that ``failures_before`` failures in a row preceded."""
+        return min(self.max, self.first * self.factor ** min(max(failures_before, 0), 200))

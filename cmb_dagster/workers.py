@@ -1,10 +1,13 @@
 """The worker runtime shared by every engine: partitions owned through leases, a loop bounded in time.
 
-A worker of some ``kind`` (``"callbacks.bucket"``, ``"pubsub.consumer"``, ...) is given the partitions it
-may serve. It holds a partition by a row in ``leases`` that it renews every ``ttl / 3`` seconds; a worker
-that dies stops renewing and loses the partition after ``ttl`` seconds, and whoever asks next takes it
-over with a higher fence. The same loop runs inside a Dagster op (relaunched by a sensor) and inside a
-long-running ``cmb-dagster ... worker`` process.
+A loop (:class:`Worker`) of some ``kind`` (``"callbacks.bucket"``, ``"pubsub.consumer"``, ...) is given the
+partitions it may serve. It holds a partition by a row in ``leases`` that it renews every ``ttl / 3``
+seconds; a worker that dies stops renewing and loses the partition after ``ttl`` seconds, and whoever asks
+next takes it over with a higher fence. It listens for the NOTIFY hints that wake it, backs a failing
+partition off, and reports its progress. Every engine's worker is an :class:`EngineWorker`:
+``XWorker(db, options, *, owner=None)`` with ``run(duration=None, *, on_progress=None)`` and ``stop()``.
+The same loop runs inside a Dagster op (relaunched by a sensor) and inside a long-running
+``cmb-dagster ... worker`` process.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from dataclasses import dataclass, field
 import psycopg
 
 from cmb_dagster import sql
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.errors import CmbError
 from cmb_dagster.isolation import WorkerStuck
+from cmb_dagster.models import Backoff
+from cmb_dagster.notifications import Listener, OnNotify
 
 log = logging.getLogger("cmb_dagster.workers")
 
@@ -127,15 +132,19 @@ class WorkerReport:
     seconds: float = 0.0
 
 
+PARTITION_BACKOFF = Backoff(first=0.5, factor=2, max=30)
+"""How long a partition whose step raised waits before it is stepped again."""
+
+
 class Worker:
     """Runs ``step(lease)`` for each partition it holds, again and again, until its time is up.
 
     ``step`` does one bounded batch for one partition and returns how many items it handled; when
-    no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`). A step
-    that raises is logged and its partition is retried after a growing backoff. ``partitions`` may be
-    a function, asked again at every lease renewal, for partitions that can be added while it runs.
-    Partitions for which ``joint`` is true are served together: one call ``joint_step(leases)`` with
-    all of them held (one backoff for the group).
+    no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`: on every
+    NOTIFY on ``channels``, unless ``on_notify`` handles them). A step that raises is logged and its
+    partition is retried after ``backoff``. ``partitions`` may be a function, asked again at every lease
+    renewal, for partitions that can be added while it runs. Partitions for which ``joint`` is true are
+    served together: one call ``joint_step(leases)`` with all of them held (one backoff for the group).
     """
 
     def __init__(
@@ -148,7 +157,9 @@ class Worker:
         owner: str | None = None,
         ttl: float = 10.0,
         idle_sleep: float = 1.0,
-        max_backoff: float = 30.0,
+        backoff: Backoff = PARTITION_BACKOFF,
+        channels: Sequence[str] = (),
+        on_notify: OnNotify | None = None,
         on_progress: Callable[[WorkerReport], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
         joint: Callable[[str], bool] | None = None,
@@ -164,7 +175,10 @@ class Worker:
         self.joint = joint
         self.joint_step = joint_step
         self.idle_sleep = idle_sleep
-        self.max_backoff = max_backoff
+        self.backoff = backoff
+        self.channels = list(channels)
+        self.on_notify = on_notify
+        self.listener: Listener | None = None
         self.on_progress = on_progress
         self.on_shutdown = on_shutdown or self.stop
         self._stop = threading.Event()
@@ -198,6 +212,8 @@ class Worker:
         retry_at: dict[str, float] = {}
         failures: dict[str, int] = {}
         _running.add(self.on_shutdown)
+        if self.channels:
+            self.listener = Listener(self.leases.db, self.channels, self.on_notify or (lambda *_: self.wake())).start()
         try:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 if time.monotonic() >= self._next_renew:
@@ -216,8 +232,8 @@ class Worker:
                     except WorkerStuck:
                         raise
                     except Exception:  # noqa: BLE001 - one failing partition must not stop the others
+                        delay = self.backoff.delay(failures.get(partition, 0))
                         failures[partition] = failures.get(partition, 0) + 1
-                        delay = min(self.max_backoff, 0.5 * 2 ** (failures[partition] - 1))
                         retry_at[partition] = time.monotonic() + delay
                         report.errors += 1
                         log.exception("%s partition %r failed; retrying in %.1fs", self.leases.kind, partition, delay)
@@ -237,6 +253,9 @@ class Worker:
                     self._wake.clear()
         finally:
             _running.discard(self.on_shutdown)
+            if self.listener is not None:
+                self.listener.stop()
+                self.listener = None
             if self._held:
                 try:
                     self.leases.release(self._held)
@@ -244,6 +263,11 @@ class Worker:
                     log.warning("could not release leases (%s); they expire in %.0fs", exc, self.leases.ttl)
             report.seconds = time.monotonic() - started
         return report
+
+    @property
+    def listening(self) -> bool:
+        """Whether the loop's LISTEN connection is up (notifications reach it)."""
+        return self.listener is not None and self.listener.connected.is_set()
 
     def keep_alive(self) -> None:
         """Renew the held leases if they are due (from a step that waits on user code, so a slow but live
@@ -271,6 +295,67 @@ class Worker:
         if together:
             steps.insert(0, ("(joint)", functools.partial(self.joint_step, together)))  # type: ignore[arg-type]
         return steps
+
+
+class EngineWorker:
+    """What every engine's worker is: built as ``XWorker(db, options, *, owner=None)``, it works with
+    :meth:`run` until its time is up or :meth:`stop` is called.
+
+    A subclass returns its loops from :meth:`loops` (the first runs in the calling thread, any other in a
+    thread of its own, all for the same duration) and may clean up in :meth:`finish`. A stop asked while
+    the worker starts (its loops are being built) is kept: :meth:`run` then returns at once.
+    """
+
+    def __init__(self, db: DatabaseSource, *, owner: str | None = None) -> None:
+        self.db = Database.of(db)
+        self.owner = owner or default_owner()
+        self._stopping = threading.Event()
+        self._loops: list[Worker] = []
+
+    def loops(self) -> list[Worker]:  # pragma: no cover - every engine implements it
+        """The loops of one run, built anew for each :meth:`run`."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """After the loops ended and released their leases."""
+
+    def run(self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
+        """Work for ``duration`` seconds (None: until :meth:`stop`); report what the main loop did."""
+        try:
+            loops = self._loops = self.loops()
+            main, *others = loops
+            main.on_progress = on_progress
+            for loop in loops:
+                loop.on_shutdown = self.stop
+            if self._stopping.is_set():
+                for loop in loops:
+                    loop.stop()
+            threads = [threading.Thread(target=loop.run, args=(duration,), name=f"cmb-{loop.leases.kind}", daemon=True)
+                       for loop in others]
+            for thread in threads:
+                thread.start()
+            try:
+                return main.run(duration)
+            finally:
+                for loop in others:
+                    loop.stop()
+                for thread in threads:
+                    thread.join()
+        finally:
+            self._loops = []
+            self._stopping.clear()
+            self.finish()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the current step and return (safe from a signal handler and any thread)."""
+        self._stopping.set()
+        for loop in list(self._loops):
+            loop.stop()
+
+    @property
+    def listening(self) -> bool:
+        """Whether the main loop's LISTEN connection is up."""
+        return bool(self._loops) and self._loops[0].listening
 
 
 _running: set[Callable[[], None]] = set()  # how to stop each worker running in this process

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from cmb_dagster.cli_ranges import DAY, DURATION, FloatRange
+from cmb_dagster.cli_common import DAY, DURATION, FloatRange
 from cmb_dagster.callbacks.admin import callback_counts
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackValidationError

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from cmb_dagster.cli_ranges import DAY, DURATION, ROW_ID, FloatRange
+from cmb_dagster.cli_common import DAY, DURATION, ROW_ID, FloatRange
 from cmb_dagster.database import Database
 from cmb_dagster.eventqueue import admin
 from cmb_dagster.eventqueue.errors import InvalidInput

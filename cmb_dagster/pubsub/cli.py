@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import click
 
-from cmb_dagster.cli_ranges import BRANCH, DURATION, ROW_ID, FloatRange
+from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange
 from cmb_dagster.database import Database
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.pubsub import sql as q

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from cmb_dagster.cli_ranges import BIGINT_MAX, DURATION
+from cmb_dagster.cli_common import BIGINT_MAX, DURATION
 from cmb_dagster.database import Database
 from cmb_dagster.inputs import shorten
 from cmb_dagster.settings import Settings

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from cmb_dagster.cli import main
-from cmb_dagster.cli_ranges import FloatRange
+from cmb_dagster.cli_common import FloatRange
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 SECRET = "pw4SAFETYtest"  # appears in the password as written and as decoded (%21 -> !)

@@ -6,7 +6,7 @@ import time
 import pytest
 from waiting import wait_until
 
-from cmb_dagster.workers import LeaseLost, Leases, Worker, stop_workers_on_signals
+from cmb_dagster.workers import EngineWorker, LeaseLost, Leases, Worker, stop_workers_on_signals
 
 
 def test_a_partition_has_one_owner_until_its_lease_expires(db):
@@ -152,3 +152,47 @@ def test_a_shutdown_signal_also_stops_a_worker_that_starts_after_it(db):
         started = time.monotonic()
         worker.run(duration=60)
     assert time.monotonic() - started < 30
+
+
+class Counting(EngineWorker):
+    """An engine worker with a main loop and a second loop, each counting its steps."""
+
+    def __init__(self, db, *, stop_while_starting: bool = False) -> None:
+        super().__init__(db)
+        self.stop_while_starting = stop_while_starting
+        self.steps = {"main": 0, "side": 0}
+
+    def loops(self) -> list[Worker]:
+        if self.stop_while_starting:
+            self.stop()  # as a signal arriving while the worker is still being set up
+        return [Worker(self.db, "test.main", ["m"], self._step("main"), owner=self.owner, idle_sleep=5,
+                       channels=["test_wake"]),
+                Worker(self.db, "test.side", ["s"], self._step("side"), owner=self.owner, idle_sleep=0.01)]
+
+    def _step(self, name: str):
+        def step(lease) -> int:
+            self.steps[name] += 1
+            return 0
+        return step
+
+
+def test_an_engine_worker_runs_its_loops_wakes_on_notify_and_stops_all_of_them(db):
+    worker = Counting(db)
+    progress = []
+    thread = threading.Thread(target=lambda: progress.append(worker.run(on_progress=progress.append)))
+    thread.start()
+    wait_until(lambda: worker.listening and worker.steps["side"] > 2, 10, "both loops running, the main one listening")
+    before = worker.steps["main"]
+    with db.connection() as conn:
+        conn.execute("SELECT pg_notify('test_wake', '')")
+    wait_until(lambda: worker.steps["main"] > before, 3, "the NOTIFY woke the main loop out of its 5 s sleep")
+    worker.stop()
+    thread.join(10)
+    assert not thread.is_alive() and progress[-1].owner == worker.owner
+
+
+def test_a_stop_asked_while_an_engine_worker_starts_is_kept(db):
+    worker = Counting(db, stop_while_starting=True)
+    started = time.monotonic()
+    report = worker.run(30)
+    assert time.monotonic() - started < 5 and report.steps == 0

@@ -1,4 +1,5 @@
-"""Ranges of command-line numbers: every numeric option and argument is bounded, and NaN is refused."""
+"""What every command group shares: the database the environment names, and bounded number types (every
+numeric option and argument is bounded, and NaN is refused)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ import math
 from typing import Any
 
 import click
+
+from cmb_dagster.database import Database
+from cmb_dagster.settings import Settings
+
+def open_database(schema: str | None = None) -> Database:
+    """The database named by the environment (starting the embedded server if needed)."""
+    return Database.from_settings(Settings.from_env(schema_name=schema))
+
 
 BIGINT_MAX = 2**63 - 1
 DAY = 86_400.0
