@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: dev test install clean
+.PHONY: dev test lint install clean
 
 $(BIN)/cmb-dagster: pyproject.toml
 	@echo "installing cmb_dagster and Dagster into $(VENV) (about a minute the first time)"
@@ -19,6 +19,10 @@ dev: install
 
 test: install
 	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	-$(BIN)/cmb-dagster db stop

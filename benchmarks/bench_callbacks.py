@@ -1,12 +1,14 @@
-"""Callbacks benchmark: create throughput, a 100k burst and a steady 1,000 events/s, side by side with PgQueuer.
+"""Callbacks benchmark: create throughput, a burst of 20,000 events due at once and a steady 1,000 events/s,
+side by side with PgQueuer.
 
-    flock -x /work/wt/cpu.lock .venv/bin/python benchmarks/bench_callbacks.py [--quick] [--only create burst steady]
+    .venv/bin/python benchmarks/bench_callbacks.py [--quick] [--only create burst steady]
 
 Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. Callbacks
 go to a local HTTP sink on 127.0.0.1 in a process of its own (so the producers' threads here cannot delay its
 clock readings); the cmb worker (``cmb-dagster callbacks worker``) and the PgQueuer consumer run as separate
-processes, one at a time. Lateness is the sink's arrival time minus
-the event's run_at, measured once each consumer has called a warm-up probe (a long-running consumer). PgQueuer (pip install pgqueuer) is only needed here. The last line is JSON.
+processes, one at a time. Lateness is the sink's arrival time minus the event's run_at, measured once each
+consumer has called a warm-up probe (a long-running consumer). PgQueuer (pip install pgqueuer) is only needed
+here. Run it alone on the machine: other load moves every figure. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def percentile(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 def wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
@@ -146,7 +148,7 @@ def bench_create(db: Database, seconds: float) -> dict[str, float]:
             stop = time.monotonic() + seconds
             with CallbackClient(db, LOCAL, buffered=buffered) as client:
 
-                def produce(n: int) -> None:
+                def produce(n: int, stop: float = stop, label: str = label, done: list[int] = done) -> None:
                     i = 0
                     while time.monotonic() < stop:
                         client.create("bench", label, f"{n}-{i}", far, "http://127.0.0.1:9/x")
@@ -171,8 +173,9 @@ def bench_create(db: Database, seconds: float) -> dict[str, float]:
 def start_cmb_worker(url: str) -> subprocess.Popen:
     env = {**os.environ, "CMB_DATABASE_URL": url}
     log = open(LOG_DIR / "cmb-worker.log", "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([*CLI, "callbacks", "worker", "--no-materialize", "--allow-host", "127.0.0.1"], env=env,
-                            stdout=log, stderr=log)
+    return subprocess.Popen(
+        [*CLI, "callbacks", "worker", "--no-materialize", "--allow-host", "127.0.0.1"], env=env, stdout=log, stderr=log
+    )
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -198,8 +201,9 @@ def checkpoint(url: str) -> None:
 def autovacuum_counts(url: str) -> dict[str, int]:
     """Per table, how many times autovacuum vacuumed or analyzed it so far."""
     with psycopg.connect(url, autocommit=True) as conn:
-        rows = conn.execute("SELECT schemaname || '.' || relname, autovacuum_count + autoanalyze_count "
-                            "FROM pg_stat_user_tables").fetchall()
+        rows = conn.execute(
+            "SELECT schemaname || '.' || relname, autovacuum_count + autoanalyze_count FROM pg_stat_user_tables"
+        ).fetchall()
     return dict(rows)
 
 
@@ -218,8 +222,16 @@ def create_burst_events(db: Database, sink: SinkProcess, count: int, peer: bool)
     """The burst's events, created for cmb (``create_many``) and PgQueuer (batched enqueue) in batches of
     1,000 that alternate, so both sides meet the same moments of the machine; creates per second of each."""
     far = datetime.now(UTC) + timedelta(days=1)
-    events = [{"owner_client_id": "bench", "group_key": "burst", "event_key": str(i), "run_at": far,
-               "cb_url": f"{sink.url}/cb"} for i in range(count)]
+    events = [
+        {
+            "owner_client_id": "bench",
+            "group_key": "burst",
+            "event_key": str(i),
+            "run_at": far,
+            "cb_url": f"{sink.url}/cb",
+        }
+        for i in range(count)
+    ]
     payloads = [json.dumps({"event_id": i, "run_at": far.isoformat()}).encode() for i in range(count)]
     elapsed = {"cmb": 0.0, "pgqueuer": 0.0}
     loop = asyncio.new_event_loop()
@@ -237,21 +249,26 @@ def create_burst_events(db: Database, sink: SinkProcess, count: int, peer: bool)
                 conn.execute("SELECT 1")
             for start in range(0, count, 1000):
                 started = time.monotonic()
-                client.create_many(events[start:start + 1000])
+                client.create_many(events[start : start + 1000])
                 elapsed["cmb"] += time.monotonic() - started
                 if peer:
-                    part = payloads[start:start + 1000]
+                    part = payloads[start : start + 1000]
                     started = time.monotonic()
-                    loop.run_until_complete(queries.enqueue(
-                        ["callback"] * len(part), part, [0] * len(part), [far - datetime.now(UTC)] * len(part)))
+                    loop.run_until_complete(
+                        queries.enqueue(
+                            ["callback"] * len(part), part, [0] * len(part), [far - datetime.now(UTC)] * len(part)
+                        )
+                    )
                     elapsed["pgqueuer"] += time.monotonic() - started
     finally:
         if peer_conn is not None:
             loop.run_until_complete(peer_conn.close())
         loop.close()
     rates = {side: round(count / seconds) for side, seconds in elapsed.items() if seconds}
-    print(f"  create_many in batches of 1,000 (alternating batches): cmb {rates['cmb']:,} events/s"
-          + (f", PgQueuer enqueue {rates['pgqueuer']:,} events/s" if peer else ""))
+    print(
+        f"  create_many in batches of 1,000 (alternating batches): cmb {rates['cmb']:,} events/s"
+        + (f", PgQueuer enqueue {rates['pgqueuer']:,} events/s" if peer else "")
+    )
     return rates
 
 
@@ -282,12 +299,19 @@ def bench_cmb_burst(db: Database, sink: SinkProcess, count: int) -> dict[str, fl
         conn.execute("DELETE FROM callback_events")
     vacuum(db.url, f"{db.schema}.callback_events")  # the steady phase starts from a clean table
     early = sum(1 for c in calls if c.started < due.timestamp())
-    print(f"  cmb burst of {count:,}: {rate:,.0f} events/s (first call {first - due.timestamp():+.2f}s after due, "
-          f"{notified:,} notified, {len(calls) - count} duplicate calls, {early} early); worker CPU "
-          f"{cpu:.1f}s = {1000 * cpu / count:.2f} ms per call, {100 * cpu / drain:.0f}% of a core")
-    return {"events_per_s": round(rate), "complete": finished and notified == count, "early_calls": early,
-            "cpu_ms_per_call": round(1000 * cpu / count, 3),
-            "cpu_percent": round(100 * cpu / drain), "errors_logged": errors_logged("cmb-worker.log")}
+    print(
+        f"  cmb burst of {count:,}: {rate:,.0f} events/s (first call {first - due.timestamp():+.2f}s after due, "
+        f"{notified:,} notified, {len(calls) - count} duplicate calls, {early} early); worker CPU "
+        f"{cpu:.1f}s = {1000 * cpu / count:.2f} ms per call, {100 * cpu / drain:.0f}% of a core"
+    )
+    return {
+        "events_per_s": round(rate),
+        "complete": finished and notified == count,
+        "early_calls": early,
+        "cpu_ms_per_call": round(1000 * cpu / count, 3),
+        "cpu_percent": round(100 * cpu / drain),
+        "errors_logged": errors_logged("cmb-worker.log"),
+    }
 
 
 def steady_run_ats(rate: int, seconds: float):  # type: ignore[no-untyped-def]
@@ -328,10 +352,12 @@ def lateness_summary(name: str, calls: list) -> dict[str, float]:  # type: ignor
         **{f"{kind}_p99_s": round(percentile(values, 99), 3) for kind, values in kinds.items()},
         "early_calls": sum(1 for x in latenesses if x < 0),
     }
-    print(f"  {name} steady: {summary['events']:,} events, lateness p50 {summary['p50_s']:.3f}s, "
-          f"p99 {summary['p99_s']:.3f}s, max {summary['max_s']:.3f}s; p99 by kind: "
-          + ", ".join(f"{kind} {summary[f'{kind}_p99_s']:.3f}s" for kind in kinds)
-          + f"; {summary['early_calls']} early")
+    print(
+        f"  {name} steady: {summary['events']:,} events, lateness p50 {summary['p50_s']:.3f}s, "
+        f"p99 {summary['p99_s']:.3f}s, max {summary['max_s']:.3f}s; p99 by kind: "
+        + ", ".join(f"{kind} {summary[f'{kind}_p99_s']:.3f}s" for kind in kinds)
+        + f"; {summary['early_calls']} early"
+    )
     return summary
 
 
@@ -354,8 +380,14 @@ def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float)
                     if pause > 0:
                         time.sleep(pause)
                     key = f"{part}-{n}"
-                    client.create("bench", "steady", key, datetime.now(UTC) + timedelta(seconds=delay),
-                                  f"{sink.url}/cb", {"delay": delay})
+                    client.create(
+                        "bench",
+                        "steady",
+                        key,
+                        datetime.now(UTC) + timedelta(seconds=delay),
+                        f"{sink.url}/cb",
+                        {"delay": delay},
+                    )
                     lags.append(time.monotonic() - at)
 
             sampler_stop = threading.Event()
@@ -384,10 +416,14 @@ def bench_cmb_steady(db: Database, sink: SinkProcess, rate: int, seconds: float)
     summary["dead_tuples_max"] = max(dead, default=0)
     summary["dead_tuples_end"] = dead[-1] if dead else 0
     with db.connection() as conn:
-        summary["table_mb"] = round(conn.execute("SELECT pg_total_relation_size('callback_events')").fetchone()[0] / 2**20, 1)
+        summary["table_mb"] = round(
+            conn.execute("SELECT pg_total_relation_size('callback_events')").fetchone()[0] / 2**20, 1
+        )
         summary["rows"] = conn.execute("SELECT count(*) FROM callback_events WHERE group_key = 'steady'").fetchone()[0]
-    print(f"  cmb dead tuples in callback_events: max {summary['dead_tuples_max']:,}, end "
-          f"{summary['dead_tuples_end']:,} ({summary['rows']:,} rows, {summary['table_mb']} MB with indexes)")
+    print(
+        f"  cmb dead tuples in callback_events: max {summary['dead_tuples_max']:,}, end "
+        f"{summary['dead_tuples_end']:,} ({summary['rows']:,} rows, {summary['table_mb']} MB with indexes)"
+    )
     return summary
 
 
@@ -439,8 +475,7 @@ async def _pgqueuer_install(url: str) -> None:
 
 def start_pgqueuer_consumer(url: str, sink_url: str) -> subprocess.Popen:
     log = open(LOG_DIR / "pgqueuer-consumer.log", "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([sys.executable, __file__, "--pgqueuer-consumer", url, sink_url],
-                            stdout=log, stderr=log)
+    return subprocess.Popen([sys.executable, __file__, "--pgqueuer-consumer", url, sink_url], stdout=log, stderr=log)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -460,7 +495,9 @@ def errors_logged(name: str) -> int:
 def bench_pgqueuer_burst(url: str, sink: SinkProcess, count: int) -> dict[str, float]:
     checkpoint(url)
     with psycopg.connect(url, autocommit=True) as conn:  # due in 4 s, as for cmb
-        due = conn.execute("UPDATE pgqueuer SET execute_after = now() + interval '4 seconds' RETURNING execute_after").fetchone()[0]
+        due = conn.execute(
+            "UPDATE pgqueuer SET execute_after = now() + interval '4 seconds' RETURNING execute_after"
+        ).fetchone()[0]
     vacuum(url, "pgqueuer")
     sink.clear()
     consumer = start_pgqueuer_consumer(url, sink.url)
@@ -475,18 +512,25 @@ def bench_pgqueuer_burst(url: str, sink: SinkProcess, count: int) -> dict[str, f
     drain = last - due.timestamp()
     rate = count / drain
     errors = errors_logged("pgqueuer-consumer.log")
-    print(f"  PgQueuer burst of {count:,}: {rate:,.0f} events/s; consumer CPU {cpu:.1f}s = {1000 * cpu / count:.2f} ms "
-          f"per call, {100 * cpu / drain:.0f}% of a core; {errors} errors logged")
+    print(
+        f"  PgQueuer burst of {count:,}: {rate:,.0f} events/s; consumer CPU {cpu:.1f}s = {1000 * cpu / count:.2f} ms "
+        f"per call, {100 * cpu / drain:.0f}% of a core; {errors} errors logged"
+    )
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DELETE FROM pgqueuer")
     vacuum(url, "pgqueuer")
-    return {"events_per_s": round(rate), "complete": finished,
-            "cpu_ms_per_call": round(1000 * cpu / count, 3), "cpu_percent": round(100 * cpu / drain),
-            "errors_logged": errors}
+    return {
+        "events_per_s": round(rate),
+        "complete": finished,
+        "cpu_ms_per_call": round(1000 * cpu / count, 3),
+        "cpu_percent": round(100 * cpu / drain),
+        "errors_logged": errors,
+    }
 
 
 def bench_pgqueuer_single_enqueue(url: str, producers: int, seconds: float) -> int:
     """One job per enqueue from ``producers`` concurrent asyncpg connections (PgQueuer's single enqueue)."""
+
     async def go() -> int:
         import asyncpg
         from pgqueuer.db import AsyncpgDriver
@@ -575,8 +619,10 @@ def bench_pgqueuer_steady(url: str, sink: SinkProcess, rate: int, seconds: float
     print(f"  PgQueuer producers: create returned p99 {summary['producer_lag_p99_s']:.3f}s after its planned moment")
     summary["cpu_percent"] = round(100 * cpu / elapsed)
     summary["errors_logged"] = errors_logged("pgqueuer-consumer.log")
-    print(f"  PgQueuer consumer CPU during the steady run: {summary['cpu_percent']}% of a core, "
-          f"{summary['errors_logged']} errors logged")
+    print(
+        f"  PgQueuer consumer CPU during the steady run: {summary['cpu_percent']}% of a core, "
+        f"{summary['errors_logged']} errors logged"
+    )
     summary["autovacuumed"] = autovacuumed_since(url, maintenance)
     print(f"  autovacuum during the PgQueuer steady run: {', '.join(summary['autovacuumed']) or 'none'}")
     summary["dead_tuples_max"] = max(dead, default=0)
@@ -592,8 +638,13 @@ FIGURES = ("create", "burst", "steady")
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="Smaller numbers, for a smoke run.")
-    parser.add_argument("--only", nargs="+", choices=FIGURES, default=FIGURES,
-                        help="Run only these figures (each with its PgQueuer side).")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=FIGURES,
+        default=FIGURES,
+        help="Run only these figures (each with its PgQueuer side).",
+    )
     parser.add_argument("--pgqueuer-consumer", nargs=2, metavar=("URL", "SINK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pgqueuer_consumer:
@@ -602,18 +653,26 @@ def main() -> None:
     burst, rate, seconds, create_seconds = (5_000, 200, 10, 2) if args.quick else (20_000, 1_000, 10, 3)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     peer = pgqueuer_available()
-    results: dict[str, Any] = {"benchmark": "callbacks", "cpus": os.cpu_count(), "quick": args.quick,
-                               "figures": list(args.only)}
+    results: dict[str, Any] = {
+        "benchmark": "callbacks",
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+        "figures": list(args.only),
+    }
     ratios: dict[str, float] = {}
     with bench_database() as db:
         url = db.url
         with psycopg.connect(url, autocommit=True) as conn:
-            server_info = {name: conn.execute(f"SHOW {name}").fetchone()[0]
-                           for name in ("server_version", "fsync", "synchronous_commit", "autovacuum")}
+            server_info = {
+                name: conn.execute(f"SHOW {name}").fetchone()[0]
+                for name in ("server_version", "fsync", "synchronous_commit", "autovacuum")
+            }
         results["server"] = server_info
         results["load_average_start"] = [round(x, 2) for x in os.getloadavg()]
-        print(f"callbacks benchmark on {db.display_url} ({os.cpu_count()} CPUs, shared), "
-              + ", ".join(f"{k} {v}" for k, v in server_info.items()))
+        print(
+            f"callbacks benchmark on {db.display_url} ({os.cpu_count()} CPUs, shared), "
+            + ", ".join(f"{k} {v}" for k, v in server_info.items())
+        )
         if peer:
             asyncio.run(_pgqueuer_install(url))
         else:
@@ -623,7 +682,8 @@ def main() -> None:
             if peer:
                 results["pgqueuer_single_enqueue_16_per_s"] = bench_pgqueuer_single_enqueue(url, 16, create_seconds)
                 ratios["create_16_threads_cmb_over_pgqueuer"] = (
-                    results["create_events_per_s"]["buffered_16_threads"] / results["pgqueuer_single_enqueue_16_per_s"])
+                    results["create_events_per_s"]["buffered_16_threads"] / results["pgqueuer_single_enqueue_16_per_s"]
+                )
         with SinkProcess() as sink:
             if "burst" in args.only:
                 created = results["create_many_per_s"] = create_burst_events(db, sink, burst, peer)
@@ -632,7 +692,9 @@ def main() -> None:
                     other = results["pgqueuer_burst"] = bench_pgqueuer_burst(url, sink, burst)
                     ratios["burst_drain_cmb_over_pgqueuer"] = cmb["events_per_s"] / other["events_per_s"]
                     ratios["create_many_cmb_over_pgqueuer"] = created["cmb"] / created["pgqueuer"]
-                    ratios["cpu_per_call_cmb_over_pgqueuer"] = cmb["cpu_ms_per_call"] / max(other["cpu_ms_per_call"], 1e-9)
+                    ratios["cpu_per_call_cmb_over_pgqueuer"] = cmb["cpu_ms_per_call"] / max(
+                        other["cpu_ms_per_call"], 1e-9
+                    )
             if "steady" in args.only:
                 cs = results["cmb_steady"] = bench_cmb_steady(db, sink, rate, seconds)
                 if peer:
@@ -641,8 +703,10 @@ def main() -> None:
                     for kind in LATENESS_KINDS:
                         ratios[f"{kind}_p99_pgqueuer_over_cmb"] = ps[f"{kind}_p99_s"] / max(cs[f"{kind}_p99_s"], 1e-3)
                 results["lateness_target_met"] = all(cs[f"{kind}_p99_s"] < 0.05 for kind in LATENESS_KINDS)
-                print(f"  lateness target (p99 < 50 ms at {rate}/s, every kind): "
-                      f"{'met' if results['lateness_target_met'] else 'MISSED'}")
+                print(
+                    f"  lateness target (p99 < 50 ms at {rate}/s, every kind): "
+                    f"{'met' if results['lateness_target_met'] else 'MISSED'}"
+                )
         results["ratios"] = {k: round(v, 2) for k, v in ratios.items()}
         for key, value in results["ratios"].items():
             print(f"  {key}: {value}x")

@@ -1,6 +1,6 @@
 """Lateness of the Dagster-hosted callbacks worker across a run handover.
 
-    flock -x /work/wt/cpu.lock .venv/bin/python benchmarks/bench_callbacks_handover.py
+    .venv/bin/python benchmarks/bench_callbacks_handover.py
 
 The worker job (``cmb_callbacks_worker``) runs in-process in a child process for ``--run-seconds``; the
 moment it ends, the next run starts in a fresh process, as the queued standby run does when the working
@@ -10,7 +10,8 @@ sink's arrival time minus run_at; the figures split events due during the handov
 With ``--dagster-dev`` the handover is Dagster's own: ``cmb-dagster dev`` runs a code location with the
 callbacks engine, the keeper sensor launches the worker runs, the daemon starts the queued standby and the
 run launcher its process; the benchmark waits for one handover (a run works 300 s).
-Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. JSON last.
+Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end; run it alone
+on the machine. JSON last.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -47,7 +47,7 @@ RUN = """
 import sys, time
 from dagster import DagsterInstance
 from cmb_dagster.callbacks import CallbackSettings
-from cmb_dagster.callbacks.dagster_defs import CallbackOptions
+from cmb_dagster.callbacks import CallbackOptions
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.resources import CmbResource
 url, seconds = sys.argv[1], float(sys.argv[2])
@@ -55,8 +55,8 @@ defs = cmb_definitions(resource=CmbResource(database_url=url),
                        callbacks=CallbackOptions(settings=CallbackSettings(allowed_hosts=["127.0.0.1"])))
 job = defs.get_job_def("cmb_callbacks_worker")
 print("working", time.time(), flush=True)
-result = job.execute_in_process(instance=DagsterInstance.ephemeral(),
-                                run_config={"ops": {"cmb_callbacks_worker_op": {"config": {"duration_seconds": seconds}}}})
+config = {"ops": {"cmb_callbacks_worker_op": {"config": {"duration_seconds": seconds}}}}
+result = job.execute_in_process(instance=DagsterInstance.ephemeral(), run_config=config)
 print("ended", time.time(), result.success, flush=True)
 """
 
@@ -64,7 +64,11 @@ print("ended", time.time(), result.success, flush=True)
 def run_worker(url: str, seconds: float) -> dict[str, float]:
     started = time.time()
     out = subprocess.run([sys.executable, "-c", RUN, url, str(seconds)], capture_output=True, text=True, check=True)
-    marks = {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines() if line.split()[0] in ("working", "ended")}
+    marks = {
+        line.split()[0]: float(line.split()[1])
+        for line in out.stdout.splitlines()
+        if line.split()[0] in ("working", "ended")
+    }
     return {"process_started": started, "working": marks["working"], "ended": marks["ended"]}
 
 
@@ -88,8 +92,9 @@ def produce(client: CallbackClient, sink: CallbackSink, rate: int, stop: threadi
         pause = start + i / rate - time.monotonic()
         if pause > 0:
             time.sleep(pause)
-        client.create("bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=rng.uniform(0.0, 2.0)),
-                      f"{sink.url}/cb")
+        client.create(
+            "bench", "handover", str(i), datetime.now(UTC) + timedelta(seconds=rng.uniform(0.0, 2.0)), f"{sink.url}/cb"
+        )
         i += 1
 
 
@@ -104,16 +109,24 @@ def handover_figures(calls: list, after: float, before: float) -> dict[str, obje
     rest = [s - r for r, s in late if not gap_start - 1 <= r <= gap_end + 1]
     return {
         "handover_seconds": round(gap_end - gap_start, 2),
-        "due_during_handover": {"events": len(during), "p50_s": round(percentile(during, 50), 3),
-                                "p99_s": round(percentile(during, 99), 3), "max_s": round(max(during, default=0), 3)},
+        "due_during_handover": {
+            "events": len(during),
+            "p50_s": round(percentile(during, 50), 3),
+            "p99_s": round(percentile(during, 99), 3),
+            "max_s": round(max(during, default=0), 3),
+        },
         "rest": {"events": len(rest), "p50_s": round(percentile(rest, 50), 3), "p99_s": round(percentile(rest, 99), 3)},
     }
 
 
 def handover(db: Database, rate: int, run_seconds: float) -> None:
     url = db.url
-    results: dict[str, object] = {"benchmark": "callbacks_handover", "rate": rate, "run_seconds": run_seconds,
-                                  "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    results: dict[str, object] = {
+        "benchmark": "callbacks_handover",
+        "rate": rate,
+        "run_seconds": run_seconds,
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+    }
     with CallbackSink() as sink, CallbackClient(db, LOCAL) as client:
         stop = threading.Event()
         runs: list[dict[str, float]] = []
@@ -135,18 +148,22 @@ def handover(db: Database, rate: int, run_seconds: float) -> None:
         with db.connection() as conn:
             pending = conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[0]
         calls = list(sink.received)
-    results.update({
-        "events_called": len(calls),
-        "events_left_pending": pending,
-        **handover_figures(calls, runs[0]["working"], runs[1]["ended"]),
-        "first_run_end_to_standby_working_s": round(runs[1]["working"] - runs[0]["ended"], 2),
-        "standby_process_to_working_s": round(runs[1]["working"] - runs[1]["process_started"], 2),
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
-    })
+    results.update(
+        {
+            "events_called": len(calls),
+            "events_left_pending": pending,
+            **handover_figures(calls, runs[0]["working"], runs[1]["ended"]),
+            "first_run_end_to_standby_working_s": round(runs[1]["working"] - runs[0]["ended"], 2),
+            "standby_process_to_working_s": round(runs[1]["working"] - runs[1]["process_started"], 2),
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        }
+    )
     print(f"callbacks handover on {db.display_url}: {rate} events/s, runs of {run_seconds:g}s")
-    print(f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's process end to "
-          f"the standby's code loaded {results['first_run_end_to_standby_working_s']}s, of which "
-          f"{results['standby_process_to_working_s']}s process start and code load")
+    print(
+        f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's process end to "
+        f"the standby's code loaded {results['first_run_end_to_standby_working_s']}s, of which "
+        f"{results['standby_process_to_working_s']}s process start and code load"
+    )
     print(f"  events due around the handover: {results['due_during_handover']}")
     print(f"  other events: {results['rest']}; {pending} left pending")
     print(json.dumps(results))
@@ -169,15 +186,22 @@ def free_port() -> int:
 def worker_runs(db: Database) -> list[tuple[str, float | None, float | None]]:
     """(status, start, end) of the callbacks worker's runs, from Dagster's run storage, oldest first."""
     with db.connection() as conn:
-        return [tuple(r) for r in conn.execute(
-            "SELECT status, start_time, end_time FROM public.runs WHERE pipeline_name = 'cmb_callbacks_worker' "
-            "ORDER BY create_timestamp").fetchall()]
+        return [
+            tuple(r)
+            for r in conn.execute(
+                "SELECT status, start_time, end_time FROM public.runs WHERE pipeline_name = 'cmb_callbacks_worker' "
+                "ORDER BY create_timestamp"
+            ).fetchall()
+        ]
 
 
 def dagster_dev_handover(db: Database, rate: int) -> None:
     """One handover of the worker job under ``cmb-dagster dev``: the keeper, the queue and the run launcher."""
-    results: dict[str, object] = {"benchmark": "callbacks_handover_dagster_dev", "rate": rate,
-                                  "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    results: dict[str, object] = {
+        "benchmark": "callbacks_handover_dagster_dev",
+        "rate": rate,
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+    }
     project = Path(tempfile.mkdtemp(prefix="cmb-handover-"))
     (project / "definitions.py").write_text(DEFINITIONS)
     (project / "workspace.yaml").write_text("load_from:\n  - python_file: definitions.py\n")
@@ -186,8 +210,22 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
     env = {**os.environ, "CMB_DATABASE_URL": db.url}
     env.pop("DAGSTER_HOME", None)
     env.pop("CMB_DAGSTER_STORAGE_URL", None)
-    dev = subprocess.Popen([sys.executable, "-c", "from cmb_dagster.cli import run; run()", "dev", "--port",
-                            str(free_port()), "--sink-port", "0"], cwd=project, env=env, stdout=log, stderr=log)
+    dev = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from cmb_dagster.cli import run; run()",
+            "dev",
+            "--port",
+            str(free_port()),
+            "--sink-port",
+            "0",
+        ],
+        cwd=project,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
     try:
         with CallbackSink() as sink, CallbackClient(db, LOCAL) as client:
             client.create("bench", "warm-up", "probe", datetime.now(UTC), f"{sink.url}/cb")
@@ -212,25 +250,34 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
             producer.join()
             quiet = time.monotonic() + 15  # every event is due within 2 s of the last create
             with db.connection() as conn:
-                while (pending := conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'")
-                       .fetchone()[0]) and time.monotonic() < quiet:
+                while (
+                    pending := conn.execute("SELECT count(*) FROM callback_events WHERE status = 'pending'").fetchone()[
+                        0
+                    ]
+                ) and time.monotonic() < quiet:
                     time.sleep(0.2)
             calls = list(sink.received)
             runs = worker_runs(db)
     finally:
         stop_process(dev)
     first_end, second_start = runs[0][2], runs[1][1]
-    results.update({
-        "events_called": len(calls),
-        "events_left_pending": pending,
-        **handover_figures(calls, -math.inf, math.inf),
-        "first_run_end_to_standby_start_s": round(second_start - first_end, 2) if first_end and second_start else None,
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
-    })
+    results.update(
+        {
+            "events_called": len(calls),
+            "events_left_pending": pending,
+            **handover_figures(calls, -math.inf, math.inf),
+            "first_run_end_to_standby_start_s": round(second_start - first_end, 2)
+            if first_end and second_start
+            else None,
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        }
+    )
     shutil.rmtree(project, ignore_errors=True)
     print(f"callbacks handover under cmb-dagster dev on {db.display_url}: {rate} events/s, runs of 300s")
-    print(f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's end to the "
-          f"standby's start (Dagster's run records) {results['first_run_end_to_standby_start_s']}s")
+    print(
+        f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's end to the "
+        f"standby's start (Dagster's run records) {results['first_run_end_to_standby_start_s']}s"
+    )
     print(f"  events due around the handover: {results['due_during_handover']}")
     print(f"  other events: {results['rest']}; {pending} left pending")
     print(json.dumps(results))

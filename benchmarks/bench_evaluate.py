@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cmb_dagster.triggers import All, ChunkDelta, Delay, Delta, Trigger, evaluate  # noqa: E402
+from cmb_dagster.triggers import All, ChunkDelta, Delay, Delta, Trigger, evaluate
 
 ORDERS = ("sales.orders", "loaded_until")
 PRICES = ("sales.prices", "loaded_until")

@@ -8,7 +8,7 @@ Measures (each engine with its own worker processes, set up as its docs recommen
     .venv/bin/pip install -e '.[bench]'
     .venv/bin/python benchmarks/bench_eventqueue.py [--url postgresql://...] [--events 5000] [--seconds 4]
 
-Prints a summary, then one JSON line last.
+Prints a summary, then one JSON line last. benchmarks/README.md keeps the figures of dated runs.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # -- worker processes ---------------------------------------------------------------------------------
 
+
 def _recorder(out: str):  # type: ignore[no-untyped-def]
     fd = os.open(os.path.join(out, f"{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
@@ -46,12 +47,14 @@ def _recorder(out: str):  # type: ignore[no-untyped-def]
 
 
 def run_cmb_worker(url: str, out: str, listen: bool, sweep: float) -> None:
-    from cmb_dagster.eventqueue import EventWorker, HandlerRegistry, WorkerSettings
+    from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegistry, WorkerSettings
 
     record = _recorder(out)
     registry = HandlerRegistry()
     registry.add("noop", lambda event: record(event.value["t"]))
-    worker = EventWorker(url, registry, WorkerSettings(listen=listen, sweep_interval=sweep))
+    worker = EventWorker(
+        url, EventQueueOptions(handlers=registry, worker=WorkerSettings(listen=listen, sweep_interval=sweep))
+    )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop())
     worker.run()
@@ -83,14 +86,17 @@ def run_procrastinate_worker(url: str, out: str, listen: bool, sweep: float) -> 
 
 # -- driver ---------------------------------------------------------------------------------------------
 
+
 def with_db(url: str, name: str) -> str:
     return urlsplit(url)._replace(path=f"/{name}").geturl()
 
 
 def server_info(url: str) -> dict[str, str]:
     with psycopg.connect(url) as conn:
-        return {k: conn.execute(f"SHOW {k}").fetchone()[0]
-                for k in ("server_version", "autovacuum", "fsync", "synchronous_commit", "max_connections")}
+        return {
+            k: conn.execute(f"SHOW {k}").fetchone()[0]
+            for k in ("server_version", "autovacuum", "fsync", "synchronous_commit", "max_connections")
+        }
 
 
 def fresh_database(url: str) -> str:
@@ -122,8 +128,20 @@ def reset(url: str) -> None:
 
 
 def start_workers(engine: str, url: str, out: str, n: int, listen: bool) -> list[subprocess.Popen[bytes]]:
-    command = [sys.executable, str(HERE), "--role", f"{engine}-worker", "--url", url, "--out", out,
-               "--listen", "1" if listen else "0", "--sweep", str(POLL_INTERVAL if not listen else 2.0)]
+    command = [
+        sys.executable,
+        str(HERE),
+        "--role",
+        f"{engine}-worker",
+        "--url",
+        url,
+        "--out",
+        out,
+        "--listen",
+        "1" if listen else "0",
+        "--sweep",
+        str(POLL_INTERVAL if not listen else 2.0),
+    ]
     return [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(n)]
 
 
@@ -147,8 +165,11 @@ def stop_workers(procs: list[subprocess.Popen[bytes]]) -> tuple[float, int]:
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
-        errors += sum(1 for line in err.decode(errors="replace").splitlines()
-                      if "Traceback" in line or " ERROR " in line or "error" in line.lower() and "0 errors" not in line)
+        errors += sum(
+            1
+            for line in err.decode(errors="replace").splitlines()
+            if "Traceback" in line or " ERROR " in line or ("error" in line.lower() and "0 errors" not in line)
+        )
     return cpu, errors
 
 
@@ -199,9 +220,14 @@ def throughput(engine: str, url: str, n_events: int, n_workers: int) -> dict[str
         cpu, errors = stop_workers(procs)
     starts = sorted(s for _, s in found)
     span = starts[-1] - starts[0] if len(starts) > 1 else float("nan")
-    return {"events": len(found), "per_second": round((len(starts) - 1) / span, 1) if span else float("nan"),
-            "seconds": round(span, 3), "worker_cpu_seconds": round(cpu, 2),
-            "worker_cpu_share": round(cpu / span / n_workers, 2) if span else float("nan"), "errors": errors}
+    return {
+        "events": len(found),
+        "per_second": round((len(starts) - 1) / span, 1) if span else float("nan"),
+        "seconds": round(span, 3),
+        "worker_cpu_seconds": round(cpu, 2),
+        "worker_cpu_share": round(cpu / span / n_workers, 2) if span else float("nan"),
+        "errors": errors,
+    }
 
 
 PRODUCERS = 4  # threads, each with its own connection: one commit (fsync) per event caps a single producer
@@ -261,9 +287,16 @@ def latency(engine: str, url: str, rate: float, seconds: float, listen: bool) ->
         cpu, errors = stop_workers(procs)
     lat = sorted((s - e) * 1000 for e, s in found)
     q = statistics.quantiles(lat, n=100) if len(lat) > 2 else [float("nan")] * 99
-    return {"events": len(found), "sent": n, "achieved_rate": round(achieved, 1), "p50_ms": round(q[49], 2),
-            "p99_ms": round(q[98], 2), "max_ms": round(lat[-1], 2) if lat else float("nan"),
-            "worker_cpu_seconds": round(cpu, 2), "errors": errors}
+    return {
+        "events": len(found),
+        "sent": n,
+        "achieved_rate": round(achieved, 1),
+        "p50_ms": round(q[49], 2),
+        "p99_ms": round(q[98], 2),
+        "max_ms": round(lat[-1], 2) if lat else float("nan"),
+        "worker_cpu_seconds": round(cpu, 2),
+        "errors": errors,
+    }
 
 
 def main() -> None:
@@ -296,10 +329,14 @@ def main() -> None:
         results[engine]["latency_notify_low"] = latency(engine, url, args.low_rate, args.seconds, listen=True)
         results[engine]["latency_poll"] = latency(engine, url, args.rate, args.seconds, listen=False)
 
-    print(f"server: Postgres {info['server_version']}, autovacuum={info['autovacuum']}, fsync={info['fsync']}, "
-          f"synchronous_commit={info['synchronous_commit']}; machine shared with other jobs (2 cores)")
-    print(f"procrastinate: its own worker (concurrency=1, listen_notify, polling {POLL_INTERVAL}s when off), "
-          "same no-op task, same database")
+    print(
+        f"server: Postgres {info['server_version']}, autovacuum={info['autovacuum']}, fsync={info['fsync']}, "
+        f"synchronous_commit={info['synchronous_commit']}; machine shared with other jobs (2 cores)"
+    )
+    print(
+        f"procrastinate: its own worker (concurrency=1, listen_notify, polling {POLL_INTERVAL}s when off), "
+        "same no-op task, same database"
+    )
     ratios = {}
     for key, label, field, better in [
         ("throughput_1", "throughput, 1 worker (events/s)", "per_second", "higher"),

@@ -1,6 +1,6 @@
 """Pub/sub benchmark: consumer throughput and commit-to-consume lag, against raw Postgres on this machine.
 
-    flock /tmp/cmb-bench.lock .venv/bin/python benchmarks/bench_pubsub.py [--seconds 10]
+    python benchmarks/bench_pubsub.py [--seconds 10]
 
 Runs on CMB_DATABASE_URL's server (default: the embedded one), in a scratch database it drops after.
 - throughput: one consumer with same-database results (a row per event) while a producer process
@@ -10,7 +10,7 @@ Runs on CMB_DATABASE_URL's server (default: the embedded one), in a scratch data
   (SELECT ... WHERE id > last LIMIT n; INSERT results; UPDATE cursor; COMMIT), the cheapest a
   consumer can be on this server (and the one that skips events);
 - lag: p50/p99 seconds from a producer's commit to the handler call at a steady 1,000 events/s,
-  with the consumer's default settings (``Consumer.run``: lease, worker loop, hints if it has them);
+  with the consumer's default settings (``ConsumerWorker.run``: lease, worker loop, hints if it has them);
 - idle: CPU (user+system) of a consumer process with default settings and no events, and of its
   server backends, as a share of one core.
 Prints a summary, then one JSON object as the last line. Runs the package importable as
@@ -33,7 +33,7 @@ import psycopg
 from psycopg import sql
 
 from cmb_dagster.database import Database
-from cmb_dagster.pubsub import Consumer, install_capture
+from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, install_capture
 from cmb_dagster.settings import Settings
 
 ROWS_PER_TRANSACTION = 100
@@ -42,7 +42,9 @@ BACKLOG = 100_000
 SETUP = """
 CREATE TABLE public.orders (id bigserial PRIMARY KEY, customer int NOT NULL, amount int NOT NULL, note text NOT NULL);
 CREATE TABLE public.results (event_id bigint NOT NULL, amount int NOT NULL);
-CREATE TABLE public.raw_orders (id bigserial PRIMARY KEY, customer int NOT NULL, amount int NOT NULL, note text NOT NULL);
+CREATE TABLE public.raw_orders (
+    id bigserial PRIMARY KEY, customer int NOT NULL, amount int NOT NULL, note text NOT NULL
+);
 CREATE TABLE public.raw_events (id bigserial PRIMARY KEY, payload jsonb NOT NULL);
 CREATE TABLE public.raw_cursor (name text PRIMARY KEY, last_id bigint NOT NULL);
 INSERT INTO public.raw_cursor VALUES ('bench', 0);
@@ -103,7 +105,8 @@ def results_count(db: Database) -> int:
 def reset(db: Database) -> None:
     with db.connection() as conn:
         conn.execute(
-            "TRUNCATE public.results, public.orders, public.raw_orders, public.raw_events, cmb.pubsub_events RESTART IDENTITY"
+            "TRUNCATE public.results, public.orders, public.raw_orders, public.raw_events, cmb.pubsub_events"
+            " RESTART IDENTITY"
         )
         conn.execute("DELETE FROM cmb.pubsub_watermarks")
         conn.execute("UPDATE public.raw_cursor SET last_id = 0")
@@ -128,7 +131,7 @@ def raw_consumer_loop(db: Database, batch: int, until: float, total: int | None 
 
 
 def our_consumer_loop(db: Database, batch: int, until: float, name: str, total: int | None = None) -> int:
-    consumer = Consumer(db, name, 0, handler, batch_size=batch)
+    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id=name, handler=handler, batch_size=batch))
     consumed = 0
     while time.monotonic() < until and (total is None or consumed < total):
         n = consumer.run_once()
@@ -143,7 +146,7 @@ def with_producer(db: Database, raw: bool, batch: int, seconds: float) -> dict[s
     proc, queue = start_producer(db.url, raw, seconds)
     started = time.monotonic()
     until = started + seconds
-    consumed = (raw_consumer_loop(db, batch, until) if raw else our_consumer_loop(db, batch, until, f"tp{batch}"))
+    consumed = raw_consumer_loop(db, batch, until) if raw else our_consumer_loop(db, batch, until, f"tp{batch}")
     elapsed = time.monotonic() - started
     produced, _ = queue.get(timeout=60)
     proc.join(30)
@@ -175,7 +178,7 @@ def lag(db: Database, seconds: float, rate: float, idle_sleep: float | None = No
             received[e.key["id"]] = now
 
     kwargs = {} if idle_sleep is None else {"idle_sleep": idle_sleep}
-    consumer = Consumer(db, f"lag{idle_sleep}", 0, timing_handler, **kwargs)
+    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id=f"lag{idle_sleep}", handler=timing_handler, **kwargs))
     proc, queue = start_producer(db.url, False, seconds, rate)
     runner = threading.Thread(target=consumer.run)
     runner.start()
@@ -205,7 +208,7 @@ def lag(db: Database, seconds: float, rate: float, idle_sleep: float | None = No
 
 
 def idle_consumer(url: str, seconds: float) -> None:
-    Consumer(Database(url), "idle", 0, handler).run(seconds)
+    ConsumerWorker(Database(url), ConsumerSpec(consumer_id="idle", handler=handler)).run(seconds)
 
 
 def idle_cpu(db: Database, seconds: float) -> dict[str, float]:
@@ -214,10 +217,16 @@ def idle_cpu(db: Database, seconds: float) -> dict[str, float]:
     proc = multiprocessing.Process(target=idle_consumer, args=(db.url, seconds + 3))
     proc.start()
     with db.connect(autocommit=True) as conn:
+
         def backends() -> list[int]:
-            return [r[0] for r in conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                " AND backend_type = 'client backend'")]
+            return [
+                r[0]
+                for r in conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    " AND backend_type = 'client backend'"
+                )
+            ]
+
         deadline = time.monotonic() + 10
         while len(backends()) < 2 and time.monotonic() < deadline:  # pool + listener connected
             time.sleep(0.1)
@@ -240,8 +249,11 @@ def idle_cpu(db: Database, seconds: float) -> dict[str, float]:
         c1, s1, t1 = *cpu(), time.monotonic()
     proc.join(30)
     wall = t1 - t0
-    return {"client_core_share": round((c1 - c0) / wall, 4), "server_core_share": round((s1 - s0) / wall, 4),
-            "backends": len(pids)}
+    return {
+        "client_core_share": round((c1 - c0) / wall, 4),
+        "server_core_share": round((s1 - s0) / wall, 4),
+        "backends": len(pids),
+    }
 
 
 def main() -> None:
@@ -270,24 +282,32 @@ def main() -> None:
                 for raw_loop in (False, True):
                     drains[raw_loop].append(drain(db, raw_loop, batch))
             figures[f"batch_{batch}"] = {
-                "ours": ours, "raw": raw, "ratio": round(ours["consumed_per_s"] / raw["consumed_per_s"], 2),
-                "drain_ours_per_s": max(drains[False]), "drain_raw_per_s": max(drains[True]),
+                "ours": ours,
+                "raw": raw,
+                "ratio": round(ours["consumed_per_s"] / raw["consumed_per_s"], 2),
+                "drain_ours_per_s": max(drains[False]),
+                "drain_raw_per_s": max(drains[True]),
             }
             figures[f"batch_{batch}"]["drain_ratio"] = round(
-                figures[f"batch_{batch}"]["drain_ours_per_s"] / figures[f"batch_{batch}"]["drain_raw_per_s"], 2)
+                figures[f"batch_{batch}"]["drain_ours_per_s"] / figures[f"batch_{batch}"]["drain_raw_per_s"], 2
+            )
         figures["lag_at_1000_per_s"] = lag(db, max(args.seconds, 10.0), 1000.0)  # default settings
         figures["idle_cpu"] = idle_cpu(db, max(args.seconds, 10.0))
         with db.connection() as conn:
-            figures["settings"] = dict(conn.execute(
-                "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', 'fsync', 'synchronous_commit')"
-            ).fetchall())
+            figures["settings"] = dict(
+                conn.execute(
+                    "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', 'fsync', 'synchronous_commit')"
+                ).fetchall()
+            )
     finally:
         db.close()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
-    print(f"pub/sub benchmark on Postgres {version} ({figures['settings']}), {args.seconds:.0f}s runs, "
-          f"producer in its own process")
+    print(
+        f"pub/sub benchmark on Postgres {version} ({figures['settings']}), {args.seconds:.0f}s runs, "
+        f"producer in its own process"
+    )
     for batch in (100, 1000):
         f = figures[f"batch_{batch}"]
         print(
@@ -302,11 +322,14 @@ def main() -> None:
     f = figures["lag_at_1000_per_s"]
     print(
         f"  lag at {f['events_per_s']:,} events/s, default settings: p50 {f['p50_s'] * 1000:.1f} ms, "
-        f"p99 {f['p99_s'] * 1000:.1f} ms, max {f['max_s'] * 1000:.0f} ms ({f['delivered']:,}/{f['produced']:,} delivered)"
+        f"p99 {f['p99_s'] * 1000:.1f} ms, max {f['max_s'] * 1000:.0f} ms "
+        f"({f['delivered']:,}/{f['produced']:,} delivered)"
     )
     f = figures["idle_cpu"]
-    print(f"  idle consumer: {f['client_core_share'] * 100:.2f}% of a core in the consumer process, "
-          f"{f['server_core_share'] * 100:.2f}% in its {f['backends']} server backends")
+    print(
+        f"  idle consumer: {f['client_core_share'] * 100:.2f}% of a core in the consumer process, "
+        f"{f['server_core_share'] * 100:.2f}% in its {f['backends']} server backends"
+    )
     sys.stdout.flush()
     print(json.dumps(figures))
 

@@ -28,13 +28,13 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec  # noqa: E402
-from cmb_dagster.reactive.scheduler import TaskScheduler  # noqa: E402
-from cmb_dagster.ctl.store import CtlStore  # noqa: E402
-from cmb_dagster.database import Database  # noqa: E402
-from cmb_dagster.embedded import embedded_url  # noqa: E402
-from cmb_dagster.settings import Settings  # noqa: E402
-from cmb_dagster.triggers import All, ChunkDelta, Delay  # noqa: E402
+from cmb_dagster.ctl.store import CtlStore
+from cmb_dagster.database import Database
+from cmb_dagster.embedded import embedded_url
+from cmb_dagster.reactive.engine import TaskScheduler
+from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.settings import Settings
+from cmb_dagster.triggers import All, ChunkDelta, Delay
 
 BASE = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(days=1)
 ROUND_TRIPS = 0
@@ -110,10 +110,18 @@ def scenario(url: str, tasks: int, parameters: int, changes: int, *more_changes:
             store.set_many({key(i * (parameters // count)): BASE + timedelta(hours=hour) for i in range(count)})
             tick = measured_tick(engine)
             follow_up = measured_tick(engine)  # those runs succeeded
-            rounds.append({
-                "tasks": tasks, "parameters": parameters, "changes": count, "tick": tick, "follow_up_tick": follow_up,
-                "idle_tick": idle, "first_tick": first, "setup_seconds": round(setup, 2),
-            })
+            rounds.append(
+                {
+                    "tasks": tasks,
+                    "parameters": parameters,
+                    "changes": count,
+                    "tick": tick,
+                    "follow_up_tick": follow_up,
+                    "idle_tick": idle,
+                    "first_tick": first,
+                    "setup_seconds": round(setup, 2),
+                }
+            )
         return rounds[0] if not more_changes else rounds  # type: ignore[return-value]
     finally:
         with db.connect(autocommit=True) as conn:
@@ -150,10 +158,13 @@ def main() -> None:
 
     def row(r: dict) -> str:
         t = r["tick"]
-        return (f"{r['tasks']:>7,} tasks {r['parameters']:>6,} params {r['changes']:>5,} changed: "
-                f"tick {t['seconds'] * 1000:7.1f} ms, {t['round_trips']:3d} round trips, "
-                f"{t['evaluated']:6,} evaluated, {t['launched']:6,} launched; "
-                f"follow-up {r['follow_up_tick']['seconds'] * 1000:6.1f} ms; idle {r['idle_tick']['seconds'] * 1000:5.1f} ms")
+        return (
+            f"{r['tasks']:>7,} tasks {r['parameters']:>6,} params {r['changes']:>5,} changed: "
+            f"tick {t['seconds'] * 1000:7.1f} ms, {t['round_trips']:3d} round trips, "
+            f"{t['evaluated']:6,} evaluated, {t['launched']:6,} launched; "
+            f"follow-up {r['follow_up_tick']['seconds'] * 1000:6.1f} ms; "
+            f"idle {r['idle_tick']['seconds'] * 1000:5.1f} ms"
+        )
 
     print("headline (target < 1 s):")
     print("  " + row(headline))
@@ -168,16 +179,27 @@ def main() -> None:
         print(f"100,000 tasks (setup: first tick {large[0]['first_tick']['seconds']:.1f} s):")
         for r in large:
             print("  " + row(r))
-    print(f"server: PostgreSQL {settings['server_version']}, autovacuum={settings['autovacuum']}, "
-          f"fsync={settings['fsync']}, synchronous_commit={settings['synchronous_commit']}; "
-          f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(json.dumps({
-        "headline": headline,
-        "by_changes": [{"changes": r["changes"], **r["tick"]} for r in sorted([headline, *by_changes], key=lambda r: r["changes"])],
-        "by_tasks": [{"tasks": r["tasks"], **r["tick"]} for r in sorted([headline, *by_tasks], key=lambda r: r["tasks"])],
-        "large": [{"tasks": r["tasks"], "changes": r["changes"], **r["tick"]} for r in large],
-        "server": settings,
-    }))
+    print(
+        f"server: PostgreSQL {settings['server_version']}, autovacuum={settings['autovacuum']}, "
+        f"fsync={settings['fsync']}, synchronous_commit={settings['synchronous_commit']}; "
+        f"load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        json.dumps(
+            {
+                "headline": headline,
+                "by_changes": [
+                    {"changes": r["changes"], **r["tick"]}
+                    for r in sorted([headline, *by_changes], key=lambda r: r["changes"])
+                ],
+                "by_tasks": [
+                    {"tasks": r["tasks"], **r["tick"]} for r in sorted([headline, *by_tasks], key=lambda r: r["tasks"])
+                ],
+                "large": [{"tasks": r["tasks"], "changes": r["changes"], **r["tick"]} for r in large],
+                "server": settings,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

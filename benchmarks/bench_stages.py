@@ -1,7 +1,7 @@
 """Stage scheduler benchmark: entities/s through 3 stages (1 and 2 workers, and with 10% concurrent
 external updates), side by side with the same pipeline as a 3-step DBOS workflow per entity; timer lateness.
 
-    flock -x /work/wt/cpu.lock .venv/bin/python benchmarks/bench_stages.py [--count 5000] [--timers 100000 --timer-window 60]
+    .venv/bin/python benchmarks/bench_stages.py [--count 5000] [--timers 100000 --timer-window 60]
 
 Runs on CMB_DATABASE_URL (or the embedded server) in databases of its own, dropped at the end. cmb workers
 are `cmb-dagster stages worker` processes; DBOS (pip install dbos, the `bench` extra) runs in a process of
@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -63,8 +63,9 @@ class Step(Stage):
     def process(self, entity: Entity, state: Seen) -> StageResult:
         if self.source not in entity.payload or self.target in entity.payload:
             return StageResult()
-        return StageResult(update=MergePatch({self.target: entity.payload[self.source] + 1}),
-                           new_state=Seen(runs=state.runs + 1))
+        return StageResult(
+            update=MergePatch({self.target: entity.payload[self.source] + 1}), new_state=Seen(runs=state.runs + 1)
+        )
 
 
 class Due(Stage):
@@ -82,12 +83,17 @@ class Due(Stage):
         return StageResult(update=MergePatch({"late_ms": round(late * 1000, 2)}))
 
 
-pipeline = StageOptions(stages=[Step("first", "a", "b"), Step("second", "b", "c"), Step("third", "c", "d")],
-                        shard_count=8, batch_size=500, idle_sleep=0.5)
+pipeline = StageOptions(
+    stages=[Step("first", "a", "b"), Step("second", "b", "c"), Step("third", "c", "d")],
+    shard_count=8,
+    batch_size=500,
+    idle_sleep=0.5,
+)
 timers = StageOptions(stages=[Due()], shard_count=4, batch_size=1000, idle_sleep=0.5, publish=False)
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def server_url() -> str:
     from cmb_dagster.embedded import embedded_url
@@ -102,7 +108,7 @@ def with_db(url: str, name: str) -> str:
 
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))] if ordered else float("nan")
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def create_db(server: str, name: str) -> str:
@@ -119,8 +125,10 @@ def drop_db(server: str, name: str) -> None:
 
 def server_settings(url: str) -> dict[str, str]:
     with psycopg.connect(url) as conn:
-        return {k: conn.execute(f"SHOW {k}").fetchone()[0]
-                for k in ("server_version", "autovacuum", "fsync", "synchronous_commit", "shared_buffers")}
+        return {
+            k: conn.execute(f"SHOW {k}").fetchone()[0]
+            for k in ("server_version", "autovacuum", "fsync", "synchronous_commit", "shared_buffers")
+        }
 
 
 STARTED: list[subprocess.Popen] = []
@@ -130,9 +138,14 @@ def start_workers(url: str, options: str, n: int) -> list[subprocess.Popen]:
     env = {**os.environ, "CMB_DATABASE_URL": url, "PYTHONPATH": f"{ROOT / 'benchmarks'}{os.pathsep}{ROOT}"}
     procs = []
     for i in range(n):  # stderr to a file: a full pipe would stall a worker that logs
-        log = tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([*CLI, "stages", "worker", "--stages", f"bench_stages:{options}", "--index", str(i),
-                                 "--workers", str(n)], env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - the worker process writes it until it ends
+        proc = subprocess.Popen(
+            [*CLI, "stages", "worker", "--stages", f"bench_stages:{options}", "--index", str(i), "--workers", str(n)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
+        )
         proc.log = log  # type: ignore[attr-defined]
         procs.append(proc)
     STARTED.extend(procs)
@@ -174,6 +187,7 @@ def wait_count(url: str, key: str, n: int, timeout: float) -> float:
 
 # -- cmb -----------------------------------------------------------------------------------------
 
+
 def bench_cmb(server: str, count: int, workers: int, external_share: float = 0.0) -> dict[str, float]:
     name = f"cmb_bench_stages_{uuid.uuid4().hex[:6]}"
     url = create_db(server, name)
@@ -195,8 +209,10 @@ def bench_cmb(server: str, count: int, workers: int, external_share: float = 0.0
                 for i in targets:
                     if stop.is_set():
                         break
-                    conn.execute("UPDATE cmb.stage_entities SET payload = payload || '{\"x\": 1}' WHERE entity_id = %s",
-                                 (f"e{i}",))
+                    conn.execute(
+                        "UPDATE cmb.stage_entities SET payload = payload || '{\"x\": 1}' WHERE entity_id = %s",
+                        (f"e{i}",),
+                    )
                     external.append(i)
                     time.sleep(0.0005)
 
@@ -211,18 +227,27 @@ def bench_cmb(server: str, count: int, workers: int, external_share: float = 0.0
         stop_workers(procs)
         cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
         with psycopg.connect(url) as conn:
-            processed, conflicts = conn.execute("SELECT sum(processed), sum(conflicts) FROM cmb.stage_counters").fetchone()
-            wrong = conn.execute("SELECT count(*) FROM cmb.stage_entities WHERE (payload->>'d')::int <> (payload->>'a')::int + 3").fetchone()[0]
+            processed, conflicts = conn.execute(
+                "SELECT sum(processed), sum(conflicts) FROM cmb.stage_counters"
+            ).fetchone()
+            wrong = conn.execute(
+                "SELECT count(*) FROM cmb.stage_entities WHERE (payload->>'d')::int <> (payload->>'a')::int + 3"
+            ).fetchone()[0]
         if wrong:
             raise SystemExit(f"{wrong} entities have a wrong result")
         seconds = ended - started
         db.close()
         return {
-            "entities": count, "workers": workers, "seconds": round(seconds, 3),
+            "entities": count,
+            "workers": workers,
+            "seconds": round(seconds, 3),
             "entities_per_s": round(count / seconds, 1),
-            "external_updates": len(external), "conflict_retries": int(conflicts or 0),
+            "external_updates": len(external),
+            "conflict_retries": int(conflicts or 0),
             "conflict_rate": round(float(conflicts or 0) / max(1, int(processed or 1)), 4),
-            "worker_cpu_s": round((cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime), 2),
+            "worker_cpu_s": round(
+                (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime), 2
+            ),
         }
     finally:
         drop_db(server, name)
@@ -230,7 +255,7 @@ def bench_cmb(server: str, count: int, workers: int, external_share: float = 0.0
 
 # -- DBOS ----------------------------------------------------------------------------------------
 
-DBOS_APP = r'''
+DBOS_APP = r"""
 import os, sys, time, json
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -263,7 +288,10 @@ if __name__ == "__main__":
     queue = DBOS.register_queue("pipeline", worker_concurrency=int(os.environ.get("DBOS_CONCURRENCY", "16")),
                                 polling_interval_sec=0.1)
     with pool.connection() as conn:
-        conn.execute("CREATE TABLE IF NOT EXISTS entities (entity_id text PRIMARY KEY, version bigint NOT NULL DEFAULT 1, payload jsonb NOT NULL)")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS entities"
+            " (entity_id text PRIMARY KEY, version bigint NOT NULL DEFAULT 1, payload jsonb NOT NULL)"
+        )
     print("ready", flush=True)
     sys.stdin.readline()
     started = time.monotonic()
@@ -280,7 +308,7 @@ if __name__ == "__main__":
     seconds = time.monotonic() - started
     print(json.dumps({"seconds": seconds}), flush=True)
     DBOS.destroy()
-'''
+"""
 
 
 def bench_dbos(server: str, count: int) -> dict[str, float]:
@@ -295,8 +323,13 @@ def bench_dbos(server: str, count: int) -> dict[str, float]:
     script.write_text(DBOS_APP)
     try:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = subprocess.Popen([sys.executable, str(script), app_url, sys_url, str(count)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), app_url, sys_url, str(count)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         line = proc.stdout.readline()
         if line.strip() != "ready":
             raise SystemExit(f"DBOS did not start: {line} {proc.stderr.read()[-2000:]}")
@@ -308,9 +341,13 @@ def bench_dbos(server: str, count: int) -> dict[str, float]:
             raise SystemExit(f"DBOS run failed ({proc.returncode}): {err[-2000:]}")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         seconds = result["seconds"]
-        return {"entities": count, "seconds": round(seconds, 3), "entities_per_s": round(count / seconds, 1),
-                "cpu_s": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 2),
-                "errors_logged": err.count("Traceback")}
+        return {
+            "entities": count,
+            "seconds": round(seconds, 3),
+            "entities_per_s": round(count / seconds, 1),
+            "cpu_s": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 2),
+            "errors_logged": err.count("Traceback"),
+        }
     finally:
         script.unlink(missing_ok=True)
         drop_db(server, app)
@@ -318,6 +355,7 @@ def bench_dbos(server: str, count: int) -> dict[str, float]:
 
 
 # -- timers --------------------------------------------------------------------------------------
+
 
 def bench_timers(server: str, count: int, window: float) -> dict[str, float]:
     name = f"cmb_bench_timers_{uuid.uuid4().hex[:6]}"
@@ -335,24 +373,42 @@ def bench_timers(server: str, count: int, window: float) -> dict[str, float]:
         first_due = time.time() + lead
         with psycopg.connect(url) as conn:
             conn.execute("SELECT set_config('cmb.stages_writer', 'bench', true)")
-            conn.execute("INSERT INTO cmb.stage_entities (entity_id, payload) SELECT 't' || i, "
-                         "jsonb_build_object('due', %s::float8 + %s::float8 * i / %s) FROM generate_series(0, %s - 1) i",
-                         (first_due, window, count, count))
-            conn.execute("INSERT INTO cmb.stage_queue (entity_id, stage, shard_id, lane, due_at) "
-                         "SELECT entity_id, 'due', cmb.stage_hash(entity_id) % (SELECT shard_count FROM cmb.stage_settings), "
-                         "0, to_timestamp((payload->>'due')::float8) FROM cmb.stage_entities WHERE entity_id LIKE 't%'")
+            conn.execute(
+                "INSERT INTO cmb.stage_entities (entity_id, payload) SELECT 't' || i, "
+                "jsonb_build_object('due', %s::float8 + %s::float8 * i / %s) FROM generate_series(0, %s - 1) i",
+                (first_due, window, count, count),
+            )
+            conn.execute(
+                "INSERT INTO cmb.stage_queue (entity_id, stage, shard_id, lane, due_at) "
+                "SELECT entity_id, 'due', cmb.stage_hash(entity_id) % (SELECT shard_count FROM cmb.stage_settings), "
+                "0, to_timestamp((payload->>'due')::float8) FROM cmb.stage_entities WHERE entity_id LIKE 't%'"
+            )
         with psycopg.connect(url) as conn:
             queued = conn.execute("SELECT count(*) FROM cmb.stage_queue").fetchone()[0]
         if time.time() > first_due:
-            print(f"warning: the timers were queued {time.time() - first_due:.1f}s after the first was due", file=sys.stderr)
+            print(
+                f"warning: the timers were queued {time.time() - first_due:.1f}s after the first was due",
+                file=sys.stderr,
+            )
         wait_count(url, "late_ms", count + 1, lead + window + 120)
         stop_workers(procs)
         with psycopg.connect(url) as conn:
-            late = [r[0] for r in conn.execute("SELECT (payload->>'late_ms')::float8 FROM cmb.stage_entities WHERE entity_id <> 'warmup'")]
+            late = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT (payload->>'late_ms')::float8 FROM cmb.stage_entities WHERE entity_id <> 'warmup'"
+                )
+            ]
         db.close()
-        return {"timers": count, "window_s": window, "queued_before_first_due": queued,
-                "p50_ms": round(percentile(late, 50), 1), "p99_ms": round(percentile(late, 99), 1),
-                "max_ms": round(max(late), 1), "early": sum(1 for x in late if x < 0)}
+        return {
+            "timers": count,
+            "window_s": window,
+            "queued_before_first_due": queued,
+            "p50_ms": round(percentile(late, 50), 1),
+            "p99_ms": round(percentile(late, 99), 1),
+            "max_ms": round(max(late), 1),
+            "early": sum(1 for x in late if x < 0),
+        }
     finally:
         drop_db(server, name)
 
@@ -368,15 +424,20 @@ def main() -> None:
     args = parser.parse_args()
     server = server_url()
     settings = server_settings(server)
-    print(f"stages benchmark on {Database(server).display_url}: Postgres {settings['server_version']}, "
-          f"autovacuum={settings['autovacuum']}, fsync={settings['fsync']}, synchronous_commit={settings['synchronous_commit']}, "
-          f"{os.cpu_count()} CPUs (shared)")
+    print(
+        f"stages benchmark on {Database(server).display_url}: Postgres {settings['server_version']}, "
+        f"autovacuum={settings['autovacuum']}, fsync={settings['fsync']}, "
+        f"synchronous_commit={settings['synchronous_commit']}, "
+        f"{os.cpu_count()} CPUs (shared)"
+    )
     results: dict[str, object] = {"benchmark": "stages", "server": settings, "cpus": os.cpu_count()}
-    runs = [("cmb_1_worker", lambda: bench_cmb(server, args.count, 1)),
-            ("dbos", lambda: {"skipped": "--skip-dbos"} if args.skip_dbos else bench_dbos(server, args.count)),
-            ("cmb_2_workers", lambda: bench_cmb(server, args.count, 2)),
-            ("cmb_1_worker_10pct_external", lambda: bench_cmb(server, args.count, 1, 0.10))]
-    for key, run in ([] if args.only_timers else runs):
+    runs = [
+        ("cmb_1_worker", lambda: bench_cmb(server, args.count, 1)),
+        ("dbos", lambda: {"skipped": "--skip-dbos"} if args.skip_dbos else bench_dbos(server, args.count)),
+        ("cmb_2_workers", lambda: bench_cmb(server, args.count, 2)),
+        ("cmb_1_worker_10pct_external", lambda: bench_cmb(server, args.count, 1, 0.10)),
+    ]
+    for key, run in [] if args.only_timers else runs:
         results[key] = run()
         print(f"{key:30} {results[key]}")
     if not args.only_timers and "entities_per_s" in results["dbos"]:  # type: ignore[operator]

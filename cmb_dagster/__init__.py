@@ -22,6 +22,7 @@ __all__ = [
     "CallbackOptions",
     "CmbError",
     "CmbResource",
+    "CmbTranslator",
     "ConfigError",
     "ConsumerSpec",
     "CtlResource",
@@ -48,10 +49,11 @@ __all__ = [
 __getattr__ = lazy_names(
     __name__,
     {
-        "CallbackOptions": "cmb_dagster.callbacks.dagster_defs",
+        "CallbackOptions": "cmb_dagster.callbacks.models",
         "CmbResource": "cmb_dagster.resources",
+        "CmbTranslator": "cmb_dagster.dagster_translator",
         "CtlResource": "cmb_dagster.ctl.dagster_resources",
-        "ReactiveOptions": "cmb_dagster.reactive.dagster_defs",
+        "ReactiveOptions": "cmb_dagster.reactive.models",
         "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
         "cmb_definitions": "cmb_dagster.definitions",
         "ctl_metadata": "cmb_dagster.ctl.dagster_resources",

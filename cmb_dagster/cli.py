@@ -41,7 +41,7 @@ SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
 
 def dagster_storage_url(url: str) -> str:
     """``url`` as a SQLAlchemy URL on psycopg2, which dagster-postgres needs for NOTIFY."""
-    scheme, rest = url.split("://", 1)
+    _, rest = url.split("://", 1)
     return f"postgresql+psycopg2://{rest}"
 
 
@@ -82,7 +82,7 @@ class CmbGroup(click.Group):
                 result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             except SystemExit:
                 raise
-            except BaseException as exc:  # noqa: BLE001 - every error ends as one line, KeyboardInterrupt too
+            except BaseException as exc:  # every error ends as one line, KeyboardInterrupt too
                 code = report_error(exc, clean, debug=self.debug, command=self.command_path_of(args))
                 if standalone_mode:
                     sys.exit(code)
@@ -90,7 +90,6 @@ class CmbGroup(click.Group):
         if standalone_mode:
             sys.exit(result if isinstance(result, int) else 0)
         return result
-
 
     def command_path_of(self, args: Sequence[str] | None) -> str:
         """``cmb-dagster group command``: the command that ``args`` name, as far as they name one."""
@@ -115,8 +114,14 @@ def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
 
 @click.group(cls=CmbGroup)
 @click.version_option(package_name="cmb-dagster")
-@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
-              help=f"On an error, print the traceback (passwords masked) before the one-line message; or set {DEBUG_ENV}=1.")
+@click.option(
+    "--debug",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_set_debug,
+    help=f"On an error, print the traceback (passwords masked) before the one-line message; or set {DEBUG_ENV}=1.",
+)
 def main() -> None:
     """cmb_dagster: reactive, event-driven pipelines for Dagster on Postgres."""
 
@@ -201,11 +206,15 @@ def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[st
         )
         return f"invalid {exc.title}: {_one_line(problems)}; check the command's arguments", 1
     if isinstance(exc, psycopg_pool.PoolTimeout):
-        return (f"no database connection available ({_one_line(str(exc))}); check that the server runs and accepts "
-                "connections and that CMB_DATABASE_URL is right"), 1
+        return (
+            f"no database connection available ({_one_line(str(exc))}); check that the server runs and accepts "
+            "connections and that CMB_DATABASE_URL is right"
+        ), 1
     if isinstance(exc, psycopg.OperationalError) and not exc.sqlstate:
-        return (f"database connection failed ({_one_line(str(exc))}); check that the server runs and that "
-                "CMB_DATABASE_URL is right"), 1
+        return (
+            f"database connection failed ({_one_line(str(exc))}); check that the server runs and that "
+            "CMB_DATABASE_URL is right"
+        ), 1
     if isinstance(exc, psycopg.Error):
         return f"the database refused the command: {_psycopg_line(exc)}; {_psycopg_hint(exc)}", 1
     if isinstance(exc, ValueError | OverflowError | TypeError):
@@ -247,8 +256,13 @@ REAP_WAIT_S = 5  # then, at most, for the killed processes to be reaped
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of the Dagster UI.")
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535), help="Port of the Dagster UI.")
 @click.option("-w", "--workspace", default="workspace.yaml", show_default=True, type=click.Path(dir_okay=False))
-@click.option("--sink-port", default=8765, show_default=True, type=click.IntRange(0, 65535),
-              help="Port of the local endpoint that receives demo callbacks (0: none).")
+@click.option(
+    "--sink-port",
+    default=8765,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port of the local endpoint that receives demo callbacks (0: none).",
+)
 def dev(host: str, port: int, workspace: str, sink_port: int) -> None:
     """Start Postgres if needed, migrate, then run the Dagster webserver and daemon.
 
@@ -263,10 +277,14 @@ def dev(host: str, port: int, workspace: str, sink_port: int) -> None:
     env = {**os.environ, **dagster_env(settings, db)}
     if "DAGSTER_HOME" not in env:
         if not Path("dagster.yaml").is_file():
-            raise click.ClickException(f"no dagster.yaml in {Path.cwd()}; run from your project's root or set DAGSTER_HOME")
+            raise click.ClickException(
+                f"no dagster.yaml in {Path.cwd()}; run from your project's root or set DAGSTER_HOME"
+            )
         env["DAGSTER_HOME"] = str(Path.cwd())
     status = db.status()
-    click.echo(f"cmb_dagster: Postgres {status['server_version']} at {db.display_url}, schema {db.schema} v{status['version']}")
+    click.echo(
+        f"cmb_dagster: Postgres {status['server_version']} at {db.display_url}, schema {db.schema} v{status['version']}"
+    )
     sink = _start_sink(sink_port) if sink_port else None
     click.echo(f"Dagster UI: http://{host}:{port}  (Ctrl-C stops everything)")
     sys.stdout.flush()
@@ -343,9 +361,12 @@ def _session_members(session: int) -> set[int]:
 
 
 @main.command()
-@click.option("--show-secrets", is_flag=True,
-              help="Print passwords literally (e.g. for a .env file) instead of reading them from the variables "
-                   "of the shell that evaluates the exports.")
+@click.option(
+    "--show-secrets",
+    is_flag=True,
+    help="Print passwords literally (e.g. for a .env file) instead of reading them from the variables "
+    "of the shell that evaluates the exports.",
+)
 def env(show_secrets: bool) -> None:
     """Print the exports that let `dagster dev` or `dagster-daemon` run on the cmb server directly.
 
@@ -367,12 +388,20 @@ def env_lines(values: dict[str, str], settings: Settings, *, show_secrets: bool)
             lines.append(f"export {key}={shlex.quote(value)}")
         elif os.environ.get(key) == value:
             lines.append(f"export {key}")  # already in the environment: export it as it is, unprinted
-        elif key == "CMB_DAGSTER_STORAGE_URL" and settings.database_url and value == dagster_storage_url(settings.database_url):
-            lines.append(': "${CMB_DATABASE_URL:?is not set in this shell; cmb-dagster env refers to it for the password '
-                         '(or use --show-secrets)}"')
+        elif (
+            key == "CMB_DAGSTER_STORAGE_URL"
+            and settings.database_url
+            and value == dagster_storage_url(settings.database_url)
+        ):
+            lines.append(
+                ': "${CMB_DATABASE_URL:?is not set in this shell; cmb-dagster env refers to it for the password '
+                '(or use --show-secrets)}"'
+            )
             lines.append('export CMB_DAGSTER_STORAGE_URL="postgresql+psycopg2://${CMB_DATABASE_URL#*://}"')
         else:
-            raise click.ClickException(f"{key} holds a password that cmb-dagster env does not print; use --show-secrets")
+            raise click.ClickException(
+                f"{key} holds a password that cmb-dagster env does not print; use --show-secrets"
+            )
     return lines
 
 
@@ -419,7 +448,6 @@ def stop() -> None:
     if settings.database_url:
         raise click.ClickException("CMB_DATABASE_URL is set: there is no embedded server to stop")
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
-
 
 
 for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):

@@ -11,6 +11,7 @@ import click
 from cmb_dagster.database import Database
 from cmb_dagster.settings import Settings
 
+
 def open_database(schema: str | None = None) -> Database:
     """The database named by the environment (starting the embedded server if needed)."""
     return Database.from_settings(Settings.from_env(schema_name=schema))

@@ -4,12 +4,15 @@ from typing import Any
 
 from dagster import Definitions
 
-from cmb_dagster.callbacks.dagster_defs import CallbackOptions, callback_definitions
+from cmb_dagster.callbacks.dagster_defs import callback_definitions
+from cmb_dagster.callbacks.models import CallbackOptions
+from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.eventqueue.dagster_defs import eventqueue_definitions
 from cmb_dagster.eventqueue.models import EventQueueOptions
 from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import PubSubOptions
-from cmb_dagster.reactive.dagster_defs import ReactiveOptions, reactive_definitions
+from cmb_dagster.reactive.dagster_defs import reactive_definitions
+from cmb_dagster.reactive.models import ReactiveOptions
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.stages.dagster_defs import stages_definitions
 from cmb_dagster.stages.models import StageOptions
@@ -24,25 +27,28 @@ def cmb_definitions(
     events: EventQueueOptions | None = None,
     prefix: str = "cmb_",
     resource: CmbResource | None = None,
+    translator: CmbTranslator = DEFAULT_TRANSLATOR,
     **definitions: Any,
 ) -> Definitions:
     """Definitions with the ``cmb`` resource, each engine whose options are given, and your own definitions.
 
     Each engine's options object documents what it adds and its defaults. ``prefix`` starts the name of
     every job, sensor and schedule cmb_dagster adds, so two code locations don't collide. ``resource``
-    defaults to ``CmbResource()`` (``CMB_DATABASE_URL`` or the embedded server). Your own ``jobs``,
+    defaults to ``CmbResource()`` (``CMB_DATABASE_URL`` or the embedded server); ``translator`` names the assets
+    the engines add (subclass :class:`CmbTranslator` to choose their keys and groups). Your own ``jobs``,
     ``assets``, ``schedules``, ``sensors``, ``resources`` (any ``Definitions`` argument) are merged in.
     """
     resource = resource or CmbResource()
+    shell = {"prefix": prefix, "resource": resource, "translator": translator}
     parts = [Definitions(resources={"cmb": resource}), Definitions(**definitions)]
     if reactive is not None:
-        parts.append(reactive_definitions(reactive, resource, prefix=prefix, assets=definitions.get("assets") or ()))
+        parts.append(reactive_definitions(reactive, **shell, assets=definitions.get("assets") or ()))
     if pubsub is not None:
-        parts.append(pubsub_definitions(pubsub, prefix=prefix))
+        parts.append(pubsub_definitions(pubsub, **shell))
     if callbacks is not None:
-        parts.append(callback_definitions(callbacks, prefix=prefix))
+        parts.append(callback_definitions(callbacks, **shell))
     if stages is not None:
-        parts.append(stages_definitions(stages, prefix=prefix))
+        parts.append(stages_definitions(stages, **shell))
     if events is not None:
-        parts.append(eventqueue_definitions(events, prefix=prefix, resource=resource))
+        parts.append(eventqueue_definitions(events, **shell))
     return Definitions.merge(*parts)

@@ -55,8 +55,9 @@ def shorten(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[: limit - 12]}... ({len(text)} chars)"
 
 
-def check_text(value: Any, field: str, *, max_length: int, error: type[InvalidInput] = InvalidInput,
-               allow_empty: bool = False) -> str:
+def check_text(
+    value: Any, field: str, *, max_length: int, error: type[InvalidInput] = InvalidInput, allow_empty: bool = False
+) -> str:
     """``value`` if it is a string Postgres can store (no NUL, no lone surrogate) of at most ``max_length``
     characters (and not empty, unless ``allow_empty``)."""
     if not isinstance(value, str):
@@ -93,8 +94,9 @@ def to_json(value: Any, field: str, *, error: type[InvalidInput] = InvalidInput,
     return text
 
 
-def check_int(value: Any, field: str, *, low: int = BIGINT[0], high: int = BIGINT[1],
-              error: type[InvalidInput] = InvalidInput) -> int:
+def check_int(
+    value: Any, field: str, *, low: int = BIGINT[0], high: int = BIGINT[1], error: type[InvalidInput] = InvalidInput
+) -> int:
     """``value`` if it is an integer (not a bool) within ``low..high``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"{field}: expected an integer, got {shorten(value)}")
@@ -103,8 +105,9 @@ def check_int(value: Any, field: str, *, low: int = BIGINT[0], high: int = BIGIN
     return value
 
 
-def check_seconds(value: Any, field: str, *, high: float = MAX_DELAY_SECONDS,
-                  error: type[InvalidInput] = InvalidInput) -> float:
+def check_seconds(
+    value: Any, field: str, *, high: float = MAX_DELAY_SECONDS, error: type[InvalidInput] = InvalidInput
+) -> float:
     """``value`` (seconds or a ``timedelta``; None is 0) as finite seconds within ``0..high``."""
     if value is None:
         return 0.0

@@ -231,15 +231,23 @@ class UserCode:
                         current.aside = True
                         self._set_aside.append(current)
                         lane = self._replace_lane(lane)
-                        log.warning("%s: a call on %s has run %.1f s; set aside, the items after it go on",
-                                    self.name, _label(current.item), running)
+                        log.warning(
+                            "%s: a call on %s has run %.1f s; set aside, the items after it go on",
+                            self.name,
+                            _label(current.item),
+                            running,
+                        )
                         continue
                     if running >= current.timeout:
                         current.timed_out = True
                         self._abandoned.append(current)
                         lane = self._replace_lane(lane)
-                        log.error("%s: a call on %s ran past its %g s limit; abandoned", self.name,
-                                  _label(current.item), current.timeout)
+                        log.error(
+                            "%s: a call on %s ran past its %g s limit; abandoned",
+                            self.name,
+                            _label(current.item),
+                            current.timeout,
+                        )
                         continue
                     limit = self.set_aside_after if self._may_set_aside() else current.timeout
                     wait = min(wait_step, max(0.001, limit - running))  # type: ignore[operator]
@@ -263,7 +271,12 @@ class UserCode:
                     call.timed_out = True
                     self._abandoned.append(call)
                     done.append(call)
-                    log.error("%s: a call on %s ran past its %g s limit; abandoned", self.name, _label(call.item), call.timeout)
+                    log.error(
+                        "%s: a call on %s ran past its %g s limit; abandoned",
+                        self.name,
+                        _label(call.item),
+                        call.timeout,
+                    )
             for call in done:
                 self._set_aside.remove(call)
                 call.aside = False

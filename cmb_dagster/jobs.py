@@ -1,24 +1,41 @@
-"""Dagster shell of the worker runtime: a bounded-time worker job and the sensor that keeps it running."""
+"""The Dagster shell every engine shares: bounded-time worker jobs and the sensors that keep them running, the
+launcher of queued runs, the status sensor and the observable assets that bring an engine's status into the UI."""
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from dagster import (
+    AssetKey,
+    AssetObservation,
     Config,
     DagsterExecutionInterruptedError,
+    DagsterInstance,
     DagsterRunStatus,
     DefaultSensorStatus,
     JobDefinition,
+    ObserveResult,
     OpExecutionContext,
+    QueuedRunCoordinator,
+    RepositoryDefinition,
     RunRequest,
     RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
+    SensorResult,
     SkipReason,
+    SourceAsset,
     in_process_executor,
     job,
+    observable_source_asset,
     op,
     sensor,
 )
+
+# Dagster has no public API to create a run of another job of the code location from inside a run: these are the
+# origins ``dagster job launch`` builds.
+from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from pydantic import Field
 
 from cmb_dagster.database import Database
@@ -94,3 +111,119 @@ def keep_running_sensor(
         return RunRequest()
 
     return _keeper
+
+
+def worker_job_names(prefix: str, base: str, workers: int) -> list[str]:
+    """Names of an engine's worker jobs: ``<prefix><base>`` for one, ``<prefix><base>_<i>_of_<n>`` for several."""
+    if workers == 1:
+        return [f"{prefix}{base}"]
+    return [f"{prefix}{base}_{i}_of_{workers}" for i in range(workers)]
+
+
+class QueuedRunLauncher:
+    """Launches runs of jobs in the worker's own code location, queued for the daemon.
+
+    A run is tagged with its run key (``run_key_tag``); launching the same key again returns the run
+    launched before, also when it was tagged with one of ``also_tags``. The run's origins are the current run's.
+    """
+
+    def __init__(
+        self,
+        instance: DagsterInstance,
+        repository: RepositoryDefinition,
+        remote_origin: RemoteRepositoryOrigin,
+        python_origin: RepositoryPythonOrigin,
+        *,
+        run_key_tag: str,
+        also_tags: Sequence[str] = (),
+    ) -> None:
+        self.instance = instance
+        self.repository = repository
+        self.remote_origin = remote_origin
+        self.python_origin = python_origin
+        self.run_key_tag = run_key_tag
+        self.also_tags = tuple(also_tags)
+
+    @classmethod
+    def from_context(
+        cls, context: OpExecutionContext, *, run_key_tag: str, also_tags: Sequence[str] = ()
+    ) -> "QueuedRunLauncher | None":
+        """The launcher for the code location of the run ``context`` belongs to (None when run in process)."""
+        run = context.dagster_run
+        if run.remote_job_origin is None or run.job_code_origin is None:
+            return None
+        return cls(
+            context.instance,
+            context.repository_def,
+            run.remote_job_origin.repository_origin,
+            run.job_code_origin.repository_origin,
+            run_key_tag=run_key_tag,
+            also_tags=also_tags,
+        )
+
+    def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        """Queue a run of ``job_name`` (once per ``run_key``); return its run id."""
+        for tag in (self.run_key_tag, *self.also_tags):
+            existing = self.instance.get_run_ids(RunsFilter(tags={tag: run_key}), limit=1)
+            if existing:
+                return existing[0]
+        if not self.repository.has_job(job_name):
+            raise LookupError(f"code location has no job {job_name!r}")
+        if not isinstance(self.instance.run_coordinator, QueuedRunCoordinator):
+            raise RuntimeError(  # the deployment's setting is wrong, not an argument's type
+                f"launching {job_name!r} needs the QueuedRunCoordinator (see dagster.yaml)"
+            )
+        run = self.instance.create_run_for_job(
+            job_def=self.repository.get_job(job_name),
+            run_config=dict(run_config),
+            tags={**tags, self.run_key_tag: run_key},
+            remote_job_origin=RemoteJobOrigin(repository_origin=self.remote_origin, job_name=job_name),
+            job_code_origin=JobPythonOrigin(job_name, self.python_origin),
+        )
+        self.instance.submit_run(run.run_id, workspace=None)  # type: ignore[arg-type]
+        return run.run_id
+
+
+Observe = Callable[[Database], Sequence[AssetObservation]]
+
+
+def status_sensor(name: str, observe: Observe, *, minimum_interval_seconds: int, description: str) -> SensorDefinition:
+    """The sensor that brings an engine's status into the UI as observations of its assets.
+
+    ``observe(database)`` turns the engine's ``status(db)`` into one observation per asset. An observation is
+    recorded when one of its figures changed (ages, the ``*_seconds`` entries, aside) or while an age is above
+    zero, i.e. while work waits; an idle engine records nothing.
+    """
+
+    @sensor(
+        name=name,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description=description,
+    )
+    def _status(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult | SkipReason:
+        previous = json.loads(context.cursor or "{}")
+        latest, recorded = {}, []
+        for observation in observe(cmb.database):
+            key = observation.asset_key.to_user_string()
+            figures = {k: v.value for k, v in observation.metadata.items()}
+            latest[key] = json.dumps({k: v for k, v in figures.items() if not k.endswith("_seconds")}, sort_keys=True)
+            waiting = any(v for k, v in figures.items() if k.endswith("_seconds"))
+            if waiting or latest[key] != previous.get(key):
+                recorded.append(observation)
+        if not recorded:
+            return SkipReason("no change")
+        return SensorResult(asset_events=recorded, cursor=json.dumps(latest))
+
+    return _status
+
+
+def observed_asset(key: AssetKey, group_name: str, description: str, observe: Observe) -> SourceAsset:
+    """An observable asset whose Observe button records what ``observe`` reports for ``key`` (no Materialize)."""
+
+    @observable_source_asset(key=key, group_name=group_name, description=description)
+    def _observed(cmb: CmbResource) -> ObserveResult:
+        found = [o for o in observe(cmb.database) if o.asset_key == key]
+        return ObserveResult(metadata=found[0].metadata if found else {})
+
+    return _observed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,4 +40,9 @@ class Backoff(Options):
 
     def delay(self, failures_before: int) -> float:
         """Seconds to wait after a failure that ``failures_before`` failures in a row preceded."""
-        return min(self.max, self.first * self.factor ** min(max(failures_before, 0), 200))
+        steps = max(failures_before, 0)
+        if self.first >= self.max or self.first == 0 or self.factor == 1:
+            return min(self.max, self.first)
+        if steps * math.log(self.factor) >= math.log(self.max / self.first):  # past max (and no float overflow)
+            return self.max
+        return self.first * self.factor**steps

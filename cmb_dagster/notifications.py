@@ -104,12 +104,17 @@ class Listener:
                     for channel in self.channels:
                         self._notify(channel, None)
                     self._listen(conn)
-            except Exception as exc:  # noqa: BLE001 - the listener outlives every error; it retries
+            except Exception as exc:  # the listener outlives every error; it retries
                 if lost_at is None and not self._stop.is_set():
                     lost_at = time.monotonic()
                     state = "lost its connection" if self.connected.is_set() else "cannot connect"
-                    log.warning("notification listener %s (%s: %s); retrying", state, type(exc).__name__,
-                                _first_line(exc), exc_info=not isinstance(exc, CmbError | psycopg.Error | OSError))
+                    log.warning(
+                        "notification listener %s (%s: %s); retrying",
+                        state,
+                        type(exc).__name__,
+                        _first_line(exc),
+                        exc_info=not isinstance(exc, CmbError | psycopg.Error | OSError),
+                    )
             finally:
                 self.connected.clear()
             self._stop.wait(delay)
@@ -119,7 +124,7 @@ class Listener:
         """``on_notify(channel, payload)``; a failure is logged (see the module's logging rules), not raised."""
         try:
             self.on_notify(channel, payload)
-        except Exception as exc:  # noqa: BLE001 - a failing callback must not end the listener
+        except Exception as exc:  # a failing callback must not end the listener
             error = f"{type(exc).__name__}: {exc}"
             now = time.monotonic()
             self._logged_errors = {e: t for e, t in self._logged_errors.items() if now - t < CALLBACK_ERROR_INTERVAL}

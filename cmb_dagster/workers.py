@@ -35,6 +35,7 @@ from cmb_dagster.notifications import Listener, OnNotify
 
 log = logging.getLogger("cmb_dagster.workers")
 
+
 class LeaseLost(CmbError):
     """A worker found that a partition it worked on is no longer its own."""
 
@@ -91,7 +92,6 @@ class Leases:
         if conn.execute(sql.CHECK_LEASE, params).fetchone() is None:
             raise LeaseLost(f"{lease.kind} partition {lease.partition!r} is no longer held by {lease.owner}")
 
-
     @staticmethod
     def check_many(conn: psycopg.Connection, leases: Sequence[Lease]) -> Callable[[], None]:
         """:meth:`check` for leases of one kind and owner in one statement.
@@ -103,9 +103,15 @@ class Leases:
             return lambda: None
         if len({(lease.kind, lease.owner) for lease in leases}) != 1:
             raise ValueError("check_many takes leases of one kind and one owner")
-        cursor = conn.execute(sql.CHECK_LEASES, {
-            "kind": leases[0].kind, "owner": leases[0].owner,
-            "partitions": [lease.partition for lease in leases], "fences": [lease.fence for lease in leases]})
+        cursor = conn.execute(
+            sql.CHECK_LEASES,
+            {
+                "kind": leases[0].kind,
+                "owner": leases[0].owner,
+                "partitions": [lease.partition for lease in leases],
+                "fences": [lease.fence for lease in leases],
+            },
+        )
 
         def confirm() -> None:
             held = {row[0] for row in cursor.fetchall()}
@@ -141,7 +147,8 @@ class Worker:
 
     ``step`` does one bounded batch for one partition and returns how many items it handled; when
     no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`: on every
-    NOTIFY on ``channels``, unless ``on_notify`` handles them). A step that raises is logged and its
+    NOTIFY on ``channels``, unless ``on_notify`` handles them; the listener checks its connection after
+    ``heartbeat`` seconds of silence). A step that raises is logged and its
     partition is retried after ``backoff``. ``partitions`` may be a function, asked again at every lease
     renewal, for partitions that can be added while it runs. Partitions for which ``joint`` is true are
     served together: one call ``joint_step(leases)`` with all of them held (one backoff for the group).
@@ -160,6 +167,7 @@ class Worker:
         backoff: Backoff = PARTITION_BACKOFF,
         channels: Sequence[str] = (),
         on_notify: OnNotify | None = None,
+        heartbeat: float = 5.0,
         on_progress: Callable[[WorkerReport], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
         joint: Callable[[str], bool] | None = None,
@@ -178,6 +186,7 @@ class Worker:
         self.backoff = backoff
         self.channels = list(channels)
         self.on_notify = on_notify
+        self.heartbeat = heartbeat
         self.listener: Listener | None = None
         self.on_progress = on_progress
         self.on_shutdown = on_shutdown or self.stop
@@ -213,7 +222,9 @@ class Worker:
         failures: dict[str, int] = {}
         _running.add(self.on_shutdown)
         if self.channels:
-            self.listener = Listener(self.leases.db, self.channels, self.on_notify or (lambda *_: self.wake())).start()
+            self.listener = Listener(
+                self.leases.db, self.channels, self.on_notify or (lambda *_: self.wake()), heartbeat=self.heartbeat
+            ).start()
         try:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 if time.monotonic() >= self._next_renew:
@@ -231,7 +242,7 @@ class Worker:
                         continue
                     except WorkerStuck:
                         raise
-                    except Exception:  # noqa: BLE001 - one failing partition must not stop the others
+                    except Exception:  # one failing partition must not stop the others
                         delay = self.backoff.delay(failures.get(partition, 0))
                         failures[partition] = failures.get(partition, 0) + 1
                         retry_at[partition] = time.monotonic() + delay
@@ -303,7 +314,7 @@ class EngineWorker:
 
     A subclass returns its loops from :meth:`loops` (the first runs in the calling thread, any other in a
     thread of its own, all for the same duration) and may clean up in :meth:`finish`. A stop asked while
-    the worker starts (its loops are being built) is kept: :meth:`run` then returns at once.
+    before or while the worker starts (its loops are being built) is kept: :meth:`run` then returns at once.
     """
 
     def __init__(self, db: DatabaseSource, *, owner: str | None = None) -> None:
@@ -319,7 +330,9 @@ class EngineWorker:
     def finish(self) -> None:
         """After the loops ended and released their leases."""
 
-    def run(self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
+    def run(
+        self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None
+    ) -> WorkerReport:
         """Work for ``duration`` seconds (None: until :meth:`stop`); report what the main loop did."""
         try:
             loops = self._loops = self.loops()
@@ -330,8 +343,10 @@ class EngineWorker:
             if self._stopping.is_set():
                 for loop in loops:
                     loop.stop()
-            threads = [threading.Thread(target=loop.run, args=(duration,), name=f"cmb-{loop.leases.kind}", daemon=True)
-                       for loop in others]
+            threads = [
+                threading.Thread(target=loop.run, args=(duration,), name=f"cmb-{loop.leases.kind}", daemon=True)
+                for loop in others
+            ]
             for thread in threads:
                 thread.start()
             try:

@@ -1,12 +1,13 @@
 """Delayed callbacks: call an HTTP endpoint (or launch a Dagster job) at a given moment, with retries.
 
 ``CallbackClient`` creates, updates and cancels events; ``CallbackWorker`` calls them back;
-``cmb_definitions(callbacks=CallbackOptions(...))`` runs workers in Dagster.
+``admin.status`` reports them; ``cmb_definitions(callbacks=CallbackOptions(...))`` runs workers in Dagster.
 """
 
-from cmb_dagster._lazy import lazy_names
-from cmb_dagster.callbacks.admin import callback_counts
+from typing import Any
 
+from cmb_dagster.callbacks import errors
+from cmb_dagster.callbacks.admin import callback_counts  # noqa: F401 - deprecated: admin.status(db).totals
 from cmb_dagster.callbacks.client import CallbackClient, CleanReport
 from cmb_dagster.callbacks.delivery import REJECT_HEADERS
 from cmb_dagster.callbacks.errors import (
@@ -15,13 +16,15 @@ from cmb_dagster.callbacks.errors import (
     CallbackInvalidState,
     CallbackNotFound,
     CallbackTimeout,
-    CallbackValidationError,
+    InvalidCallbackInput,
 )
 from cmb_dagster.callbacks.models import (
     CallbackCounts,
     CallbackEvent,
+    CallbackOptions,
     CallbackSchedule,
     CallbackSettings,
+    CallbacksStatus,
     CallbackStatus,
     NewCallback,
     RetryPolicy,
@@ -43,13 +46,15 @@ __all__ = [
     "CallbackSettings",
     "CallbackStatus",
     "CallbackTimeout",
-    "CallbackValidationError",
     "CallbackWorker",
+    "CallbacksStatus",
     "CleanReport",
+    "InvalidCallbackInput",
     "NewCallback",
     "RetryPolicy",
-    "callback_counts",
     "materialize_schedules",
 ]
 
-__getattr__ = lazy_names(__name__, {"CallbackOptions": "cmb_dagster.callbacks.dagster_defs"})
+
+def __getattr__(name: str) -> Any:
+    return errors.renamed(__name__, name)  # the deprecated error names, for one release

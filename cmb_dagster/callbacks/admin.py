@@ -1,11 +1,16 @@
-"""Operator functions of the callbacks engine: what is pending, late, failed; how many buckets."""
+"""Operator functions of the callbacks engine: its status (events per status, per worker job's buckets) and the
+number of buckets."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
+import psycopg
 from pydantic import BaseModel, Field
 
 from cmb_dagster.callbacks import sql
-from cmb_dagster.callbacks.models import MAX_BUCKETS, BucketSetCounts, CallbackCounts, validated
+from cmb_dagster.callbacks.models import MAX_BUCKETS, BucketSetCounts, CallbackCounts, CallbacksStatus, validated
 from cmb_dagster.callbacks.worker import move_stranded_events
 from cmb_dagster.database import Database, DatabaseSource
 
@@ -14,20 +19,49 @@ class _BucketCount(BaseModel):
     count: int = Field(ge=1, le=MAX_BUCKETS)
 
 
-def callback_counts(database: DatabaseSource) -> CallbackCounts:
-    """Events per status, overdue pending events and the age of the oldest one (one scan of the events)."""
+class _StatusRequest(BaseModel):
+    bucket_sets: int = Field(ge=0, le=MAX_BUCKETS)
+
+
+def status(database: DatabaseSource, *, bucket_sets: int = 0, totals: bool = True) -> CallbacksStatus:
+    """What the engine reports.
+
+    ``totals``: events per status over every bucket, overdue pending events and the age of the oldest one (one
+    scan of the events). ``bucket_sets``: for each of that many sets of buckets (set i: the buckets with
+    ``id % bucket_sets == i``, one worker job's), the figures its observations plot (read from the indexes).
+    """
+    sets = validated(_StatusRequest, {"bucket_sets": bucket_sets}).bucket_sets
     with Database.of(database).connection() as conn:
-        cursor = conn.execute(sql.STATUS_COUNTS)
-        columns = [c.name for c in cursor.description or ()]
-        return CallbackCounts(**dict(zip(columns, cursor.fetchone(), strict=True)))
+        counts = _rows(conn, sql.STATUS_COUNTS, {}, CallbackCounts)[0] if totals else None
+        per_set = _rows(conn, sql.BUCKET_SET_COUNTS, {"sets": sets}, BucketSetCounts) if sets else []
+    return CallbacksStatus(totals=counts, bucket_sets=per_set)
+
+
+def _rows(conn: psycopg.Connection, statement: str, params: dict[str, Any], model: type[BaseModel]) -> list[Any]:
+    cursor = conn.execute(statement, params)
+    columns = [c.name for c in cursor.description or ()]
+    return [model(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
+
+
+def callback_counts(database: DatabaseSource) -> CallbackCounts:
+    """Deprecated: ``status(database).totals``."""
+    warnings.warn(
+        "callback_counts(db) is deprecated: use cmb_dagster.callbacks.admin.status(db).totals",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return status(database).totals  # type: ignore[return-value]
 
 
 def bucket_set_counts(database: DatabaseSource, sets: int) -> list[BucketSetCounts]:
-    """Per bucket set (set i: the buckets with id % sets == i, one worker job's), the figures its observations plot."""
-    with Database.of(database).connection() as conn:
-        cursor = conn.execute(sql.BUCKET_SET_COUNTS, {"sets": sets})
-        columns = [c.name for c in cursor.description or ()]
-        return [BucketSetCounts(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
+    """Deprecated: ``status(database, bucket_sets=sets, totals=False).bucket_sets``."""
+    warnings.warn(
+        "bucket_set_counts(db, sets) is deprecated: use "
+        "cmb_dagster.callbacks.admin.status(db, bucket_sets=sets, totals=False).bucket_sets",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return status(database, bucket_sets=sets, totals=False).bucket_sets
 
 
 def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
@@ -51,4 +85,3 @@ def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
     move_stranded_events(db)
     with db.connection() as conn:
         return [row[0] for row in conn.execute(sql.BUCKET_IDS)]
-

@@ -1,4 +1,5 @@
-"""``cmb-dagster callbacks``: create, inspect and cancel callbacks, and run a worker outside Dagster."""
+"""``cmb-dagster callbacks``: create, inspect and cancel callbacks, report their status, and run a worker outside
+Dagster."""
 
 import json
 import logging
@@ -9,15 +10,14 @@ from typing import Any
 
 import click
 
-from cmb_dagster.cli_common import DAY, DURATION, FloatRange
-from cmb_dagster.callbacks.admin import callback_counts
+from cmb_dagster.callbacks.admin import status as engine_status
 from cmb_dagster.callbacks.client import CallbackClient
-from cmb_dagster.callbacks.errors import CallbackValidationError
-from cmb_dagster.callbacks.models import MAX_BUCKETS, CallbackSettings, validated
+from cmb_dagster.callbacks.errors import InvalidCallbackInput
+from cmb_dagster.callbacks.models import MAX_BUCKETS, MAX_TTL_DAYS, CallbackSettings
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
-from cmb_dagster.database import Database
-from cmb_dagster.settings import Settings
+from cmb_dagster.cli_common import DAY, DURATION, FloatRange, open_database
+from cmb_dagster.workers import stop_workers_on_signals
 
 KEYS = [click.argument("owner_client_id"), click.argument("group_key"), click.argument("event_key")]
 
@@ -30,8 +30,8 @@ def _keys(f):  # type: ignore[no-untyped-def]
 
 def _client(allow_hosts: tuple[str, ...] = ()) -> CallbackClient:
     hosts = [h for value in allow_hosts for h in value.split(",")]
-    settings = validated(CallbackSettings, {"allowed_hosts": hosts}) if hosts else CallbackSettings()
-    return CallbackClient(Database.from_settings(Settings.from_env()), settings, buffered=False)
+    settings = CallbackSettings(allowed_hosts=hosts) if hosts else CallbackSettings()
+    return CallbackClient(open_database(), settings, buffered=False)
 
 
 def _json(value: str | None, name: str) -> Any:
@@ -40,7 +40,7 @@ def _json(value: str | None, name: str) -> Any:
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise CallbackValidationError(f"{name}: not valid JSON ({exc.msg})") from None
+        raise InvalidCallbackInput(f"{name}: not valid JSON ({exc.msg})") from None
 
 
 def _when(at: str | None, delay: float | None) -> datetime:
@@ -51,15 +51,17 @@ def _when(at: str | None, delay: float | None) -> datetime:
     try:
         when = datetime.fromisoformat(at)  # type: ignore[arg-type]
     except ValueError:
-        raise CallbackValidationError(f"run_at: {at!r} is not an ISO 8601 time") from None
+        raise InvalidCallbackInput(f"run_at: {at!r} is not an ISO 8601 time") from None
     if when.tzinfo is None:
-        raise CallbackValidationError(f"run_at: {at!r} has no timezone (add Z or +HH:MM)")
+        raise InvalidCallbackInput(f"run_at: {at!r} has no timezone (add Z or +HH:MM)")
     return when
 
 
 def _bucket_ids(value: str | None) -> str | None:
     if value and not all(part.strip().isdigit() for part in value.split(",")):
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of bucket ids such as 0,1,2", param_hint="'--buckets'")
+        raise click.BadParameter(
+            f"{value!r} is not a comma-separated list of bucket ids such as 0,1,2", param_hint="'--buckets'"
+        )
     return value
 
 
@@ -75,14 +77,34 @@ def callbacks() -> None:
 @click.option("--url", "cb_url", required=True, help="http(s):// URL to POST to, or dagster://<job_name>.")
 @click.option("--context", help="JSON sent along with the call.")
 @click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
-@click.option("--allow-host", "allow_hosts", multiple=True,
-              help="Open a target for this create (as on the worker; the worker must open it too).")
-def create(owner_client_id: str, group_key: str, event_key: str, at: str | None, delay: float | None,
-           cb_url: str, context: str | None, retry: str | None, allow_hosts: tuple[str, ...]) -> None:
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    help="Open a target for this create (as on the worker; the worker must open it too).",
+)
+def create(
+    owner_client_id: str,
+    group_key: str,
+    event_key: str,
+    at: str | None,
+    delay: float | None,
+    cb_url: str,
+    context: str | None,
+    retry: str | None,
+    allow_hosts: tuple[str, ...],
+) -> None:
     """Schedule a callback; print its event id."""
     with _client(allow_hosts) as client:
-        event_id = client.create(owner_client_id, group_key, event_key, _when(at, delay), cb_url,
-                                 _json(context, "context"), _json(retry, "retry"))
+        event_id = client.create(
+            owner_client_id,
+            group_key,
+            event_key,
+            _when(at, delay),
+            cb_url,
+            _json(context, "context"),
+            _json(retry, "retry"),
+        )
     click.echo(event_id)
 
 
@@ -105,8 +127,10 @@ def list_(owner_client_id: str | None, group_key: str | None, status: str | None
     with _client() as client:
         events = client.list(owner_client_id, group_key, status, limit)
     for e in events:
-        click.echo(f"{e.event_id}\t{e.status.value}\t{e.run_at.isoformat()}\t{e.owner_client_id}/{e.group_key}/"
-                   f"{e.event_key}\t{e.cb_url}\tattempts={e.attempts}")
+        click.echo(
+            f"{e.event_id}\t{e.status.value}\t{e.run_at.isoformat()}\t{e.owner_client_id}/{e.group_key}/"
+            f"{e.event_key}\t{e.cb_url}\tattempts={e.attempts}"
+        )
 
 
 @callbacks.command()
@@ -129,7 +153,13 @@ def delete(owner_client_id: str, group_key: str, event_key: str, force: bool) ->
 
 
 @callbacks.command()
-@click.option("--ttl-days", default=30, show_default=True, type=click.IntRange(0, 36500), help="Remove finished events older than this.")
+@click.option(
+    "--ttl-days",
+    default=30,
+    show_default=True,
+    type=click.IntRange(0, MAX_TTL_DAYS),
+    help="Remove finished events older than this.",
+)
 def clean(ttl_days: int) -> None:
     """Remove finished events and change_log entries older than --ttl-days."""
     with _client() as client:
@@ -147,32 +177,59 @@ def buckets(count: int) -> None:
 
 
 @callbacks.command()
-@click.option("--buckets", "bucket_list", callback=lambda ctx, param, value: _bucket_ids(value),
-              help="Comma-separated bucket ids (default: all, including added ones).")
+@click.option(
+    "--buckets",
+    "bucket_list",
+    callback=lambda ctx, param, value: _bucket_ids(value),
+    help="Comma-separated bucket ids (default: all, including added ones).",
+)
 @click.option("--duration", type=DURATION, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
 @click.option("--concurrency", type=click.IntRange(1, 10_000), help="Parallel calls.")
 @click.option("--timeout", type=FloatRange(0.1, 3600), help="Seconds one call may take.")
 @click.option("--poll-interval", type=FloatRange(0.01, 3600), help="Seconds between polls of a bucket.")
-@click.option("--lease-ttl", type=FloatRange(1, 3600), help="Seconds after which a dead worker's buckets are taken over.")
-@click.option("--materialize/--no-materialize", default=True, show_default=True,
-              help="Also turn cron schedules into events, every 30 s.")
-@click.option("--allow-host", "allow_hosts", multiple=True,
-              help="Open a target: host name, *.domain, address or CIDR range ('*': any public host). Repeatable; "
-                   "replaces CMB_CALLBACK_ALLOWED_HOSTS. Loopback, private and link-local addresses are closed unless opened.")
-def worker(bucket_list: str | None, duration: float | None, concurrency: int | None, timeout: float | None,
-           poll_interval: float | None, lease_ttl: float | None, materialize: bool, allow_hosts: tuple[str, ...]) -> None:
+@click.option(
+    "--lease-ttl", type=FloatRange(1, 3600), help="Seconds after which a dead worker's buckets are taken over."
+)
+@click.option(
+    "--materialize/--no-materialize",
+    default=True,
+    show_default=True,
+    help="Also turn cron schedules into events, every 30 s.",
+)
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    help="Open a target: host name, *.domain, address or CIDR range ('*': any public host). Repeatable; "
+    "replaces CMB_CALLBACK_ALLOWED_HOSTS. Loopback, private and link-local addresses are closed "
+    "unless opened.",
+)
+def worker(
+    bucket_list: str | None,
+    duration: float | None,
+    concurrency: int | None,
+    timeout: float | None,
+    poll_interval: float | None,
+    lease_ttl: float | None,
+    materialize: bool,
+    allow_hosts: tuple[str, ...],
+) -> None:
     """Call callbacks back, as a long-running process (SIGTERM finishes the calls in flight, then exits)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"concurrency": concurrency, "timeout": timeout, "poll_interval": poll_interval, "lease_ttl": lease_ttl,
-                 "allowed_hosts": [h for value in allow_hosts for h in value.split(",")] or None}
-    settings = validated(CallbackSettings, {k: v for k, v in overrides.items() if v is not None})
-    db = Database.from_settings(Settings.from_env())
+    overrides = {
+        "concurrency": concurrency,
+        "timeout": timeout,
+        "poll_interval": poll_interval,
+        "lease_ttl": lease_ttl,
+        "allowed_hosts": [h for value in allow_hosts for h in value.split(",")] or None,
+    }
+    settings = CallbackSettings(**{k: v for k, v in overrides.items() if v is not None})
+    db = open_database()
     chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None  # checked by _bucket_ids
     runner = CallbackWorker(db, settings, buckets=chosen)
     stopped = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: (stopped.set(), runner.stop()))
     if materialize:
+
         def materialize_loop() -> None:
             while not stopped.is_set():
                 try:
@@ -183,15 +240,18 @@ def worker(bucket_list: str | None, duration: float | None, concurrency: int | N
 
         threading.Thread(target=materialize_loop, name="cmb-callback-schedules", daemon=True).start()
     click.echo(f"callbacks worker {runner.owner} on buckets {bucket_list or 'all'}", err=True)
-    report = runner.run(duration)
-    stopped.set()
+    try:
+        with stop_workers_on_signals():
+            report = runner.run(duration)
+    finally:
+        stopped.set()
     click.echo(f"delivered {report.items} events in {report.seconds:.1f}s ({report.errors} errors)", err=True)
 
 
 @callbacks.command()
 def status() -> None:
     """Events per status, and how late the overdue pending ones are."""
-    counts = callback_counts(Database.from_settings(Settings.from_env()))
+    counts = engine_status(open_database()).totals
     click.echo(
         f"pending {counts.pending} (overdue {counts.overdue}, oldest {counts.oldest_overdue_seconds:.1f}s late), "
         f"notified {counts.notified}, failed {counts.failed}, rejected {counts.rejected}, cancelled {counts.cancelled}"
@@ -206,7 +266,9 @@ def sink(host: str, port: int) -> None:
     from cmb_dagster.callbacks.sink import CallbackSink
 
     server = CallbackSink(host, port, keep=False)
-    server.on_call.append(lambda call: click.echo(f"{datetime.now(UTC).isoformat()} {call.path} {json.dumps(call.body)}"))
+    server.on_call.append(
+        lambda call: click.echo(f"{datetime.now(UTC).isoformat()} {call.path} {json.dumps(call.body)}")
+    )
     server.start()
     click.echo(f"listening on {server.url}; POST callbacks there (Ctrl-C stops)", err=True)
     done = threading.Event()

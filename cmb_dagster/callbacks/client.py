@@ -19,9 +19,10 @@ from cmb_dagster.callbacks.errors import (
     CallbackConflict,
     CallbackInvalidState,
     CallbackNotFound,
-    CallbackValidationError,
+    InvalidCallbackInput,
 )
 from cmb_dagster.callbacks.models import (
+    MAX_TTL_DAYS,
     CallbackEvent,
     CallbackSchedule,
     CallbackSettings,
@@ -129,8 +130,9 @@ class CallbackClient:
                     return insert_new_events(conn, self._checked_chunks(events), soon=soon, lock_timeout=lock_timeout)
                 except psycopg.errors.UniqueViolation:
                     pass  # a key exists, or comes twice: written again, each key compared with the stored one
-                results = insert_events_skipping_taken(conn, self._new_many(events), soon=soon,
-                                                       lock_timeout=lock_timeout)
+                results = insert_events_skipping_taken(
+                    conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout
+                )
                 for result in results:
                     if isinstance(result, Exception):
                         raise result
@@ -139,7 +141,8 @@ class CallbackClient:
     def get(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
         """The event with these keys (CallbackNotFound if there is none)."""
         with self.db.connection() as conn:
-            row = conn.cursor(row_factory=dict_row).execute(sql.GET_EVENT, _keys(owner_client_id, group_key, event_key)).fetchone()
+            keys = _keys(owner_client_id, group_key, event_key)
+            row = conn.cursor(row_factory=dict_row).execute(sql.GET_EVENT, keys).fetchone()
         if row is None:
             raise CallbackNotFound(_missing(owner_client_id, group_key, event_key))
         return CallbackEvent.model_validate(row)
@@ -188,7 +191,8 @@ class CallbackClient:
             before = self._lock(conn, owner_client_id, group_key, event_key)
             allowed = before["status"] == "pending" or (before["status"] == "cancelled" and i_ensure_pending)
             if not allowed:
-                hint = " (pass i_ensure_pending=True to revive a cancelled one)" if before["status"] == "cancelled" else ""
+                revivable = before["status"] == "cancelled"
+                hint = " (pass i_ensure_pending=True to revive a cancelled one)" if revivable else ""
                 raise CallbackInvalidState(
                     f"{_name(owner_client_id, group_key, event_key)} is {before['status']}: only pending events can be "
                     f"updated{hint}"
@@ -215,9 +219,11 @@ class CallbackClient:
             before = self._lock(conn, owner_client_id, group_key, event_key)
             if before["status"] != "pending":
                 raise CallbackInvalidState(
-                    f"{_name(owner_client_id, group_key, event_key)} is {before['status']}: only pending events can be cancelled"
+                    f"{_name(owner_client_id, group_key, event_key)} is {before['status']}: "
+                    "only pending events can be cancelled"
                 )
-            after = conn.cursor(row_factory=dict_row).execute(sql.CANCEL_EVENT, {"event_id": before["event_id"]}).fetchone()
+            cursor = conn.cursor(row_factory=dict_row)
+            after = cursor.execute(sql.CANCEL_EVENT, {"event_id": before["event_id"]}).fetchone()
             _log(conn, "cancel", before, after)
         return CallbackEvent.model_validate(after)
 
@@ -276,8 +282,8 @@ class CallbackClient:
         if row is not None:
             return CallbackSchedule.model_validate(row)
         existing = self.get_schedule(new.owner_client_id, new.group_key, new.schedule_key)
-        same = (existing.cron, existing.timezone, existing.cb_url, existing.context, existing.retry, existing.horizon) == (
-            new.cron, new.timezone, new.cb_url, new.context, new.retry, float(int(new.horizon)))
+        stored = (existing.cron, existing.timezone, existing.cb_url, existing.context, existing.retry, existing.horizon)
+        same = stored == (new.cron, new.timezone, new.cb_url, new.context, new.retry, float(int(new.horizon)))
         if not same:
             raise CallbackConflict(
                 f"schedule {new.owner_client_id}/{new.group_key}/{new.schedule_key} exists with another definition"
@@ -287,9 +293,11 @@ class CallbackClient:
     def get_schedule(self, owner_client_id: str, group_key: str, schedule_key: str) -> CallbackSchedule:
         """The schedule with these keys (CallbackNotFound if there is none)."""
         with self.db.connection() as conn:
-            row = conn.cursor(row_factory=dict_row).execute(
-                sql.GET_SCHEDULE, _keys(owner_client_id, group_key, schedule_key)
-            ).fetchone()
+            row = (
+                conn.cursor(row_factory=dict_row)
+                .execute(sql.GET_SCHEDULE, _keys(owner_client_id, group_key, schedule_key))
+                .fetchone()
+            )
         if row is None:
             raise CallbackNotFound(f"no schedule {owner_client_id}/{group_key}/{schedule_key}")
         return CallbackSchedule.model_validate(row)
@@ -364,7 +372,7 @@ class CallbackClient:
 
     def _checked_chunks(self, events: list[NewCallback | dict[str, Any]]) -> Iterator[list[NewCallback]]:
         for start in range(0, len(events), CREATE_CHUNK):
-            yield self._new_many(events[start:start + CREATE_CHUNK])
+            yield self._new_many(events[start : start + CREATE_CHUNK])
 
     def _lock(self, conn: psycopg.Connection, owner: str, group: str, key: str) -> dict[str, Any]:
         row = conn.cursor(row_factory=dict_row).execute(sql.LOCK_EVENT, _keys(owner, group, key)).fetchone()
@@ -431,7 +439,7 @@ class _Update(BaseModel):
 
     def model_post_init(self, _: Any) -> None:
         if all(v is None for v in (self.run_at, self.originally_run_at, self.cb_url, self.context)):
-            raise CallbackValidationError("update: give at least one of run_at, originally_run_at, cb_url, context")
+            raise InvalidCallbackInput("update: give at least one of run_at, originally_run_at, cb_url, context")
 
 
 class _StatusFilter(BaseModel):
@@ -439,4 +447,4 @@ class _StatusFilter(BaseModel):
 
 
 class _Clean(BaseModel):
-    ttl_days: int = Field(ge=0)
+    ttl_days: int = Field(ge=0, le=MAX_TTL_DAYS)

@@ -8,10 +8,10 @@ address actually connected to (after name resolution).
 
 Up to ``concurrency`` calls run at once on one event loop thread. A dispatcher on that loop takes due
 deliveries in due order, as many as there are free call slots, and passes them through the worker's *gate*
-first: one transaction that re-checks, under row locks, that each event is still pending in the version polled (cancel, update and delete wait
-for that lock) and counts the call in ``attempts``. Only what the gate let through is called; every
-fast retry passes the gate again. So once cancel, update or delete has returned, no call of the old
-version starts.
+first: one transaction that re-checks, under row locks, that each event is still pending in the version polled
+(cancel, update and delete wait for that lock) and counts the call in ``attempts``. Only what the gate let
+through is called; every fast retry passes the gate again. So once cancel, update or delete has returned, no
+call of the old version starts.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Delivery:
             f'{{"event_id":{self.event_id},"owner_client_id":{text(self.owner_client_id)},'
             f'"group_key":{text(self.group_key)},"event_key":{text(self.event_key)},'
             f'"run_at":"{self.run_at.isoformat()}","originally_run_at":"{self.originally_run_at.isoformat()}",'
-            f'"context":{self.context_json or "null"},"attempt":{self.attempts + self.tries}}}'  # attempt: this call, from 1
+            f'"context":{self.context_json or "null"},"attempt":{self.attempts + self.tries}}}'  # this call, from 1
         ).encode()
 
 
@@ -234,7 +234,10 @@ class HttpSender:
             tls = scheme == "https"
             try:
                 reader, writer = await asyncio.open_connection(
-                    sock=sock, limit=MAX_HEADER_BYTES, ssl=self._tls if tls else None, server_hostname=host if tls else None
+                    sock=sock,
+                    limit=MAX_HEADER_BYTES,
+                    ssl=self._tls if tls else None,
+                    server_hostname=host if tls else None,
                 )
             except OSError:  # ssl.SSLError included
                 sock.close()
@@ -245,9 +248,7 @@ class HttpSender:
             return _Connection(reader, writer)
         raise CallError("could not connect (refused, unreachable or timed out)")
 
-    async def _exchange(
-        self, conn: _Connection, request: bytes, reused: bool
-    ) -> tuple[int, str, dict[str, str], bool]:
+    async def _exchange(self, conn: _Connection, request: bytes, reused: bool) -> tuple[int, str, dict[str, str], bool]:
         reader, writer = conn.reader, conn.writer
         limit = self.settings.max_response_bytes
         try:
@@ -337,8 +338,10 @@ def _target(url: str) -> tuple[str, str, int, bytes] | str:
     host_header = host if ":" not in host else f"[{host}]"
     if parts.port is not None:
         host_header += f":{parts.port}"
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: cmb-dagster-callbacks\r\n"
-            "Content-Type: application/json\r\nContent-Length: ").encode("latin-1", "replace")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: cmb-dagster-callbacks\r\n"
+        "Content-Type: application/json\r\nContent-Length: "
+    ).encode("latin-1", "replace")
     return parts.scheme, host, port, head
 
 
@@ -567,7 +570,7 @@ class DeliveryPool:
             delivery.error = error
             if delivery.tries <= delivery.retry.fast_retries and not self._closed:
                 # a fast retry: back to the heap, and through the gate again
-                delivery.due = time.monotonic() + self.settings.fast_retry_pause * 2 ** (delivery.tries - 1)
+                delivery.due = time.monotonic() + self.settings.backoff.delay(delivery.tries - 1)
                 with self._cond:
                     heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
                 return

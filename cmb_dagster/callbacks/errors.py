@@ -1,10 +1,17 @@
 """Typed errors of the callbacks engine; each message names the event (or field) and what went wrong."""
 
+import warnings
+from typing import Any
+
 from cmb_dagster.errors import CmbError, InvalidInput
 
 
 class CallbackError(CmbError):
     """Base class of callbacks errors."""
+
+
+class InvalidCallbackInput(CallbackError, InvalidInput):
+    """Bad input: the message names the field; nothing was written."""
 
 
 class CallbackNotFound(CallbackError):
@@ -27,5 +34,18 @@ class CallbackTimeout(CallbackError, TimeoutError):
     """
 
 
-class CallbackValidationError(CallbackError, InvalidInput):
-    """Bad input: the message names the field; nothing was written."""
+RENAMED = {"CallbackValidationError": InvalidCallbackInput}
+"""Deprecated names of this engine's errors (kept for one release), and what they name now."""
+
+
+def renamed(module: str, name: str) -> Any:
+    """For a module ``__getattr__``: the error ``name`` was renamed to, with a DeprecationWarning."""
+    if name not in RENAMED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new = RENAMED[name]
+    warnings.warn(f"{name} is deprecated: use {new.__module__}.{new.__name__}", DeprecationWarning, stacklevel=3)
+    return new
+
+
+def __getattr__(name: str) -> Any:
+    return renamed(__name__, name)

@@ -1,4 +1,4 @@
-"""User-facing models of the callbacks engine: events, retry policies, schedules and settings."""
+"""User-facing models of the callbacks engine: events, retry policies, schedules, settings, options and status."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import os
 import re
 import socket
+import warnings
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
@@ -26,8 +27,9 @@ from pydantic import (
     model_validator,
 )
 
-from cmb_dagster.callbacks.errors import CallbackValidationError
+from cmb_dagster.callbacks.errors import InvalidCallbackInput
 from cmb_dagster.inputs import check_text, max_payload_bytes, to_json
+from cmb_dagster.models import Backoff, Options, describe
 
 MAX_OWNER_LENGTH = 128
 MAX_GROUP_LENGTH = 128
@@ -38,9 +40,14 @@ DAGSTER_SCHEME = "dagster"
 MAX_STOP_AFTER = 366 * 86400.0  # seconds: a year of retries at most
 MAX_DELAY = 30 * 86400.0  # seconds between two main retries, at most
 MAX_FACTOR = 1000.0
+MAX_FAST_RETRIES = 10
+FAST_RETRY_BACKOFF = Backoff(first=0.1, factor=2, max=60)
+MAX_FAST_RETRY_FIRST = 10.0  # seconds: fast retries wait in the worker's memory
+MAX_FAST_RETRY_PAUSE = 3600.0
 EARLIEST_RUN_AT = datetime(1970, 1, 1, tzinfo=UTC)
 LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)  # far inside what Python and Postgres both store, retries included
 MAX_BUCKETS = 4096  # each bucket is a row, a lease and a poll per poll_interval
+MAX_TTL_DAYS = 36500  # finished events are kept at most this long
 MAX_CONTEXT_BYTES = 16 * 1024 * 1024  # a context travels in the body of every call of its event
 ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
 ANY_PUBLIC_HOST = "*"
@@ -75,20 +82,36 @@ class RetryPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     stop_after_delay: float = Field(
-        default=86400.0, gt=0, le=MAX_STOP_AFTER, allow_inf_nan=False,
+        default=86400.0,
+        gt=0,
+        le=MAX_STOP_AFTER,
+        allow_inf_nan=False,
         description="Give up this long after originally_run_at (at most a year).",
     )
-    fast_retries: int = Field(default=2, ge=0, le=10, description="Immediate retries before rescheduling; 0 disables.")
+    fast_retries: int = Field(
+        default=2, ge=0, le=MAX_FAST_RETRIES, description="Immediate retries before rescheduling; 0 disables."
+    )
     backoff: Literal["constant", "exponential"] = Field(default="constant", description="How main retries space out.")
     delay: float = Field(
-        default=60.0, gt=0, le=MAX_DELAY, allow_inf_nan=False,
+        default=60.0,
+        gt=0,
+        le=MAX_DELAY,
+        allow_inf_nan=False,
         description="Constant delay, or the first exponential delay (at most 30 days).",
     )
     factor: float = Field(
-        default=2.0, ge=1.0, le=MAX_FACTOR, allow_inf_nan=False, description="Exponential growth of the delay per main retry."
+        default=2.0,
+        ge=1.0,
+        le=MAX_FACTOR,
+        allow_inf_nan=False,
+        description="Exponential growth of the delay per main retry.",
     )
     max_delay: float | None = Field(
-        default=None, gt=0, le=MAX_DELAY, allow_inf_nan=False, description="Cap of the exponential delay (at most 30 days)."
+        default=None,
+        gt=0,
+        le=MAX_DELAY,
+        allow_inf_nan=False,
+        description="Cap of the exponential delay (at most 30 days).",
     )
 
     _to_seconds = field_validator("stop_after_delay", "delay", "max_delay", mode="before")(lambda cls, v: _seconds(v))
@@ -100,7 +123,11 @@ class RetryPolicy(BaseModel):
 
     @classmethod
     def exponential(
-        cls, first_delay: float | timedelta = 60.0, factor: float = 2.0, max_delay: float | timedelta | None = None, **kwargs: Any
+        cls,
+        first_delay: float | timedelta = 60.0,
+        factor: float = 2.0,
+        max_delay: float | timedelta | None = None,
+        **kwargs: Any,
     ) -> RetryPolicy:
         """Main retries after ``first_delay``, then ``factor`` times longer each time, up to ``max_delay``."""
         return cls(backoff="exponential", delay=first_delay, factor=factor, max_delay=max_delay, **kwargs)
@@ -117,13 +144,15 @@ class RetryPolicy(BaseModel):
         return min(self.delay * self.factor**retries_done, cap)
 
 
-class CallbackSettings(BaseModel):
+class CallbackSettings(Options):
     """Limits and tuning of the callbacks engine, shared by clients and workers."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    error = InvalidCallbackInput
 
     max_context_bytes: int = Field(
-        default_factory=lambda: min(max_payload_bytes(), MAX_CONTEXT_BYTES), gt=0, le=MAX_CONTEXT_BYTES,
+        default_factory=lambda: min(max_payload_bytes(), MAX_CONTEXT_BYTES),
+        gt=0,
+        le=MAX_CONTEXT_BYTES,
         description="Largest context as compact JSON (default: the payload limit CMB_MAX_PAYLOAD_BYTES, up to 16 MiB).",
     )
     allowed_hosts: tuple[str, ...] | None = Field(
@@ -134,8 +163,12 @@ class CallbackSettings(BaseModel):
             "only connects to a public address, or to one an address or range of this list opens (e.g. '127.0.0.1')."
         ),
     )
-    max_response_bytes: int = Field(default=64 * 1024, gt=0, le=16 * 1024 * 1024, description="Response bytes read at most; the rest is dropped.")
-    write_batch_size: int = Field(default=500, gt=0, le=10_000, description="Creates written per multi-row insert, at most.")
+    max_response_bytes: int = Field(
+        default=64 * 1024, gt=0, le=16 * 1024 * 1024, description="Response bytes read at most; the rest is dropped."
+    )
+    write_batch_size: int = Field(
+        default=500, gt=0, le=10_000, description="Creates written per multi-row insert, at most."
+    )
     write_connections: int = Field(
         default=2, gt=0, le=32, description="Batches of creates written at once, each on its own connection."
     )
@@ -143,7 +176,9 @@ class CallbackSettings(BaseModel):
         default=0.0, ge=0, le=0.05, description="Seconds a write waits for more creates (0: group commit)."
     )
     create_timeout: float = Field(
-        default=30.0, gt=0, le=3600,
+        default=30.0,
+        gt=0,
+        le=3600,
         description="Seconds a create may wait for a connection, a lock and its commit before CallbackTimeout.",
     )
     poll_interval: float = Field(default=1.0, gt=0, le=60, description="Seconds between polls of a bucket.")
@@ -152,8 +187,41 @@ class CallbackSettings(BaseModel):
     max_in_flight: int = Field(default=5000, gt=0, le=1_000_000, description="Events a worker holds in memory at most.")
     concurrency: int = Field(default=128, gt=0, le=512, description="Parallel callback calls per worker.")
     timeout: float = Field(default=5.0, gt=0, le=60, description="Seconds one HTTP call may take.")
-    fast_retry_pause: float = Field(default=0.1, ge=0, le=10, description="Pause before the first fast retry (doubles).")
-    lease_ttl: float = Field(default=15.0, gt=1, le=3600, description="A dead worker's buckets are taken over after this.")
+    backoff: Backoff = Field(
+        default=FAST_RETRY_BACKOFF,
+        description=f"Pauses before fast retries (first at most {MAX_FAST_RETRY_FIRST:g} s, max at most "
+        f"{MAX_FAST_RETRY_PAUSE:g} s: they wait in the worker's memory).",
+    )
+    lease_ttl: float = Field(
+        default=15.0, gt=1, le=3600, description="A dead worker's buckets are taken over after this."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fast_retry_pause(cls, values: Any) -> Any:
+        """The deprecated ``fast_retry_pause=p``: ``backoff=Backoff(first=p, factor=2, max=60)``."""
+        if not isinstance(values, dict) or "fast_retry_pause" not in values:
+            return values
+        warnings.warn(
+            "CallbackSettings(fast_retry_pause=p) is deprecated: use backoff=Backoff(first=p, factor=2, max=60)",
+            DeprecationWarning,
+            stacklevel=4,
+        )  # the caller of CallbackSettings(...)
+        values = dict(values)
+        pause = values.pop("fast_retry_pause")
+        if "backoff" in values:
+            raise ValueError("give backoff, not fast_retry_pause too")
+        return {**values, "backoff": {"first": pause, "factor": 2, "max": FAST_RETRY_BACKOFF.max}}
+
+    @field_validator("backoff")
+    @classmethod
+    def _fast_retries_stay_short(cls, value: Backoff) -> Backoff:
+        if value.first > MAX_FAST_RETRY_FIRST or value.max > MAX_FAST_RETRY_PAUSE:
+            raise ValueError(
+                f"first must be at most {MAX_FAST_RETRY_FIRST:g} s and max at most "
+                f"{MAX_FAST_RETRY_PAUSE:g} s (fast retries wait in the worker's memory)"
+            )
+        return value
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
@@ -170,7 +238,9 @@ class CallbackSettings(BaseModel):
     @model_validator(mode="after")
     def _timeout_fits_the_lease(self) -> CallbackSettings:
         if self.timeout + self.poll_interval >= self.lease_ttl * 2 / 3:
-            raise ValueError("timeout + poll_interval must stay under 2/3 of lease_ttl, so a call ends before its lease can lapse")
+            raise ValueError(
+                "timeout + poll_interval must stay under 2/3 of lease_ttl, so a call ends before its lease can lapse"
+            )
         return self
 
     @property
@@ -212,13 +282,16 @@ def _host_allowed(host: str, allowed_hosts: tuple[str, ...] | None) -> bool:
 
 def _hosts_from_env() -> tuple[str, ...] | None:
     value = os.environ.get(ALLOWED_HOSTS_ENV, "").strip()
-    return CallbackSettings._normalise_hosts(value) if value else None
+    try:
+        return CallbackSettings._normalise_hosts(value) if value else None
+    except ValueError as exc:
+        raise InvalidCallbackInput(f"{ALLOWED_HOSTS_ENV}: {exc}") from None
 
 
 def _without_root_dot(host: str) -> str:
     """``host`` without the trailing dots of a fully qualified name: ``localhost.`` is ``localhost``."""
     prefix = "*." if host.startswith("*.") else ""
-    return prefix + host[len(prefix):].rstrip(".")
+    return prefix + host[len(prefix) :].rstrip(".")
 
 
 def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -249,13 +322,13 @@ def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | No
 def _check_pattern(pattern: str) -> None:
     if pattern == ANY_PUBLIC_HOST or _network(pattern) is not None:
         return
-    name = pattern[2:] if pattern.startswith("*.") else pattern
+    name = pattern.removeprefix("*.")
     if not name or "*" in name or "/" in name or _CONTROL.search(name):
         raise ValueError(f"{pattern!r} is not a host name, '*.domain', address, CIDR range or '*'")
 
 
 def _name_matches(pattern: str, host: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
-    if pattern == ANY_PUBLIC_HOST or pattern == host:
+    if pattern in (ANY_PUBLIC_HOST, host):
         return True
     if address is not None:
         network = _network(pattern)
@@ -264,10 +337,10 @@ def _name_matches(pattern: str, host: str, address: ipaddress.IPv4Address | ipad
 
 
 def check_url(url: str, settings: CallbackSettings, field: str = "cb_url") -> None:
-    """Raise CallbackValidationError unless ``url`` is an http(s) URL to an allowed host or ``dagster://<job>``."""
+    """Raise InvalidCallbackInput unless ``url`` is an http(s) URL to an allowed host or ``dagster://<job>``."""
     problem = _url_problem(url, settings.allowed_hosts)
     if problem is not None:
-        raise CallbackValidationError(f"{field}: {problem}")
+        raise InvalidCallbackInput(f"{field}: {problem}")
 
 
 @functools.lru_cache(maxsize=8192)
@@ -275,30 +348,30 @@ def _url_problem(url: str, allowed_hosts: tuple[str, ...] | None) -> str | None:
     """What is wrong with ``url`` (None: nothing); cached, as creates repeat a few URLs many times."""
     try:
         _check_url(url, CallbackSettings.model_construct(allowed_hosts=allowed_hosts), "")
-    except CallbackValidationError as exc:
+    except InvalidCallbackInput as exc:
         return str(exc).removeprefix(": ")
     return None
 
 
 def _check_url(url: str, settings: CallbackSettings, field: str) -> None:
     if _CONTROL.search(url):
-        raise CallbackValidationError(f"{field}: control characters and spaces are not allowed in a URL")
+        raise InvalidCallbackInput(f"{field}: control characters and spaces are not allowed in a URL")
     try:
         url.encode()
         parts = urlsplit(url)
         port = parts.port
     except (ValueError, UnicodeError) as exc:
-        raise CallbackValidationError(f"{field}: {url!r} is not a valid URL ({exc})") from None
+        raise InvalidCallbackInput(f"{field}: {url!r} is not a valid URL ({exc})") from None
     if parts.scheme == DAGSTER_SCHEME:
         if not _JOB_NAME.match(parts.netloc) or parts.path not in ("", "/"):
-            raise CallbackValidationError(f"{field}: {url!r} must be dagster://<job_name>")
+            raise InvalidCallbackInput(f"{field}: {url!r} must be dagster://<job_name>")
         return
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CallbackValidationError(f"{field}: {url!r} must be an http(s) URL with a host, or dagster://<job_name>")
+        raise InvalidCallbackInput(f"{field}: {url!r} must be an http(s) URL with a host, or dagster://<job_name>")
     if port == 0:
-        raise CallbackValidationError(f"{field}: port 0 is not a port")
+        raise InvalidCallbackInput(f"{field}: port 0 is not a port")
     if not settings.host_allowed(parts.hostname):
-        raise CallbackValidationError(
+        raise InvalidCallbackInput(
             f"{field}: host {parts.hostname!r} is not allowed (loopback, link-local, private and metadata targets are "
             f"closed unless opened: CallbackSettings(allowed_hosts=...) or {ALLOWED_HOSTS_ENV})"
         )
@@ -313,23 +386,23 @@ def dagster_job_name(url: str) -> str | None:
 def check_run_at(value: datetime, field: str = "run_at") -> datetime:
     """Refuse moments outside 1970..9000 UTC (Postgres and Python must both hold them, retries included)."""
     if not EARLIEST_RUN_AT <= value < LATEST_RUN_AT:
-        raise CallbackValidationError(f"{field}: {value.isoformat()} is outside 1970-01-01..9000-01-01 UTC")
+        raise InvalidCallbackInput(f"{field}: {value.isoformat()} is outside 1970-01-01..9000-01-01 UTC")
     return value
 
 
 def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> str | None:
-    """``context`` as the compact JSON text stored (None for no context); CallbackValidationError if Postgres
+    """``context`` as the compact JSON text stored (None for no context); InvalidCallbackInput if Postgres
     jsonb cannot hold it, it exceeds ``settings.max_context_bytes`` or it does not fit a dagster:// target."""
     if context is None:
         return None
-    text = to_json(context, "context", error=CallbackValidationError, limit=settings.max_context_bytes)
+    text = to_json(context, "context", error=InvalidCallbackInput, limit=settings.max_context_bytes)
     if dagster_job_name(cb_url) is None:
         return text
     if not isinstance(context, dict) or set(context) - {"run_config", "tags"}:
-        raise CallbackValidationError("context: for dagster:// targets it must be {'run_config': {...}, 'tags': {...}}")
+        raise InvalidCallbackInput("context: for dagster:// targets it must be {'run_config': {...}, 'tags': {...}}")
     for key in ("run_config", "tags"):
         if not isinstance(context.get(key, {}), dict):
-            raise CallbackValidationError(f"context.{key}: must be an object")
+            raise InvalidCallbackInput(f"context.{key}: must be an object")
     return text
 
 
@@ -351,8 +424,9 @@ class NewCallback(BaseModel):
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
-        _check_keys(self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH,
-                           "event_key": MAX_KEY_LENGTH})
+        _check_keys(
+            self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH, "event_key": MAX_KEY_LENGTH}
+        )
         check_run_at(self.run_at)
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
@@ -380,8 +454,8 @@ def check_many(events: list[NewCallback], settings: CallbackSettings) -> list[Ne
 def _contexts_fit(contexts: list[Any], settings: CallbackSettings) -> bool:
     """True when ``contexts`` encode together within the size limit, so each one does (one encoding per batch)."""
     try:
-        to_json(contexts, "context", error=CallbackValidationError, limit=settings.max_context_bytes)
-    except CallbackValidationError:
+        to_json(contexts, "context", error=InvalidCallbackInput, limit=settings.max_context_bytes)
+    except InvalidCallbackInput:
         return False  # one of them is bad or they are big together: checked one at a time, the first bad one is named
     return True
 
@@ -389,7 +463,7 @@ def _contexts_fit(contexts: list[Any], settings: CallbackSettings) -> bool:
 def _check_keys(model: BaseModel, lengths: dict[str, int]) -> None:
     """The keys of ``model`` (field: longest length) as Postgres text can store them."""
     for name, max_length in lengths.items():
-        check_text(getattr(model, name), name, max_length=max_length, error=CallbackValidationError)
+        check_text(getattr(model, name), name, max_length=max_length, error=InvalidCallbackInput)
 
 
 def _encodes(text: str) -> bool:
@@ -415,7 +489,7 @@ class CallbackEvent(BaseModel):
     originally_run_at: datetime
     cb_url: str
     context: JsonValue = None
-    retry: RetryPolicy | dict[str, Any]  # a dict only for a policy stored by an older version out of today's bounds
+    retry: RetryPolicy | dict[str, Any]  # a dict only for a stored policy outside RetryPolicy's bounds
     attempts: int
     main_retries: int
     last_error: str | None
@@ -442,12 +516,7 @@ class NewSchedule(BaseModel):
 
     _to_seconds = field_validator("horizon", mode="before")(lambda cls, v: _seconds(v))
 
-    @field_validator("cron")
-    @classmethod
-    def _cron_is_valid(cls, value: str) -> str:
-        if not croniter.is_valid(value):
-            raise ValueError(f"{value!r} is not a valid cron expression")
-        return value
+    _cron_is_valid = field_validator("cron")(lambda cls, v: _valid_cron(v))
 
     @field_validator("timezone")
     @classmethod
@@ -460,8 +529,14 @@ class NewSchedule(BaseModel):
 
     def check(self, settings: CallbackSettings) -> NewSchedule:
         """Apply the settings' URL policy and context limit; return self."""
-        _check_keys(self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH,
-                           "schedule_key": MAX_SCHEDULE_KEY_LENGTH})
+        _check_keys(
+            self,
+            {
+                "owner_client_id": MAX_OWNER_LENGTH,
+                "group_key": MAX_GROUP_LENGTH,
+                "schedule_key": MAX_SCHEDULE_KEY_LENGTH,
+            },
+        )
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self
@@ -480,28 +555,25 @@ class CallbackSchedule(BaseModel):
     timezone: str
     cb_url: str
     context: JsonValue = None
-    retry: RetryPolicy | dict[str, Any]  # a dict only for a policy stored by an older version out of today's bounds
+    retry: RetryPolicy | dict[str, Any]  # a dict only for a stored policy outside RetryPolicy's bounds
     horizon: float
     paused: bool
     materialized_until: datetime
     created_at: datetime
 
 
+def _valid_cron(value: str) -> str:
+    if not croniter.is_valid(value):
+        raise ValueError(f"{value!r} is not a valid cron expression")
+    return value
+
+
 def validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
-    """``model(**data)``, with Pydantic's errors turned into one CallbackValidationError naming the fields."""
+    """``model(**data)``, with Pydantic's errors turned into one InvalidCallbackInput naming the fields."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise CallbackValidationError(one_line(exc)) from None
-
-
-def one_line(exc: ValidationError) -> str:
-    """Pydantic errors as ``field: message; field: message``."""
-    parts = []
-    for error in exc.errors():
-        field = ".".join(str(p) for p in error["loc"]) or "value"
-        parts.append(f"{field}: {error['msg']}")
-    return "; ".join(parts)
+        raise InvalidCallbackInput(describe(exc)) from None
 
 
 class CallbackCounts(BaseModel):
@@ -517,7 +589,8 @@ class CallbackCounts(BaseModel):
 
 
 class BucketSetCounts(BaseModel):
-    """What one worker job's buckets hold: pending and overdue events, the oldest overdue age, outcomes of the last hour."""
+    """What one worker job's buckets hold: pending and overdue events, the oldest overdue age, outcomes of the last
+    hour."""
 
     bucket_set: int
     pending: int
@@ -526,3 +599,60 @@ class BucketSetCounts(BaseModel):
     notified_last_hour: int
     failed_last_hour: int
     rejected_last_hour: int
+
+
+class CallbacksStatus(BaseModel):
+    """What the callbacks engine reports (:func:`cmb_dagster.callbacks.admin.status`): events per status over every
+    bucket, and the figures of each worker job's buckets when asked for."""
+
+    totals: CallbackCounts | None = None
+    bucket_sets: list[BucketSetCounts] = Field(default_factory=list)
+
+
+class CallbackOptions(Options):
+    """What ``cmb_definitions(callbacks=...)`` adds: worker jobs with keepers, cleanup and the schedules materializer.
+
+    Defaults: one worker job serving every bucket, cleanup at 21:00 UTC of finished events older than
+    30 days, schedules materialized every 30 s.
+    """
+
+    error = InvalidCallbackInput
+
+    workers: int = Field(
+        default=1, ge=1, le=64, description="Worker jobs; job i serves buckets with id % workers == i."
+    )
+    settings: CallbackSettings = Field(default_factory=CallbackSettings)
+    cleanup_cron: str = Field(default="0 21 * * *", description="When the cleanup runs (every evening by default).")
+    cleanup_timezone: str = "UTC"
+    ttl_days: int = Field(
+        default=30, ge=0, le=MAX_TTL_DAYS, description="Finished events and change_log older than this are removed."
+    )
+    materialize_interval_seconds: int = Field(
+        default=30, ge=5, le=86400, description="How often schedules are materialized."
+    )
+    observe_interval_seconds: int = Field(
+        default=60, ge=5, le=86400, description="How often the status sensor observes each bucket set's events."
+    )
+
+    _cron_is_valid = field_validator("cleanup_cron")(lambda cls, v: _valid_cron(v))
+
+    def worker_job_name(self, index: int, prefix: str = "cmb_") -> str:
+        """Deprecated: ``cmb_dagster.jobs.worker_job_names(prefix, "callbacks_worker", workers)[index]``."""
+        warnings.warn(
+            "CallbackOptions.worker_job_name() is deprecated: use cmb_dagster.jobs.worker_job_names",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return f"{prefix}callbacks_worker" + ("" if self.workers == 1 else f"_{index}_of_{self.workers}")
+
+    def counts_asset_key(self, index: int) -> Any:
+        """Deprecated: :func:`cmb_dagster.callbacks.dagster_defs.counts_asset_key`."""
+        from cmb_dagster.callbacks.dagster_defs import counts_asset_key
+
+        warnings.warn(
+            "CallbackOptions.counts_asset_key(i) is deprecated: use "
+            "cmb_dagster.callbacks.dagster_defs.counts_asset_key(options, i)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return counts_asset_key(self, index)

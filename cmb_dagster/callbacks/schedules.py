@@ -22,7 +22,9 @@ log = logging.getLogger("cmb_dagster.callbacks")
 MAX_FIRE_TIMES = 1000  # per schedule and call; the next call continues
 
 
-def fire_times(cron: str, timezone: str, after: datetime, until: datetime, limit: int = MAX_FIRE_TIMES) -> list[datetime]:
+def fire_times(
+    cron: str, timezone: str, after: datetime, until: datetime, limit: int = MAX_FIRE_TIMES
+) -> list[datetime]:
     """Fire times of ``cron`` in ``timezone`` in (after, until], in UTC."""
     it = croniter(cron, after.astimezone(ZoneInfo(timezone)))
     found = []
@@ -39,7 +41,7 @@ def materialize_schedules(db: Database) -> int:
 
     Safe to run from several processes at once: a schedule is materialized by one of them at a time,
     and each (schedule, fire time) gets at most one event. A schedule that cannot be materialized (e.g. a
-    retry policy stored by an older version out of today's bounds) is skipped with a warning; the others go on.
+    stored retry policy outside RetryPolicy's bounds) is skipped with a warning; the others go on.
     """
     created = 0
     with db.connection() as conn:

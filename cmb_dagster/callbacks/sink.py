@@ -11,7 +11,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
 from cmb_dagster.callbacks.delivery import REJECT_HEADERS
@@ -89,7 +89,7 @@ class CallbackSink:
         self._loop.close()
         self._thread = None
 
-    def __enter__(self) -> CallbackSink:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ LOCK_EVENT_IDS = f"SELECT {TAKE_EVENT_IDS_LOCK}"
 
 # The same lock in exclusive mode, for a change of the bucket count: it waits for every transaction drawing
 # ids and keeps new ones out until commit, so each insert's bucket count is still true when it commits.
-LOCK_EVENT_IDS_EXCLUSIVE = "SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids', 0))"
+LOCK_EVENT_IDS_EXCLUSIVE = """SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || ':callbacks.event_ids',
+    0))"""
 
 # The rows come as one JSON array of objects (parsed by Postgres in one pass, far cheaper to send than one
 # array per column); "r" indexes the batch's distinct retry policies, each parsed once. Each insert also
@@ -31,7 +32,8 @@ WITH ins AS (
     SELECT nextval('callback_event_ids'),
            (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
            n.o, n.g, n.k, n.t, n.t, n.u, n.c, b.policies -> n.r, %(schedule_id)s::bigint
-    FROM ROWS FROM (json_to_recordset(%(rows)s::json) AS (o text, g text, k text, t timestamptz, u text, c jsonb, r int))
+    FROM ROWS FROM (json_to_recordset(%(rows)s::json)
+                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, r int))
          WITH ORDINALITY AS n(o, g, k, t, u, c, r, ord)
     CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
                 FROM callback_buckets) AS b  -- before any id is drawn
@@ -218,8 +220,9 @@ UPDATE callback_events SET status = 'failed', last_error = %(error)s, finished_a
 WHERE event_id = %(event_id)s AND status = 'pending'
 """
 
-# Outcomes of calls, in one statement (attempts were counted by the gate). 'retry' moves run_at (never to or before the cursor's run_at, so
-# query 1 finds it again) unless stop_after_delay has passed since originally_run_at: then 'failed'.
+# Outcomes of calls, in one statement (attempts were counted by the gate). 'retry' moves run_at (never to or
+# before the cursor's run_at, so query 1 finds it again) unless stop_after_delay has passed since
+# originally_run_at: then 'failed'.
 # Planned by the primary key whatever the statistics: each event is read by its id (OFFSET 0 keeps the lookup per id),
 # and the update matches the status it read rather than the literal 'pending', which would let a planner without
 # statistics on status (autovacuum off) read the whole partial pending index for every batch. The deadline is only
@@ -270,8 +273,9 @@ SELECT generate_series((SELECT count(*) FROM callback_buckets), %(count)s - 1)
 """
 
 # Lowering the count: the rows of removed buckets go; inserts read the count under LOCK_EVENT_IDS, which
-# LOCK_EVENT_IDS_EXCLUSIVE excludes, so each one lands in a bucket that exists when it commits. Pending events of removed buckets stay put until
-# MOVE_EVENTS (run by whoever holds the removed bucket's lease) gives them a live bucket.
+# LOCK_EVENT_IDS_EXCLUSIVE excludes, so each one lands in a bucket that exists when it commits. Pending events of
+# removed buckets stay put until MOVE_EVENTS (run by whoever holds the removed bucket's lease) gives them a live
+# bucket.
 REMOVE_BUCKETS = "DELETE FROM callback_buckets WHERE bucket_id >= %(count)s"
 
 # Buckets removed by a lowering that still have pending events, ascending (one index probe per bucket).
@@ -306,15 +310,10 @@ moving AS (
     RETURNING e.bucket_id, e.run_at
 )
 SELECT count(*)::int,
-       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks', m.bucket_id || ':' || extract(epoch FROM m.run_at)::text))
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                               m.bucket_id || ':' || extract(epoch FROM m.run_at)::text))
         FROM (SELECT bucket_id, min(run_at) AS run_at FROM moved GROUP BY bucket_id) AS m)
 FROM moved
-"""
-
-BUCKET_STATS = """
-SELECT b.bucket_id, b.max_run_at, b.max_event_id, count(e.event_id) AS pending
-FROM callback_buckets b LEFT JOIN callback_events e ON e.bucket_id = b.bucket_id AND e.status = 'pending'
-GROUP BY b.bucket_id ORDER BY b.bucket_id
 """
 
 # -- schedules ------------------------------------------------------------------------------------
@@ -455,7 +454,8 @@ WITH p AS (
            count(*) FILTER (WHERE status = 'failed') AS failed,
            count(*) FILTER (WHERE status = 'rejected') AS rejected
     FROM callback_events
-    WHERE status <> 'pending' AND finished_at > now() - interval '1 hour' AND finished_at <= now()  -- a range: the index
+    WHERE status <> 'pending'
+      AND finished_at > now() - interval '1 hour' AND finished_at <= now()  -- a range: the index
     GROUP BY 1
 )
 SELECT s.bucket_set, coalesce(p.pending, 0) AS pending, coalesce(p.overdue, 0) AS overdue,

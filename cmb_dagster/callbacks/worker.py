@@ -1,11 +1,12 @@
-"""The callbacks worker: polls its buckets by the original design's two queries and calls due events back.
+"""The callbacks worker: polls its buckets by two queries and calls due events back.
 
-Per bucket it keeps, in memory, a cursor ``(run_at, event_id)`` for query 1 and, for query 2, an event id
-at or below which every event has been seen (it never passes an id whose transaction may still commit:
-see :class:`EventIdHorizon`). In Postgres it keeps a
-conservative copy of both, written in the same transaction as the outcomes of calls: a cursor that stops
-before any event still in flight. A worker that takes a bucket over starts from that copy, so an event is
-lost by no crash; only events in flight at a crash are called again (at least once).
+Query 1 reads due events in ``(run_at, event_id)`` order after a cursor; query 2 reads events inserted behind
+that cursor, by id above a horizon. Per bucket the worker keeps, in memory, the cursor and an event id at or
+below which every event has been seen (it never passes an id whose transaction may still commit: see
+:class:`EventIdHorizon`). In Postgres it keeps a conservative copy of both, written in the same transaction as
+the outcomes of calls: a cursor that stops before any event still in flight. A worker that takes a bucket over
+starts from that copy, so an event is lost by no crash; only events in flight at a crash are called again (at
+least once).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -24,11 +26,12 @@ from pydantic import ValidationError
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
-from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy, one_line
+from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy
 from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
 from cmb_dagster.isolation import sanitize
-from cmb_dagster.notifications import Listener, channel_name
-from cmb_dagster.workers import Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
+from cmb_dagster.models import describe
+from cmb_dagster.notifications import channel_name
+from cmb_dagster.workers import EngineWorker, Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -82,7 +85,8 @@ class EventIdHorizon:
         self._lock = threading.Lock()
 
     def advance(self, writers: tuple[int, list[str]]) -> int:
-        """Given a row of ``sql.EVENT_ID_DRAWERS``, return the horizon (queries started after it see every id up to it)."""
+        """Given a row of ``sql.EVENT_ID_DRAWERS``, return the horizon (queries started after it see every id up
+        to it)."""
         drawn, drawers = writers
         running = frozenset(drawers)
         with self._lock:
@@ -116,8 +120,13 @@ class BucketGate:
             if state is None or state.lease is None:
                 raise LeaseLost(f"bucket {bucket_id} is not held")
             leases.append(state.lease)
-        params = {"kind": LEASE_KIND, "owner": self._owner, "partitions": [lease.partition for lease in leases],
-                  "fences": [lease.fence for lease in leases], "ids": [d.event_id for d in deliveries]}
+        params = {
+            "kind": LEASE_KIND,
+            "owner": self._owner,
+            "partitions": [lease.partition for lease in leases],
+            "fences": [lease.fence for lease in leases],
+            "ids": [d.event_id for d in deliveries],
+        }
         conn = await self._conn.get()
         async with conn.transaction():
             cursor = await conn.execute(sql.GATE, params)
@@ -134,44 +143,44 @@ class BucketGate:
         await self._conn.close()
 
 
-class CallbackWorker:
+class CallbackWorker(EngineWorker):
     """Serves buckets: polls due events, calls them through a :class:`DeliveryPool`, writes outcomes.
 
-    Run it with :meth:`run` (bounded or until :meth:`stop`); several workers (threads, processes, hosts)
-    may run on the same buckets, and each bucket is served by one of them at a time.
+    ``buckets`` (ids, or a function asked at every lease renewal) limits it to those buckets (default: all,
+    including added ones); ``launcher`` starts the runs of ``dagster://`` events. Several workers (threads,
+    processes, hosts) may run on the same buckets; each bucket is served by one of them at a time. A stop, asked
+    or at the end of the run's time, drains the worker: no more polls, the calls in flight end and their outcomes
+    are written, then the buckets are released.
     """
 
     def __init__(
         self,
         db: DatabaseSource,
-        settings: CallbackSettings | None = None,
+        options: CallbackSettings | None = None,
         *,
+        owner: str | None = None,
         buckets: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         launcher: JobLauncher | None = None,
-        owner: str | None = None,
     ) -> None:
-        self.db = db = Database.of(db)
-        self.settings = settings or CallbackSettings()
+        super().__init__(db, owner=owner)
+        if options is None:
+            warnings.warn(
+                "CallbackWorker(db) is deprecated: pass the settings, CallbackWorker(db, CallbackSettings())",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.settings = options or CallbackSettings()
         self.buckets = buckets
         self.launcher = launcher
         self._states: dict[int, BucketState] = {}
         self._live: set[int] = set()  # the buckets that exist, as of the last lease renewal
         self._moved: set[tuple[int, int]] = set()  # (bucket, fence): removed buckets whose events this worker moved
         self._pool: DeliveryPool | None = None
+        self._bucket_loop: BucketLoop | None = None
         # its own, with no pool check on the path of every call, and planned at each run: a plan cached while
         # callback_events was small (a sequential scan) would be kept as it grows
-        self._loop_conn = OwnConnection(db, custom_plans=True)  # the worker loop's: polls and outcome writes
-        self._worker = Worker(
-            db,
-            LEASE_KIND,
-            self._partitions,
-            self.step,
-            owner=owner,
-            ttl=self.settings.lease_ttl,
-            idle_sleep=min(COMMIT_EVERY, self.settings.poll_interval),
-            on_shutdown=self.stop,
-        )
-        self._gate = BucketGate(db, self._states, self._worker.owner)
+        self._loop_conn = OwnConnection(self.db, custom_plans=True)  # the worker loop's: polls and outcome writes
+        self._gate = BucketGate(self.db, self._states, self.owner)
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
         self._woken_lock = threading.Lock()
@@ -180,51 +189,48 @@ class CallbackWorker:
         self._window_started = time.monotonic()
         self._failures_in_window = self._failures_not_logged = 0
 
-    @property
-    def owner(self) -> str:
-        return self._worker.owner
-
-    def run(self, duration: float | None = None) -> WorkerReport:
-        """Work for ``duration`` seconds (None: until :meth:`stop`), then finish the calls in flight."""
-        self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate, on_broken=lambda _exc: self.stop())
+    def loops(self) -> list[Worker]:
+        """One loop over the buckets, with a fresh pool of calls."""
         self._draining.clear()
-        listener = Listener(self.db, [channel_name(self.db, sql.CHANNEL)], self._on_notify).start()
-        timer = None
-        if duration is not None:
-            timer = threading.Timer(duration, self.stop)
-            timer.daemon = True
-            timer.start()
-        try:
-            report = self._worker.run()
-        finally:
-            if timer is not None:
-                timer.cancel()
-            listener.stop()
-            self._pool.close(timeout=self._longest_call())
-            self._loop_conn.close()
-        if self._pool.broken is not None:  # a bug of ours: the worker stopped and released its buckets to others
-            raise RuntimeError("the callback worker stopped: its dispatcher failed") from self._pool.broken
-        report.items = self.delivered
-        return report
+        self._bucket_loop = BucketLoop(self)
+        self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate, on_broken=lambda _exc: self.stop())
+        return [self._bucket_loop]
 
-    def stop(self) -> None:
-        """Stop polling, let calls in flight end and write their outcomes, then return from :meth:`run`."""
+    def finish(self) -> None:
+        """Let the last calls end and close the connections; raise if the dispatcher failed (a bug of ours: the
+        worker stopped and released its buckets to others)."""
+        if self._pool is None:
+            return
+        try:
+            self._pool.close(timeout=self._longest_call())
+        finally:
+            self._loop_conn.close()
+        if self._pool.broken is not None:
+            raise RuntimeError("the callback worker stopped: its dispatcher failed") from self._pool.broken
+
+    def _drain(self, then: Callable[[], None]) -> None:
+        """Stop polling and give back the calls not started; ``then`` (the loop's stop) once the calls in flight
+        have ended and their outcomes are written, or after the longest call."""
         if self._draining.is_set():
             return
         self._draining.set()
         if self._pool is not None:
             self._pool.abandon_waiting()
-        self._worker.wake()
-        threading.Thread(target=self._stop_when_drained, name="cmb-callback-drain", daemon=True).start()
+        self._wake()
+        threading.Thread(target=self._stop_when_drained, args=(then,), name="cmb-callback-drain", daemon=True).start()
 
-    def _stop_when_drained(self) -> None:
+    def _stop_when_drained(self, then: Callable[[], None]) -> None:
         deadline = time.monotonic() + self._longest_call()
         while time.monotonic() < deadline:
             if (self._pool is None or self._pool.busy == 0) and not any(s.done for s in self._states.values()):
                 break
-            self._worker.wake()
+            self._wake()
             time.sleep(0.02)
-        self._worker.stop()
+        then()
+
+    def _wake(self) -> None:
+        if self._bucket_loop is not None:
+            self._bucket_loop.wake()
 
     def _on_notify(self, _channel: str, payload: str | None) -> None:
         """A hint: an event due before the next poll was created in a bucket (None: maybe in any).
@@ -243,7 +249,7 @@ class CallbackWorker:
                 if due_in <= 0:
                     with self._woken_lock:
                         self._woken.add(bucket_id)
-        self._worker.wake()
+        self._wake()
 
     @contextmanager
     def _on_loop_connection(self, *, pipeline: bool, transaction: bool) -> Iterator[psycopg.Connection]:
@@ -254,7 +260,8 @@ class CallbackWorker:
         with conn.transaction() if transaction else nullcontext(), conn.pipeline() if pipeline else nullcontext():
             yield conn
 
-    def _partitions(self) -> list[str]:
+    def partitions(self) -> list[str]:
+        """The buckets to hold (asked at every lease renewal): those served, and those with outcomes to write."""
         self._live, self._moved = set(bucket_ids(self.db)), set()
         if self.buckets is None:
             ids = served_bucket_ids(self.db)
@@ -344,7 +351,8 @@ class CallbackWorker:
         params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
         with state.lock:
             cursor, seen = state.cursor, state.seen_event_id
-        with self._on_loop_connection(pipeline=True, transaction=False) as conn:  # the lease, the writers, the queries: one round trip
+        # the lease, the writers, the queries: one round trip
+        with self._on_loop_connection(pipeline=True, transaction=False) as conn:
             asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
             remaining_cur = conn.execute(sql.LEASE_REMAINING, _lease_params(lease))
             drawers_cur = conn.execute(sql.EVENT_ID_DRAWERS)
@@ -369,14 +377,17 @@ class CallbackWorker:
                 if row[0] not in state.in_flight:
                     state.in_flight[row[0]] = (row[1], row[0])
                     fresh.append(row)
-        deadline = lambda: state.lease_deadline
+
+        def deadline() -> float:
+            return state.lease_deadline
+
         for row in fresh:
             (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
             try:
                 policy = stored_policy(retry)
             except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
                 policy = None
-                detail = one_line(exc) if isinstance(exc, ValidationError) else type(exc).__name__
+                detail = describe(exc) if isinstance(exc, ValidationError) else type(exc).__name__
                 error = f"stored retry policy is invalid: {sanitize(detail, 300)}"
             delivery = Delivery(
                 bucket_id=state.bucket_id,
@@ -408,7 +419,7 @@ class CallbackWorker:
             state.done.append(delivery)
             many = len(state.done) >= COMMIT_BATCH
         if many:
-            self._worker.wake()
+            self._wake()
 
     def _commit(self, lease: Lease, state: BucketState) -> int:
         with state.lock:
@@ -421,7 +432,9 @@ class CallbackWorker:
                 if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
                     raise
                 # one outcome that cannot be written must not hold the others back: one row at a time
-                log.warning("bucket %s: outcomes could not be written together (%s); one at a time", state.bucket_id, exc)
+                log.warning(
+                    "bucket %s: outcomes could not be written together (%s); one at a time", state.bucket_id, exc
+                )
                 self._write(lease, state, batch, finished, careful=True)
         except BaseException:
             with state.lock:  # not written: keep them (and their places) for the next try
@@ -439,10 +452,18 @@ class CallbackWorker:
         now = time.monotonic()
         if now - self._window_started >= REPORT_EVERY_SECONDS:
             if self._failures_not_logged:
-                log.warning("%d more failed calls in the last %.0fs were not logged one by one",
-                            self._failures_not_logged, now - self._window_started)
-            log.info("callbacks worker %s: %d calls done so far, %d failed in the last %.0fs",
-                     self.owner, self.delivered, self._failures_in_window, now - self._window_started)
+                log.warning(
+                    "%d more failed calls in the last %.0fs were not logged one by one",
+                    self._failures_not_logged,
+                    now - self._window_started,
+                )
+            log.info(
+                "callbacks worker %s: %d calls done so far, %d failed in the last %.0fs",
+                self.owner,
+                self.delivered,
+                self._failures_in_window,
+                now - self._window_started,
+            )
             self._window_started, self._failures_in_window, self._failures_not_logged = now, 0, 0
         for d in finished:
             if d.outcome not in (FAILED, RETRY):
@@ -452,10 +473,20 @@ class CallbackWorker:
                 self._failures_not_logged += 1
                 continue
             after = "gives up" if d.outcome == FAILED else f"retries in {d.retry_delay:.0f}s"
-            log.warning("callback %s/%s/%s (event %s, attempt %s) failed: %s; %s", d.owner_client_id, d.group_key,
-                        d.event_key, d.event_id, d.attempts, d.error, after)
+            log.warning(
+                "callback %s/%s/%s (event %s, attempt %s) failed: %s; %s",
+                d.owner_client_id,
+                d.group_key,
+                d.event_key,
+                d.event_id,
+                d.attempts,
+                d.error,
+                after,
+            )
 
-    def _write(self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool) -> None:
+    def _write(
+        self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool
+    ) -> None:
         with self._on_loop_connection(pipeline=not careful, transaction=True) as conn:
             Leases.check(conn, lease)
             with state.lock:
@@ -482,6 +513,52 @@ class CallbackWorker:
                 sql.SAVE_WATERMARK,
                 {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
             )
+
+
+class BucketLoop(Worker):
+    """The loop of a :class:`CallbackWorker` over its buckets, woken by the NOTIFY of a create due soon.
+
+    Stopping it, when asked or at the end of its time, drains the worker first. Its reports (progress and final)
+    count as ``items`` the events whose calls ended.
+    """
+
+    def __init__(self, worker: CallbackWorker) -> None:
+        super().__init__(
+            worker.db,
+            LEASE_KIND,
+            worker.partitions,
+            worker.step,
+            owner=worker.owner,
+            ttl=worker.settings.lease_ttl,
+            idle_sleep=min(COMMIT_EVERY, worker.settings.poll_interval),
+            channels=[channel_name(worker.db, sql.CHANNEL)],
+            on_notify=worker._on_notify,
+        )
+        self._worker = worker
+
+    def run(self, duration: float | None = None) -> WorkerReport:
+        """Loop until stopped; a stop at the end of ``duration`` drains like any other."""
+        delivered = self._worker.delivered
+
+        def counted(report: WorkerReport) -> WorkerReport:
+            report.items = self._worker.delivered - delivered
+            return report
+
+        if (progress := self.on_progress) is not None:
+            self.on_progress = lambda report: progress(counted(report))
+        timer = None if duration is None else threading.Timer(duration, self.stop)
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            return counted(super().run())
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def stop(self) -> None:
+        """Drain the worker, then end the loop."""
+        self._worker._drain(super().stop)
 
 
 def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:

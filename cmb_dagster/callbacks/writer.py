@@ -253,7 +253,8 @@ def insert_events_skipping_taken(
         if same:
             results.append(inserted[key] if row is None else row["event_id"])
         else:
-            results.append(CallbackConflict(f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"))
+            conflict = f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"
+            results.append(CallbackConflict(conflict))
     return results
 
 
@@ -262,8 +263,15 @@ def _insert_params(
 ) -> dict[str, Any]:
     policies, indexes = _distinct_policies(events)
     rows = [
-        {"o": e.owner_client_id, "g": e.group_key, "k": e.event_key, "t": e.run_at.astimezone(UTC), "u": e.cb_url,
-         "c": e.context, "r": r}
+        {
+            "o": e.owner_client_id,
+            "g": e.group_key,
+            "k": e.event_key,
+            "t": e.run_at.astimezone(UTC),
+            "u": e.cb_url,
+            "c": e.context,
+            "r": r,
+        }
         for e, r in zip(events, indexes, strict=True)
     ]
     return {
@@ -311,7 +319,11 @@ def _policy_json(policy: RetryPolicy) -> str:
 
 def _same_event(event: NewCallback, other: NewCallback) -> bool:
     return (event.run_at, event.cb_url, event.context, event.retry) == (
-        other.run_at, other.cb_url, other.context, other.retry)
+        other.run_at,
+        other.cb_url,
+        other.context,
+        other.retry,
+    )
 
 
 def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:

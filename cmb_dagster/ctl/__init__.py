@@ -10,6 +10,15 @@ from cmb_dagster.ctl.errors import CtlError, InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, ParameterKey
 from cmb_dagster.ctl.store import CTL_BRANCH_ID, CtlStore
 
-__all__ = ["CTL_BRANCH_ID", "CtlChange", "CtlError", "CtlResource", "CtlStore", "InvalidCtlInput", "ParameterKey", "ctl_metadata"]
+__all__ = [
+    "CTL_BRANCH_ID",
+    "CtlChange",
+    "CtlError",
+    "CtlResource",
+    "CtlStore",
+    "InvalidCtlInput",
+    "ParameterKey",
+    "ctl_metadata",
+]
 
 __getattr__ = lazy_names(__name__, dict.fromkeys(["CtlResource", "ctl_metadata"], "cmb_dagster.ctl.dagster_resources"))

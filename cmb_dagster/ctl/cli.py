@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 
 import click
 
+from cmb_dagster.cli_common import open_database
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.store import MAX_HISTORY, CtlStore, default_actor
-from cmb_dagster.database import Database
 from cmb_dagster.inputs import shorten
-from cmb_dagster.settings import Settings
-
-
-def _database() -> Database:
-    return Database.from_settings(Settings.from_env())
 
 
 def _moment(value: str) -> datetime:
@@ -42,7 +36,7 @@ def ctl() -> None:
 @click.option("--by", default=None, help="Who makes the change (default: user@host).")
 def set_value(entity: str, parameter: str, value: str, by: str | None) -> None:
     """Set ENTITY/PARAMETER to VALUE (an ISO datetime with a time zone)."""
-    change = CtlStore(_database(), actor=f"cli {default_actor()}").set(entity, parameter, _moment(value), by=by)
+    change = CtlStore(open_database(), actor=f"cli {default_actor()}").set(entity, parameter, _moment(value), by=by)
     if change is None:
         click.echo(f"{entity}/{parameter} is already {value}")
     else:
@@ -54,9 +48,11 @@ def set_value(entity: str, parameter: str, value: str, by: str | None) -> None:
 @click.argument("entity", required=False)
 def get_values(entity: str | None) -> None:
     """Show current values (of one ENTITY)."""
-    for row in CtlStore(_database()).values(entity):
-        click.echo(f"{row['entity']}/{row['parameter']} = {row['value'].isoformat()}  "
-                   f"(v{row['version']}, {row['updated_at']:%Y-%m-%d %H:%M:%S} by {row['updated_by']})")
+    for row in CtlStore(open_database()).values(entity):
+        click.echo(
+            f"{row['entity']}/{row['parameter']} = {row['value'].isoformat()}  "
+            f"(v{row['version']}, {row['updated_at']:%Y-%m-%d %H:%M:%S} by {row['updated_by']})"
+        )
 
 
 @ctl.command()
@@ -66,7 +62,9 @@ def get_values(entity: str | None) -> None:
 @click.option("--backwards", is_flag=True, help="Only changes that moved a value backwards.")
 def history(entity: str | None, parameter: str | None, limit: int, backwards: bool) -> None:
     """Recorded changes, newest first."""
-    for c in CtlStore(_database()).history(entity, parameter, limit=limit, backwards_only=backwards):
+    for c in CtlStore(open_database()).history(entity, parameter, limit=limit, backwards_only=backwards):
         flag = "  BACKWARDS" if c.backwards else ""
-        click.echo(f"#{c.id} {c.changed_at:%Y-%m-%d %H:%M:%S} {c.entity}/{c.parameter}: "
-                   f"{c.old_value} -> {c.new_value} by {c.changed_by}{flag}")
+        click.echo(
+            f"#{c.id} {c.changed_at:%Y-%m-%d %H:%M:%S} {c.entity}/{c.parameter}: "
+            f"{c.old_value} -> {c.new_value} by {c.changed_by}{flag}"
+        )

@@ -12,6 +12,7 @@ from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, ParameterKey
 from cmb_dagster.ctl.store import CtlStore
 from cmb_dagster.inputs import shorten
+from cmb_dagster.models import describe
 from cmb_dagster.resources import CmbResource
 
 CTL_METADATA_KEY = "cmb/ctl"
@@ -34,7 +35,7 @@ class CtlResource(ConfigurableResource):
     _actor: str | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        run = context.dagster_run
+        run = context.run
         self._actor = f"dagster run {run.run_id} ({run.job_name})" if run else None
 
     @property
@@ -90,9 +91,10 @@ def ctl_metadata(
     if mode not in CTL_MODES:
         raise InvalidCtlInput(f"mode: expected one of {', '.join(CTL_MODES)}, got {mode!r}")
     try:
-        checked = _METADATA_VALUES.validate_python({**(parameters or {}), **values})
+        given = {**(parameters or {}), **values}
+        checked = _METADATA_VALUES.validate_python(given)
     except ValidationError as exc:
-        raise InvalidCtlInput(metadata_error(exc)) from None
+        raise InvalidCtlInput(metadata_error(exc, given)) from None
     metadata = {CTL_METADATA_KEY: MetadataValue.json({p: v.isoformat() for p, v in checked.items()})}
     if mode != "forward":
         metadata[CTL_MODE_METADATA_KEY] = MetadataValue.text(mode)
@@ -112,13 +114,11 @@ def ctl_values_from_metadata(entity: str, value: Any) -> dict[ParameterKey, date
     try:
         checked = _METADATA_VALUES.validate_python(data)
     except ValidationError as exc:
-        raise InvalidCtlInput(metadata_error(exc)) from None
+        raise InvalidCtlInput(metadata_error(exc, data)) from None
     return {(entity, parameter): moment for parameter, moment in checked.items()}
 
 
-def metadata_error(exc: ValidationError) -> str:
-    problems = [
-        f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']} (got {shorten(e.get('input'))})"
-        for e in exc.errors()
-    ]
-    return f"invalid {CTL_METADATA_KEY} metadata, expected {{parameter: aware ISO datetime}}: " + "; ".join(problems)
+def metadata_error(exc: ValidationError, value: object) -> str:
+    """One line: why ``value`` is no ``cmb/ctl`` metadata entry."""
+    expected = "{parameter: aware ISO datetime}"
+    return f"invalid {CTL_METADATA_KEY} metadata, expected {expected}: {describe(exc)} (got {shorten(value)})"

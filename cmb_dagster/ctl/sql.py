@@ -1,4 +1,5 @@
-"""Every SQL statement of the CTL store and the reactive scheduler (tables: migrations/0003_ctl.sql)."""
+"""Every SQL statement of the CTL store (tables ``ctl_values``, ``ctl_history`` and ``ctl_feeds``, created by
+migrations/0003_ctl.sql)."""
 
 # -- CTL store --------------------------------------------------------------------------------
 

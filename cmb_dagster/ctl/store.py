@@ -25,12 +25,14 @@ from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, Moment, ParameterKey, check_name
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.inputs import shorten
+from cmb_dagster.models import describe
 
 log = logging.getLogger("cmb_dagster.ctl")
 
 CTL_BRANCH_ID = 4
 """The pub/sub branch that carries CTL changes: one event per transaction, ``{"changes": [...]}``."""
 CTL_TOPIC = "cmb.ctl"
+
 
 @dataclass(frozen=True)
 class FeedItem:
@@ -116,18 +118,21 @@ class CtlStore:
             "by": self.actor if by is None else check_name(by, "by"),
             "only_forward": bool(only_forward),
         }
-        with self._connection(conn) as c:
-            with c.transaction():
-                changes = [CtlChange(**row) for row in _dict_rows(c.execute(sql.SET_VALUES, params))]
-                if changes:
-                    payload = {"changes": [change.payload() for change in changes]}
-                    pubsub.publish(c, CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema)
+        with self._connection(conn) as c, c.transaction():
+            changes = [CtlChange(**row) for row in _dict_rows(c.execute(sql.SET_VALUES, params))]
+            if changes:
+                payload = {"changes": [change.payload() for change in changes]}
+                pubsub.publish(c, CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema)
         for change in changes:
             if change.backwards:
                 log.warning(
                     "CTL %s/%s moved backwards from %s to %s (by %s): tasks with Delta triggers on it "
                     "wait until it passes their last-seen value",
-                    change.entity, change.parameter, change.old_value, change.new_value, change.changed_by,
+                    change.entity,
+                    change.parameter,
+                    change.old_value,
+                    change.new_value,
+                    change.changed_by,
                 )
         return changes
 
@@ -229,7 +234,9 @@ def read_values(conn: psycopg.Connection, keys: Sequence[ParameterKey]) -> dict[
     return {(entity, parameter): value for entity, parameter, value in conn.execute(sql.GET_VALUES, params)}
 
 
-def values_as_of(conn: psycopg.Connection, keys: Sequence[ParameterKey], moment: datetime) -> dict[ParameterKey, datetime]:
+def values_as_of(
+    conn: psycopg.Connection, keys: Sequence[ParameterKey], moment: datetime
+) -> dict[ParameterKey, datetime]:
     """The values of already valid ``keys`` as they were at ``moment`` (from the history of changes)."""
     if not keys:
         return {}
@@ -275,9 +282,9 @@ def _moment(value: object) -> datetime:
     try:
         return _MOMENT.validate_python(value)
     except ValidationError as exc:
-        problems = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
-        got = "" if "got " in problems else f" (got {shorten(value)})"
-        raise InvalidCtlInput(f"value: {problems}{got}") from None
+        problem = describe(exc)  # "value: ..." (a value has no field path)
+        got = "" if "got " in problem else f" (got {shorten(value)})"
+        raise InvalidCtlInput(f"{problem}{got}") from None
 
 
 def _filter(value: object, field: str) -> str | None:

@@ -1,25 +1,40 @@
-"""Handler event queue (after the "Events V2" design): code emits events to named handlers; workers run them with delays,
-timestamp locks, retries with backoff, pause/block rules and a dead-letter table. Postgres is the truth;
-LISTEN/NOTIFY only tells workers when to look.
+"""Handler event queue: code emits events to named handlers; workers run them with delays, timestamp locks,
+retries with backoff, pause/block rules and a dead-letter table. Postgres is the truth; LISTEN/NOTIFY only
+tells workers when to look.
 """
 
+import warnings
+from typing import Any
+
 from cmb_dagster.eventqueue.admin import block, dead_letters, pause, register, replay, rules, status, unblock, unpause
-from cmb_dagster.eventqueue.errors import InvalidInput, NotDead, UnknownHandler
+from cmb_dagster.eventqueue.errors import EventQueueError, InvalidEventQueueInput, NotDead, UnknownHandler
 from cmb_dagster.eventqueue.handlers import CronHandler, Handler, HandlerRegistry
-from cmb_dagster.eventqueue.models import Event, EventQueueOptions, HandlerConfig, WorkerSettings
+from cmb_dagster.eventqueue.models import (
+    Event,
+    EventQueueOptions,
+    EventQueueStatus,
+    HandlerConfig,
+    HandlerStatus,
+    WorkerSettings,
+)
 from cmb_dagster.eventqueue.queue import emit, emit_many
 from cmb_dagster.eventqueue.worker import Edge, EventWorker
+from cmb_dagster.models import Backoff
 
 __all__ = [
+    "Backoff",
     "CronHandler",
     "Edge",
     "Event",
+    "EventQueueError",
     "EventQueueOptions",
+    "EventQueueStatus",
     "EventWorker",
     "Handler",
     "HandlerConfig",
     "HandlerRegistry",
-    "InvalidInput",
+    "HandlerStatus",
+    "InvalidEventQueueInput",
     "NotDead",
     "UnknownHandler",
     "WorkerSettings",
@@ -35,3 +50,17 @@ __all__ = [
     "unblock",
     "unpause",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "InvalidInput":  # deprecated: the engine raises InvalidEventQueueInput, an InvalidInput
+        warnings.warn(
+            "cmb_dagster.eventqueue.InvalidInput is deprecated: use InvalidEventQueueInput "
+            "(or cmb_dagster.InvalidInput)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from cmb_dagster.errors import InvalidInput
+
+        return InvalidInput
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,13 +7,15 @@ import time
 from collections.abc import Iterable
 
 import psycopg
+from psycopg.rows import class_row
 
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.inputs import check_seconds
-from cmb_dagster.eventqueue import sql as q
-from cmb_dagster.eventqueue.errors import InvalidInput, NotDead, UnknownHandler
-from cmb_dagster.eventqueue.models import DEFAULT_MODULE, DeadEvent, HandlerStatus, Rule, check_name
+from cmb_dagster.eventqueue import sql
+from cmb_dagster.eventqueue.errors import InvalidEventQueueInput, NotDead, UnknownHandler
+from cmb_dagster.eventqueue.handlers import HandlerRegistry
+from cmb_dagster.eventqueue.models import DEFAULT_MODULE, DeadEvent, EventQueueStatus, HandlerStatus, Rule, check_name
 from cmb_dagster.eventqueue.worker import WORKER_KIND
+from cmb_dagster.inputs import check_seconds
 
 log = logging.getLogger("cmb_dagster.eventqueue")
 
@@ -21,8 +23,14 @@ WAIT_FOR_WORKERS = 30.0
 """Seconds pause() and block() wait at most for the live workers to apply a new rule."""
 
 
-def pause(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE, *,
-          wait: float = WAIT_FOR_WORKERS) -> bool:
+def pause(
+    db: DatabaseSource,
+    namespace: str,
+    handler: str,
+    event_space: str = DEFAULT_MODULE,
+    *,
+    wait: float = WAIT_FOR_WORKERS,
+) -> bool:
     """Hold the handler's events of (namespace, event space) until :func:`unpause` (a user's rule).
 
     Returns once every live worker has applied the rule to the events it has claimed and not started
@@ -35,8 +43,14 @@ def unpause(db: DatabaseSource, namespace: str, handler: str, event_space: str =
     return _drop_rule(db, "pause", namespace, handler, event_space)
 
 
-def block(db: DatabaseSource, namespace: str, handler: str, event_space: str = DEFAULT_MODULE, *,
-          wait: float = WAIT_FOR_WORKERS) -> bool:
+def block(
+    db: DatabaseSource,
+    namespace: str,
+    handler: str,
+    event_space: str = DEFAULT_MODULE,
+    *,
+    wait: float = WAIT_FOR_WORKERS,
+) -> bool:
     """Hold the handler's events of (namespace, event space) until :func:`unblock` (an admin's rule);
     returns as :func:`pause` does."""
     return _add_rule(db, "block", namespace, handler, event_space, wait)
@@ -48,19 +62,23 @@ def unblock(db: DatabaseSource, namespace: str, handler: str, event_space: str =
 
 
 def _rule_params(conn: psycopg.Connection, rule_type: str, namespace: str, handler: str, event_space: str) -> dict:
-    params = {"rule_type": rule_type, "namespace": check_name("namespace", namespace),
-              "handler": check_name("handler", handler), "event_space": check_name("event_space", event_space)}
-    if conn.execute(q.HANDLER_EXISTS, params).fetchone() is None:
+    params = {
+        "rule_type": rule_type,
+        "namespace": check_name("namespace", namespace),
+        "handler": check_name("handler", handler),
+        "event_space": check_name("event_space", event_space),
+    }
+    if conn.execute(sql.HANDLER_EXISTS, params).fetchone() is None:
         raise UnknownHandler(f"handler: no handler named {handler!r} is registered")
     return params
 
 
 def _add_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str, wait: float) -> bool:
-    check_seconds(wait, "wait", high=3600)
+    check_seconds(wait, "wait", high=3600, error=InvalidEventQueueInput)
     database = Database.of(db)
     with database.connection() as conn:
         params = _rule_params(conn, rule_type, namespace, handler, event_space)
-        added = conn.execute(q.ADD_RULE, params).fetchone()
+        added = conn.execute(sql.ADD_RULE, params).fetchone()
     if added is None:
         return False
     _wait_for_workers(database, added[0], wait)
@@ -72,39 +90,45 @@ def _wait_for_workers(database: Database, rule: int, wait: float) -> None:
     deadline = time.monotonic() + wait
     while True:
         with database.connection() as conn:
-            behind = [row[0] for row in conn.execute(q.UNACKNOWLEDGED, {"kind": WORKER_KIND, "rule": rule})]
+            behind = [row[0] for row in conn.execute(sql.UNACKNOWLEDGED, {"kind": WORKER_KIND, "rule": rule})]
         if not behind or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
     if behind:
-        log.warning("rule %s: %d worker(s) did not confirm it within %.0f s (%s); events they had already "
-                    "claimed may still start", rule, len(behind), wait, ", ".join(behind[:5]))
+        log.warning(
+            "rule %s: %d worker(s) did not confirm it within %.0f s (%s); events they had already "
+            "claimed may still start",
+            rule,
+            len(behind),
+            wait,
+            ", ".join(behind[:5]),
+        )
 
 
 def _drop_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str) -> int:
     with Database.of(db).connection() as conn:
         params = _rule_params(conn, rule_type, namespace, handler, event_space)
-        conn.execute(q.DELETE_RULE, params)
+        conn.execute(sql.DELETE_RULE, params)
     with Database.of(db).connection() as conn:  # a new snapshot: sees what claimers parked until now
-        return conn.execute(q.RELEASE_HELD, params).fetchone()[0]
+        return conn.execute(sql.RELEASE_HELD, params).fetchone()[0]
 
 
 def rules(db: DatabaseSource) -> list[Rule]:
     """Every pause and block rule, with how many events each holds."""
     with Database.of(db).connection() as conn:
-        return [Rule(*row) for row in conn.execute(q.LIST_RULES)]
+        return [Rule(*row) for row in conn.execute(sql.LIST_RULES)]
 
 
-def status(db: DatabaseSource) -> list[HandlerStatus]:
+def status(db: DatabaseSource) -> EventQueueStatus:
     """Per registered handler: queued, delayed, locked, held, dead-lettered, oldest queued age, rules."""
-    with Database.of(db).connection() as conn:
-        return [HandlerStatus(*row[:8], list(row[8] or [])) for row in conn.execute(q.STATUS)]
+    with Database.of(db).connection() as conn, conn.cursor(row_factory=class_row(HandlerStatus)) as cursor:
+        return EventQueueStatus(handlers=cursor.execute(sql.STATUS).fetchall())
 
 
 def dead_letters(db: DatabaseSource, handler: str | None = None, limit: int = 100) -> list[DeadEvent]:
     """Dead-lettered events (of ``handler``), oldest first."""
     with Database.of(db).connection() as conn:
-        return [DeadEvent(*row) for row in conn.execute(q.LIST_DEAD, {"handler": handler, "limit": limit})]
+        return [DeadEvent(*row) for row in conn.execute(sql.LIST_DEAD, {"handler": handler, "limit": limit})]
 
 
 def replay(db: DatabaseSource, ids: Iterable[int] | None = None, *, handler: str | None = None) -> list[int]:
@@ -117,23 +141,21 @@ def replay(db: DatabaseSource, ids: Iterable[int] | None = None, *, handler: str
     if id_list is not None:
         bad = [i for i in id_list if isinstance(i, bool) or not isinstance(i, int)]
         if bad:
-            raise InvalidInput(f"ids: expected event ids (integers), got {bad[0]!r}")
+            raise InvalidEventQueueInput(f"ids: expected event ids (integers), got {bad[0]!r}")
         if not id_list:
             return []
     with Database.of(db).connection() as conn:
         if id_list is not None:
-            found = {r[0] for r in conn.execute(q.LOCK_DEAD_IDS, {"ids": id_list})}
+            found = {r[0] for r in conn.execute(sql.LOCK_DEAD_IDS, {"ids": id_list})}
             missing = sorted(set(id_list) - found)
             if missing:
                 raise NotDead(f"ids: event {missing[0]} is not in the dead-letter table; nothing was replayed")
-        replayed, _ = conn.execute(q.REPLAY, {"ids": id_list, "handler": handler}).fetchone()
+        replayed, _ = conn.execute(sql.REPLAY, {"ids": id_list, "handler": handler}).fetchone()
         return list(replayed or [])
 
 
 def register(db: DatabaseSource, handlers: object) -> list[str]:
     """Record handlers (a registry, ``"module:attr"`` or a list) in the database; return their names."""
-    from cmb_dagster.eventqueue.handlers import HandlerRegistry
-
     registry = HandlerRegistry.of(handlers)
     with Database.of(db).connection() as conn:
         registry.register(conn)

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
-from dataclasses import asdict
 from typing import Any
 
 import click
 
-from cmb_dagster.cli_common import DAY, DURATION, ROW_ID, FloatRange
-from cmb_dagster.database import Database
+from cmb_dagster.cli_common import DAY, DURATION, ROW_ID, FloatRange, open_database
 from cmb_dagster.eventqueue import admin
-from cmb_dagster.eventqueue.errors import InvalidInput
-from cmb_dagster.eventqueue.handlers import HandlerRegistry
-from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, WorkerSettings
+from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
+from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, EventQueueOptions, WorkerSettings
 from cmb_dagster.eventqueue.queue import emit as emit_event
 from cmb_dagster.eventqueue.worker import EventWorker
-from cmb_dagster.settings import Settings
+from cmb_dagster.workers import stop_workers_on_signals
 
 HANDLERS_HELP = "Handlers to serve: 'module:attribute' naming a HandlerRegistry (or a list of handlers)."
-
-
-def _db() -> Database:
-    return Database.from_settings(Settings.from_env())
 
 
 @click.group()
@@ -36,22 +28,21 @@ def events() -> None:
 @click.option("--handlers", "handlers_ref", required=True, help=HANDLERS_HELP)
 @click.option("--duration", type=DURATION, default=None, help="Seconds to run (default: until SIGTERM).")
 @click.option("--batch-size", type=click.IntRange(1, 10_000), default=None, help="Events claimed per statement.")
-@click.option("--sweep-interval", type=FloatRange(0.01, 3600), default=None, help="Seconds between sweeps without notifications.")
+@click.option(
+    "--sweep-interval", type=FloatRange(0.01, 3600), default=None, help="Seconds between sweeps without notifications."
+)
 @click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY hints.")
-def worker(handlers_ref: str, duration: float | None, batch_size: int | None, sweep_interval: float | None,
-           listen: bool) -> None:
+def worker(
+    handlers_ref: str, duration: float | None, batch_size: int | None, sweep_interval: float | None, listen: bool
+) -> None:
     """Run handlers as a long-running process (SIGTERM finishes the current batch, then exits)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {"batch_size": batch_size, "sweep_interval": sweep_interval, "listen": listen}
-    try:
-        settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
-        raise InvalidInput(f"worker settings: {exc}") from None
-    runner = EventWorker(_db(), HandlerRegistry.of(handlers_ref), settings)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: runner.stop())
+    settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    runner = EventWorker(open_database(), EventQueueOptions(handlers=handlers_ref, worker=settings))
     click.echo(f"events worker {runner.owner} serving {', '.join(runner.names)}", err=True)
-    report = runner.run(duration)
+    with stop_workers_on_signals():
+        report = runner.run(duration)
     click.echo(f"handled {report.items} events in {report.seconds:.1f}s ({report.errors} errors)", err=True)
 
 
@@ -59,7 +50,7 @@ def worker(handlers_ref: str, duration: float | None, batch_size: int | None, sw
 @click.option("--handlers", "handlers_ref", required=True, help=HANDLERS_HELP)
 def register(handlers_ref: str) -> None:
     """Record handlers and their settings, so events can be emitted to them before a worker starts."""
-    names = admin.register(_db(), handlers_ref)
+    names = admin.register(open_database(), handlers_ref)
     click.echo(f"registered {', '.join(names)}")
 
 
@@ -75,30 +66,38 @@ def emit(namespace: str, handler: str, value: str, module: str, modifier: str, d
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise InvalidInput(f"value: not valid JSON ({exc.msg})") from None
-    click.echo(emit_event(namespace, handler, parsed, module=module, modifier=modifier, delay=delay, db=_db()))
+        raise InvalidEventQueueInput(f"value: not valid JSON ({exc.msg})") from None
+    event_id = emit_event(namespace, handler, parsed, module=module, modifier=modifier, delay=delay, db=open_database())
+    click.echo(event_id)
 
 
 @events.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per handler.")
 def status(as_json: bool) -> None:
     """Per handler: queued, delayed, locked, held (paused/blocked), dead-lettered, oldest queued age, rules."""
-    rows = admin.status(_db())
+    rows = admin.status(open_database()).handlers
     if as_json:
         for row in rows:
-            click.echo(json.dumps(asdict(row)))
+            click.echo(json.dumps(row.model_dump()))
         return
-    click.echo(f"{'handler':24} {'queued':>7} {'delayed':>7} {'locked':>7} {'held':>7} {'dead':>7} {'oldest':>8}  rules")
+    click.echo(
+        f"{'handler':24} {'queued':>7} {'delayed':>7} {'locked':>7} {'held':>7} {'dead':>7} {'oldest':>8}  rules"
+    )
     for r in rows:
-        click.echo(f"{r.handler:24} {r.queued:7} {r.delayed:7} {r.locked:7} {r.held:7} {r.dead:7} "
-                   f"{r.oldest_queued_seconds:7.1f}s  {', '.join(r.rules) or '-'}")
+        click.echo(
+            f"{r.handler:24} {r.queued:7} {r.delayed:7} {r.locked:7} {r.held:7} {r.dead:7} "
+            f"{r.oldest_queued_seconds:7.1f}s  {', '.join(r.rules) or '-'}"
+        )
 
 
 @events.command(name="rules")
 def list_rules() -> None:
     """Pause and block rules, with the events each holds."""
-    for r in admin.rules(_db()):
-        click.echo(f"{r.rule_type:6} {r.namespace}/{r.handler}/{r.event_space}  holds {r.held}  since {r.created_at:%Y-%m-%d %H:%M:%S}")
+    for r in admin.rules(open_database()):
+        click.echo(
+            f"{r.rule_type:6} {r.namespace}/{r.handler}/{r.event_space}  holds {r.held}  "
+            f"since {r.created_at:%Y-%m-%d %H:%M:%S}"
+        )
 
 
 _DONE = {"pause": "paused", "unpause": "unpaused", "block": "blocked", "unblock": "unblocked"}
@@ -110,7 +109,7 @@ def _rule_command(name: str, doc: str) -> None:
     @click.argument("handler")
     @click.option("--event-space", default=DEFAULT_MODULE, show_default=True)
     def command(namespace: str, handler: str, event_space: str) -> None:
-        result: Any = getattr(admin, name)(_db(), namespace, handler, event_space)
+        result: Any = getattr(admin, name)(open_database(), namespace, handler, event_space)
         target = f"{namespace}/{handler}/{event_space}"
         if name in ("pause", "block"):
             click.echo(f"{_DONE[name]} {target}" if result else f"{target}: already {_DONE[name]}")
@@ -130,8 +129,10 @@ _rule_command("unblock", "Lift a block; the events it held run (unless also paus
 @click.option("--traceback", "with_traceback", is_flag=True, help="Print each traceback.")
 def dead(handler: str | None, limit: int, with_traceback: bool) -> None:
     """Dead-lettered events with their last error."""
-    for d in admin.dead_letters(_db(), handler, limit):
-        click.echo(f"{d.id} {d.namespace}/{d.handler} retries={d.retries} died {d.died_at:%Y-%m-%d %H:%M:%S}: {d.error}")
+    for d in admin.dead_letters(open_database(), handler, limit):
+        click.echo(
+            f"{d.id} {d.namespace}/{d.handler} retries={d.retries} died {d.died_at:%Y-%m-%d %H:%M:%S}: {d.error}"
+        )
         if with_traceback:
             click.echo(d.traceback)
 
@@ -144,5 +145,5 @@ def replay(ids: tuple[int, ...], replay_all: bool, handler: str | None) -> None:
     """Put dead-lettered events back into the queue (by id, or --all)."""
     if bool(ids) == replay_all:
         raise click.UsageError("give event ids or --all")
-    replayed = admin.replay(_db(), None if replay_all else list(ids), handler=handler)
+    replayed = admin.replay(open_database(), None if replay_all else list(ids), handler=handler)
     click.echo(f"replayed {len(replayed)} events")

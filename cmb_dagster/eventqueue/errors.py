@@ -2,16 +2,20 @@
 
 from cmb_dagster.errors import CmbError, InvalidInput
 
-__all__ = ["EventQueueError", "InvalidInput", "NotDead", "UnknownHandler"]
+__all__ = ["EventQueueError", "InvalidEventQueueInput", "NotDead", "UnknownHandler"]
 
 
 class EventQueueError(CmbError):
-    """Base class of event queue errors that are not bad input."""
+    """Base class of every event queue error."""
 
 
-class UnknownHandler(InvalidInput):
+class InvalidEventQueueInput(EventQueueError, InvalidInput):
+    """Bad input to the event queue; the message names the field. Nothing was written."""
+
+
+class UnknownHandler(InvalidEventQueueInput):
     """An event or a rule names a handler no worker has registered."""
 
 
-class NotDead(InvalidInput):
+class NotDead(InvalidEventQueueInput):
     """A replay names an event that is not in the dead-letter table."""

@@ -10,8 +10,8 @@ from typing import Any
 import psycopg
 from croniter import croniter
 
-from cmb_dagster.eventqueue import sql as q
-from cmb_dagster.eventqueue.errors import InvalidInput
+from cmb_dagster.eventqueue import sql
+from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
 from cmb_dagster.eventqueue.models import (
     CRON_MODULE,
     DEFAULT_MODIFIER,
@@ -57,7 +57,7 @@ class CronHandler:
         check_name("handler", self.handler)
         check_name("namespace", self.namespace)
         if not croniter.is_valid(self.schedule):
-            raise InvalidInput(f"schedule: {self.schedule!r} is not a valid cron expression")
+            raise InvalidEventQueueInput(f"schedule: {self.schedule!r} is not a valid cron expression")
         to_json(self.value)
 
 
@@ -65,7 +65,7 @@ class HandlerRegistry:
     """Handlers and cron handlers by name.
 
     >>> handlers = HandlerRegistry()
-    >>> @handlers.handler("send_email", max_retries=5)
+    >>> @handlers.handler("send_email", max_retries=5, backoff=Backoff(first=2))
     ... def send_email(event): ...
     >>> handlers.cron("hourly_digest", "0 * * * *", handler="send_email", value={"digest": True})
     """
@@ -84,11 +84,11 @@ class HandlerRegistry:
         if isinstance(source, str):
             module, _, attribute = source.partition(":")
             if not attribute:
-                raise InvalidInput(f"handlers: expected 'module:attribute', got {source!r}")
+                raise InvalidEventQueueInput(f"handlers: expected 'module:attribute', got {source!r}")
             try:
                 loaded = getattr(importlib.import_module(module), attribute)
             except (ImportError, AttributeError) as exc:
-                raise InvalidInput(f"handlers: cannot load {source!r} ({exc})") from None
+                raise InvalidEventQueueInput(f"handlers: cannot load {source!r} ({exc})") from None
             return cls.of(loaded)
         if isinstance(source, Handler | CronHandler):
             return cls([source])
@@ -97,17 +97,19 @@ class HandlerRegistry:
             for item in source:
                 registry.include(item)
             return registry
-        raise InvalidInput(f"handlers: expected a HandlerRegistry or a list of handlers, got {type(source).__name__}")
+        raise InvalidEventQueueInput(
+            f"handlers: expected a HandlerRegistry or a list of handlers, got {type(source).__name__}"
+        )
 
     def include(self, item: HandlerRegistry | Handler | CronHandler | str) -> None:
         """Add a handler, a cron handler, or everything of another registry."""
         if isinstance(item, Handler):
             if item.name in self.handlers and self.handlers[item.name] is not item:
-                raise InvalidInput(f"handlers: two handlers are named {item.name!r}")
+                raise InvalidEventQueueInput(f"handlers: two handlers are named {item.name!r}")
             self.handlers[item.name] = item
         elif isinstance(item, CronHandler):
             if item.name in self.crons and self.crons[item.name] != item:
-                raise InvalidInput(f"handlers: two cron handlers are named {item.name!r}")
+                raise InvalidEventQueueInput(f"handlers: two cron handlers are named {item.name!r}")
             self.crons[item.name] = item
         else:
             other = HandlerRegistry.of(item)
@@ -117,7 +119,8 @@ class HandlerRegistry:
                 self.include(cron)
 
     def handler(self, name: str | None = None, **config: Any) -> Callable[[HandlerFn], HandlerFn]:
-        """Decorator: register the function as handler ``name`` (default: its name) with :class:`HandlerConfig` fields."""
+        """Decorator: register the function as handler ``name`` (default: its name) with
+        :class:`HandlerConfig` fields."""
 
         def register(fn: HandlerFn) -> HandlerFn:
             self.add(name or fn.__name__, fn, **config)
@@ -127,13 +130,13 @@ class HandlerRegistry:
 
     def add(self, name: str, fn: HandlerFn, **config: Any) -> Handler:
         """Register ``fn`` as handler ``name``."""
-        handler = Handler(check_name("handler", name), fn, _config(config))
+        handler = Handler(check_name("handler", name), fn, HandlerConfig(**config))
         self.include(handler)
         return handler
 
     def dagster_job(self, name: str, job_name: str | None = None, **config: Any) -> Handler:
         """Register a handler that launches Dagster job ``job_name`` (default ``name``), the value as run config."""
-        handler = Handler(check_name("handler", name), None, _config(config), job_name=job_name or name)
+        handler = Handler(check_name("handler", name), None, HandlerConfig(**config), job_name=job_name or name)
         self.include(handler)
         return handler
 
@@ -160,23 +163,21 @@ class HandlerRegistry:
         """Record the handlers and their settings in the database (emit refuses unknown handlers)."""
         for cron in self.crons.values():
             if cron.handler not in self.handlers:
-                raise InvalidInput(f"handler: cron {cron.name!r} emits to {cron.handler!r}, which is not registered")
+                raise InvalidEventQueueInput(
+                    f"handler: cron {cron.name!r} emits to {cron.handler!r}, which is not registered"
+                )
         items = list(self.handlers.values())
         if not items:
             return
-        conn.execute(q.REGISTER_HANDLERS, {
-            "names": [h.name for h in items],
-            "kinds": [h.kind for h in items],
-            "lock_expiry": [h.config.lock_expiry for h in items],
-            "max_retries": [h.config.max_retries for h in items],
-            "retry_delay": [h.config.retry_delay for h in items],
-            "max_retry_delay": [h.config.max_retry_delay for h in items],
-            "max_crashes": [h.config.max_crashes for h in items],
-        })
-
-
-def _config(config: dict[str, Any]) -> HandlerConfig:
-    try:
-        return HandlerConfig(**config)
-    except ValueError as exc:
-        raise InvalidInput(f"handler config: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None  # type: ignore[attr-defined]
+        conn.execute(
+            sql.REGISTER_HANDLERS,
+            {
+                "names": [h.name for h in items],
+                "kinds": [h.kind for h in items],
+                "lock_expiry": [h.config.lock_expiry for h in items],
+                "max_retries": [h.config.max_retries for h in items],
+                "backoff_first": [h.config.backoff.first for h in items],
+                "backoff_max": [h.config.backoff.max for h in items],
+                "max_crashes": [h.config.max_crashes for h in items],
+            },
+        )

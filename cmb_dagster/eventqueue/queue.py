@@ -9,8 +9,8 @@ from typing import Any
 import psycopg
 
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.eventqueue import sql as q
-from cmb_dagster.eventqueue.errors import InvalidInput, UnknownHandler
+from cmb_dagster.eventqueue import sql
+from cmb_dagster.eventqueue.errors import InvalidEventQueueInput, UnknownHandler
 from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, check_name, delay_seconds, to_json
 
 _FIELDS = {"namespace", "handler", "value", "module", "modifier", "delay"}
@@ -34,8 +34,14 @@ def emit(
     otherwise it commits at once on ``db`` (default: the database of the environment). ``delay`` (seconds
     or a timedelta) holds it back; an unknown handler raises :class:`UnknownHandler` and writes nothing.
     """
-    event = {"namespace": namespace, "handler": handler, "value": value, "module": module, "modifier": modifier,
-             "delay": delay}
+    event = {
+        "namespace": namespace,
+        "handler": handler,
+        "value": value,
+        "module": module,
+        "modifier": modifier,
+        "delay": delay,
+    }
     return _emit([event], conn, db, prefixed=False)[0]
 
 
@@ -52,21 +58,22 @@ def emit_many(
 def _emit(
     events: Iterable[Mapping[str, Any]], conn: psycopg.Connection | None, db: DatabaseSource | None, *, prefixed: bool
 ) -> list[int]:
-    columns: dict[str, list[Any]] = {k: [] for k in ("namespaces", "modules", "handlers", "modifiers", "values", "delays")}
+    columns: dict[str, list[Any]] = {
+        k: [] for k in ("namespaces", "modules", "handlers", "modifiers", "values", "delays")
+    }
     for index, event in enumerate(events):
         where = f"events[{index}]." if prefixed else ""
         extra = set(event) - _FIELDS
         if extra:
-            raise InvalidInput(f"{where}{min(extra)}: unknown field (expected {sorted(_FIELDS)})")
+            raise InvalidEventQueueInput(f"{where}{min(extra)}: unknown field (expected {sorted(_FIELDS)})")
         for key in ("namespace", "handler", "value"):
             if key not in event:
-                raise InvalidInput(f"{where}{key}: missing")
-        prefix = where
-        columns["namespaces"].append(check_name(f"{prefix}namespace", event["namespace"]))
-        columns["handlers"].append(check_name(f"{prefix}handler", event["handler"]))
-        columns["modules"].append(check_name(f"{prefix}module", event.get("module", DEFAULT_MODULE)))
-        columns["modifiers"].append(check_name(f"{prefix}modifier", event.get("modifier", DEFAULT_MODIFIER)))
-        columns["values"].append(to_json(event["value"], f"{prefix}value"))
+                raise InvalidEventQueueInput(f"{where}{key}: missing")
+        columns["namespaces"].append(check_name(f"{where}namespace", event["namespace"]))
+        columns["handlers"].append(check_name(f"{where}handler", event["handler"]))
+        columns["modules"].append(check_name(f"{where}module", event.get("module", DEFAULT_MODULE)))
+        columns["modifiers"].append(check_name(f"{where}modifier", event.get("modifier", DEFAULT_MODIFIER)))
+        columns["values"].append(to_json(event["value"], f"{where}value"))
         columns["delays"].append(delay_seconds(event.get("delay")))
     if not columns["namespaces"]:
         return []
@@ -80,7 +87,7 @@ def _emit(
 
 
 def _insert(conn: psycopg.Connection, params: dict[str, Any]) -> list[int]:
-    unknown, ids, _ = conn.execute(q.EMIT, params).fetchone()
+    unknown, ids, _ = conn.execute(sql.EMIT, params).fetchone()
     if unknown is not None:
         raise UnknownHandler(
             f"handler: no handler named {unknown!r} is registered (a worker or `cmb-dagster events register` "

@@ -60,7 +60,8 @@ rules AS MATERIALIZED (
     WHERE e.id = c.id AND c.decision = 'claim' AND h.name = e.handler AND e.crashes >= h.max_crashes
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.crashes
 ), dead AS (
-    INSERT INTO eventqueue_dead (id, namespace, module, handler, modifier, value, retries, enqueued_at, error, traceback)
+    INSERT INTO eventqueue_dead
+        (id, namespace, module, handler, modifier, value, retries, enqueued_at, error, traceback)
     SELECT id, namespace, module, handler, modifier, value, retries, enqueued_at,
            format('%%s runs in a row ended with the death of their worker (a crash, kill -9 or OOM)', crashes), ''
     FROM crashed
@@ -144,14 +145,6 @@ FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at), e
 WHERE e.id = u.id AND e.locked_at = u.locked_at AND h.name = e.handler
 """
 
-# Claimed events the worker will not start (it stops, or gave them up): free for any worker now.
-RELEASE = """
-UPDATE eventqueue_events e
-SET locked_at = NULL, visible_at = e.delay_until, crashes = greatest(e.crashes - 1, 0)
-FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at)
-WHERE e.id = u.id AND e.locked_at = u.locked_at
-"""
-
 # After a rule changed: of the claimed events not started yet, those a rule now holds are parked and their
 # claim undone; then the worker acknowledges the newest rule (pause() and block() wait for that).
 RECHECK_RULES = f"""
@@ -192,7 +185,7 @@ SET retries = retries + 1, locked_at = NULL, last_error = %(error)s, crashes = 0
 WHERE id = %(id)s AND locked_at = %(locked_at)s
 """
 
-# RetryTooMany: into the dead-letter table with the last error (the original design deleted it).
+# RetryTooMany: into the dead-letter table with the last error and traceback.
 KILL = """
 WITH moved AS (
     DELETE FROM eventqueue_events WHERE id = %(id)s AND locked_at = %(locked_at)s
@@ -209,7 +202,7 @@ REGISTER_HANDLERS = """
 INSERT INTO eventqueue_handlers AS h (name, kind, lock_expiry_seconds, max_retries, retry_delay_seconds,
                                       max_retry_delay_seconds, max_crashes)
 SELECT * FROM unnest(%(names)s::text[], %(kinds)s::text[], %(lock_expiry)s::float8[], %(max_retries)s::int[],
-                     %(retry_delay)s::float8[], %(max_retry_delay)s::float8[], %(max_crashes)s::int[])
+                     %(backoff_first)s::float8[], %(backoff_max)s::float8[], %(max_crashes)s::int[])
 ON CONFLICT (name) DO UPDATE SET
     kind = EXCLUDED.kind, lock_expiry_seconds = EXCLUDED.lock_expiry_seconds, max_retries = EXCLUDED.max_retries,
     retry_delay_seconds = EXCLUDED.retry_delay_seconds, max_retry_delay_seconds = EXCLUDED.max_retry_delay_seconds,
@@ -234,7 +227,8 @@ SELECT id, pg_notify(current_schema() || '.eventqueue', 'rules') FROM added
 # Deleting waits for claimers that share-locked the rule; the next statement then sees what they parked.
 DELETE_RULE = """
 DELETE FROM eventqueue_rules
-WHERE rule_type = %(rule_type)s AND namespace = %(namespace)s AND handler = %(handler)s AND event_space = %(event_space)s
+WHERE rule_type = %(rule_type)s AND namespace = %(namespace)s AND handler = %(handler)s
+  AND event_space = %(event_space)s
 RETURNING id
 """
 
@@ -277,10 +271,11 @@ WITH counts AS (
 ), dead AS (
     SELECT handler, count(*) AS dead FROM eventqueue_dead GROUP BY handler
 )
-SELECT h.name, h.kind, coalesce(c.queued, 0), coalesce(c.delayed, 0), coalesce(c.locked, 0), coalesce(c.held, 0),
-       coalesce(d.dead, 0), coalesce(c.oldest, 0),
-       (SELECT array_agg(r.rule_type || ' ' || r.namespace || '/' || r.event_space ORDER BY r.id)
-        FROM eventqueue_rules r WHERE r.handler = h.name)
+SELECT h.name AS handler, h.kind, coalesce(c.queued, 0) AS queued, coalesce(c.delayed, 0) AS delayed,
+       coalesce(c.locked, 0) AS locked, coalesce(c.held, 0) AS held, coalesce(d.dead, 0) AS dead,
+       coalesce(c.oldest, 0) AS oldest_queued_seconds,
+       ARRAY(SELECT r.rule_type || ' ' || r.namespace || '/' || r.event_space
+             FROM eventqueue_rules r WHERE r.handler = h.name ORDER BY r.id) AS rules
 FROM eventqueue_handlers h
 LEFT JOIN counts c ON c.handler = h.name
 LEFT JOIN dead d ON d.handler = h.name

@@ -1,4 +1,4 @@
-"""The dequeue state machine (the original design's flowchart) and the worker that runs it in batches.
+"""The dequeue state machine (a flowchart whose edges :class:`Edge` names) and the worker that runs it in batches.
 
 A worker claims a batch of due events in one statement (``FOR UPDATE SKIP LOCKED``, compare-and-set on
 ``locked_at``, each event's ``crashes`` counted up before any handler runs), runs each event's handler in
@@ -11,7 +11,7 @@ worker acknowledges it; ``pause()`` returns once every live worker has.
 
 LISTEN/NOTIFY hints wake it at once; without them it sweeps every ``sweep_interval`` seconds, and sleeps
 no longer than until the next delayed event or lock expiry. Several workers share one queue without
-partitions; each holds only a liveness lease of its own.
+partitions; each holds only a liveness lease of its own (its one partition is its owner name).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -29,14 +30,14 @@ from zoneinfo import ZoneInfo
 import psycopg
 from croniter import croniter
 
-from cmb_dagster.database import Database, DatabaseSource, OwnConnection
-from cmb_dagster.eventqueue import sql as q
-from cmb_dagster.eventqueue.errors import InvalidInput
-from cmb_dagster.eventqueue.handlers import Handler, HandlerRegistry
-from cmb_dagster.eventqueue.models import Event, WorkerSettings, to_json
+from cmb_dagster.database import DatabaseSource, OwnConnection
+from cmb_dagster.eventqueue import sql
+from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
+from cmb_dagster.eventqueue.handlers import Handler
+from cmb_dagster.eventqueue.models import Event, EventQueueOptions, WorkerSettings, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, describe_traceback
-from cmb_dagster.notifications import Listener, channel_name
-from cmb_dagster.workers import Lease, Worker, WorkerReport, default_owner
+from cmb_dagster.notifications import channel_name
+from cmb_dagster.workers import EngineWorker, Lease, Worker
 
 log = logging.getLogger("cmb_dagster.eventqueue")
 
@@ -47,7 +48,7 @@ MIN_SLEEP = 0.005
 
 
 class Edge(StrEnum):
-    """The edges of the original design's dequeue flowchart an event can take."""
+    """The edges of the dequeue flowchart an event can take (docs/eventqueue.md draws them)."""
 
     EVENT_MISSING = "event_missing"  # EventLoad -> End: it is done
     PAUSED = "paused"  # PauseCheck -> End: held until unpause
@@ -64,8 +65,14 @@ class Edge(StrEnum):
     CRASHED_TOO_OFTEN = "crashed_too_often"  # LockClaim -> dead-letter table: its runs killed their worker
 
 
-_HELD = {"pause": Edge.PAUSED, "block": Edge.BLOCKED, "delay_not_yet": Edge.DELAY_NOT_YET,
-         "is_locked": Edge.IS_LOCKED, "lock_claim_failed": Edge.LOCK_CLAIM_FAILED, "crashed": Edge.CRASHED_TOO_OFTEN}
+_HELD = {
+    "pause": Edge.PAUSED,
+    "block": Edge.BLOCKED,
+    "delay_not_yet": Edge.DELAY_NOT_YET,
+    "is_locked": Edge.IS_LOCKED,
+    "lock_claim_failed": Edge.LOCK_CLAIM_FAILED,
+    "crashed": Edge.CRASHED_TOO_OFTEN,
+}
 
 
 class Launcher(Protocol):
@@ -93,37 +100,35 @@ class Claimed:
         return f"event {self.event.id} ({self.handler.name})"
 
 
-class EventWorker:
-    """Runs the handlers of ``handlers`` for the events emitted to them.
+class EventWorker(EngineWorker):
+    """Runs the handlers of ``options.handlers`` for the events emitted to them.
 
     ``run_once()`` claims and processes one batch; ``dequeue(ids)`` walks the flowchart for named events;
     ``run(duration)`` loops on the shared worker runtime, woken by notifications, until time is up.
+    ``EventWorker(db, handlers, settings)`` (a registry, a list or ``"module:attr"``, and ``WorkerSettings``)
+    is the deprecated form of ``EventWorker(db, EventQueueOptions(handlers=handlers, worker=settings))``.
     """
 
     def __init__(
         self,
         db: DatabaseSource,
-        handlers: Any,
+        options: EventQueueOptions,
         settings: WorkerSettings | None = None,
         *,
         owner: str | None = None,
         launcher: Launcher | None = None,
     ) -> None:
-        self.db = Database.of(db)
-        self.registry = HandlerRegistry.of(handlers)
-        if not self.registry.handlers:
-            raise InvalidInput("handlers: an event queue worker needs at least one handler")
-        self.settings = settings or WorkerSettings()
-        self.owner = owner or default_owner()
+        super().__init__(db, owner=owner)
+        self.options = _options(options, settings)
+        self.registry = self.options.registry()
+        self.settings = self.options.worker
         self.launcher = launcher
         self.names = self.registry.names
         self._own = OwnConnection(self.db, custom_plans=True)  # plans from the actual parameters and table sizes
         self._registered = False
         self._next_cron = 0.0
         self._lock = threading.Lock()
-        self.listener: Listener | None = None
-        self.worker = Worker(self.db, WORKER_KIND, [self.owner], self._step, owner=self.owner,
-                             ttl=self.settings.lease_ttl, idle_sleep=self.settings.sweep_interval)
+        self._loop: Worker | None = None  # the loop of the current run
         self.user_code = UserCode(f"eventqueue:{self.owner}")
         self._held: dict[int, Claimed] = {}  # events whose lock this worker holds
         self._done: list[Claimed] = []  # finished, not deleted yet
@@ -164,10 +169,7 @@ class EventWorker:
         """Claim one batch of due events and process it; return how many events it claimed or held."""
         with self._lock:
             self._settle_set_aside()
-            self._apply_new_rules()
-            rows = self._execute(q.CLAIM_DUE, {"handlers": self.names, "limit": self.settings.batch_size})
-            edges: dict[int, list[Edge]] = {}
-            claimed = self._sort(rows, edges)
+            claimed, edges = self._claim(sql.CLAIM_DUE, {"handlers": self.names, "limit": self.settings.batch_size})
             self._process(claimed, edges)
             return len(edges)
 
@@ -175,21 +177,22 @@ class EventWorker:
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
         with self._lock:
             ids = list(ids)
-            self._apply_new_rules()
-            rows = self._execute(q.CLAIM_IDS, {"ids": ids, "handlers": self.names})
-            edges: dict[int, list[Edge]] = {}
-            claimed = self._sort(rows, edges)
+            claimed, edges = self._claim(sql.CLAIM_IDS, {"ids": ids, "handlers": self.names})
             missing = [i for i in ids if i not in edges]
             if missing:  # skipped by SKIP LOCKED (someone holds the row) or gone (done)
-                present = {r[0] for r in self._execute(q.EXISTING_IDS, {"ids": missing})}
+                present = {r[0] for r in self._execute(sql.EXISTING_IDS, {"ids": missing})}
                 for i in missing:
                     edges[i] = [Edge.LOCK_CLAIM_FAILED if i in present else Edge.EVENT_MISSING]
             self._process(claimed, edges)
             return edges
 
-    def _sort(self, rows: list[tuple[Any, ...]], edges: dict[int, list[Edge]]) -> list[Claimed]:
+    def _claim(self, query: str, params: Mapping[str, Any]) -> tuple[list[Claimed], dict[int, list[Edge]]]:
+        """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took."""
+        self._apply_new_rules()
+        rows = self._execute(query, params)
         now = time.monotonic()
         claimed = []
+        edges: dict[int, list[Edge]] = {}
         for decision, event_id, namespace, module, handler, modifier, value, retries, enqueued, locked, seen in rows:
             if decision == "rules":
                 self._acknowledge(event_id)
@@ -202,14 +205,21 @@ class EventWorker:
             else:
                 edges[event_id] = [_HELD[decision]]
                 if decision == "crashed":
-                    log.error("event %s: its last runs ended with the death of their worker; moved to the "
-                              "dead-letter table", event_id)
-        return claimed
+                    log.error(
+                        "event %s: its last runs ended with the death of their worker; moved to the dead-letter table",
+                        event_id,
+                    )
+        return claimed, edges
 
     def _process(self, claimed: list[Claimed], edges: dict[int, list[Edge]]) -> None:
         try:
-            calls = self.user_code.run(claimed, self._call, lambda c: c.handler.config.timeout,
-                                       on_wait=self._housekeeping, wait_step=self._tick)
+            calls = self.user_code.run(
+                claimed,
+                self._call,
+                lambda c: c.handler.config.timeout,
+                on_wait=self._housekeeping,
+                wait_step=self._tick,
+            )
             for call in calls:
                 self._settle(call, edges)
         finally:
@@ -224,19 +234,25 @@ class EventWorker:
             handler.fn(event)
             return
         if self.launcher is None:
-            raise RuntimeError(f"handler {handler.name!r} launches Dagster job {handler.job_name!r}: "
-                               "run this worker inside Dagster (cmb_definitions(events=...))")
+            raise RuntimeError(
+                f"handler {handler.name!r} launches Dagster job {handler.job_name!r}: "
+                "run this worker inside Dagster (cmb_definitions(events=...))"
+            )
         run_config = event.value if isinstance(event.value, dict) else {}
-        tags = {"cmb/eventqueue/event_id": str(event.id), "cmb/eventqueue/handler": handler.name[:63],
-                "cmb/eventqueue/namespace": event.namespace[:63]}
-        self.launcher.launch(handler.job_name or handler.name, run_key=f"eventqueue:{event.id}",
-                             run_config=run_config, tags=tags)
+        tags = {
+            "cmb/eventqueue/event_id": str(event.id),
+            "cmb/eventqueue/handler": handler.name[:63],
+            "cmb/eventqueue/namespace": event.namespace[:63],
+        }
+        self.launcher.launch(
+            handler.job_name or handler.name, run_key=f"eventqueue:{event.id}", run_config=run_config, tags=tags
+        )
 
     def _settle(self, call: Call[Claimed], edges: dict[int, list[Edge]]) -> None:
         """Record how a call ended: done (deleted with the next flush), or a failure to retry."""
         item = call.item
         try:
-            call.outcome
+            _ = call.outcome  # raises what the call raised
         except _ClaimLapsed:
             self._held.pop(item.event.id, None)  # our claim has lapsed: another worker may run it
         except Exception as exc:  # noqa: BLE001 - a handler's failure is the event's, not the worker's
@@ -252,18 +268,28 @@ class EventWorker:
             error = describe_error(exc)
             params = {"id": item.event.id, "locked_at": item.locked_at, "error": error}
             if item.event.retries < handler.config.max_retries:
-                delay = handler.config.backoff(item.event.retries)
-                self._execute(q.RETRY, {**params, "delay": delay})
-                log.warning("event %s (%s) failed, retry %s in %.1fs: %s", item.event.id, handler.name,
-                            item.event.retries + 1, delay, error)
+                delay = handler.config.backoff.delay(item.event.retries)
+                self._execute(sql.RETRY, {**params, "delay": delay})
+                log.warning(
+                    "event %s (%s) failed, retry %s in %.1fs: %s",
+                    item.event.id,
+                    handler.name,
+                    item.event.retries + 1,
+                    delay,
+                    error,
+                )
                 return Edge.RETRY_ALLOWED
-            self._execute(q.KILL, {**params, "traceback": describe_traceback(exc)})
-            log.error("event %s (%s) failed %s times; moved to the dead-letter table: %s", item.event.id,
-                      handler.name, item.event.retries + 1, error)
+            self._execute(sql.KILL, {**params, "traceback": describe_traceback(exc)})
+            log.error(
+                "event %s (%s) failed %s times; moved to the dead-letter table: %s",
+                item.event.id,
+                handler.name,
+                item.event.retries + 1,
+                error,
+            )
             return Edge.RETRY_TOO_MANY
         except Exception:
-            log.exception("event %s: recording its failure failed; it runs again after its lock expires",
-                          item.event.id)
+            log.exception("event %s: recording its failure failed; it runs again after its lock expires", item.event.id)
             return Edge.RETRY_CHECK_FAILED
 
     # -- while handlers run ---------------------------------------------------------------------------
@@ -274,14 +300,15 @@ class EventWorker:
         self._apply_new_rules()
         self._flush()
         self._renew_locks()
-        self.worker.keep_alive()
+        if self._loop is not None:
+            self._loop.keep_alive()
 
     def _flush(self) -> None:
         """Delete the finished events; kept for the next flush if the database cannot be reached."""
         if not self._done:
             return
         try:
-            self._execute(q.DELETE_DONE, {"ids": [item.event.id for item in self._done]})
+            self._execute(sql.DELETE_DONE, {"ids": [item.event.id for item in self._done]})
         except psycopg.Error as exc:
             log.warning("could not delete %d finished events (%s); retrying", len(self._done), exc)
             return
@@ -295,7 +322,7 @@ class EventWorker:
         if not due:
             return
         try:
-            self._execute(q.EXTEND_LOCKS, {"ids": [i.event.id for i in due], "locked": [i.locked_at for i in due]})
+            self._execute(sql.EXTEND_LOCKS, {"ids": [i.event.id for i in due], "locked": [i.locked_at for i in due]})
         except psycopg.Error as exc:
             log.warning("could not renew the locks of %d events (%s); retrying", len(due), exc)
             return
@@ -311,9 +338,14 @@ class EventWorker:
         try:
             with self.user_code.holding() as pending:
                 waiting = [call for call in pending if isinstance(call.item, Claimed)]
-                newest, held = self._execute(q.RECHECK_RULES, {
-                    "owner": self.owner, "ids": [c.item.event.id for c in waiting],
-                    "locked": [c.item.locked_at for c in waiting]})[0]
+                newest, held = self._execute(
+                    sql.RECHECK_RULES,
+                    {
+                        "owner": self.owner,
+                        "ids": [c.item.event.id for c in waiting],
+                        "locked": [c.item.locked_at for c in waiting],
+                    },
+                )[0]
                 parked = set(held)
                 self.user_code.withdraw([c for c in waiting if c.item.event.id in parked])
         except psycopg.Error as exc:
@@ -327,7 +359,7 @@ class EventWorker:
     def _acknowledge(self, newest: int) -> None:
         """A claim read rules up to ``newest``, and nothing claimed earlier is still to start."""
         if newest > self._acknowledged:
-            self._execute(q.ACKNOWLEDGE_RULES, {"owner": self.owner, "rule": newest})
+            self._execute(sql.ACKNOWLEDGE_RULES, {"owner": self.owner, "rule": newest})
             self._acknowledged = newest
 
     def _settle_set_aside(self) -> None:
@@ -343,19 +375,43 @@ class EventWorker:
         if not self.registry.crons:
             return 0
         with self._lock:
-            now = self._execute(q.DB_NOW, {})[0][0]
+            now = self._execute(sql.DB_NOW, {})[0][0]
             fired = 0
             for cron in self.registry.crons.values():
                 local = now.astimezone(ZoneInfo(cron.timezone))
                 fire_time = croniter(cron.schedule, local + timedelta(microseconds=1)).get_prev(datetime)
-                rows = self._execute(q.CRON_FIRE, {
-                    "cron": cron.name, "fire_time": fire_time, "namespace": cron.namespace, "module": cron.module,
-                    "handler": cron.handler, "modifier": cron.modifier, "value": to_json(cron.value),
-                })
+                rows = self._execute(
+                    sql.CRON_FIRE,
+                    {
+                        "cron": cron.name,
+                        "fire_time": fire_time,
+                        "namespace": cron.namespace,
+                        "module": cron.module,
+                        "handler": cron.handler,
+                        "modifier": cron.modifier,
+                        "value": to_json(cron.value),
+                    },
+                )
                 fired += len(rows)
             return fired
 
     # -- the loop -----------------------------------------------------------------------------------
+
+    def loops(self) -> list[Worker]:
+        """One loop holding this worker's liveness lease, woken by the queue's notifications."""
+        self._loop = Worker(
+            self.db,
+            WORKER_KIND,
+            [self.owner],
+            self._step,
+            owner=self.owner,
+            ttl=self.settings.lease_ttl,
+            idle_sleep=self.settings.sweep_interval,
+            on_notify=self._on_notify,
+            heartbeat=self.settings.heartbeat,
+            channels=[channel_name(self.db, CHANNEL)] if self.settings.listen else [],
+        )
+        return [self._loop]
 
     def _step(self, lease: Lease) -> int:
         if self.registry.crons and time.monotonic() >= self._next_cron:
@@ -363,8 +419,8 @@ class EventWorker:
             self.fire_crons()
         count = self.run_once()
         self._housekeeping()
-        if count == 0:
-            self.worker.idle_sleep = self._sleep_for()
+        if count == 0 and self._loop is not None:
+            self._loop.idle_sleep = self._sleep_for()
         return count
 
     def _sleep_for(self) -> float:
@@ -375,7 +431,7 @@ class EventWorker:
             sleep = min(sleep, max(MIN_SLEEP, self._next_cron - time.monotonic()))
         if self._held:
             sleep = min(sleep, self._tick, 0.05 if self.user_code.set_aside else self._tick)
-        rows = self._execute(q.NEXT_VISIBLE, {"handlers": self.names})
+        rows = self._execute(sql.NEXT_VISIBLE, {"handlers": self.names})
         if rows:
             sleep = min(sleep, max(MIN_SLEEP, rows[0][0]))
         return sleep
@@ -384,27 +440,14 @@ class EventWorker:
         if payload is None or payload == RULES_HINT:  # a new rule, or a reconnect that may have missed one
             self._rules_changed.set()
             self.user_code.interrupt()
-        if not payload or payload == RULES_HINT or payload in self.registry.handlers:
-            self.worker.wake()
+        loop = self._loop
+        if loop is not None and (not payload or payload == RULES_HINT or payload in self.registry.handlers):
+            loop.wake()
 
-    def run(self, duration: float | None = None,
-            on_progress: Callable[[WorkerReport], None] | None = None) -> WorkerReport:
-        """Process events for ``duration`` seconds (None: until :meth:`stop`)."""
-        self.worker.on_progress = on_progress
-        if self.settings.listen:
-            self.listener = Listener(self.db, [channel_name(self.db, CHANNEL)], self._on_notify,
-                                     heartbeat=self.settings.heartbeat).start()
-        try:
-            return self.worker.run(duration)
-        finally:
-            if self.listener is not None:
-                self.listener.stop()
-            self._finish()
-            self.close()
-
-    def _finish(self) -> None:
-        """On the way out: wait for the calls set aside (within their timeouts, renewing their locks), record
-        how they ended, and forget this worker's acknowledgement of rules."""
+    def finish(self) -> None:
+        """After the loop: wait for the calls set aside (within their timeouts, renewing their locks), record
+        how they ended, forget this worker's acknowledgement of rules, and close its connection."""
+        self._loop = None
         deadline = time.monotonic() + max((c.timeout - c.seconds for c in self.user_code.set_aside), default=0.0)
         try:
             while self.user_code.set_aside and time.monotonic() < deadline:
@@ -414,16 +457,27 @@ class EventWorker:
                 time.sleep(0.05)
             with self._lock:
                 self._settle_set_aside()
-            self._execute(q.FORGET_WORKER, {"owner": self.owner})
+            self._execute(sql.FORGET_WORKER, {"owner": self.owner})
         except psycopg.Error as exc:
-            log.warning("event queue worker %s: could not finish cleanly (%s); its events run again after "
-                        "their locks expire", self.owner, exc)
+            log.warning(
+                "event queue worker %s: could not finish cleanly (%s); its events run again after their locks expire",
+                self.owner,
+                exc,
+            )
+        finally:
+            self.close()
 
-    @property
-    def listening(self) -> bool:
-        """Whether the worker's LISTEN connection is up (notifications reach it)."""
-        return self.listener is not None and self.listener.connected.is_set()
 
-    def stop(self) -> None:
-        """Finish the current batch and return from :meth:`run`."""
-        self.worker.stop()
+def _options(options: Any, settings: WorkerSettings | None) -> EventQueueOptions:
+    """``options``, or the deprecated ``(handlers, settings)`` as options."""
+    if isinstance(options, EventQueueOptions):
+        if settings is not None:
+            raise InvalidEventQueueInput("settings: give them as EventQueueOptions(worker=...)")
+        return options
+    warnings.warn(
+        "EventWorker(db, handlers, settings) is deprecated: use "
+        "EventWorker(db, EventQueueOptions(handlers=handlers, worker=settings))",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return EventQueueOptions(handlers=options, worker=settings or WorkerSettings())

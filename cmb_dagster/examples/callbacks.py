@@ -8,8 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from dagster import Config, DefaultScheduleStatus, OpExecutionContext, ScheduleDefinition, job, op
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, RetryPolicy
-from cmb_dagster.callbacks.dagster_defs import CallbackOptions
+from cmb_dagster.callbacks import CallbackClient, CallbackOptions, CallbackSettings, RetryPolicy
 from cmb_dagster.resources import CmbResource
 
 DEMO_SINK = "http://127.0.0.1:8765"  # the sink `cmb-dagster dev` (or `cmb-dagster callbacks sink`) serves
@@ -27,11 +26,24 @@ def schedule_demo_callbacks(context: OpExecutionContext, config: DemoConfig, cmb
     client = CallbackClient(cmb.database, SETTINGS, buffered=False)
     at = datetime.now(UTC) + timedelta(seconds=config.delay_seconds)
     key = context.run_id[:8]
-    client.create("examples", "demo", f"http-{key}", at, f"{DEMO_SINK}/demo", {"hello": "from cmb_dagster"},
-                  RetryPolicy.constant(10, stop_after_delay=300))
+    client.create(
+        "examples",
+        "demo",
+        f"http-{key}",
+        at,
+        f"{DEMO_SINK}/demo",
+        {"hello": "from cmb_dagster"},
+        RetryPolicy.constant(10, stop_after_delay=300),
+    )
     message = f"launched by a callback scheduled in run {key}"
-    client.create("examples", "demo", f"dagster-{key}", at + timedelta(seconds=30), "dagster://callbacks_demo_target",
-                  {"run_config": {"ops": {"say_hello": {"config": {"message": message}}}}, "tags": {"cmb/demo": key}})
+    client.create(
+        "examples",
+        "demo",
+        f"dagster-{key}",
+        at + timedelta(seconds=30),
+        "dagster://callbacks_demo_target",
+        {"run_config": {"ops": {"say_hello": {"config": {"message": message}}}}, "tags": {"cmb/demo": key}},
+    )
     context.log.info(f"callbacks scheduled for {at.isoformat()} (HTTP) and 30 s later (Dagster run)")
 
 

@@ -3,9 +3,8 @@
 from cmb_dagster import PubSubOptions, ReactiveOptions, cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
 from cmb_dagster.examples import eventqueue as eventqueue_example
-from cmb_dagster.examples import health
+from cmb_dagster.examples import health, reactive
 from cmb_dagster.examples import pubsub as pubsub_example
-from cmb_dagster.examples import reactive
 from cmb_dagster.examples import stages as stages_example
 
 defs = cmb_definitions(
@@ -14,8 +13,14 @@ defs = cmb_definitions(
     callbacks=callbacks_example.OPTIONS,  # opens 127.0.0.1 for the demo sink
     stages=stages_example.options,
     events=eventqueue_example.options,
-    jobs=[health.health_check, *reactive.example_jobs, pubsub_example.pubsub_demo_place_orders,
-          *callbacks_example.jobs, stages_example.stages_demo_offers, *eventqueue_example.example_jobs],
+    jobs=[
+        health.health_check,
+        *reactive.example_jobs,
+        pubsub_example.pubsub_demo_place_orders,
+        *callbacks_example.jobs,
+        stages_example.stages_demo_offers,
+        *eventqueue_example.example_jobs,
+    ],
     assets=reactive.example_assets,
     sensors=reactive.example_sensors,
     schedules=callbacks_example.schedules,

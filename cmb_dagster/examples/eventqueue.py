@@ -3,13 +3,13 @@ a Python handler, a cron handler, and a handler that is a Dagster job."""
 
 from dagster import Config, OpExecutionContext, job, op
 
-from cmb_dagster.eventqueue import EventQueueOptions, HandlerRegistry
+from cmb_dagster.eventqueue import Backoff, EventQueueOptions, HandlerRegistry
 from cmb_dagster.eventqueue.dagster_defs import EventQueueResource
 
 handlers = HandlerRegistry()
 
 
-@handlers.handler("send_receipt", max_retries=5, retry_delay=2.0, lock_expiry=60)
+@handlers.handler("send_receipt", max_retries=5, backoff=Backoff(first=2.0), lock_expiry=60)
 def send_receipt(event) -> None:  # type: ignore[no-untyped-def]
     print(f"receipt for order {event.value['order']} (event {event.id}, attempt {event.retries + 1})")
 
@@ -34,8 +34,9 @@ def place_order(context: OpExecutionContext, config: OrderConfig, events: EventQ
     with events.connection() as conn:
         conn.execute("SELECT 1")  # your own writes go here: the events exist only if they commit
         receipt = events.emit("shop", "send_receipt", {"order": config.order}, conn=conn)
-        report = events.emit("shop", "daily_report", {"ops": {"write_report": {"config": {"order": config.order}}}},
-                             delay=10, conn=conn)
+        report = events.emit(
+            "shop", "daily_report", {"ops": {"write_report": {"config": {"order": config.order}}}}, delay=10, conn=conn
+        )
     context.log.info(f"emitted events {receipt} and {report}")
 
 

@@ -27,7 +27,8 @@ def add_to_totals(conn: psycopg.Connection, events: list[Event]) -> None:
         "INSERT INTO public.pubsub_demo_totals AS t (customer, orders, amount)"
         " SELECT customer, count(*), sum(amount) FROM jsonb_to_recordset(%s::jsonb) AS o(customer text, amount numeric)"
         " GROUP BY customer"
-        " ON CONFLICT (customer) DO UPDATE SET orders = t.orders + EXCLUDED.orders, amount = t.amount + EXCLUDED.amount",
+        " ON CONFLICT (customer) DO UPDATE"
+        " SET orders = t.orders + EXCLUDED.orders, amount = t.amount + EXCLUDED.amount",
         (psycopg.types.json.Jsonb(orders),),
     )
 

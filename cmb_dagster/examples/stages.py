@@ -1,7 +1,7 @@
-"""Stage scheduler example: the original design's offers, with a timer stage, an enrichment stage and a notification.
+"""Stage scheduler example: offers, with a timer stage, an enrichment stage and a notification.
 
-- ``withdraw``: an active offer is withdrawn ``EXPOSURE`` after it was first seen (180 days in the original design,
-  2 minutes here so it visibly fires); a timer stage with its own state.
+- ``withdraw``: an active offer is withdrawn ``EXPOSURE`` after it was first seen (2 minutes, so that it
+  visibly fires; a marketplace would wait months); a timer stage with its own state.
 - ``price``: enriches an offer with a computed ``predicted_price`` (asked only when ``base_price`` or
   ``category`` change).
 - after ``withdraw`` commits, its after-commit handler POSTs a notification to the local callback sink
@@ -41,8 +41,9 @@ def notify_withdrawn(saved: SavedEntity) -> None:
     """Side effect after the commit (at least once): tell the owner the offer was withdrawn."""
     if not saved.changed or saved.payload.get("status") != "withdrawn":
         return
-    body = json.dumps({"offer": saved.entity_id, "version": saved.version, "title": saved.payload.get("title")}).encode()
-    request = urllib.request.Request(SINK, body, {"Content-Type": "application/json", "Idempotency-Key": str(saved.event_id)})
+    body = json.dumps({"offer": saved.entity_id, "version": saved.version, "title": saved.payload.get("title")})
+    headers = {"Content-Type": "application/json", "Idempotency-Key": str(saved.event_id)}
+    request = urllib.request.Request(SINK, body.encode(), headers)
     try:
         with urllib.request.urlopen(request, timeout=2):
             pass
@@ -98,8 +99,12 @@ def put_demo_offers(context: OpExecutionContext, config: OffersConfig, cmb: CmbR
     store = StageStore(cmb.database, options.stages)
     key = context.run_id[:8]
     offers = {
-        f"offer-{key}-{i}": {"title": f"demo offer {i}", "status": "active", "category": ["cars", "flats"][i % 2],
-                             "base_price": 1000 * (i + 1)}
+        f"offer-{key}-{i}": {
+            "title": f"demo offer {i}",
+            "status": "active",
+            "category": ["cars", "flats"][i % 2],
+            "base_price": 1000 * (i + 1),
+        }
         for i in range(config.count)
     }
     versions = store.put_many(offers)

@@ -50,9 +50,7 @@ def latest_version() -> int:
 
 def applied_versions(conn: psycopg.Connection, schema: str) -> set[int] | None:
     """Versions applied to ``schema``, or None when the schema has never been migrated."""
-    exists = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.schema_migrations",)
-    ).fetchone()[0]
+    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{schema}.schema_migrations",)).fetchone()[0]
     if not exists:
         return None
     query = sql.SQL("SELECT version FROM {}.schema_migrations").format(sql.Identifier(schema))

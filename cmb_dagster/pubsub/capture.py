@@ -7,16 +7,21 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import psycopg
-from psycopg import sql
+from psycopg.sql import SQL, Composable, Identifier
+from psycopg.sql import Literal as SQLLiteral
 
 from cmb_dagster.inputs import check_int, check_text, to_json
-from cmb_dagster.pubsub import sql as q
-from cmb_dagster.pubsub.errors import InvalidInput, StreamRestored
-from cmb_dagster.pubsub.models import CaptureSpec, validated
+from cmb_dagster.pubsub import sql
+from cmb_dagster.pubsub.errors import InvalidPubSubInput, StreamRestored
+from cmb_dagster.pubsub.models import CaptureSpec
 from cmb_dagster.settings import Settings
 
 _TRANSITION = {"insert": "NEW", "update": "NEW", "delete": "OLD"}
 MAX_TOPIC_LENGTH = 500
+NO_EVENTS_TABLE = (
+    "schema: no pubsub_events table on the search_path; "
+    "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
+)
 
 
 def install_capture(
@@ -36,48 +41,64 @@ def install_capture(
     when it is NULL the row makes no event. Installing again replaces the previous capture.
     ``schema`` is the cmb schema (default: the one on ``conn``'s search_path).
     """
-    spec = validated(
-        CaptureSpec, table=table, branch=branch, key=None if key is None else tuple(key),
-        columns=None if columns is None else tuple(columns), topic=topic, ops=tuple(ops),
+    spec = CaptureSpec(
+        table=table,
+        branch=branch,
+        key=None if key is None else tuple(key),
+        columns=None if columns is None else tuple(columns),
+        topic=topic,
+        ops=tuple(ops),
     )
-    cmb = sql.Identifier(cmb_schema(conn, schema))
+    cmb = Identifier(cmb_schema(conn, schema))
     with conn.transaction():
-        info = conn.execute(q.TABLE_INFO, {"table": spec.table}).fetchone()
+        info = conn.execute(sql.TABLE_INFO, {"table": spec.table}).fetchone()
         if info is None or info[2] not in ("r", "p"):
-            raise InvalidInput(f"table: no table named {spec.table!r} on the search_path")
+            raise InvalidPubSubInput(f"table: no table named {spec.table!r} on the search_path")
         table_schema, table_name, _ = info
-        qualified = sql.Identifier(table_schema, table_name)
-        existing = [row[0] for row in conn.execute(q.TABLE_COLUMNS, {"table": spec.table})]
-        key_columns = spec.key if spec.key is not None else tuple(
-            row[0] for row in conn.execute(q.PRIMARY_KEY_COLUMNS, {"table": spec.table})
+        qualified = Identifier(table_schema, table_name)
+        existing = [row[0] for row in conn.execute(sql.TABLE_COLUMNS, {"table": spec.table})]
+        key_columns = (
+            spec.key
+            if spec.key is not None
+            else tuple(row[0] for row in conn.execute(sql.PRIMARY_KEY_COLUMNS, {"table": spec.table}))
         )
         for field, names in (("key", key_columns), ("columns", spec.columns or ())):
             missing = [name for name in names if name not in existing]
             if missing:
-                raise InvalidInput(f"{field}: no column {missing[0]!r} in table {table_schema}.{table_name}")
-        branch_sql = sql.SQL(spec.branch)
+                raise InvalidPubSubInput(f"{field}: no column {missing[0]!r} in table {table_schema}.{table_name}")
+        branch_sql = SQL(spec.branch)
         try:
             with conn.transaction():
-                conn.execute(q.CHECK_BRANCH.format(branch=branch_sql, table=qualified))
+                conn.execute(sql.CHECK_BRANCH.format(branch=branch_sql, table=qualified))
         except psycopg.Error as exc:
             reason = (exc.diag.message_primary or str(exc)).strip()
-            raise InvalidInput(f"branch: {spec.branch!r} is not a bigint expression over {table_name}'s columns ({reason})") from None
-        function = sql.Identifier(_function_name(table_schema, table_name))
+            raise InvalidPubSubInput(
+                f"branch: {spec.branch!r} is not a bigint expression over {table_name}'s columns ({reason})"
+            ) from None
+        function = Identifier(_function_name(table_schema, table_name))
         conn.execute(
-            q.CAPTURE_FUNCTION.format(
-                cmb=cmb, function=function, table_schema=sql.Identifier(table_schema),
-                topic=sql.Literal(spec.topic or f"{table_schema}.{table_name}"), branch=branch_sql,
-                key=_json_object(key_columns), payload=_json_object(spec.columns) if spec.columns else sql.SQL("to_jsonb(captured_row)"),
+            sql.CAPTURE_FUNCTION.format(
+                cmb=cmb,
+                function=function,
+                table_schema=Identifier(table_schema),
+                topic=SQLLiteral(spec.topic or f"{table_schema}.{table_name}"),
+                branch=branch_sql,
+                key=_json_object(key_columns),
+                payload=_json_object(spec.columns) if spec.columns else SQL("to_jsonb(captured_row)"),
             )
         )
         for op in ("insert", "update", "delete"):
-            trigger = sql.Identifier(f"cmb_pubsub_{op}")
-            conn.execute(q.DROP_TRIGGER.format(trigger=trigger, table=qualified))
+            trigger = Identifier(f"cmb_pubsub_{op}")
+            conn.execute(sql.DROP_TRIGGER.format(trigger=trigger, table=qualified))
             if op in spec.ops:
                 conn.execute(
-                    q.CAPTURE_TRIGGER.format(
-                        trigger=trigger, op=sql.SQL(op.upper()), table=qualified,
-                        transition=sql.SQL(_TRANSITION[op]), cmb=cmb, function=function,
+                    sql.CAPTURE_TRIGGER.format(
+                        trigger=trigger,
+                        op=SQL(op.upper()),
+                        table=qualified,
+                        transition=SQL(_TRANSITION[op]),
+                        cmb=cmb,
+                        function=function,
                     )
                 )
     return spec
@@ -85,15 +106,15 @@ def install_capture(
 
 def remove_capture(conn: psycopg.Connection, table: str, *, schema: str | None = None) -> None:
     """Remove what :func:`install_capture` installed on ``table`` (its past events stay on the stream)."""
-    cmb = sql.Identifier(cmb_schema(conn, schema))
+    cmb = Identifier(cmb_schema(conn, schema))
     with conn.transaction():
-        info = conn.execute(q.TABLE_INFO, {"table": table}).fetchone()
+        info = conn.execute(sql.TABLE_INFO, {"table": table}).fetchone()
         if info is None:
-            raise InvalidInput(f"table: no table named {table!r} on the search_path")
-        qualified = sql.Identifier(info[0], info[1])
+            raise InvalidPubSubInput(f"table: no table named {table!r} on the search_path")
+        qualified = Identifier(info[0], info[1])
         for op in ("insert", "update", "delete"):
-            conn.execute(q.DROP_TRIGGER.format(trigger=sql.Identifier(f"cmb_pubsub_{op}"), table=qualified))
-        conn.execute(q.DROP_CAPTURE_FUNCTION.format(cmb=cmb, function=sql.Identifier(_function_name(info[0], info[1]))))
+            conn.execute(sql.DROP_TRIGGER.format(trigger=Identifier(f"cmb_pubsub_{op}"), table=qualified))
+        conn.execute(sql.DROP_CAPTURE_FUNCTION.format(cmb=cmb, function=Identifier(_function_name(info[0], info[1]))))
 
 
 def publish(
@@ -111,44 +132,40 @@ def publish(
     cluster until ``cmb-dagster pubsub reset`` has run; captured tables refuse their writes likewise.
 
     ``schema`` is the cmb schema (default: ``CMB_SCHEMA``, so any connection of yours works)."""
-    check_int(branch_id, "branch_id")
-    check_text(topic, "topic", max_length=MAX_TOPIC_LENGTH)
+    check_int(branch_id, "branch_id", error=InvalidPubSubInput)
+    check_text(topic, "topic", max_length=MAX_TOPIC_LENGTH, error=InvalidPubSubInput)
     if key is not None and not isinstance(key, dict):
-        raise InvalidInput(f"key: must be a JSON object or None, not {type(key).__name__}")
-    events = sql.Identifier(schema or Settings.from_env().schema_name, "pubsub_events")
-    params = {"branch_id": branch_id, "topic": topic, "key": None if key is None else to_json(key, "key"),
-              "payload": to_json(payload, "payload")}
+        raise InvalidPubSubInput(f"key: must be a JSON object or None, not {type(key).__name__}")
+    events = Identifier(schema or Settings.from_env().schema_name, "pubsub_events")
+    params = {
+        "branch_id": branch_id,
+        "topic": topic,
+        "key": None if key is None else to_json(key, "key", error=InvalidPubSubInput),
+        "payload": to_json(payload, "payload", error=InvalidPubSubInput),
+    }
     try:
-        return conn.execute(q.PUBLISH.format(events=events), params).fetchone()[0]
+        return conn.execute(sql.PUBLISH.format(events=events), params).fetchone()[0]
     except psycopg.errors.ObjectNotInPrerequisiteState as exc:
         raise StreamRestored(f"{exc.diag.message_primary}; stop the producers, run it once, then start again") from None
     except psycopg.errors.UndefinedTable:
-        raise InvalidInput(
-            "schema: no pubsub_events table on the search_path; "
-            "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
-        ) from None
+        raise InvalidPubSubInput(NO_EVENTS_TABLE) from None
 
 
 def cmb_schema(conn: psycopg.Connection, schema: str | None = None) -> str:
     """``schema``, or the schema of the ``pubsub_events`` table on ``conn``'s search_path."""
     if schema is not None:
         return schema
-    row = conn.execute(q.EVENTS_TABLE).fetchone()
+    row = conn.execute(sql.EVENTS_TABLE).fetchone()
     if row is None:
-        raise InvalidInput(
-            "schema: no pubsub_events table on the search_path; "
-            "check CMB_SCHEMA (or pass schema=) and that cmb_dagster's migrations ran here"
-        )
+        raise InvalidPubSubInput(NO_EVENTS_TABLE)
     return row[0]
 
 
-def _json_object(columns: Sequence[str]) -> sql.Composable:
+def _json_object(columns: Sequence[str]) -> Composable:
     if not columns:
-        return sql.SQL("NULL::jsonb")
-    pairs = sql.SQL(", ").join(
-        sql.SQL("{}, captured_row.{}").format(sql.Literal(name), sql.Identifier(name)) for name in columns
-    )
-    return sql.SQL("jsonb_build_object({})").format(pairs)
+        return SQL("NULL::jsonb")
+    pairs = SQL(", ").join(SQL("{}, captured_row.{}").format(SQLLiteral(name), Identifier(name)) for name in columns)
+    return SQL("jsonb_build_object({})").format(pairs)
 
 
 IDENTIFIER_BYTES = 63  # Postgres keeps this many bytes of a name and drops the rest

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import logging
-import signal
 from datetime import timedelta
 
 import click
 
-from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange
-from cmb_dagster.database import Database
+from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange, open_database
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
-from cmb_dagster.pubsub import sql as q
-from cmb_dagster.pubsub.admin import consumer_lag, dead_letters, drop_consumer, replay, reset, trim
-from cmb_dagster.pubsub.consumer import Consumer
-from cmb_dagster.pubsub.errors import InvalidInput
-from cmb_dagster.settings import Settings
-
-
-def _database() -> Database:
-    return Database.from_settings(Settings.from_env())
+from cmb_dagster.pubsub.admin import dead_letters, drop_consumer, registered_handler, replay, reset, status, trim
+from cmb_dagster.pubsub.models import ConsumerSpec
+from cmb_dagster.pubsub.worker import ConsumerWorker
+from cmb_dagster.workers import stop_workers_on_signals
 
 
 @click.group()
@@ -32,59 +25,94 @@ def pubsub() -> None:
 @click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH, help="Branch the consumer reads.")
 @click.option("--handler", default=None, help="'module:function' (default: the one the consumer registered).")
 @click.option("--duration", type=DURATION, default=None, help="Seconds to run (default: until Ctrl-C or SIGTERM).")
-@click.option("--batch-size", default=1000, show_default=True, type=click.IntRange(1, 100_000), help="Most events per handler call.")
-@click.option("--lease-ttl", default=10.0, show_default=True, type=FloatRange(1, 3600), help="Seconds a standby waits after this one dies.")
-@click.option("--max-attempts", default=10, show_default=True, type=click.IntRange(1, 1000), help="Failed attempts on one event before --on-poison applies.")
-@click.option("--on-poison", type=click.Choice(["park", "stop"]), default="park", show_default=True,
-              help="park: move the event to the dead letters and go on; stop: keep retrying it.")
-@click.option("--max-crashes", default=DEFAULT_MAX_CRASHES, show_default=True, type=click.IntRange(1, 1000),
-              help="Deliveries of one event that may kill their worker before --on-poison applies.")
-@click.option("--handler-timeout", default=300.0, show_default=True, type=FloatRange(0.001, 86400),
-              help="Seconds a handler call may run before it fails.")
-@click.option("--order", type=click.Choice(["snapshot", "txid"]), default="snapshot", show_default=True,
-              help="txid: strict txid order, waiting for every older transaction to end.")
-@click.option("--start", type=click.Choice(["beginning", "now", "earliest_kept"]), default="beginning", show_default=True,
-              help="Where a consumer seen for the first time starts.")
-def consume(
-    consumer_id: str, branch_id: int, handler: str | None, duration: float | None, batch_size: int, lease_ttl: float,
-    max_attempts: int, on_poison: str, max_crashes: int, handler_timeout: float, order: str, start: str,
-) -> None:
+@click.option(
+    "--batch-size",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 100_000),
+    help="Most events per handler call.",
+)
+@click.option(
+    "--lease-ttl",
+    default=10.0,
+    show_default=True,
+    type=FloatRange(1, 3600),
+    help="Seconds a standby waits after this one dies.",
+)
+@click.option(
+    "--max-attempts",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Failed attempts on one event before --on-poison applies.",
+)
+@click.option(
+    "--on-poison",
+    type=click.Choice(["park", "stop"]),
+    default="park",
+    show_default=True,
+    help="park: move the event to the dead letters and go on; stop: keep retrying it.",
+)
+@click.option(
+    "--max-crashes",
+    default=DEFAULT_MAX_CRASHES,
+    show_default=True,
+    type=click.IntRange(1, 1000),
+    help="Deliveries of one event that may kill their worker before --on-poison applies.",
+)
+@click.option(
+    "--handler-timeout",
+    default=300.0,
+    show_default=True,
+    type=FloatRange(0.001, 86400),
+    help="Seconds a handler call may run before it fails.",
+)
+@click.option(
+    "--order",
+    type=click.Choice(["snapshot", "txid"]),
+    default="snapshot",
+    show_default=True,
+    help="txid: strict txid order, waiting for every older transaction to end.",
+)
+@click.option(
+    "--start",
+    type=click.Choice(["beginning", "now", "earliest_kept"]),
+    default="beginning",
+    show_default=True,
+    help="Where a consumer seen for the first time starts.",
+)
+def consume(consumer_id: str, branch_id: int, handler: str | None, duration: float | None, **options: object) -> None:
     """Run a registered consumer outside Dagster; identical consumers elsewhere stand by."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    db = _database()
-    if handler is None:
-        with db.connection() as conn:
-            row = conn.execute(q.REGISTERED_HANDLER, {"consumer_id": consumer_id, "branch_id": branch_id}).fetchone()
-        if row is None or row[0] is None:
-            raise InvalidInput(
-                f"handler: consumer {consumer_id!r} of branch {branch_id} has no registered handler; pass --handler module:function"
-            )
-        handler = row[0]
-    consumer = Consumer(db, consumer_id, branch_id, handler, batch_size=batch_size, lease_ttl=lease_ttl,
-                        max_attempts=max_attempts, on_poison=on_poison, order=order, start=start,  # type: ignore[arg-type]
-                        max_crashes=max_crashes, handler_timeout=handler_timeout)
-    consumer.check()  # refuses at once after a restore
-    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
-    click.echo(f"consumer {consumer_id} (branch {branch_id}) started; SIGTERM or Ctrl-C stops it", err=True)
-    try:
-        report = consumer.run(duration)
-    except KeyboardInterrupt:
-        consumer.stop()
-        return
-    click.echo(f"consumer {consumer_id} (branch {branch_id}): {report.items} events in {report.steps} batches, "
-               f"{report.errors} errors, {report.seconds:.1f}s")
+    db = open_database()
+    spec = ConsumerSpec(
+        consumer_id=consumer_id,
+        branch_id=branch_id,
+        handler=handler or registered_handler(db, consumer_id, branch_id),
+        **options,
+    )
+    worker = ConsumerWorker(db, spec)
+    worker.check()  # refuses at once after a restore
+    with stop_workers_on_signals():
+        click.echo(f"consumer {consumer_id} (branch {branch_id}) started; SIGTERM or Ctrl-C stops it", err=True)
+        report = worker.run(duration)
+    click.echo(
+        f"consumer {consumer_id} (branch {branch_id}): {report.items} events in {report.steps} batches, "
+        f"{report.errors} errors, {report.seconds:.1f}s"
+    )
 
 
-@pubsub.command()
-def status() -> None:
+@pubsub.command("status")
+def status_command() -> None:
     """Every registered consumer: delivered events and lag."""
-    with _database().connection() as conn:
-        lags = consumer_lag(conn)
-    if not lags:
+    consumers = status(open_database()).consumers
+    if not consumers:
         click.echo("no consumers registered")
-    for lag in lags:
-        click.echo(f"{lag.consumer_id}  branch {lag.branch_id}  delivered {lag.delivered}  behind {lag.events} "
-                   f"({lag.seconds:.1f}s)  handler {lag.handler or '-'}")
+    for lag in consumers:
+        click.echo(
+            f"{lag.consumer_id}  branch {lag.branch_id}  delivered {lag.delivered}  behind {lag.events} "
+            f"({lag.seconds:.1f}s)  handler {lag.handler or '-'}"
+        )
         if lag.problem:
             click.echo(f"  ! {lag.problem}")
 
@@ -96,15 +124,17 @@ def status() -> None:
 @click.option("--traceback", "show_traceback", is_flag=True, help="Print each event's last traceback.")
 def dead_command(consumer_id: str | None, branch_id: int | None, include_replayed: bool, show_traceback: bool) -> None:
     """Events consumers parked after failing on them max_attempts times."""
-    with _database().connection() as conn:
+    with open_database().connection() as conn:
         letters = dead_letters(conn, consumer_id, branch_id, include_replayed=include_replayed)
     if not letters:
         click.echo("no parked events")
     for d in letters:
         state = f"replayed {d.replayed_at:%Y-%m-%d %H:%M:%S}" if d.replayed_at else "parked"
-        click.echo(f"{d.consumer_id}  branch {d.branch_id}  event {d.event.id} ({d.event.topic} {d.event.op})  "
-                   f"{d.attempts} attempts {d.first_failed_at:%Y-%m-%d %H:%M:%S}..{d.last_failed_at:%H:%M:%S}  "
-                   f"{state}: {d.error}")
+        click.echo(
+            f"{d.consumer_id}  branch {d.branch_id}  event {d.event.id} ({d.event.topic} {d.event.op})  "
+            f"{d.attempts} attempts {d.first_failed_at:%Y-%m-%d %H:%M:%S}..{d.last_failed_at:%H:%M:%S}  "
+            f"{state}: {d.error}"
+        )
         if show_traceback and d.traceback:
             click.echo(d.traceback)
 
@@ -116,18 +146,30 @@ def dead_command(consumer_id: str | None, branch_id: int | None, include_replaye
 @click.option("--event", "event_ids", type=ROW_ID, multiple=True, help="Only this parked event (repeatable).")
 def replay_command(consumer_id: str, branch_id: int, handler: str | None, event_ids: tuple[int, ...]) -> None:
     """Run a consumer's parked events through its handler again, one transaction each."""
-    done, failed = replay(_database(), consumer_id, branch_id, handler, event_ids=event_ids or None)
+    done, failed = replay(open_database(), consumer_id, branch_id, handler, event_ids=event_ids or None)
     click.echo(f"replayed {done} parked events; {failed} failed again and stay parked")
     if failed:
         raise SystemExit(1)
 
 
 @pubsub.command("trim")
-@click.option("--batch-size", default=10_000, show_default=True, type=click.IntRange(1, 1_000_000), help="Events deleted per transaction and branch.")
-@click.option("--retain-days", default=7.0, show_default=True, type=FloatRange(0, 36500), help="Keep events younger than this, read or not.")
+@click.option(
+    "--batch-size",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Events deleted per transaction and branch.",
+)
+@click.option(
+    "--retain-days",
+    default=7.0,
+    show_default=True,
+    type=FloatRange(0, 36500),
+    help="Keep events younger than this, read or not.",
+)
 def trim_command(batch_size: int, retain_days: float) -> None:
     """Delete the events older than --retain-days every registered consumer of their branch has delivered."""
-    with _database().connect(autocommit=True) as conn:
+    with open_database().connect(autocommit=True) as conn:
         deleted = trim(conn, batch_size=batch_size, retain=timedelta(days=retain_days))
         click.echo(f"deleted {deleted} delivered events")
 
@@ -135,7 +177,7 @@ def trim_command(batch_size: int, retain_days: float) -> None:
 @pubsub.command("reset")
 def reset_command() -> None:
     """After pg_dump/pg_restore into another cluster: re-base the stream's txids (one transaction)."""
-    with _database().connect(autocommit=True) as conn:
+    with open_database().connect(autocommit=True) as conn:
         old, new = reset(conn)
     if old == new:
         click.echo(f"the stream's txids are this server's: nothing to re-base (shift {new})")
@@ -148,6 +190,6 @@ def reset_command() -> None:
 @click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH)
 def drop_command(consumer_id: str, branch_id: int) -> None:
     """Forget a consumer, so it no longer holds events back from trim."""
-    with _database().connection() as conn:
+    with open_database().connection() as conn:
         dropped = drop_consumer(conn, consumer_id, branch_id)
     click.echo(f"dropped consumer {consumer_id} (branch {branch_id})" if dropped else "no such consumer")

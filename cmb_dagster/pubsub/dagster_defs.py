@@ -2,13 +2,12 @@
 
 Consumer lag shows in the UI as asset observations: each consumer (and each pub/sub sensor) has an
 external asset ``pubsub/<consumer_id>/branch_<id>`` whose ``lag_events``, ``lag_seconds`` and
-``delivered`` metadata the asset page plots over time.
+``delivered`` metadata the asset page plots over time; the ``<prefix>pubsub_status`` sensor records them.
 """
 
 import re
-import time
+from collections.abc import Callable
 from datetime import timedelta
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from dagster import (
@@ -19,87 +18,63 @@ from dagster import (
     DefaultSensorStatus,
     Definitions,
     JobDefinition,
-    ObserveResult,
     OpExecutionContext,
     RunRequest,
     ScheduleDefinition,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
-    SourceAsset,
     job,
-    observable_source_asset,
     op,
     sensor,
 )
 from pydantic import Field
 
+from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
-from cmb_dagster.jobs import keep_running_sensor, worker_job
-from cmb_dagster.pubsub.admin import consumer_lag, trim
-from cmb_dagster.pubsub.consumer import Consumer, read_batch, record_watermark, refuse_if_restored
-from cmb_dagster.pubsub.errors import InvalidInput
+from cmb_dagster.inputs import BIGINT, check_int
+from cmb_dagster.jobs import keep_running_sensor, observed_asset, status_sensor, worker_job
+from cmb_dagster.pubsub.admin import status, trim
+from cmb_dagster.pubsub.engine import read_batch, record_watermark, refuse_if_restored
+from cmb_dagster.pubsub.errors import InvalidPubSubInput
 from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, Lag, PubSubOptions, Watermark
+from cmb_dagster.pubsub.worker import ConsumerWorker
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-PROGRESS_EVERY_SECONDS = 60.0  # at most one lag observation a minute, and only when a figure changed
 
-
-def lag_asset_key(consumer_id: str, branch_id: int) -> AssetKey:
+def lag_asset_key(consumer_id: str, branch_id: int, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
     """The external asset whose observations carry a consumer's lag."""
-    return AssetKey(["pubsub", _name(consumer_id), f"branch_{branch_id}"])
+    return translator.get_asset_key("pubsub", [_name(consumer_id), f"branch_{branch_id}"])
 
 
-def lag_observation(lag: Lag) -> AssetObservation:
+def lag_observation(lag: Lag, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetObservation:
     """An observation of ``lag`` on the consumer's lag asset."""
     return AssetObservation(
-        asset_key=lag_asset_key(lag.consumer_id, lag.branch_id),
+        asset_key=lag_asset_key(lag.consumer_id, lag.branch_id, translator),
         metadata={
-            "lag_events": lag.events, "lag_seconds": round(lag.seconds, 3), "delivered": lag.delivered,
-            "failing_event": lag.failing_event or 0, "failed_attempts": lag.attempts, "parked_events": lag.parked,
+            "lag_events": lag.events,
+            "lag_seconds": round(lag.seconds, 3),
+            "delivered": lag.delivered,
+            "failing_event": lag.failing_event or 0,
+            "failed_attempts": lag.attempts,
+            "parked_events": lag.parked,
             "problem": lag.problem or "",
         },
     )
 
 
 def consumer_job(spec: ConsumerSpec, *, prefix: str = "cmb_") -> JobDefinition:
-    """A job that runs the consumer ``spec`` describes for a bounded time, logging progress and lag."""
+    """A job that runs the consumer ``spec`` describes for a bounded time."""
 
     def run_consumer(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
-        consumer = Consumer.from_spec(database, spec)
-        next_report = time.monotonic() + PROGRESS_EVERY_SECONDS
-        last_seen: dict[int, tuple[object, ...]] = {}
-
-        def observe() -> None:
-            with database.connection() as conn:
-                for lag in consumer_lag(conn, spec.consumer_id, spec.branch_id):
-                    figures = (lag.events, lag.delivered, lag.failing_event, lag.attempts, lag.parked, lag.problem)
-                    if last_seen.get(lag.branch_id) == figures:
-                        continue
-                    last_seen[lag.branch_id] = figures
-                    context.log_event(lag_observation(lag))
-                    context.log.info(
-                        f"consumer {lag.consumer_id} (branch {lag.branch_id}): {lag.delivered} delivered, "
-                        f"{lag.events} behind ({lag.seconds:.1f}s)"
-                    )
-                    if lag.problem:
-                        context.log.warning(f"consumer {lag.consumer_id} (branch {lag.branch_id}): {lag.problem}")
-
-        def on_progress(report: WorkerReport) -> None:
-            nonlocal next_report
-            if time.monotonic() >= next_report:
-                next_report = time.monotonic() + PROGRESS_EVERY_SECONDS
-                observe()
-
-        report = consumer.run(duration, on_progress=on_progress)
-        observe()
-        return report
+        return ConsumerWorker(database, spec).run(duration)
 
     return worker_job(
         f"{prefix}pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}",
         run_consumer,
-        description=f"Runs pub/sub consumer {spec.consumer_id!r} of branch {spec.branch_id} ({spec.handler}).",
+        description=f"Runs pub/sub consumer {spec.consumer_id!r} of branch {spec.branch_id} "
+        f"({spec.handler_path or 'a handler given as a function'}).",
     )
 
 
@@ -112,17 +87,20 @@ def pubsub_sensor(
     run_config: Callable[[Event], dict[str, Any]] | None = None,
     minimum_interval_seconds: int = 30,
     default_status: DefaultSensorStatus = DefaultSensorStatus.STOPPED,
+    translator: CmbTranslator = DEFAULT_TRANSLATOR,
 ) -> SensorDefinition:
     """A sensor that requests one run of ``job`` per event of ``branch_id``: run key = event id,
     cursor = the watermark (registered as consumer ``sensor.<name>``, so trim keeps what it has not read)."""
-    for field, value, low, high in (("branch_id", branch_id, -(2**63), 2**63 - 1), ("batch_size", batch_size, 1, 10_000),
-                                    ("minimum_interval_seconds", minimum_interval_seconds, 1, 86_400)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise InvalidInput(f"{field}: must be an integer from {low} to {high}, not {value!r}")
+    for field, value, low, high in (
+        ("branch_id", branch_id, *BIGINT),
+        ("batch_size", batch_size, 1, 10_000),
+        ("minimum_interval_seconds", minimum_interval_seconds, 1, 86_400),
+    ):
+        check_int(value, field, low=low, high=high, error=InvalidPubSubInput)
     sensor_name = name or f"{job.name}_pubsub_branch_{branch_id}"
     consumer_id = f"sensor.{sensor_name}"
     if not re.match(CONSUMER_ID_PATTERN, consumer_id):
-        raise InvalidInput(f"name: sensor name {sensor_name!r} must be at most 56 of A-Z a-z 0-9 _ . -")
+        raise InvalidPubSubInput(f"name: sensor name {sensor_name!r} must be at most 56 of A-Z a-z 0-9 _ . -")
 
     @sensor(
         name=sensor_name,
@@ -133,38 +111,45 @@ def pubsub_sensor(
     )
     def _pubsub_sensor(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult:
         state = (
-            Watermark.model_validate_json(context.cursor) if context.cursor
+            Watermark.model_validate_json(context.cursor)
+            if context.cursor
             else Watermark(consumer_id=consumer_id, branch_id=branch_id)
         )
         with cmb.connection() as conn:
             refuse_if_restored(conn, state)
             record_watermark(conn, state)
             batch = read_batch(conn, state, batch_size)
-            lags = consumer_lag(conn, consumer_id, branch_id)
+        lags = status(cmb.database, consumer_id, branch_id).consumers
         requests = [
             RunRequest(
                 run_key=str(event.id),
                 run_config=run_config(event) if run_config else {},
-                tags={"cmb/pubsub/event": str(event.id), "cmb/pubsub/topic": event.topic[:63], "cmb/pubsub/op": event.op},
+                tags={
+                    "cmb/pubsub/event": str(event.id),
+                    "cmb/pubsub/topic": event.topic[:63],
+                    "cmb/pubsub/op": event.op,
+                },
             )
             for event in batch.events
         ]
         return SensorResult(
             run_requests=requests,
             cursor=batch.after.model_dump_json() if batch.changed else context.cursor,
-            asset_events=[lag_observation(lag) for lag in lags],
+            asset_events=[lag_observation(lag, translator) for lag in lags],
         )
 
     return _pubsub_sensor
 
 
 class TrimConfig(Config):
-    retain_days: float = Field(default=7.0, ge=0, description="Keep events younger than this, read or not.")
+    retain_days: float = Field(default=7.0, ge=0, le=36500, description="Keep events younger than this, read or not.")
 
 
 def trim_job(*, prefix: str = "cmb_") -> JobDefinition:
     """A job deleting the pub/sub events older than ``retain_days`` that every registered consumer has read."""
-    description = "Deletes the pub/sub events older than retain_days every registered consumer of their branch has read."
+    description = (
+        "Deletes the pub/sub events older than retain_days every registered consumer of their branch has read."
+    )
 
     @op(name=f"{prefix}pubsub_trim_op", description=description)
     def trim_op(context: OpExecutionContext, config: TrimConfig, cmb: CmbResource) -> None:
@@ -180,41 +165,65 @@ def trim_job(*, prefix: str = "cmb_") -> JobDefinition:
     return trim_events
 
 
-def pubsub_definitions(options: PubSubOptions, *, prefix: str = "cmb_") -> Definitions:
-    """Per consumer: a job, the sensor keeping one run of it going, its lag asset; plus the trim schedule."""
+def pubsub_definitions(
+    options: PubSubOptions,
+    *,
+    prefix: str = "cmb_",
+    resource: CmbResource | None = None,
+    translator: CmbTranslator = DEFAULT_TRANSLATOR,
+) -> Definitions:
+    """Per consumer: a job, the sensor keeping one run of it going, its lag asset; the status sensor observing
+    every consumer's lag; the trim schedule."""
     specs = options.consumers
     jobs = [consumer_job(spec, prefix=prefix) for spec in specs]
     names = [j.name for j in jobs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise InvalidInput(f"consumers: two consumers map to the job name {duplicates[0]!r}; rename one")
+        raise InvalidPubSubInput(f"consumers: two consumers map to the job name {duplicates[0]!r}; rename one")
     trim_events = trim_job(prefix=prefix)
     trim_schedule = ScheduleDefinition(
-        name=f"{prefix}pubsub_trim_schedule", job=trim_events, cron_schedule=options.trim_cron,
+        name=f"{prefix}pubsub_trim_schedule",
+        job=trim_events,
+        cron_schedule=options.trim_cron,
         default_status=DefaultScheduleStatus.RUNNING,
     )
+
+    def observe(database: Database) -> list[AssetObservation]:
+        report = status(database)
+        return [
+            lag_observation(lag, translator)
+            for spec in specs
+            for lag in report.consumers
+            if (lag.consumer_id, lag.branch_id) == (spec.consumer_id, spec.branch_id)
+        ]
+
+    sensors = [keep_running_sensor(j) for j in jobs]
+    if specs:
+        sensors.append(
+            status_sensor(
+                f"{prefix}pubsub_status",
+                observe,
+                minimum_interval_seconds=options.observe_interval_seconds,
+                description="Observes each consumer's lag (events and seconds behind, delivered, a failing or parked "
+                "event).",
+            )
+        )
+    assets = [
+        observed_asset(
+            lag_asset_key(s.consumer_id, s.branch_id, translator),
+            translator.get_group_name("pubsub"),
+            f"Lag of pub/sub consumer {s.consumer_id!r} on branch {s.branch_id}.",
+            observe,
+        )
+        for s in specs
+    ]
     return Definitions(
         jobs=[*jobs, trim_events],
-        sensors=[keep_running_sensor(j) for j in jobs],
+        sensors=sensors,
         schedules=[trim_schedule],
-        assets=[lag_asset(s) for s in specs],
+        assets=assets,
+        resources={"cmb": resource or CmbResource()},
     )
-
-
-def lag_asset(spec: ConsumerSpec) -> SourceAsset:
-    """An observable asset plotting a consumer's lag: its job observes it, and Observe refreshes it."""
-
-    @observable_source_asset(
-        key=lag_asset_key(spec.consumer_id, spec.branch_id),
-        description=f"Lag of pub/sub consumer {spec.consumer_id!r} on branch {spec.branch_id}.",
-        group_name="cmb_pubsub",
-    )
-    def lag(cmb: CmbResource) -> ObserveResult:
-        with cmb.connection() as conn:
-            lags = consumer_lag(conn, spec.consumer_id, spec.branch_id)
-        return ObserveResult(metadata=lag_observation(lags[0]).metadata if lags else {"lag_events": 0})
-
-    return lag
 
 
 def _name(value: str) -> str:

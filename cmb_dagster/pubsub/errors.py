@@ -2,11 +2,15 @@
 
 from cmb_dagster.errors import CmbError, InvalidInput
 
-__all__ = ["ConsumerBusy", "HandlerFailed", "InvalidInput", "PubSubError", "StreamRestored"]
+__all__ = ["ConsumerBusy", "HandlerFailed", "InvalidInput", "InvalidPubSubInput", "PubSubError", "StreamRestored"]
 
 
 class PubSubError(CmbError):
     """Base class of the pub/sub engine's errors."""
+
+
+class InvalidPubSubInput(PubSubError, InvalidInput):
+    """Bad input to the pub/sub engine; the message names the field. Nothing was written."""
 
 
 class ConsumerBusy(PubSubError):

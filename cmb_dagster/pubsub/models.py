@@ -1,4 +1,4 @@
-"""The pub/sub engine's models: events, watermarks, lag, and the validated inputs of its API."""
+"""The pub/sub engine's models: events, watermarks, lag and status, and the options of its API."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal
 
 import psycopg
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
-from cmb_dagster.inputs import shorten
+from cmb_dagster.inputs import BIGINT, shorten
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
-from cmb_dagster.models import Options
-
-from cmb_dagster.pubsub.errors import InvalidInput
+from cmb_dagster.models import Backoff, Options
+from cmb_dagster.pubsub.errors import InvalidPubSubInput
+from cmb_dagster.workers import PARTITION_BACKOFF
 
 CONSUMER_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$"
 MAX_HANDLER_PATH = 255
@@ -95,12 +95,42 @@ class Lag(BaseModel):
         """One line saying why this consumer is stuck or what it skipped, or None."""
         parts = []
         if self.failing_event is not None:
-            parts.append(f"stuck on event {self.failing_event} after {self.attempts} failed attempts: {self.last_error}")
+            parts.append(
+                f"stuck on event {self.failing_event} after {self.attempts} failed attempts: {self.last_error}"
+            )
         if self.parked:
-            parts.append(f"{self.parked} parked event(s): `cmb-dagster pubsub dead` lists them, `pubsub replay` retries")
+            parts.append(
+                f"{self.parked} parked event(s): `cmb-dagster pubsub dead` lists them, `pubsub replay` retries"
+            )
         if self.notice:
             parts.append(self.notice)
         return "; ".join(parts) or None
+
+
+class PubSubStatus(BaseModel):
+    """Every registered consumer's lag (``consumers``), with the totals over them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    consumers: list[Lag]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def behind(self) -> int:
+        """Events committed and not yet delivered, summed over the consumers."""
+        return sum(lag.events for lag in self.consumers)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def parked(self) -> int:
+        """Events parked and not replayed yet, summed over the consumers."""
+        return sum(lag.parked for lag in self.consumers)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def stuck(self) -> int:
+        """Consumers whose handler keeps failing on an event."""
+        return sum(lag.failing_event is not None for lag in self.consumers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,42 +149,76 @@ class DeadLetter:
     replayed_at: datetime | None
 
 
-class ConsumerSpec(BaseModel):
-    """A consumer as configuration: its id, its branch, and its handler as ``'module:function'``."""
+class ConsumerKey(Options):
+    """Which consumer: its id and the branch it reads (together, the key of its watermark)."""
 
-    model_config = ConfigDict(frozen=True)
+    error: ClassVar[type[InvalidPubSubInput]] = InvalidPubSubInput
 
     consumer_id: str = Field(pattern=CONSUMER_ID_PATTERN, description="Up to 63 of A-Z a-z 0-9 _ . -")
-    branch_id: int = Field(default=0, ge=-(2**63), le=2**63 - 1, description="The branch whose events it reads.")
-    handler: str = Field(description="'module:function' called as handler(conn, events).")
+    branch_id: int = Field(default=0, ge=BIGINT[0], le=BIGINT[1], description="The branch whose events it reads.")
+
+
+class ConsumerSpec(ConsumerKey):
+    """A consumer: its id, its branch, its handler, and how it delivers (the options of a ConsumerWorker)."""
+
+    handler: str | Handler = Field(
+        description="'module:function' (in Python also the function itself), called as handler(conn, events).",
+    )
     batch_size: int = Field(default=1000, ge=1, le=100_000, description="Most events per handler call.")
     idle_sleep: float = Field(
-        default=1.0, gt=0, le=60,
+        default=1.0,
+        gt=0,
+        le=60,
         description="Seconds between polls when no event is ready; a commit's NOTIFY hint wakes the consumer sooner.",
     )
-    max_attempts: int = Field(default=10, ge=1, le=1000, description="Failed attempts on one event before on_poison applies.")
-    max_crashes: int = Field(default=DEFAULT_MAX_CRASHES, ge=1, le=1000,
-                             description="Deliveries of one event that end with the death of their worker before it is parked.")
-    handler_timeout: float = Field(default=300.0, gt=0, le=86400,
-                                   description="Seconds a handler call may run; then its transaction is ended and the call fails.")
+    max_attempts: int = Field(
+        default=10, ge=1, le=1000, description="Failed attempts on one event before on_poison applies."
+    )
+    max_crashes: int = Field(
+        default=DEFAULT_MAX_CRASHES,
+        ge=1,
+        le=1000,
+        description="Deliveries of one event that end with the death of their worker before it is parked.",
+    )
+    handler_timeout: float = Field(
+        default=300.0,
+        gt=0,
+        le=86400,
+        description="Seconds a handler call may run; then its transaction is ended and the call fails.",
+    )
     on_poison: Literal["park", "stop"] = Field(
         default="park",
-        description="'park': after max_attempts, move the event to the dead letters and go on; 'stop': keep retrying it.",
+        description="'park': after max_attempts, move the event to the dead letters and go on; "
+        "'stop': keep retrying it.",
     )
     order: Literal["snapshot", "txid"] = Field(
         default="snapshot",
-        description="'snapshot': committed events at once; 'txid': strict txid order, waiting for every older transaction.",
+        description="'snapshot': committed events at once; "
+        "'txid': strict txid order, waiting for every older transaction.",
     )
     start: Literal["beginning", "now", "earliest_kept"] = Field(
         default="beginning", description="Where a consumer seen for the first time starts reading."
     )
+    backoff: Backoff = Field(default=PARTITION_BACKOFF, description="Wait after a failed batch before the next one.")
+    lease_ttl: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds after which a standby takes over from a consumer that died."
+    )
+    listen: bool = Field(default=True, description="Wake on the producers' commit hints (LISTEN), not only by polling.")
+    wait: bool = Field(
+        default=True, description="Wait while another transaction holds the watermark (False: raise ConsumerBusy)."
+    )
 
     @field_validator("handler")
     @classmethod
-    def _handler_is_a_path(cls, value: str) -> str:
-        if not HANDLER_PATH.match(value):
+    def _handler_is_a_path(cls, value: str | Handler) -> str | Handler:
+        if isinstance(value, str) and not HANDLER_PATH.match(value):
             raise ValueError("must be 'module:function', e.g. 'myproject.handlers:on_change'")
         return value
+
+    @property
+    def handler_path(self) -> str | None:
+        """The handler as ``'module:function'``, or None for a function that cannot be loaded by name."""
+        return self.handler if isinstance(self.handler, str) else handler_path(self.handler)
 
 
 class PubSubOptions(Options):
@@ -163,8 +227,13 @@ class PubSubOptions(Options):
     Defaults: no consumer; trim at minute 17 of every hour.
     """
 
+    error: ClassVar[type[InvalidPubSubInput]] = InvalidPubSubInput
+
     consumers: list[ConsumerSpec] = Field(default_factory=list, description="Consumers, each run by a job.")
     trim_cron: str = Field(default="17 * * * *", description="When delivered events are trimmed.")
+    observe_interval_seconds: int = Field(
+        default=60, ge=5, le=86400, description="How often the status sensor observes the consumers' lag."
+    )
 
     @field_validator("trim_cron")
     @classmethod
@@ -174,13 +243,15 @@ class PubSubOptions(Options):
         return value
 
 
-class CaptureSpec(BaseModel):
+class CaptureSpec(Options):
     """What :func:`install_capture` installs on one table."""
 
-    model_config = ConfigDict(frozen=True)
+    error: ClassVar[type[InvalidPubSubInput]] = InvalidPubSubInput
 
     table: str = Field(min_length=1, description="The table, optionally schema-qualified.")
-    branch: str = Field(default="0", min_length=1, description="SQL over the row's columns (and TG_OP); NULL skips the row.")
+    branch: str = Field(
+        default="0", min_length=1, description="SQL over the row's columns (and TG_OP); NULL skips the row."
+    )
     key: tuple[str, ...] | None = Field(default=None, description="Key columns; default: the primary key.")
     columns: tuple[str, ...] | None = Field(default=None, description="Payload columns; default: the whole row.")
     topic: str | None = Field(default=None, description="Default: 'schema.table'.")
@@ -205,40 +276,31 @@ def load_handler(path: str) -> Handler:
     and ``builtins``: a command line or a configuration cannot make a consumer call ``os:system``.
     """
     if not HANDLER_PATH.match(path):
-        raise InvalidInput(f"handler: {shorten(path)} must be 'module:function', at most {MAX_HANDLER_PATH} characters")
+        raise InvalidPubSubInput(
+            f"handler: {shorten(path)} must be 'module:function', at most {MAX_HANDLER_PATH} characters"
+        )
     module_name, _, name = path.partition(":")
     if _is_standard_library(module_name):
-        raise InvalidInput(f"handler: {shorten(path)} is in Python's standard library; name your own function")
+        raise InvalidPubSubInput(f"handler: {shorten(path)} is in Python's standard library; name your own function")
     try:
         target: Any = importlib.import_module(module_name)
         for part in name.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:
-        raise InvalidInput(f"handler: cannot import {shorten(path)} ({exc})") from None
+        raise InvalidPubSubInput(f"handler: cannot import {shorten(path)} ({exc})") from None
     if not callable(target):
-        raise InvalidInput(f"handler: {shorten(path)} is not callable")
+        raise InvalidPubSubInput(f"handler: {shorten(path)} is not callable")
     if _is_standard_library(getattr(target, "__module__", None) or "builtins"):
-        raise InvalidInput(f"handler: {shorten(path)} is defined in Python's standard library; name your own function")
+        raise InvalidPubSubInput(
+            f"handler: {shorten(path)} is defined in Python's standard library; name your own function"
+        )
     try:
         inspect.signature(target).bind(None, None)
     except (TypeError, ValueError):
-        raise InvalidInput(f"handler: {shorten(path)} must accept the two arguments (conn, events)") from None
+        raise InvalidPubSubInput(f"handler: {shorten(path)} must accept the two arguments (conn, events)") from None
     return target
 
 
 def _is_standard_library(module: str) -> bool:
     top = module.partition(".")[0]
     return top in sys.stdlib_module_names or top == "builtins"
-
-
-Model = TypeVar("Model", bound=BaseModel)
-
-
-def validated(model: type[Model], **values: Any) -> Model:
-    """``model(**values)``, with a validation error turned into one InvalidInput naming the fields."""
-    try:
-        return model(**values)
-    except ValidationError as exc:
-        raise InvalidInput(
-            "; ".join(f"{'.'.join(map(str, e['loc'])) or model.__name__}: {e['msg']}" for e in exc.errors())
-        ) from None

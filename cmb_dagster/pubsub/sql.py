@@ -5,7 +5,7 @@ Statements run on connections whose search_path starts with the cmb schema; the 
 lives next to a user's table, names cmb objects through ``{cmb}`` (a psycopg.sql.Identifier).
 """
 
-from psycopg import sql
+from psycopg.sql import SQL
 
 # -- watermarks ----------------------------------------------------------------------------------
 
@@ -92,8 +92,9 @@ _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.
 # txids below h, the oldest transaction still running that may write here; no target (NULL) while h
 # is not beyond %(snapshot)s. A running txid that pg_stat_activity shows in another database cannot
 # write this stream's events and does not count (one that already ended, a prepared transaction, or
-# one whose session we may not see counts: conservative). The target is this statement's own snapshot (pubsub_statement_snapshot is STABLE): it
-# never shows committed a transaction whose events the statement cannot see. Returns one row: the target, and the events as one JSON array of
+# one whose session we may not see counts: conservative). The target is this statement's own snapshot
+# (pubsub_statement_snapshot is STABLE): it never shows committed a transaction whose events the
+# statement cannot see. Returns one row: the target, and the events as one JSON array of
 # [id, txid, branch_id, topic, op, key, payload, created_at] (one json.loads per batch instead of two
 # jsonb decodes and a timestamp per event: the client's cost per event halves).
 READ_BATCH = f"""
@@ -208,9 +209,12 @@ WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s AND event_id =
 
 # -- producing ----------------------------------------------------------------------------------
 
-EVENTS_TABLE = "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass('pubsub_events')"
+EVENTS_TABLE = """
+SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass('pubsub_events')
+"""
 
-PUBLISH = sql.SQL("""
+PUBLISH = SQL("""
 INSERT INTO {events} (branch_id, topic, op, key, payload)
 VALUES (%(branch_id)s, %(topic)s, 'publish', %(key)s::jsonb, %(payload)s::jsonb)
 RETURNING id
@@ -236,12 +240,14 @@ ORDER BY array_position(i.indkey::int2[], a.attnum)
 """
 
 # Compiles the branch expression against the table without reading a row.
-CHECK_BRANCH = sql.SQL("SELECT ({branch})::bigint FROM {table} AS captured_row, (SELECT 'INSERT'::text AS tg_op) AS tg LIMIT 0")
+CHECK_BRANCH = SQL(
+    "SELECT ({branch})::bigint FROM {table} AS captured_row, (SELECT 'INSERT'::text AS tg_op) AS tg LIMIT 0"
+)
 
 # One statement-level trigger function per captured table; its triggers pass the transition table
 # as ``changed_rows``. The explicit lock on the events table comes before reading the clock, so that
 # `pubsub reset` (which locks the events table first) never races a producer's txid.
-CAPTURE_FUNCTION = sql.SQL("""
+CAPTURE_FUNCTION = SQL("""
 CREATE OR REPLACE FUNCTION {cmb}.{function}() RETURNS trigger
 LANGUAGE plpgsql SET search_path = {table_schema}, public AS $body$
 #variable_conflict use_column
@@ -260,15 +266,15 @@ END
 $body$
 """)
 
-CAPTURE_TRIGGER = sql.SQL("""
+CAPTURE_TRIGGER = SQL("""
 CREATE TRIGGER {trigger} AFTER {op} ON {table}
 REFERENCING {transition} TABLE AS changed_rows
 FOR EACH STATEMENT EXECUTE FUNCTION {cmb}.{function}()
 """)
 
-DROP_TRIGGER = sql.SQL("DROP TRIGGER IF EXISTS {trigger} ON {table}")
+DROP_TRIGGER = SQL("DROP TRIGGER IF EXISTS {trigger} ON {table}")
 
-DROP_CAPTURE_FUNCTION = sql.SQL("DROP FUNCTION IF EXISTS {cmb}.{function}()")
+DROP_CAPTURE_FUNCTION = SQL("DROP FUNCTION IF EXISTS {cmb}.{function}()")
 
 # -- operations ---------------------------------------------------------------------------------
 

@@ -2,23 +2,37 @@
 
 ``ReactiveTask(name, job_or_assets, trigger)`` declares a task; ``cmb_definitions(reactive=
 ReactiveOptions(tasks=[...]))`` adds one scheduler sensor per code location and the tasks' jobs.
-The engine (:mod:`cmb_dagster.reactive.scheduler`) is plain Python over Postgres; the Dagster names
-load Dagster on first use.
+The engine (:mod:`cmb_dagster.reactive.engine`) is plain Python over Postgres; :class:`ReactiveWorker` ticks it
+outside Dagster. The Dagster names load Dagster on first use.
 """
 
 from cmb_dagster._lazy import lazy_names
-from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, task_states
-from cmb_dagster.reactive.errors import InvalidReactiveTask, ReactiveError, SchedulerConflict
-from cmb_dagster.reactive.models import SchedulerSettings, TaskState
+from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, status
+from cmb_dagster.reactive.errors import InvalidReactiveInput, ReactiveError, SchedulerConflict
+from cmb_dagster.reactive.models import (
+    ReactiveOptions,
+    ReactiveStatus,
+    RunInfo,
+    RunState,
+    SchedulerSettings,
+    TaskSpec,
+    TaskState,
+)
+from cmb_dagster.reactive.worker import ReactiveWorker
 
 __all__ = [
-    "InvalidReactiveTask",
+    "InvalidReactiveInput",
     "ReactiveError",
     "ReactiveOptions",
+    "ReactiveStatus",
     "ReactiveTask",
     "ReactiveTriggerWarning",
+    "ReactiveWorker",
+    "RunInfo",
+    "RunState",
     "SchedulerConflict",
     "SchedulerSettings",
+    "TaskSpec",
     "TaskState",
     "evaluation_time",
     "forget_last_values",
@@ -27,7 +41,7 @@ __all__ = [
     "reactive_sensor_context",
     "retry_task",
     "set_last_value",
-    "task_states",
+    "status",
     "tick_reactive_sensor",
     "time_window_partitioner",
 ]
@@ -35,7 +49,8 @@ __all__ = [
 __getattr__ = lazy_names(
     __name__,
     {
-        "ReactiveOptions": "cmb_dagster.reactive.dagster_defs",
+        "InvalidReactiveTask": "cmb_dagster.reactive.errors",  # deprecated: InvalidReactiveInput
+        "task_states": "cmb_dagster.reactive.admin",  # deprecated: status(...).tasks
         "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
         "reactive_definitions": "cmb_dagster.reactive.dagster_defs",
         "ReactiveTriggerWarning": "cmb_dagster.reactive.dagster_defs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -11,14 +12,14 @@ import psycopg
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import check_values, values_from_json
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive import sql
-from cmb_dagster.reactive.errors import InvalidReactiveTask
-from cmb_dagster.reactive.models import TaskState
+from cmb_dagster.reactive.errors import InvalidReactiveInput
+from cmb_dagster.reactive.models import ReactiveStatus, TaskState
 
 
 @contextmanager
-def _connection(source: Database | str) -> Iterator[psycopg.Connection]:
+def _connection(source: DatabaseSource) -> Iterator[psycopg.Connection]:
     database = Database.of(source)
     try:
         with database.connection() as conn:
@@ -28,15 +29,25 @@ def _connection(source: Database | str) -> Iterator[psycopg.Connection]:
             database.close()
 
 
-def task_states(database: Database | str, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:
-    """Stored state of reactive tasks (all, one scheduler's, or one task's)."""
+def status(database: DatabaseSource, scheduler: str | None = None, name: str | None = None) -> ReactiveStatus:
+    """The stored state of reactive tasks (all, one scheduler's, or one task's)."""
     with _connection(database) as conn:
         cursor = conn.execute(sql.TASK_STATUS, {"scheduler": scheduler, "name": name})
         columns = [c.name for c in cursor.description or ()]
-        return [TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
+        return ReactiveStatus(tasks=[TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()])
 
 
-def forget_last_values(database: Database | str, scheduler: str, name: str, parameter: ParameterKey | None = None) -> bool:
+def task_states(database: DatabaseSource, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:
+    """Deprecated: ``status(database, scheduler, name).tasks``."""
+    warnings.warn(
+        "task_states() is deprecated: use status(database, scheduler, name).tasks", DeprecationWarning, stacklevel=2
+    )
+    return status(database, scheduler, name).tasks
+
+
+def forget_last_values(
+    database: DatabaseSource, scheduler: str, name: str, parameter: ParameterKey | None = None
+) -> bool:
     """Forget what a task's last run saw (all, or one parameter), e.g. after a CTL value moved backwards.
 
     The task is evaluated again on the next tick; a Delta-type trigger then fires as on a first release.
@@ -47,7 +58,7 @@ def forget_last_values(database: Database | str, scheduler: str, name: str, para
     return row is not None
 
 
-def retry_task(database: Database | str, scheduler: str, name: str) -> bool:
+def retry_task(database: DatabaseSource, scheduler: str, name: str) -> bool:
     """Let a task parked for the crashes of its user code (or backing off) run again: it is evaluated on the
     next tick. False when there is no such task."""
     with _connection(database) as conn:
@@ -55,25 +66,27 @@ def retry_task(database: Database | str, scheduler: str, name: str) -> bool:
 
 
 def set_last_value(
-    database: Database | str, scheduler: str, name: str, parameter: ParameterKey, value: datetime
+    database: DatabaseSource, scheduler: str, name: str, parameter: ParameterKey, value: datetime
 ) -> dict[str, dict[str, str]] | None:
     """Move one value a task's last run saw, into the past too; return the task's last-seen values (None: no task).
 
-    The original design's recovery for a Delta-type trigger after its CTL value moved backwards: set the last-seen value
-    to (or before) the new current value and the trigger measures new data from there. The task is
-    evaluated again on the next tick.
+    The recovery of a Delta-type trigger after its CTL value moved backwards: set the last-seen value to (or
+    before) the new current value and the trigger measures new data from there. The task is evaluated again on
+    the next tick.
     """
     try:
         [(key, moment)] = check_values({parameter: value}).items()
     except (InvalidCtlInput, TypeError) as exc:
-        raise InvalidReactiveTask(f"set-last: --parameter ENTITY PARAMETER and an aware --value are needed ({exc})") from None
+        raise InvalidReactiveInput(
+            f"set-last: --parameter ENTITY PARAMETER and an aware --value are needed ({exc})"
+        ) from None
     params = {"scheduler": scheduler, "name": name, "entity": key[0], "parameter": key[1], "value": moment.isoformat()}
     with _connection(database) as conn:
         row = conn.execute(sql.SET_LAST_VALUE, params).fetchone()
     return None if row is None else row[0]
 
 
-def launch_values(database: Database | str, scheduler: str, run_key: str) -> dict[ParameterKey, datetime]:
+def launch_values(database: DatabaseSource, scheduler: str, run_key: str) -> dict[ParameterKey, datetime]:
     """The CTL values a reactive run was launched on, by its run_key (empty when no such launch is recorded)."""
     with _connection(database) as conn:
         row = conn.execute(sql.LAUNCH_VALUES, {"scheduler": scheduler, "run_key": run_key}).fetchone()

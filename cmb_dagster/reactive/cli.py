@@ -7,13 +7,8 @@ from datetime import datetime
 
 import click
 
-from cmb_dagster.database import Database
-from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, task_states
-from cmb_dagster.settings import Settings
-
-
-def _database() -> Database:
-    return Database.from_settings(Settings.from_env())
+from cmb_dagster.cli_common import open_database
+from cmb_dagster.reactive import admin
 
 
 @click.group()
@@ -27,7 +22,7 @@ def reactive() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the stored state as JSON.")
 def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
     """Show each task's status, last-seen values, run in flight and why its trigger fired or waits."""
-    states = task_states(_database(), scheduler, task)
+    states = admin.status(open_database(), scheduler, task).tasks
     if as_json:
         click.echo(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
         return
@@ -35,7 +30,8 @@ def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
         click.echo("no reactive task found")
     for s in states:
         gone = "" if s.defined else "  (no longer defined)"
-        click.echo(f"{s.scheduler}/{s.name}: {s.status}{' (to evaluate)' if s.dirty else ''}, priority {s.priority}{gone}")
+        dirty = " (to evaluate)" if s.dirty else ""
+        click.echo(f"{s.scheduler}/{s.name}: {s.status}{dirty}, priority {s.priority}{gone}")
         if s.run_key:
             click.echo(f"  run: {s.run_key} {s.run_id or ''} launched {s.launched_at}")
         if s.attempts:
@@ -55,7 +51,7 @@ def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
 @click.option("--parameter", nargs=2, default=None, metavar="ENTITY PARAMETER", help="Forget only this parameter.")
 def forget(scheduler: str, task: str, parameter: tuple[str, str] | None) -> None:
     """Forget a task's last-seen values (after a CTL value moved backwards); it is evaluated again."""
-    if not forget_last_values(_database(), scheduler, task, parameter or None):
+    if not admin.forget_last_values(open_database(), scheduler, task, parameter or None):
         raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
     click.echo(f"{scheduler}/{task}: last-seen values forgotten; the next tick evaluates it as on a first release")
 
@@ -65,7 +61,7 @@ def forget(scheduler: str, task: str, parameter: tuple[str, str] | None) -> None
 @click.argument("task")
 def retry(scheduler: str, task: str) -> None:
     """Run a task again that is parked for the crashes of its user code (or backing off)."""
-    if not retry_task(_database(), scheduler, task):
+    if not admin.retry_task(open_database(), scheduler, task):
         raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
     click.echo(f"{scheduler}/{task}: retried; the next tick evaluates it")
 
@@ -83,7 +79,7 @@ def set_last(scheduler: str, task: str, parameter: tuple[str, str], value: str) 
         raise click.BadParameter(f"{value!r} is not an ISO 8601 date-time", param_hint="--value") from None
     if moment.utcoffset() is None:
         raise click.BadParameter(f"{value!r} has no UTC offset (e.g. +00:00)", param_hint="--value")
-    last = set_last_value(_database(), scheduler, task, parameter, moment)
+    last = admin.set_last_value(open_database(), scheduler, task, parameter, moment)
     if last is None:
         raise click.ClickException(f"no reactive task {task!r} in scheduler {scheduler!r}")
     click.echo(f"{scheduler}/{task}: last-seen values now {json.dumps(last)}; the next tick evaluates it again")

@@ -2,12 +2,14 @@
 
 import re
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from dagster import (
     AssetKey,
+    AssetObservation,
     AssetSelection,
     DefaultSensorStatus,
     Definitions,
@@ -16,17 +18,42 @@ from dagster import (
     TimeWindowPartitionsDefinition,
     define_asset_job,
 )
+
+# What define_asset_job returns has no public name; a task's target may be one.
 from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cmb_dagster.ctl.dagster_resources import CtlResource
 from cmb_dagster.ctl.models import ParameterKey
+from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
+from cmb_dagster.database import Database
+from cmb_dagster.inputs import shorten
+from cmb_dagster.jobs import Observe, observed_asset, status_sensor
+from cmb_dagster.models import describe
+from cmb_dagster.reactive.admin import status
 from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
-from cmb_dagster.reactive.errors import InvalidReactiveTask
-from cmb_dagster.reactive.models import CtlKeys, Partitioner, ReactiveTrigger, SchedulerSettings, TaskName, TaskSpec
+from cmb_dagster.reactive.errors import InvalidReactiveInput
+from cmb_dagster.reactive.models import (
+    TASK_STATUSES,
+    CtlKeys,
+    Partitioner,
+    Priority,
+    ReactiveOptions,
+    ReactiveTrigger,
+    TaskName,
+    TaskSpec,
+    TimeZone,
+)
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import check, parameters
-from cmb_dagster.triggers.chunks import get_zone
+
+__all__ = [
+    "ReactiveOptions",
+    "ReactiveTask",
+    "ReactiveTriggerWarning",
+    "reactive_definitions",
+    "time_window_partitioner",
+]
 
 Job = JobDefinition | UnresolvedAssetJobDefinition
 Values = Mapping[ParameterKey, datetime]
@@ -54,8 +81,8 @@ class ReactiveTask(BaseModel):
         description="The job to launch, or the assets to materialize (an AssetSelection, keys or asset definitions)."
     )
     trigger: ReactiveTrigger
-    priority: int = Field(default=0, ge=-(2**31), lt=2**31, description="Higher launches first when runs are capped.")
-    timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
+    priority: Priority = Field(default=0, description="Higher launches first when runs are capped.")
+    timezone: TimeZone = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
     produces: CtlKeys = Field(
         default=(), description="(entity, parameter) pairs the job writes to CTL; holds lower-priority tasks."
     )
@@ -86,21 +113,18 @@ class ReactiveTask(BaseModel):
     ) -> None:
         try:
             super().__init__(
-                name=name, target=target, trigger=trigger, priority=priority, timezone=timezone, produces=produces,
-                partition=tuple(partition) if isinstance(partition, list) else partition, run_config=run_config,
+                name=name,
+                target=target,
+                trigger=trigger,
+                priority=priority,
+                timezone=timezone,
+                produces=produces,
+                partition=tuple(partition) if isinstance(partition, list) else partition,
+                run_config=run_config,
                 tags=tags,
             )
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'][:1]) or 'task'}: {e['msg']}" for e in exc.errors()
-            )
-            raise InvalidReactiveTask(f"reactive task {name!r}: {problems}") from None
-
-    @field_validator("timezone")
-    @classmethod
-    def _known_zone(cls, value: str) -> str:
-        get_zone(value)
-        return value
+            raise InvalidReactiveInput(f"reactive task {name!r}: {describe(exc)}") from None
 
     @model_validator(mode="after")
     def _target_is_runnable(self) -> "ReactiveTask":
@@ -136,8 +160,12 @@ class ReactiveTask(BaseModel):
     def spec_with(self, upstream: Sequence[str] = ()) -> TaskSpec:
         """The engine's view of the task, with the entities (asset keys) upstream of its target."""
         return TaskSpec(
-            name=self.name, trigger=self.trigger, priority=self.priority, timezone=self.timezone,
-            produces=self.produces, upstream=tuple(sorted(upstream)),
+            name=self.name,
+            trigger=self.trigger,
+            priority=self.priority,
+            timezone=self.timezone,
+            produces=self.produces,
+            upstream=tuple(sorted(upstream)),
         )
 
     def selection(self) -> AssetSelection | None:
@@ -155,113 +183,114 @@ class ReactiveTask(BaseModel):
 
     @property
     def warnings(self) -> list[str]:
-        """Advice on the trigger: one that does not depend on the last run's values may fire again on every new value."""
+        """Advice on the trigger: one that does not depend on the last run's values may fire again on every new
+        value."""
         return check(self.trigger)
 
 
-class ReactiveOptions(BaseModel):
-    """What ``cmb_definitions(reactive=...)`` adds: the tasks of a code location and how their scheduler paces itself.
-
-    Defaults: at most 10 reactive runs queued or running, a tick every 10 s time-boxed to 20 s, retries after
-    30 s doubling up to 1 h, 30 s for a task's callables, the sensor ``<prefix>reactive_scheduler`` running from
-    the start.
-    """
-
-    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
-
-    tasks: list[ReactiveTask]
-    name: str | None = Field(
-        default=None, description="Scheduler name keying task state; default: the code location's name."
-    )
-    max_concurrent_runs: int = Field(default=10, ge=1, le=100_000, description="Cap of reactive runs queued or running.")
-    minimum_interval_seconds: int = Field(default=10, ge=1, le=86400)
-    tick_seconds: float = Field(default=20.0, gt=0, le=50, description="Time box of a tick (Dagster's limit is 60 s).")
-    batch_size: int = Field(default=2000, ge=1, le=100_000, description="Tasks evaluated per transaction.")
-    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0), le=timedelta(days=30))
-    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0), le=timedelta(days=30))
-    callable_timeout: float = Field(
-        default=30.0, gt=0, le=50,
-        description="Seconds a task's partition, run_config or tags callable may run before the task backs off "
-        "as if it raised.",
-    )
-    default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING
-    sensor_name: str = "reactive_scheduler"
-
-    def __init__(self, **values: Any) -> None:
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in exc.errors())
-            raise InvalidReactiveTask(f"reactive options: {problems}") from None
-
-    @model_validator(mode="after")
-    def _names_are_unique(self) -> "ReactiveOptions":
-        names = [task.name for task in self.tasks]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"reactive task names must be unique; repeated: {', '.join(duplicates)}")
-        return self
-
-    @property
-    def settings(self) -> SchedulerSettings:
-        return SchedulerSettings(
-            max_concurrent_runs=self.max_concurrent_runs,
-            tick_seconds=self.tick_seconds,
-            batch_size=self.batch_size,
-            retry_backoff=self.retry_backoff,
-            max_retry_backoff=self.max_retry_backoff,
-            callable_timeout=self.callable_timeout,
-        )
-
-    def definitions(
-        self, resource: CmbResource | None = None, *, prefix: str = "cmb_", assets: Sequence[Any] = ()
-    ) -> Definitions:
-        """The scheduler sensor, the tasks' jobs and the ``ctl`` resource.
-
-        ``assets`` (the code location's assets; ``cmb_definitions`` passes them) let a task's asset
-        selection be resolved: a partitioned target without ``partition=`` is refused, and the assets
-        upstream of a target feed the hold.
-        """
-        jobs: dict[str, Any] = {}
-        job_names: dict[str, str] = {}
-        graph = Definitions(assets=list(assets)).resolve_asset_graph() if assets else None
-        specs, partitioners = [], {}
-        for task in self.tasks:
-            job = task.job(prefix)
-            if job.name in jobs and jobs[job.name] is not job:
-                raise InvalidReactiveTask(f"reactive task {task.name!r}: another job is named {job.name!r}")
-            jobs.setdefault(job.name, job)
-            job_names[task.name] = job.name
-            partitions_def, upstream = _target_facts(task, job, graph)
-            partitioner = _partitioner(task, partitions_def)
-            if partitioner is not None:
-                partitioners[task.name] = partitioner
-            specs.append(task.spec_with(upstream))
-            for finding in task.warnings:
-                warnings.warn(f"reactive task {task.name!r}: {finding}", ReactiveTriggerWarning, stacklevel=2)
-        sensor = scheduler_sensor(
-            sensor_name=f"{prefix}{self.sensor_name}",
-            scheduler_name=self.name,
-            tasks=specs,
-            job_names=job_names,
-            jobs=list(jobs.values()),
-            settings=self.settings,
-            minimum_interval_seconds=self.minimum_interval_seconds,
-            default_status=self.default_status,
-            partitioners=partitioners,
-            launch_options={task.name: task for task in self.tasks},
-            findings={task.name: task.warnings for task in self.tasks if task.warnings},
-        )
-        return Definitions(
-            jobs=list(jobs.values()), sensors=[sensor], resources={"ctl": CtlResource(cmb=resource or CmbResource())}
-        )
-
-
 def reactive_definitions(
-    options: ReactiveOptions, resource: CmbResource | None = None, *, prefix: str = "cmb_", assets: Sequence[Any] = ()
+    options: ReactiveOptions,
+    *,
+    prefix: str = "cmb_",
+    resource: CmbResource | None = None,
+    translator: CmbTranslator = DEFAULT_TRANSLATOR,
+    assets: Sequence[Any] = (),
 ) -> Definitions:
-    """Definitions for reactive tasks: one scheduler sensor, the tasks' jobs and the ``ctl`` resource."""
-    return options.definitions(resource, prefix=prefix, assets=assets)
+    """Definitions for reactive tasks: the scheduler sensor, the tasks' jobs, the ``ctl`` resource, and the status
+    sensor observing the tasks (how many wait, are ready, launched or backing off) on the ``reactive/tasks`` asset.
+
+    ``assets`` (the code location's assets; ``cmb_definitions`` passes them) let a task's asset selection be
+    resolved: a partitioned target without ``partition=`` is refused, and the assets upstream of a target feed
+    the hold.
+    """
+    tasks = _checked_tasks(options)
+    jobs: dict[str, Any] = {}
+    job_names: dict[str, str] = {}
+    graph = Definitions(assets=list(assets)).resolve_asset_graph() if assets else None
+    specs, partitioners = [], {}
+    for task in tasks:
+        job = task.job(prefix)
+        if job.name in jobs and jobs[job.name] is not job:
+            raise InvalidReactiveInput(f"reactive task {task.name!r}: another job is named {job.name!r}")
+        jobs.setdefault(job.name, job)
+        job_names[task.name] = job.name
+        partitions_def, upstream = _target_facts(task, job, graph)
+        partitioner = _partitioner(task, partitions_def)
+        if partitioner is not None:
+            partitioners[task.name] = partitioner
+        specs.append(task.spec_with(upstream))
+        for finding in task.warnings:
+            warnings.warn(f"reactive task {task.name!r}: {finding}", ReactiveTriggerWarning, stacklevel=2)
+    sensor = scheduler_sensor(
+        sensor_name=f"{prefix}{options.sensor_name}",
+        scheduler_name=options.name,
+        tasks=specs,
+        job_names=job_names,
+        jobs=list(jobs.values()),
+        settings=options.settings,
+        minimum_interval_seconds=options.minimum_interval_seconds,
+        default_status=_default_status(options.default_status),
+        partitioners=partitioners,
+        launch_options={task.name: task for task in tasks},
+        findings={task.name: task.warnings for task in tasks if task.warnings},
+    )
+    resource = resource or CmbResource()
+    observe = observations(options, translator)
+    status = status_sensor(
+        f"{prefix}reactive_status",
+        observe,
+        minimum_interval_seconds=options.observe_interval_seconds,
+        description="Observes how many reactive tasks wait, are ready, launched or back off.",
+    )
+    observed = observed_asset(
+        tasks_asset_key(translator),
+        translator.get_group_name("reactive"),
+        "Reactive tasks of this code location by status.",
+        observe,
+    )
+    return Definitions(
+        jobs=list(jobs.values()),
+        sensors=[sensor, status],
+        assets=[observed],
+        resources={"cmb": resource, "ctl": CtlResource(cmb=resource)},
+    )
+
+
+def tasks_asset_key(translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
+    """The external asset whose observations count a code location's reactive tasks by status."""
+    return translator.get_asset_key("reactive", ["tasks"])
+
+
+def observations(options: ReactiveOptions, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> Observe:
+    """``status(db)`` of this code location's tasks as one observation: tasks per status, attempts of failing ones."""
+    names = {task.name for task in options.tasks}
+
+    def observe(database: Database) -> list[AssetObservation]:
+        tasks = [t for t in status(database, options.name).tasks if t.defined and t.name in names]
+        counts = Counter(t.status for t in tasks)
+        metadata = {state: counts.get(state, 0) for state in TASK_STATUSES}
+        metadata["failed_attempts"] = sum(t.attempts for t in tasks)
+        return [AssetObservation(asset_key=tasks_asset_key(translator), metadata=metadata)]
+
+    return observe
+
+
+def _checked_tasks(options: ReactiveOptions) -> list[ReactiveTask]:
+    """``options.tasks``, each a :class:`ReactiveTask`; InvalidReactiveInput naming the first that is not."""
+    for index, task in enumerate(options.tasks):
+        if not isinstance(task, ReactiveTask):
+            raise InvalidReactiveInput(f"ReactiveOptions: tasks.{index}: expected a ReactiveTask, got {shorten(task)}")
+    return list(options.tasks)
+
+
+def _default_status(value: Any) -> DefaultSensorStatus:
+    if value is None:
+        return DefaultSensorStatus.RUNNING
+    if not isinstance(value, DefaultSensorStatus):
+        raise InvalidReactiveInput(
+            f"ReactiveOptions: default_status: expected a DefaultSensorStatus, got {shorten(value)}"
+        )
+    return value
 
 
 class ReactiveTriggerWarning(UserWarning):
@@ -278,7 +307,7 @@ def _target_facts(task: ReactiveTask, job: Any, graph: Any) -> tuple[PartitionsD
         keys = selection.resolve(graph)
         ancestors = AssetSelection.assets(*keys).upstream().resolve(graph) - keys
     except Exception as exc:  # noqa: BLE001 - dagster raises several kinds for an unknown key
-        raise InvalidReactiveTask(f"reactive task {task.name!r}: its target does not resolve: {exc}") from None
+        raise InvalidReactiveInput(f"reactive task {task.name!r}: its target does not resolve: {exc}") from None
     for key in sorted(keys, key=lambda k: k.to_user_string()):
         node_partitions = graph.get(key).partitions_def
         if node_partitions is not None:
@@ -290,10 +319,12 @@ def _partitioner(task: ReactiveTask, partitions_def: PartitionsDefinition | None
     """How the task's launches pick their partition; refuses a partitioned target without ``partition=``."""
     if partitions_def is None:
         if task.partition is not None:
-            raise InvalidReactiveTask(f"reactive task {task.name!r}: partition= is given but its target is not partitioned")
+            raise InvalidReactiveInput(
+                f"reactive task {task.name!r}: partition= is given but its target is not partitioned"
+            )
         return None
     if task.partition is None:
-        raise InvalidReactiveTask(
+        raise InvalidReactiveInput(
             f"reactive task {task.name!r}: its target is partitioned ({partitions_def}) but the task has no "
             "partition=: pass partition=(entity, parameter) for time-window partitions (the partitions its new "
             "values cover), or partition=callable(values) -> partition key"
@@ -306,7 +337,7 @@ def _partitioner(task: ReactiveTask, partitions_def: PartitionsDefinition | None
 
         return by_callable
     if not isinstance(partitions_def, TimeWindowPartitionsDefinition):
-        raise InvalidReactiveTask(
+        raise InvalidReactiveInput(
             f"reactive task {task.name!r}: partition=(entity, parameter) needs time-window partitions; "
             f"its target has {partitions_def}: pass partition=callable(values) -> partition key"
         )
@@ -327,7 +358,8 @@ def time_window_partitioner(partitions_def: TimeWindowPartitionsDefinition, key:
         point = previous if previous is not None and previous < current else current - epsilon
         partition_key = partitions_def.get_partition_key_for_timestamp(point.timestamp())
         if not partitions_def.has_partition_key(partition_key):
-            raise ValueError(f"partition {partition_key} of {key[0]}/{key[1]} = {point.isoformat()} does not exist (yet)")
+            where = f"{key[0]}/{key[1]} = {point.isoformat()}"
+            raise ValueError(f"partition {partition_key} of {where} does not exist (yet)")
         window = partitions_def.time_window_for_partition_key(partition_key)
         return partition_key, {**values, key: min(window.end, current)}
 

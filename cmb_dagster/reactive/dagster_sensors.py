@@ -25,6 +25,8 @@ from dagster import (
     SkipReason,
     sensor,
 )
+
+# A launch is written to the run's event log as an engine event; Dagster exports no public constructor for one.
 from dagster._core.events import EngineEventData
 
 from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
@@ -33,7 +35,8 @@ from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive.admin import launch_values
-from cmb_dagster.reactive.errors import SchedulerConflict
+from cmb_dagster.reactive.engine import TaskScheduler
+from cmb_dagster.reactive.errors import InvalidReactiveInput, SchedulerConflict
 from cmb_dagster.reactive.models import (
     Launch,
     LaunchOptions,
@@ -45,7 +48,6 @@ from cmb_dagster.reactive.models import (
     SeenRun,
     TaskSpec,
 )
-from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.resources import CmbResource
 
 SCHEDULER_TAG = "cmb/reactive/scheduler"
@@ -57,9 +59,17 @@ VALUES_TAG = "cmb/reactive/values"  # optional on a run launched by hand: the va
 MATERIALIZATION_FEED = "dagster.asset_materializations"
 MATERIALIZATIONS_PER_TICK = 1000
 MAX_LOGGED_EVENTS = 500
-_FINISHED = {DagsterRunStatus.SUCCESS: RunState.SUCCESS, DagsterRunStatus.FAILURE: RunState.FAILURE,
-             DagsterRunStatus.CANCELED: RunState.FAILURE}
-_IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+_FINISHED = {
+    DagsterRunStatus.SUCCESS: RunState.SUCCESS,
+    DagsterRunStatus.FAILURE: RunState.FAILURE,
+    DagsterRunStatus.CANCELED: RunState.FAILURE,
+}
+_IN_FLIGHT = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+]
 _TAG_FILTER_CHUNK = 500  # task names per run-storage query for hand-launched runs
 IN_FLIGHT_RUNS_PER_TICK = 500
 
@@ -70,7 +80,7 @@ _EVALUATION_TIME: ContextVar[datetime | None] = ContextVar("cmb_reactive_evaluat
 def evaluation_time(moment: datetime | None) -> Iterator[None]:
     """Within the block, reactive sensor ticks evaluate triggers at ``moment`` instead of the clock (for tests)."""
     if moment is not None and moment.utcoffset() is None:
-        raise ValueError(f"evaluation_time must be timezone-aware, got {moment!r}")
+        raise InvalidReactiveInput(f"evaluation_time: must be timezone-aware, got {moment!r}")
     token = _EVALUATION_TIME.set(moment)
     try:
         yield
@@ -124,7 +134,7 @@ def lookup_manual_runs(
     for start in range(0, len(names), _TAG_FILTER_CHUNK):
         records = instance.get_run_records(
             RunsFilter(
-                tags={TASK_TAG: names[start:start + _TAG_FILTER_CHUNK]},
+                tags={TASK_TAG: names[start : start + _TAG_FILTER_CHUNK]},
                 statuses=[DagsterRunStatus.SUCCESS],
                 updated_after=after,
             )
@@ -249,7 +259,12 @@ def scheduler_sensor(
             first = key not in engines
             if first:
                 engines[key] = TaskScheduler(
-                    database, name, tasks, settings, location=location, partitioners=partitioners,
+                    database,
+                    name,
+                    tasks,
+                    settings,
+                    location=location,
+                    partitioners=partitioners,
                     launch_options=options_of,
                 )
             return engines[key], first
@@ -316,7 +331,8 @@ def scheduler_sensor(
         for event in report.events[:MAX_LOGGED_EVENTS]:
             context.log.info(event.line())
         if len(report.events) > MAX_LOGGED_EVENTS:
-            context.log.info(f"... {len(report.events) - MAX_LOGGED_EVENTS} more; `cmb-dagster reactive status` shows every task")
+            more = len(report.events) - MAX_LOGGED_EVENTS
+            context.log.info(f"... {more} more; `cmb-dagster reactive status` shows every task")
         context.log.info(report.summary())
         requests = [request(name, launch) for launch in report.launches]
         if requests:
@@ -334,8 +350,12 @@ def log_launch(instance: DagsterInstance, job_name: str | None, seen: SeenRun) -
         run_id=seen.run_id,
         job_name=job_name,
         engine_event_data=EngineEventData(
-            metadata={"task": seen.task, "run_key": seen.run_key, "values": MetadataValue.json(values),
-                      "reason": MetadataValue.text(seen.reason)}
+            metadata={
+                "task": seen.task,
+                "run_key": seen.run_key,
+                "values": MetadataValue.json(values),
+                "reason": MetadataValue.text(seen.reason),
+            }
         ),
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 from dagster import DagsterInstance, Definitions, SensorDefinition, SensorEvaluationContext, build_sensor_context
 
 from cmb_dagster.reactive.dagster_sensors import evaluation_time as _evaluation_time
-from cmb_dagster.reactive.errors import InvalidReactiveTask
+from cmb_dagster.reactive.errors import InvalidReactiveInput
 from cmb_dagster.resources import CmbResource
 
 REACTIVE_SENSOR_SUFFIX = "reactive_scheduler"
@@ -25,7 +25,9 @@ def reactive_sensor(defs: Definitions, sensor_name: str | None = None) -> Sensor
     found = [s for s in repository.sensor_defs if s.name.endswith(REACTIVE_SENSOR_SUFFIX)]
     if len(found) != 1:
         names = ", ".join(s.name for s in repository.sensor_defs) or "none"
-        raise InvalidReactiveTask(f"sensor_name: expected one reactive scheduler sensor in the definitions, found: {names}")
+        raise InvalidReactiveInput(
+            f"sensor_name: expected one reactive scheduler sensor in the definitions, found: {names}"
+        )
     return found[0]
 
 

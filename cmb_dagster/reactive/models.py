@@ -1,20 +1,23 @@
-"""Inputs, settings and reports of the reactive scheduler (no Dagster here)."""
+"""Inputs, options, settings, reports and status of the reactive scheduler (no Dagster here)."""
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections import defaultdict
+import warnings
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError, computed_field, model_validator
 
 from cmb_dagster.ctl.models import Name, ParameterKey, check_name
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
+from cmb_dagster.models import Backoff, Options
+from cmb_dagster.reactive.errors import InvalidReactiveInput
 from cmb_dagster.triggers import Trigger, parameters
 from cmb_dagster.triggers.chunks import get_zone
 
@@ -22,6 +25,7 @@ _TASK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$")
 SCHEDULER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,49}$")  # part of a pub/sub consumer id
 TaskName = Annotated[str, Field(pattern=_TASK_NAME.pattern)]
 LOWEST_PRIORITY, ABOVE_HIGHEST_PRIORITY = -(2**31), 2**31  # bounds of the priority column (integer)
+Priority = Annotated[int, Field(ge=LOWEST_PRIORITY, lt=ABOVE_HIGHEST_PRIORITY)]
 
 
 def sorted_keys(keys: Sequence[tuple[str, str]]) -> tuple[ParameterKey, ...]:
@@ -44,27 +48,30 @@ ReactiveTrigger = Annotated[Trigger, AfterValidator(_storable_names)]
 """A trigger whose entity and parameter names are CTL names (they are stored with the task)."""
 
 
-class TaskSpec(BaseModel):
+def _known_zone(value: str) -> str:
+    get_zone(value)
+    return value
+
+
+TimeZone = Annotated[str, AfterValidator(_known_zone)]
+"""An IANA time zone name."""
+
+
+class TaskSpec(Options):
     """What the engine needs to know of a reactive task: name, trigger, priority, time zone, CTL it writes."""
 
-    model_config = ConfigDict(frozen=True)
+    error: ClassVar[type[InvalidReactiveInput]] = InvalidReactiveInput
 
     name: TaskName
     trigger: ReactiveTrigger
-    priority: int = Field(default=0, ge=LOWEST_PRIORITY, lt=ABOVE_HIGHEST_PRIORITY)
-    timezone: str = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
+    priority: Priority = 0
+    timezone: TimeZone = Field(default="UTC", description="IANA zone for chunk triggers without their own.")
     produces: CtlKeys = Field(default=(), description="(entity, parameter) pairs the task's job writes to CTL.")
     upstream: tuple[str, ...] = Field(
         default=(),
         description="Entities (asset keys) upstream of the task's target: while a run materializing one is queued "
         "or running and this task waits, lower-priority tasks are held.",
     )
-
-    @field_validator("timezone")
-    @classmethod
-    def _known_zone(cls, value: str) -> str:
-        get_zone(value)
-        return value
 
     @property
     def trigger_json(self) -> str:
@@ -76,18 +83,78 @@ class TaskSpec(BaseModel):
         return hashlib.sha256(f"{self.trigger_json}\n{self.timezone}".encode()).hexdigest()[:16]
 
 
-class SchedulerSettings(BaseModel):
+RETRY_BACKOFF = Backoff(first=30, factor=2, max=3600)
+"""How long a task waits after a failed run (or failed user code) before it is evaluated again: 30 s, doubling,
+at most an hour."""
+_RENAMED_BACKOFF_FIELDS = {"retry_backoff": "first", "max_retry_backoff": "max"}
+_DURATION = TypeAdapter(timedelta)
+_LONGEST_BACKOFF = timedelta(days=30)
+
+
+def _backoff_seconds(name: str, value: object) -> float:
+    """A deprecated ``retry_backoff`` / ``max_retry_backoff`` value (a timedelta, ISO 8601 text or seconds) in
+    seconds; ValueError naming the field when it is no duration from 0 to 30 days."""
+    try:
+        duration = _DURATION.validate_python(value)
+    except ValidationError:
+        duration = None
+    if duration is None or not timedelta(0) <= duration <= _LONGEST_BACKOFF:
+        raise ValueError(f"{name}: expected a duration from 0 to 30 days, got {value!r}")
+    return duration.total_seconds()
+
+
+class _SchedulerPacing(Options):
+    """What the scheduler's settings and the reactive options share: the cap of runs, the batch, the backoff."""
+
+    error: ClassVar[type[InvalidReactiveInput]] = InvalidReactiveInput
+
+    max_concurrent_runs: int = Field(
+        default=10, ge=1, le=100_000, description="Cap of reactive runs queued or running."
+    )
+    batch_size: int = Field(default=2000, ge=1, le=100_000, description="Tasks evaluated per transaction.")
+    backoff: Backoff = Field(
+        default=RETRY_BACKOFF,
+        description="Seconds a task waits after a failed run, or after its user code failed, before it is retried.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_backoff_fields(cls, data: Any) -> Any:
+        """``retry_backoff`` / ``max_retry_backoff`` (timedeltas): deprecated names of ``backoff.first`` / ``.max``."""
+        if not isinstance(data, dict) or not data.keys() & _RENAMED_BACKOFF_FIELDS.keys():
+            return data
+        warnings.warn(
+            f"{cls.__name__}(retry_backoff=, max_retry_backoff=) are deprecated: use "
+            "backoff=Backoff(first=, max=) in seconds",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        data = dict(data)
+        given = {
+            part: _backoff_seconds(old, data.pop(old)) for old, part in _RENAMED_BACKOFF_FIELDS.items() if old in data
+        }
+        backoff = data.get("backoff", RETRY_BACKOFF)
+        base = backoff.model_dump() if isinstance(backoff, Backoff) else dict(backoff)
+        data["backoff"] = {**base, **given}
+        return data
+
+
+class SchedulerSettings(_SchedulerPacing):
     """How a reactive scheduler paces itself."""
 
-    model_config = ConfigDict(frozen=True)
-
-    max_concurrent_runs: int = Field(default=10, ge=1, le=100_000, description="Cap of reactive runs queued or running.")
     tick_seconds: float = Field(default=20.0, gt=0, le=3600, description="Time box of one tick; the next resumes.")
-    batch_size: int = Field(default=2000, ge=1, le=100_000, description="Tasks evaluated per transaction.")
-    retry_backoff: timedelta = Field(default=timedelta(seconds=30), ge=timedelta(0), le=timedelta(days=30))
-    max_retry_backoff: timedelta = Field(default=timedelta(hours=1), ge=timedelta(0), le=timedelta(days=30))
+    idle_sleep: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="Seconds a ReactiveWorker waits after a tick that had nothing to do (a CTL change wakes it "
+        "sooner).",
+    )
     launch_grace: timedelta = Field(
-        default=timedelta(minutes=2), gt=timedelta(0), le=timedelta(days=1), description="Re-request a launch whose run never appeared."
+        default=timedelta(minutes=2),
+        gt=timedelta(0),
+        le=timedelta(days=1),
+        description="Re-request a launch whose run never appeared.",
     )
     takeover_after: timedelta = Field(
         default=timedelta(minutes=10),
@@ -96,8 +163,12 @@ class SchedulerSettings(BaseModel):
         description="Another code location may take a scheduler name over once its owner has not ticked for this long.",
     )
     max_crashes: int = Field(
-        default=DEFAULT_MAX_CRASHES, ge=1, le=1000,
-        description="Runs of a task's user code that may end with the death of their process before the task is parked.")
+        default=DEFAULT_MAX_CRASHES,
+        ge=1,
+        le=1000,
+        description="Runs of a task's user code that may end with the death of their process before the task is "
+        "parked.",
+    )
     callable_timeout: float = Field(
         default=30.0,
         gt=0,
@@ -107,9 +178,59 @@ class SchedulerSettings(BaseModel):
         "call if that ends later; the tasks left wait for the next tick.",
     )
 
-    def backoff(self, failures_before: int) -> timedelta:
-        """Wait after the ``failures_before + 1``-th consecutive failure."""
-        return min(self.max_retry_backoff, self.retry_backoff * 2 ** min(failures_before, 30))
+
+class ReactiveOptions(_SchedulerPacing):
+    """What ``cmb_definitions(reactive=...)`` adds: the tasks of a code location and how their scheduler paces itself.
+
+    Defaults: at most 10 reactive runs queued or running, a tick every 10 s time-boxed to 20 s, retries after
+    30 s doubling up to 1 h, 30 s for a task's callables, the sensor ``<prefix>reactive_scheduler`` running from
+    the start. ``tasks`` (``ReactiveTask``) and ``default_status`` (Dagster's ``DefaultSensorStatus``) are
+    checked when the definitions are built.
+    """
+
+    tasks: list[Any] = Field(description="The code location's ReactiveTask definitions.")
+    name: str | None = Field(
+        default=None, description="Scheduler name keying task state; default: the code location's name."
+    )
+    minimum_interval_seconds: int = Field(default=10, ge=1, le=86400, description="Seconds between the sensor's ticks.")
+    tick_seconds: float = Field(default=20.0, gt=0, le=50, description="Time box of a tick (Dagster's limit is 60 s).")
+    callable_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        le=50,
+        description="Seconds a task's partition, run_config or tags callable may run before the task backs off "
+        "as if it raised.",
+    )
+    default_status: Any = Field(default=None, description="The sensor's DefaultSensorStatus (default: RUNNING).")
+    sensor_name: str = Field(default="reactive_scheduler", description="The sensor's name after the prefix.")
+    observe_interval_seconds: int = Field(
+        default=60, ge=5, le=86400, description="How often the status sensor counts the tasks by status."
+    )
+
+    @model_validator(mode="after")
+    def _names_are_unique(self) -> ReactiveOptions:
+        names = [getattr(task, "name", None) for task in self.tasks]
+        duplicates = sorted({n for n in names if n is not None and names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reactive task names must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        """The scheduler's settings these options give."""
+        shared = ("max_concurrent_runs", "tick_seconds", "batch_size", "backoff", "callable_timeout")
+        return SchedulerSettings(**{name: getattr(self, name) for name in shared})
+
+    def definitions(self, resource: Any = None, *, prefix: str = "cmb_", assets: Sequence[Any] = ()) -> Any:
+        """Deprecated: ``reactive_definitions(options, resource=..., prefix=..., assets=...)``."""
+        from cmb_dagster.reactive.dagster_defs import reactive_definitions
+
+        warnings.warn(
+            "ReactiveOptions.definitions() is deprecated: use reactive_definitions(options, ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return reactive_definitions(self, resource=resource, prefix=prefix, assets=assets)
 
 
 class RunState(StrEnum):
@@ -167,6 +288,10 @@ class Launch:
     partition_key: str | None = None
     run_config: Mapping[str, Any] | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
+
+
+Launcher = Callable[[Sequence[Launch]], None]
+"""``launch(launches)`` requests the runs a tick decided on (the sensor returns them as run requests instead)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +356,10 @@ class TickReport:
         return f"{self.scheduler}: " + ", ".join(parts) + f" in {self.seconds:.2f}s"
 
 
+TASK_STATUSES = ("waiting", "ready", "launched", "backoff")
+"""What a reactive task can be doing, in the order a run goes through them."""
+
+
 class TaskState(BaseModel):
     """A reactive task's state as stored: status, last-seen values, run in flight, last explanation."""
 
@@ -255,3 +384,15 @@ class TaskState(BaseModel):
     last_success_at: datetime | None
     produces: list[ParameterKey]
     partition_key: str | None = None
+
+
+class ReactiveStatus(BaseModel):
+    """The stored state of reactive tasks (``cmb-dagster reactive status``), and how many are in each status."""
+
+    tasks: list[TaskState]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def counts(self) -> dict[str, int]:
+        """Tasks per status (``waiting``, ``ready``, ``launched``, ``backoff``)."""
+        return dict(sorted(Counter(task.status for task in self.tasks).items()))

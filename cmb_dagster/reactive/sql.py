@@ -252,7 +252,7 @@ WHERE n.attempts > 0
 """
 
 # The INSERT reads the UPDATE's RETURNING (no second join of the two row sets). Arrays, not one JSON recordset
-# here: with the JSON form this statement ran for minutes at 10,000+ launches (not understood yet).
+# here: with the JSON form this statement ran for minutes at 10,000+ launches.
 # Binary arrays (%(x)b): psycopg sends them without escaping each element (5,000 reasons: 4 ms, not 90 ms).
 MARK_LAUNCHED = """
 WITH launched AS (
@@ -305,7 +305,7 @@ WITH forgotten AS (
 SELECT name FROM forgotten
 """
 
-# Move one remembered value (into the past too): the original design's manual recovery for Delta-type triggers.
+# Move one remembered value (into the past too): the manual recovery of a Delta-type trigger.
 SET_LAST_VALUE = """
 WITH moved AS (
     UPDATE reactive_tasks

@@ -23,6 +23,7 @@ from cmb_dagster.stages.models import (
     SavedEntity,
     StageOptions,
     StageResult,
+    StagesStatus,
     StageStatus,
     merge_patch,
     shard_of,
@@ -47,6 +48,7 @@ __all__ = [
     "StageStatus",
     "StageStore",
     "StageWorker",
+    "StagesStatus",
     "UnknownStage",
     "VersionConflict",
     "ensure_capture",
@@ -55,5 +57,6 @@ __all__ = [
     "retry",
     "set_shard_count",
     "shard_count",
+    "shard_of",
     "status",
 ]

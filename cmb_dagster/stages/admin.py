@@ -3,33 +3,55 @@
 from __future__ import annotations
 
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.stages import sql as q
+from cmb_dagster.stages import sql
 from cmb_dagster.stages.errors import InvalidStageInput
-from cmb_dagster.stages.models import QueueEntry, StageStatus, check_entity_id
+from cmb_dagster.stages.models import MAX_SHARDS, QueueEntry, StagesStatus, StageStatus, check_entity_id
 
 
-def status(source: DatabaseSource) -> list[StageStatus]:
-    """Per stage: queue depths, oldest due entry's age, parked and failing entries, counters."""
-    db = Database.of(source)
-    found: dict[str, StageStatus] = {}
-    with db.connection() as conn:
-        for stage, queued, timers, low, oldest, parked, failing in conn.execute(q.QUEUE_STATUS):
-            found[stage] = StageStatus(stage=stage, queued=queued, timers=timers, low_priority=low,
-                                       oldest_seconds=oldest, parked=parked, failing=failing)
-        for stage, processed, changed, conflicts, errors, capped in conn.execute(q.COUNTERS):
-            found.setdefault(stage, StageStatus(stage=stage)).__dict__.update(
-                processed=processed, changed=changed, conflicts=conflicts, errors=errors, capped=capped)
-    return [found[name] for name in sorted(found)]
+def status(source: DatabaseSource) -> StagesStatus:
+    """The shard count and, per stage: queue depths, oldest due entry's age, parked and failing entries, counters."""
+    rows: dict[str, StageStatus] = {}
+    with Database.of(source).connection() as conn:
+        for stage, queued, timers, low, oldest, parked, failing in conn.execute(sql.QUEUE_STATUS):
+            rows[stage] = StageStatus(
+                stage=stage,
+                queued=queued,
+                timers=timers,
+                low_priority=low,
+                oldest_seconds=oldest,
+                parked=parked,
+                failing=failing,
+            )
+        for stage, processed, changed, conflicts, errors, capped in conn.execute(sql.COUNTERS):
+            rows[stage] = rows.get(stage, StageStatus(stage=stage)).model_copy(
+                update={
+                    "processed": processed,
+                    "changed": changed,
+                    "conflicts": conflicts,
+                    "errors": errors,
+                    "capped": capped,
+                }
+            )
+        count = conn.execute(sql.SETTINGS).fetchone()[0]
+    return StagesStatus(shard_count=count, stages=[rows[name] for name in sorted(rows)])
 
 
-def entries(source: DatabaseSource, *, stage: str | None = None, entity_id: str | None = None,
-            problems: bool = False, limit: int = 100) -> list[QueueEntry]:
+def entries(
+    source: DatabaseSource,
+    *,
+    stage: str | None = None,
+    entity_id: str | None = None,
+    problems: bool = False,
+    limit: int = 100,
+) -> list[QueueEntry]:
     """Queue entries (earliest due first); ``problems``: only failing or parked ones."""
     db = Database.of(source)
     if entity_id is not None:
         check_entity_id(entity_id)
     with db.connection() as conn:
-        rows = conn.execute(q.LIST_ENTRIES, {"stage": stage, "entity": entity_id, "problems": problems, "limit": limit}).fetchall()
+        rows = conn.execute(
+            sql.LIST_ENTRIES, {"stage": stage, "entity": entity_id, "problems": problems, "limit": limit}
+        ).fetchall()
     keys = list(QueueEntry.model_fields)
     return [QueueEntry(**dict(zip(keys, row, strict=True))) for row in rows]
 
@@ -40,25 +62,25 @@ def retry(source: DatabaseSource, *, stage: str | None = None, entity_id: str | 
     if entity_id is not None:
         check_entity_id(entity_id)
     with db.connection() as conn:
-        return conn.execute(q.RETRY, {"stage": stage, "entity": entity_id}).rowcount
+        return conn.execute(sql.RETRY, {"stage": stage, "entity": entity_id}).rowcount
 
 
 def shard_count(source: DatabaseSource) -> int:
     """The current shard count."""
     with Database.of(source).connection() as conn:
-        return conn.execute(q.SETTINGS).fetchone()[0]
+        return conn.execute(sql.SETTINGS).fetchone()[0]
 
 
 def set_shard_count(source: DatabaseSource, count: int) -> int:
     """Change the shard count while workers run: waits for batches in flight, re-shards the queues in the
     same transaction (nothing lost or duplicated); workers drop their old shard leases on their next
     batch. Returns the previous count."""
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 4096:
-        raise InvalidStageInput(f"shard_count: must be an integer from 1 to 4096, not {count!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
+        raise InvalidStageInput(f"shard_count: must be an integer from 1 to {MAX_SHARDS}, not {count!r}")
     with Database.of(source).connection() as conn:
-        previous = conn.execute(q.LOCK_SETTINGS).fetchone()[0]
+        previous = conn.execute(sql.LOCK_SETTINGS).fetchone()[0]
         if previous != count:
-            conn.execute(q.RESHARD_QUEUE, {"n": count})
-            conn.execute(q.RESHARD_CHANGES, {"n": count})
-            conn.execute(q.SET_SHARD_COUNT, {"n": count})
+            conn.execute(sql.RESHARD_QUEUE, {"n": count})
+            conn.execute(sql.RESHARD_CHANGES, {"n": count})
+            conn.execute(sql.SET_SHARD_COUNT, {"n": count})
     return previous

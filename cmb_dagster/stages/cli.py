@@ -6,24 +6,21 @@ import importlib
 import json
 import logging
 import os
-import signal
 from typing import Any
 
 import click
 
-from cmb_dagster.cli_common import BIGINT_MAX, DURATION
-from cmb_dagster.database import Database
+from cmb_dagster.cli_common import BIGINT_MAX, DURATION, open_database
 from cmb_dagster.inputs import shorten
-from cmb_dagster.settings import Settings
 from cmb_dagster.stages import admin
 from cmb_dagster.stages.engine import Engine
 from cmb_dagster.stages.errors import InvalidStageInput
-from cmb_dagster.stages.models import StageOptions
+from cmb_dagster.stages.models import MAX_SHARDS, StageOptions
 from cmb_dagster.stages.store import StageStore
 from cmb_dagster.stages.worker import StageWorker
+from cmb_dagster.workers import stop_workers_on_signals
 
 STAGES_HELP = "module:attribute of a StageOptions or a list of Stage instances (default: $CMB_STAGES)."
-MAX_SHARDS = 4096  # the most shards a deployment has (StageOptions.shard_count, admin.set_shard_count)
 
 
 class ShardList(click.ParamType):
@@ -46,10 +43,6 @@ class ShardList(click.ParamType):
         if not shards:
             self.fail("name at least one shard id, e.g. 0,1,5", param, ctx)
         return list(dict.fromkeys(shards))
-
-
-def _database() -> Database:
-    return Database.from_settings(Settings.from_env())
 
 
 def load_options(path: str | None) -> StageOptions:
@@ -84,11 +77,22 @@ def stages() -> None:
 
 @stages.command()
 @stages_option
-@click.option("--index", default=0, show_default=True, type=click.IntRange(0, MAX_SHARDS - 1),
-              help="This worker's index (serves shards with id % workers == index).")
-@click.option("--workers", default=None, type=click.IntRange(1, MAX_SHARDS),
-              help="Number of workers splitting the shards (default: the options').")
-@click.option("--shards", default=None, type=ShardList(), help=f"Only these shards (ids within 0..{MAX_SHARDS - 1}), e.g. 0,1,5.")
+@click.option(
+    "--index",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, MAX_SHARDS - 1),
+    help="This worker's index (serves shards with id % workers == index).",
+)
+@click.option(
+    "--workers",
+    default=None,
+    type=click.IntRange(1, MAX_SHARDS),
+    help="Number of workers splitting the shards (default: the options').",
+)
+@click.option(
+    "--shards", default=None, type=ShardList(), help=f"Only these shards (ids within 0..{MAX_SHARDS - 1}), e.g. 0,1,5."
+)
 @click.option("--duration", default=None, type=DURATION, help="Seconds to run (default: until SIGTERM/SIGINT).")
 def worker(
     stages_path: str | None, index: int, workers: int | None, shards: list[int] | None, duration: float | None
@@ -96,11 +100,10 @@ def worker(
     """Run a stage worker: long-running; SIGTERM or Ctrl-C finishes the current batch and stops."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = load_options(stages_path)
-    runner = StageWorker(_database(), options, index=index, workers=workers, shards=shards)
-    signal.signal(signal.SIGTERM, lambda *_: runner.stop())
-    signal.signal(signal.SIGINT, lambda *_: runner.stop())
+    runner = StageWorker(open_database(), options, index=index, workers=workers, shards=shards)
     click.echo(f"stage worker {index}: stages {', '.join(s.name for s in options.stages)}", err=True)
-    report = runner.run(duration)
+    with stop_workers_on_signals():
+        report = runner.run(duration)
     click.echo(f"handled {report.items} entries in {report.steps} steps, {report.errors} errors, {report.seconds:.1f}s")
 
 
@@ -108,17 +111,21 @@ def worker(
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per stage.")
 def status(as_json: bool) -> None:
     """Queue depths, oldest due entry, parked entries and counters per stage."""
-    rows = admin.status(_database())
+    report = admin.status(open_database())
     if as_json:
-        for row in rows:
+        for row in report.stages:
             click.echo(row.model_dump_json())
         return
-    click.echo(f"{'stage':20} {'queued':>8} {'timers':>8} {'low':>8} {'oldest s':>9} {'parked':>7} {'failing':>7} "
-               f"{'processed':>10} {'conflicts':>9} {'errors':>7} {'capped':>7}")
-    for r in rows:
-        click.echo(f"{r.stage:20} {r.queued:8} {r.timers:8} {r.low_priority:8} {r.oldest_seconds:9.1f} {r.parked:7} "
-                   f"{r.failing:7} {r.processed:10} {r.conflicts:9} {r.errors:7} {r.capped:7}")
-    click.echo(f"shards: {admin.shard_count(_database())}")
+    click.echo(
+        f"{'stage':20} {'queued':>8} {'timers':>8} {'low':>8} {'oldest s':>9} {'parked':>7} {'failing':>7} "
+        f"{'processed':>10} {'conflicts':>9} {'errors':>7} {'capped':>7}"
+    )
+    for r in report.stages:
+        click.echo(
+            f"{r.stage:20} {r.queued:8} {r.timers:8} {r.low_priority:8} {r.oldest_seconds:9.1f} {r.parked:7} "
+            f"{r.failing:7} {r.processed:10} {r.conflicts:9} {r.errors:7} {r.capped:7}"
+        )
+    click.echo(f"shards: {report.shard_count}")
 
 
 @stages.command()
@@ -128,10 +135,12 @@ def status(as_json: bool) -> None:
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
 def queue(stage: str | None, entity_id: str | None, problems: bool, limit: int) -> None:
     """List queue entries (earliest due first) with attempts, conflicts, crashes and the last error."""
-    for e in admin.entries(_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit):
+    for e in admin.entries(open_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit):
         state = "parked" if e.parked_at else ("low" if e.lane else "main")
-        click.echo(f"{e.stage}\t{e.entity_id}\t{state}\tdue {e.due_at.isoformat()}\tattempts {e.attempts}\t"
-                   f"conflicts {e.conflicts}\tcrashes {e.crashes}\t{e.last_error or ''}")
+        click.echo(
+            f"{e.stage}\t{e.entity_id}\t{state}\tdue {e.due_at.isoformat()}\tattempts {e.attempts}\t"
+            f"conflicts {e.conflicts}\tcrashes {e.crashes}\t{e.last_error or ''}"
+        )
 
 
 @stages.command()
@@ -139,7 +148,7 @@ def queue(stage: str | None, entity_id: str | None, problems: bool, limit: int) 
 @click.option("--entity", "entity_id", default=None, help="Only this entity's parked entries.")
 def retry(stage: str | None, entity_id: str | None) -> None:
     """Put parked entries back in their queue, due now."""
-    click.echo(f"{admin.retry(_database(), stage=stage, entity_id=entity_id)} entries back in their queue")
+    click.echo(f"{admin.retry(open_database(), stage=stage, entity_id=entity_id)} entries back in their queue")
 
 
 @stages.command()
@@ -148,15 +157,16 @@ def retry(stage: str | None, entity_id: str | None) -> None:
 def rescan(stages_path: str | None, duration: float | None) -> None:
     """Ask every stage about every entity; fill the low-priority queues."""
     options = load_options(stages_path)
-    seen, offered, stopped = Engine(_database(), options.stages).rescan(duration=duration)
-    click.echo(f"{seen} entities, {offered} low-priority entries" + ("" if stopped is None else f"; stopped after {stopped!r}"))
+    seen, offered, stopped = Engine(open_database(), options.stages).rescan(duration=duration)
+    where = "" if stopped is None else f"; stopped after {stopped!r}"
+    click.echo(f"{seen} entities, {offered} low-priority entries{where}")
 
 
 @stages.command()
 @click.argument("count", required=False, type=click.IntRange(1, MAX_SHARDS))
 def shards(count: int | None) -> None:
     """Show the shard count, or change it (workers keep running; nothing is lost)."""
-    db = _database()
+    db = open_database()
     if count is None:
         click.echo(admin.shard_count(db))
     else:
@@ -168,7 +178,7 @@ def shards(count: int | None) -> None:
 @click.argument("payload")
 def put(entity_id: str, payload: str) -> None:
     """Create or replace an entity (PAYLOAD is a JSON object); print its version."""
-    click.echo(StageStore(_database()).put(entity_id, _json(payload, "payload")))
+    click.echo(StageStore(open_database()).put(entity_id, _json(payload, "payload")))
 
 
 @stages.command()
@@ -176,14 +186,14 @@ def put(entity_id: str, payload: str) -> None:
 @click.argument("patch")
 def patch(entity_id: str, patch: str) -> None:
     """Apply an RFC 7386 merge patch (a JSON object) to an entity; print its version."""
-    click.echo(StageStore(_database()).patch(entity_id, _json(patch, "patch")))
+    click.echo(StageStore(open_database()).patch(entity_id, _json(patch, "patch")))
 
 
 @stages.command()
 @click.argument("entity_id")
 def get(entity_id: str) -> None:
     """Print an entity as JSON."""
-    entity = StageStore(_database()).get(entity_id)
+    entity = StageStore(open_database()).get(entity_id)
     if entity is None:
         raise click.ClickException(f"no entity {shorten(entity_id)}")
     click.echo(json.dumps({"entity_id": entity.id, "version": entity.version, "payload": entity.payload}))
@@ -200,7 +210,7 @@ def state() -> None:
 @click.argument("stage")
 def state_read(stages_path: str | None, entity_id: str, stage: str) -> None:
     """Print {"state": ..., "version": N}."""
-    value, version = StageStore(_database(), load_options(stages_path).stages).read_state(entity_id, stage)
+    value, version = StageStore(open_database(), load_options(stages_path).stages).read_state(entity_id, stage)
     click.echo(json.dumps({"state": value.model_dump(mode="json"), "version": version}))
 
 
@@ -209,13 +219,21 @@ def state_read(stages_path: str | None, entity_id: str, stage: str) -> None:
 @click.argument("entity_id")
 @click.argument("stage")
 @click.argument("new_state")
-@click.option("--version", "version", required=True, type=click.IntRange(0, BIGINT_MAX), help="The version read; the update is refused if it moved.")
+@click.option(
+    "--version",
+    "version",
+    required=True,
+    type=click.IntRange(0, BIGINT_MAX),
+    help="The version read; the update is refused if it moved.",
+)
 def state_update(stages_path: str | None, entity_id: str, stage: str, new_state: str, version: int) -> None:
     """Compare-and-set a stage's state (NEW_STATE is JSON); exit code 2 if the version moved."""
-    store = StageStore(_database(), load_options(stages_path).stages)
+    store = StageStore(open_database(), load_options(stages_path).stages)
     if store.update_state(entity_id, stage, _json(new_state, "new_state"), version):
         click.echo("updated")
     else:
-        click.echo(f"not updated: the state of {shorten(stage)} for {shorten(entity_id)} is no longer at version "
-                   f"{version}", err=True)
+        click.echo(
+            f"not updated: the state of {shorten(stage)} for {shorten(entity_id)} is no longer at version {version}",
+            err=True,
+        )
         raise SystemExit(2)

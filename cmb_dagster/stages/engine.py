@@ -1,4 +1,4 @@
-"""The processing engine: the original design's algorithm, many shards and stages per batch.
+"""The processing engine: batches of many stages over many shards.
 
 A batch of stages S1..Sn over the shards a worker holds:
 
@@ -22,7 +22,7 @@ A batch of stages S1..Sn over the shards a worker holds:
    that raised, and the others commit.
 
 A ``process`` that raises, returns something invalid or times out leaves the entity unchanged; its entry
-is retried after a doubling backoff and parked after ``max_attempts``.
+is retried after the stage's ``backoff`` and parked after ``max_attempts``.
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ import psycopg
 from cmb_dagster.database import Database, OwnConnection
 from cmb_dagster.inputs import max_payload_bytes, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, split_until_alone
-from cmb_dagster.stages import sql as q
-from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult
+from cmb_dagster.stages import sql
+from cmb_dagster.stages.errors import InvalidStageResult, ShardCountChanged
 from cmb_dagster.stages.models import Entity, MergePatch, StageResult, changed_fields, merge_patch
 from cmb_dagster.stages.stage import Stage, check_stages, due_of
-from cmb_dagster.workers import Lease, LeaseLost, Leases
+from cmb_dagster.workers import Lease, Leases
 
 log = logging.getLogger("cmb_dagster.stages")
 
@@ -54,10 +54,6 @@ MAX_BATCH_BYTES = 16 * 1024 * 1024
 
 # the counters of stage_counters, in this order
 PROCESSED, CHANGED, CONFLICTS, ERRORS, PARKED, CAPPED = range(6)
-
-
-class ShardCountChanged(LeaseLost):
-    """The shard count changed under a worker: its shard leases mean something else now."""
 
 
 @dataclass
@@ -181,10 +177,13 @@ class Engine:
         self.max_payload_bytes = max_payload_bytes()
         # a worker that hangs inside one of its own transactions (never inside user code: none is open
         # then) is disconnected by the server, so its leases can be taken over
-        self._own = OwnConnection(db, settings={
-            "idle_in_transaction_session_timeout": f"{int(idle_timeout * 1000)}ms",
-            "jit": "off",  # without statistics the batch queries' estimates trigger JIT compiles of 100s of ms
-        })
+        self._own = OwnConnection(
+            db,
+            settings={
+                "idle_in_transaction_session_timeout": f"{int(idle_timeout * 1000)}ms",
+                "jit": "off",  # without statistics the batch queries' estimates trigger JIT compiles of 100s of ms
+            },
+        )
         self.user_code = UserCode(f"stages:{owner or 'engine'}")
         # should_process on the change path and in the rescan: every answer is needed before the commit
         self._asking = UserCode(f"stages:{owner or 'engine'}:asking", set_aside_after=None)
@@ -196,7 +195,7 @@ class Engine:
         busy, self._busy = list(self._busy.values()), {}
         for stage, ids in _by_stage(busy).items():
             try:
-                self._own.get().execute(q.RELEASE, {"stage": stage, "ids": ids})
+                self._own.get().execute(sql.RELEASE, {"stage": stage, "ids": ids})
             except psycopg.Error as exc:
                 log.warning("stages: could not release %d entries (%s); they run alone next time", len(ids), exc)
         self._own.close()
@@ -204,8 +203,13 @@ class Engine:
     # -- one batch of stages over shards ---------------------------------------------------------
 
     def process_batch(
-        self, shards: Sequence[int], stage_names: Sequence[str] | None = None, *, leases: Sequence[Lease] = (),
-        shard_count: int | None = None, on_wait: Callable[[], None] | None = None,
+        self,
+        shards: Sequence[int],
+        stage_names: Sequence[str] | None = None,
+        *,
+        leases: Sequence[Lease] = (),
+        shard_count: int | None = None,
+        on_wait: Callable[[], None] | None = None,
     ) -> BatchReport:
         """Claim, run and commit one batch: due entries of ``stage_names`` (default: all) in ``shards``, at
         most one stage per entity, each stage's main queue before its low-priority one. ``on_wait`` runs
@@ -235,11 +239,15 @@ class Engine:
             claimed, parked = self._claim(shards, limits, leases, shard_count)
             report.taken = len(claimed)
             counts = _Counts()
-            for stage_name, entity_id, attempts, crashes in parked:
+            for stage_name, entity_id, _attempts, crashes in parked:
                 counts.add(stage_name, PARKED)
                 counts.add(stage_name, ERRORS)
-                log.error("stage %s: entity %r parked: %d runs in a row ended with the death of their worker",
-                          stage_name, entity_id, crashes)
+                log.error(
+                    "stage %s: entity %r parked: %d runs in a row ended with the death of their worker",
+                    stage_name,
+                    entity_id,
+                    crashes,
+                )
             outcomes = self._run(claimed, on_wait)
             report.set_aside = len(claimed) - len(outcomes)
             self._commit(outcomes, shards[0], leases, shard_count, counts)
@@ -261,23 +269,35 @@ class Engine:
         return len(calls)
 
     def _claim(
-        self, shards: list[int], limits: dict[str, int], leases: Sequence[Lease], shard_count: int | None,
+        self,
+        shards: list[int],
+        limits: dict[str, int],
+        leases: Sequence[Lease],
+        shard_count: int | None,
     ) -> tuple[list[_Claimed], list[tuple[str, str, int, int]]]:
         """Claim due entries (committed at once); returns the entries to run and those parked instead."""
         per_shard = -(-self.batch_size // len(shards))  # shards are hash-balanced: lock little more than used
         conn = self._own.get()
-        with conn.pipeline():
-            leases_held = Leases.check_many(conn, leases)
-            settings = conn.execute(q.SETTINGS)
-            claim = conn.execute(q.CLAIM, {
-                "shards": shards, "stages": list(limits), "limits": [min(n, per_shard) for n in limits.values()],
-                "max_crashes": [self.stages[n].max_crashes for n in limits], "limit": self.batch_size,
-                "max_bytes": self.max_batch_bytes, "busy": list(self._busy), "shard_count": shard_count,
-                **_lease_params(leases),
-            })
-        leases_held()
-        if shard_count is not None and (count := settings.fetchone()[0]) != shard_count:
-            raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
+        _, claim = _guarded(
+            conn,
+            leases,
+            shard_count,
+            sql.SETTINGS,
+            lambda: conn.execute(
+                sql.CLAIM,
+                {
+                    "shards": shards,
+                    "stages": list(limits),
+                    "limits": [min(n, per_shard) for n in limits.values()],
+                    "max_crashes": [self.stages[n].max_crashes for n in limits],
+                    "limit": self.batch_size,
+                    "max_bytes": self.max_batch_bytes,
+                    "busy": list(self._busy),
+                    "shard_count": shard_count,
+                    **_lease_params(leases),
+                },
+            ),
+        )
         rows = claim.fetchall()
         claimed: list[_Claimed] = []
         parked = []
@@ -292,7 +312,7 @@ class Engine:
             keep = {(r[1], r[2]) for r in over}
             extra = [c for c in claimed if (c.entity_id, c.stage.name) not in keep]
             for stage_name, ids in _by_stage(extra).items():
-                conn.execute(q.RELEASE, {"stage": stage_name, "ids": ids})
+                conn.execute(sql.RELEASE, {"stage": stage_name, "ids": ids})
             claimed = [c for c in claimed if (c.entity_id, c.stage.name) in keep]
         return claimed, parked
 
@@ -300,8 +320,9 @@ class Engine:
         """Run the claimed entries' stages; the outcomes of those that ended or were never started."""
         gone = [_Outcome(c, c.entity_id, "gone") for c in claimed if c.entity is None]
         runnable = [c for c in claimed if c.entity is not None]
-        calls = self.user_code.run(runnable, self._compute, lambda c: c.stage.timeout, on_wait=on_wait,
-                                   stop_starting_after=self.batch_seconds)
+        calls = self.user_code.run(
+            runnable, self._compute, lambda c: c.stage.timeout, on_wait=on_wait, stop_starting_after=self.batch_seconds
+        )
         ended = {id(call.item) for call in calls}
         aside = {id(call.item) for call in self.user_code.set_aside}
         for c in runnable:
@@ -322,7 +343,9 @@ class Engine:
         if computed.new_payload is not None:
             changed = Entity(entity.id, entity.version + 1, computed.new_payload)
             fields = changed_fields(entity.payload, computed.new_payload)
-            computed.offers, computed.capped = self._ask(changed, claimed.states, claimed.ready, fields, now, skip=stage.name)
+            computed.offers, computed.capped = self._ask(
+                changed, claimed.states, claimed.ready, fields, now, skip=stage.name
+            )
         return computed
 
     def _outcome(self, call: Call[_Claimed]) -> _Outcome:
@@ -331,13 +354,29 @@ class Engine:
             computed: _Computed = call.outcome
         except Exception as exc:  # noqa: BLE001 - any failure of user code leaves the entity unchanged
             return _Outcome(claimed, claimed.entity_id, "failed", error=describe_error(exc))
-        return _Outcome(claimed, claimed.entity_id, "done", computed.new_payload, computed.payload_text,
-                        computed.state_text, computed.state_changed, computed.due, computed.offers, computed.capped)
+        return _Outcome(
+            claimed,
+            claimed.entity_id,
+            "done",
+            computed.new_payload,
+            computed.payload_text,
+            computed.state_text,
+            computed.state_changed,
+            computed.due,
+            computed.offers,
+            computed.capped,
+        )
 
     # -- committing ------------------------------------------------------------------------------
 
-    def _commit(self, outcomes: list[_Outcome], count_shard: int, leases: Sequence[Lease], shard_count: int | None,
-                counts: _Counts) -> None:
+    def _commit(
+        self,
+        outcomes: list[_Outcome],
+        count_shard: int,
+        leases: Sequence[Lease],
+        shard_count: int | None,
+        counts: _Counts,
+    ) -> None:
         """Commit the outcomes, with ``counts`` counted so far (they become the batch's counts); a commit refused
         for one entry's data is split until that entry is alone."""
         carried = {stage: list(values) for stage, values in counts.by_stage.items()}  # written by the first commit
@@ -353,10 +392,21 @@ class Engine:
             carried = {}
 
         def unstorable(outcome: _Outcome, exc: BaseException) -> None:
-            log.error("%s: its result cannot be stored (%s); it fails like a process that raised",
-                      outcome.claimed.label, describe_error(exc))
-            write([_Outcome(outcome.claimed, outcome.entity_id, "failed",
-                            error=f"its result cannot be stored: {describe_error(exc)}")])
+            log.error(
+                "%s: its result cannot be stored (%s); it fails like a process that raised",
+                outcome.claimed.label,
+                describe_error(exc),
+            )
+            write(
+                [
+                    _Outcome(
+                        outcome.claimed,
+                        outcome.entity_id,
+                        "failed",
+                        error=f"its result cannot be stored: {describe_error(exc)}",
+                    )
+                ]
+            )
 
         if outcomes:
             split_until_alone(outcomes, write, unstorable)
@@ -366,24 +416,21 @@ class Engine:
             if outcome.kind == "failed":
                 self._log_failure(outcome)
 
-    def _write(self, outcomes: Sequence[_Outcome], count_shard: int, leases: Sequence[Lease],
-               shard_count: int | None, counts: _Counts) -> None:
+    def _write(
+        self,
+        outcomes: Sequence[_Outcome],
+        count_shard: int,
+        leases: Sequence[Lease],
+        shard_count: int | None,
+        counts: _Counts,
+    ) -> None:
         """One transaction: check leases and versions, then write every outcome."""
         done = [o for o in outcomes if o.kind == "done"]
         conn = self._own.get()
         with conn.transaction():
-            with conn.pipeline():
-                leases_held = Leases.check_many(conn, leases)
-                settings = conn.execute(q.BEGIN_BATCH)
-                versions = None
-                if done:
-                    conn.execute(q.LOCK_PROCESSED, {"ids": sorted(o.entity_id for o in done)})
-                    versions = conn.execute(q.CHECK_VERSIONS, {"ids": [o.entity_id for o in done],
-                                                               "stages": [o.stage.name for o in done]})
-            leases_held()
-            count, branch, _ = settings.fetchone()
-            if shard_count is not None and count != shard_count:
-                raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
+            (count, branch, _), versions = _guarded(
+                conn, leases, shard_count, sql.BEGIN_BATCH, lambda: _lock_and_check_versions(conn, done)
+            )
             current = {(r[0], r[1]): (r[2], r[3]) for r in versions} if versions is not None else {}
             ok, conflicted, gone = [], [], [o for o in outcomes if o.kind == "gone"]
             for o in done:
@@ -401,12 +448,22 @@ class Engine:
         if conflicted:
             log.info("stages: %d entities changed while processed; they run again on the new version", len(conflicted))
 
-    def _send_writes(self, conn: psycopg.Connection, shard_count: int, branch: int, ok: list[_Outcome],
-                     conflicted: list[_Outcome], gone: list[_Outcome], outcomes: Sequence[_Outcome],
-                     counts: _Counts) -> None:
+    def _send_writes(
+        self,
+        conn: psycopg.Connection,
+        shard_count: int,
+        branch: int,
+        ok: list[_Outcome],
+        conflicted: list[_Outcome],
+        gone: list[_Outcome],
+        outcomes: Sequence[_Outcome],
+        counts: _Counts,
+    ) -> None:
         saves = [o for o in ok if o.new_payload is not None]
         if saves:
-            conn.execute(q.SAVE_ENTITIES, {"ids": [o.entity_id for o in saves], "payloads": [o.payload_text for o in saves]})
+            conn.execute(
+                sql.SAVE_ENTITIES, {"ids": [o.entity_id for o in saves], "payloads": [o.payload_text for o in saves]}
+            )
         offers: list[Offer] = []
         for o in ok:
             counts.add(o.stage.name, PROCESSED)
@@ -423,34 +480,58 @@ class Engine:
             mine = [o for o in ok if o.stage.name == name]
             states = [o for o in mine if o.state_changed or stage.max_triggers is not None]
             if states:
-                conn.execute(q.SAVE_STATES, {"stage": name, "ids": [o.entity_id for o in states],
-                                             "states": [o.state_text for o in states],
-                                             "changed": [o.state_changed for o in states], "window": stage.trigger_window})
-            finished = [o.entity_id for o in mine if o.due is None] + [o.entity_id for o in gone if o.stage.name == name]
+                conn.execute(
+                    sql.SAVE_STATES,
+                    {
+                        "stage": name,
+                        "ids": [o.entity_id for o in states],
+                        "states": [o.state_text for o in states],
+                        "changed": [o.state_changed for o in states],
+                        "window": stage.trigger_window,
+                    },
+                )
+            finished = [o.entity_id for o in mine if o.due is None]
+            finished += [o.entity_id for o in gone if o.stage.name == name]
             if finished:
-                conn.execute(q.DELETE_ENTRIES, {"stage": name, "ids": finished})
+                conn.execute(sql.DELETE_ENTRIES, {"stage": name, "ids": finished})
             timers = [o for o in mine if o.due is not None]
             if timers:
-                conn.execute(q.SET_TIMERS, {"stage": name, "ids": [o.entity_id for o in timers],
-                                            "dues": [o.due for o in timers]})
+                conn.execute(
+                    sql.SET_TIMERS,
+                    {"stage": name, "ids": [o.entity_id for o in timers], "dues": [o.due for o in timers]},
+                )
             failed = [o for o in outcomes if o.kind == "failed" and o.stage.name == name]
             if failed:
-                delays = [min(stage.max_backoff, stage.retry_backoff * 2 ** min(o.claimed.attempts, 60)) for o in failed]
-                conn.execute(q.FAILED, {"stage": name, "max_attempts": stage.max_attempts,
-                                        "ids": [o.entity_id for o in failed], "errors": [o.error for o in failed],
-                                        "delays": delays})
+                delays = [stage.backoff.delay(o.claimed.attempts) for o in failed]
+                conn.execute(
+                    sql.FAILED,
+                    {
+                        "stage": name,
+                        "max_attempts": stage.max_attempts,
+                        "ids": [o.entity_id for o in failed],
+                        "errors": [o.error for o in failed],
+                        "delays": delays,
+                    },
+                )
                 counts.add(name, ERRORS, len(failed))
                 counts.add(name, PARKED, sum(o.claimed.attempts + 1 >= stage.max_attempts for o in failed))
             conflicts = [o.entity_id for o in conflicted if o.stage.name == name]
             if conflicts:
-                conn.execute(q.CONFLICTED, {"stage": name, "ids": conflicts, "max_conflicts": stage.max_conflicts})
+                conn.execute(sql.CONFLICTED, {"stage": name, "ids": conflicts, "max_conflicts": stage.max_conflicts})
             released = [o.entity_id for o in outcomes if o.kind == "released" and o.stage.name == name]
             if released:
-                conn.execute(q.RELEASE, {"stage": name, "ids": released})
+                conn.execute(sql.RELEASE, {"stage": name, "ids": released})
             if self.publish and mine:
-                conn.execute(q.PUBLISH, {"branch": branch, "topic": f"stages.{name}", "stage": name,
-                                         "ids": [o.entity_id for o in mine],
-                                         "changed": [o.new_payload is not None for o in mine]})
+                conn.execute(
+                    sql.PUBLISH,
+                    {
+                        "branch": branch,
+                        "topic": f"stages.{name}",
+                        "stage": name,
+                        "ids": [o.entity_id for o in mine],
+                        "changed": [o.new_payload is not None for o in mine],
+                    },
+                )
         if offers:
             self._offer(conn, shard_count, offers)
 
@@ -459,18 +540,27 @@ class Engine:
         if attempts + 1 >= stage.max_attempts:
             log.error("%s: parked after %d attempts: %s", outcome.claimed.label, attempts + 1, outcome.error)
         else:
-            delay = min(stage.max_backoff, stage.retry_backoff * 2 ** min(attempts, 60))
-            log.warning("%s failed (attempt %d of %d, retry in %.1fs): %s", outcome.claimed.label, attempts + 1,
-                        stage.max_attempts, delay, outcome.error)
+            log.warning(
+                "%s failed (attempt %d of %d, retry in %.1fs): %s",
+                outcome.claimed.label,
+                attempts + 1,
+                stage.max_attempts,
+                stage.backoff.delay(attempts),
+                outcome.error,
+            )
 
     def _validated(self, stage: Stage, entity: Entity, own: Any, result: Any, now: datetime) -> _Computed:
         if not isinstance(result, StageResult):
-            raise InvalidStageResult(f"result: stage {stage.name!r} must return a StageResult, not {type(result).__name__}")
+            raise InvalidStageResult(
+                f"result: stage {stage.name!r} must return a StageResult, not {type(result).__name__}"
+            )
         update = result.update
         new_payload = payload_text = None
         if update is not None:
             if not isinstance(update, dict):
-                raise InvalidStageResult(f"update: stage {stage.name!r} must return a dict or MergePatch, not {type(update).__name__}")
+                raise InvalidStageResult(
+                    f"update: stage {stage.name!r} must return a dict or MergePatch, not {type(update).__name__}"
+                )
             candidate = merge_patch(entity.payload, dict(update)) if isinstance(update, MergePatch) else update
             text = to_json(candidate, "update", error=InvalidStageResult, limit=self.max_payload_bytes)
             if candidate != entity.payload:
@@ -488,8 +578,16 @@ class Engine:
 
     # -- fan-out -------------------------------------------------------------------------------
 
-    def _ask(self, entity: Entity, states: dict[str, Any], ready: set[str], fields: set[str] | None,
-             now: datetime, *, skip: str | None = None) -> tuple[list[Offer], list[str]]:
+    def _ask(
+        self,
+        entity: Entity,
+        states: dict[str, Any],
+        ready: set[str],
+        fields: set[str] | None,
+        now: datetime,
+        *,
+        skip: str | None = None,
+    ) -> tuple[list[Offer], list[str]]:
         """Offers (entity, stage, due) of the stages that want to see ``entity`` after a change, and the
         stages whose re-trigger cap deferred theirs."""
         offers: list[Offer] = []
@@ -503,8 +601,10 @@ class Engine:
             try:
                 answer = other.should_process(entity, other.load_state(raw[0] if raw else None))
                 due = due_of(answer, now, "should_process")
-            except Exception as exc:  # noqa: BLE001 - the original design's rule: enqueue when should_process fails
-                log.warning("stage %s: should_process failed on %r (%s); enqueued anyway", name, entity.id, describe_error(exc))
+            except Exception as exc:  # noqa: BLE001 - a should_process that fails enqueues the entity
+                log.warning(
+                    "stage %s: should_process failed on %r (%s); enqueued anyway", name, entity.id, describe_error(exc)
+                )
                 due = now
             if due is None:
                 continue
@@ -512,8 +612,15 @@ class Engine:
                 runs, window_start = raw[2], datetime.fromtimestamp(float(raw[3]), UTC)
                 window_end = window_start + timedelta(seconds=other.trigger_window)
                 if runs >= other.max_triggers and window_end > now and due < window_end:
-                    log.warning("stage %s: entity %r re-triggered %d times within %.0fs (cap %d); deferred to %s",
-                                name, entity.id, runs, other.trigger_window, other.max_triggers, window_end.isoformat())
+                    log.warning(
+                        "stage %s: entity %r re-triggered %d times within %.0fs (cap %d); deferred to %s",
+                        name,
+                        entity.id,
+                        runs,
+                        other.trigger_window,
+                        other.max_triggers,
+                        window_end.isoformat(),
+                    )
                     capped.append(name)
                     due = window_end
             offers.append((entity.id, name, due))
@@ -521,24 +628,39 @@ class Engine:
 
     def _offer(self, conn: psycopg.Connection, shard_count: int, offers: list[Offer], lane: int = MAIN) -> None:
         offers.sort(key=lambda o: (o[0], o[1]))
-        conn.execute(q.OFFER if lane == MAIN else q.OFFER_LOW, {
-            "shard_count": shard_count, "ids": [o[0] for o in offers], "stages": [o[1] for o in offers],
-            "dues": [o[2] for o in offers],
-        })
+        conn.execute(
+            sql.OFFER if lane == MAIN else sql.OFFER_LOW,
+            {
+                "shard_count": shard_count,
+                "ids": [o[0] for o in offers],
+                "stages": [o[1] for o in offers],
+                "dues": [o[2] for o in offers],
+            },
+        )
 
-    def changes_batch(self, shards: Sequence[int], *, leases: Sequence[Lease] = (), shard_count: int | None = None,
-                      on_wait: Callable[[], None] | None = None) -> int:
+    def changes_batch(
+        self,
+        shards: Sequence[int],
+        *,
+        leases: Sequence[Lease] = (),
+        shard_count: int | None = None,
+        on_wait: Callable[[], None] | None = None,
+    ) -> int:
         """Ask the stages about entities changed through the API or plain SQL (the change path)."""
         conn = self._own.get()
-        rows = conn.execute(q.PEEK_CHANGES, {"shards": list(shards), "limit": self.batch_size}).fetchall()
+        rows = conn.execute(sql.PEEK_CHANGES, {"shards": list(shards), "limit": self.batch_size}).fetchall()
         if not rows:
             return 0
-        changed = [_Change(Entity(r[0], r[3], r[4]) if r[3] is not None else None, r[1], r[2], r[5] or {}, set(r[6] or ()))
-                   for r in rows]
+        changed = [
+            _Change(Entity(r[0], r[3], r[4]) if r[3] is not None else None, r[1], r[2], r[5] or {}, set(r[6] or ()))
+            for r in rows
+        ]
         now = datetime.now(UTC)
-        calls = self._asking.run([c for c in changed if c.entity is not None], lambda c: self._ask(
-            c.entity, c.states, c.ready, None if c.fields is None else set(c.fields), now),  # type: ignore[arg-type]
-            lambda c: max(self.stages[n].timeout for n in self.stages))
+        calls = self._asking.run(
+            [c for c in changed if c.entity is not None],
+            lambda c: self._ask(c.entity, c.states, c.ready, None if c.fields is None else set(c.fields), now),  # type: ignore[arg-type]
+            lambda c: max(self.stages[n].timeout for n in self.stages),
+        )
         offers: list[Offer] = []
         counts = _Counts()
         for call in calls:
@@ -550,17 +672,12 @@ class Engine:
             for name in capped:
                 counts.add(name, CAPPED)
         with conn.transaction():
-            with conn.pipeline():
-                leases_held = Leases.check_many(conn, leases)
-                settings = conn.execute(q.BEGIN_WRITE)
-            leases_held()
-            count = settings.fetchone()[0]
-            if shard_count is not None and count != shard_count:
-                raise ShardCountChanged(f"shard count is now {count}, not {shard_count}: leases are taken again")
+            settings, _ = _guarded(conn, leases, shard_count, sql.BEGIN_WRITE)
+            count = settings[0]
             with conn.pipeline():
                 if offers:
                     self._offer(conn, count, offers)
-                conn.execute(q.DELETE_CHANGES, {"ids": [c.id for c in changed], "seen": [c.seen for c in changed]})
+                conn.execute(sql.DELETE_CHANGES, {"ids": [c.id for c in changed], "seen": [c.seen for c in changed]})
                 self._count(conn, shards[0], counts)
         return len(rows)
 
@@ -571,8 +688,10 @@ class Engine:
         burst = max(1.0, rate)
         conn = self._own.get()
         with conn.transaction():
-            conn.execute(q.RATE_ROW, {"stage": stage.name, "burst": burst})
-            taken, available = conn.execute(q.TAKE_TOKENS, {"stage": stage.name, "burst": burst, "rate": rate, "want": want}).fetchone()
+            conn.execute(sql.RATE_ROW, {"stage": stage.name, "burst": burst})
+            taken, available = conn.execute(
+                sql.TAKE_TOKENS, {"stage": stage.name, "burst": burst, "rate": rate, "want": want}
+            ).fetchone()
         wait = 0.0 if taken else max(0.01, (1.0 - float(available)) / rate)
         return int(taken), wait
 
@@ -580,8 +699,11 @@ class Engine:
         """A max-parallelism slot of each limited stage that has one free: {stage: slot}."""
         slots = {}
         for name in [n for n in limits if self.stages[n].max_parallelism is not None]:
-            row = self._own.get().execute(q.TAKE_SLOT, {"slots": self.stages[name].max_parallelism,
-                                                        "key": self._slot_key(name)}).fetchone()
+            row = (
+                self._own.get()
+                .execute(sql.TAKE_SLOT, {"slots": self.stages[name].max_parallelism, "key": self._slot_key(name)})
+                .fetchone()
+            )
             if row is not None:
                 slots[name] = row[0]
         return slots
@@ -589,7 +711,7 @@ class Engine:
     def _free_slots(self, slots: dict[str, int]) -> None:
         for name, slot in slots.items():
             try:
-                self._own.get().execute(q.FREE_SLOT, {"key": self._slot_key(name), "slot": slot})
+                self._own.get().execute(sql.FREE_SLOT, {"key": self._slot_key(name), "slot": slot})
             except psycopg.Error:  # a lost session has freed its locks with it
                 self._own.close()
 
@@ -601,17 +723,26 @@ class Engine:
             return
         names = sorted(counts.by_stage)
         columns = list(zip(*(counts.by_stage[n] for n in names), strict=True))
-        conn.execute(q.COUNT, {
-            "stages": names, "shards": [shard] * len(names), "processed": list(columns[0]), "changed": list(columns[1]),
-            "conflicts": list(columns[2]), "errors": list(columns[3]), "parked": list(columns[4]), "capped": list(columns[5]),
-        })
+        conn.execute(
+            sql.COUNT,
+            {
+                "stages": names,
+                "shards": [shard] * len(names),
+                "processed": list(columns[0]),
+                "changed": list(columns[1]),
+                "conflicts": list(columns[2]),
+                "errors": list(columns[3]),
+                "parked": list(columns[4]),
+                "capped": list(columns[5]),
+            },
+        )
 
     # -- planning, rescan ----------------------------------------------------------------------
 
     def plan(self, shards: Sequence[int]) -> tuple[dict[tuple[str, int], float], bool]:
         """Seconds until the earliest entry of each (stage, lane) in ``shards`` is due (<= 0: due now),
         and whether the change path has entries."""
-        rows = self._own.get().execute(q.PLAN, {"shards": list(shards), "stages": list(self.stages)}).fetchall()
+        rows = self._own.get().execute(sql.PLAN, {"shards": list(shards), "stages": list(self.stages)}).fetchall()
         waits: dict[tuple[str, int], float] = {}
         changes = False
         for stage, lane, due, now in rows:
@@ -623,7 +754,9 @@ class Engine:
                 waits[(stage, lane)] = (due - now).total_seconds()
         return waits, changes
 
-    def rescan(self, *, duration: float | None = None, page: int = 1000, after: str = "") -> tuple[int, int, str | None]:
+    def rescan(
+        self, *, duration: float | None = None, page: int = 1000, after: str = ""
+    ) -> tuple[int, int, str | None]:
         """Ask every stage ``should_process`` about every entity not in its queue; offer the ones that
         ask to the low-priority queue. Returns (entities seen, entries offered, where it stopped or None)."""
         deadline = None if duration is None else time.monotonic() + duration
@@ -631,16 +764,19 @@ class Engine:
         timeout = max(s.timeout for s in self.stages.values())
         conn = self._own.get()
         while deadline is None or time.monotonic() < deadline:
-            rows = conn.execute(q.RESCAN_PAGE, {"after": after, "limit": page}).fetchall()
+            rows = conn.execute(sql.RESCAN_PAGE, {"after": after, "limit": page}).fetchall()
             if not rows:
                 return seen, offered, None
             now = datetime.now(UTC)
-            calls = self._asking.run(rows, lambda r: self._ask(Entity(r[0], r[1], r[2]), r[3] or {}, set(r[4] or ()), None, now)[0],
-                               timeout)
+            calls = self._asking.run(
+                rows,
+                lambda r, now=now: self._ask(Entity(r[0], r[1], r[2]), r[3] or {}, set(r[4] or ()), None, now)[0],
+                timeout,
+            )
             offers = [offer for call in calls if not call.timed_out for offer in call.result]
             if offers:
                 with conn.transaction():
-                    count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
+                    count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
                     self._offer(conn, count, offers, LOW)
             seen += len(rows)
             offered += len(offers)
@@ -672,10 +808,45 @@ def _by_stage(claimed: Sequence[_Claimed]) -> dict[str, list[str]]:
     return found
 
 
+def _guarded(
+    conn: psycopg.Connection,
+    leases: Sequence[Lease],
+    shard_count: int | None,
+    settings_query: str,
+    send: Callable[[], Any] = lambda: None,
+) -> tuple[tuple[Any, ...], Any]:
+    """In one round trip: check ``leases``, read the settings row with ``settings_query`` and send what ``send``
+    sends; raise LeaseLost unless every lease is held, ShardCountChanged unless the shard count is still
+    ``shard_count`` (None: any). Returns the settings row and what ``send`` returned."""
+    with conn.pipeline():
+        leases_held = Leases.check_many(conn, leases)
+        settings = conn.execute(settings_query)
+        sent = send()
+    leases_held()
+    row = settings.fetchone()
+    if shard_count is not None and row[0] != shard_count:
+        raise ShardCountChanged(f"shard count is now {row[0]}, not {shard_count}: leases are taken again")
+    return row, sent
+
+
+def _lock_and_check_versions(conn: psycopg.Connection, done: Sequence[_Outcome]) -> psycopg.Cursor | None:
+    """Lock the entities of ``done`` (in id order) and send the query of their entity and state versions."""
+    if not done:
+        return None
+    conn.execute(sql.LOCK_PROCESSED, {"ids": sorted(o.entity_id for o in done)})
+    return conn.execute(
+        sql.CHECK_VERSIONS, {"ids": [o.entity_id for o in done], "stages": [o.stage.name for o in done]}
+    )
+
+
 def _lease_params(leases: Sequence[Lease]) -> dict[str, Any]:
     first = leases[0] if leases else None
-    return {"kind": first.kind if first else "", "owner": first.owner if first else "",
-            "partitions": [lease.partition for lease in leases], "fences": [lease.fence for lease in leases]}
+    return {
+        "kind": first.kind if first else "",
+        "owner": first.owner if first else "",
+        "partitions": [lease.partition for lease in leases],
+        "fences": [lease.fence for lease in leases],
+    }
 
 
 def _report_counts(report: BatchReport, counts: _Counts, outcomes: list[_Outcome]) -> None:
@@ -688,4 +859,4 @@ def _report_counts(report: BatchReport, counts: _Counts, outcomes: list[_Outcome
     report.offered = sum(len(o.offers) for o in outcomes if o.kind == "done")
 
 
-__all__ = ["BatchReport", "Engine", "InvalidStageInput", "ShardCountChanged"]
+__all__ = ["BatchReport", "Engine"]

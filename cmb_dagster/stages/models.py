@@ -1,19 +1,23 @@
-"""The stage scheduler's models: entities, stage results, merge patches, options and status rows."""
+"""The stage scheduler's models: entities, stage results, merge patches, options and status."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from croniter import croniter
+from pydantic import BaseModel, Field, field_validator
 
 from cmb_dagster.inputs import check_text, to_json
+from cmb_dagster.models import Options
 from cmb_dagster.stages.errors import InvalidStageInput
 
 MAX_ENTITY_ID_LENGTH = 256
+MAX_SHARDS = 4096
 STAGE_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 LEASE_KIND = "stages.shard"
 CHANNEL = "stages"  # NOTIFY channel (schema-qualified by cmb_dagster.notifications.channel_name)
@@ -90,7 +94,7 @@ class SavedEntity:
     changed: bool
 
 
-class StageOptions(BaseModel):
+class StageOptions(Options):
     """The stage scheduler of a code location: its stages and how its workers run.
 
     ``stages`` are :class:`~cmb_dagster.stages.Stage` instances. ``shard_count`` is applied to the
@@ -98,42 +102,87 @@ class StageOptions(BaseModel):
     worker jobs split the shards (job i serves shards with id % workers == i).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    error = InvalidStageInput
 
     stages: list[Any] = Field(description="The Stage instances of this code location.")
-    shard_count: int | None = Field(default=None, ge=1, le=4096,
-                                    description="Shards; None keeps the database's (8 after migration).")
+    shard_count: int | None = Field(
+        default=None, ge=1, le=MAX_SHARDS, description="Shards; None keeps the database's (8 after migration)."
+    )
     workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; job i serves shards with id % workers == i.")
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Queue entries per transaction.")
-    idle_sleep: float = Field(default=1.0, gt=0, le=60, description="Longest sleep of an idle worker (timers and NOTIFY wake it earlier).")
-    lease_ttl: float = Field(default=10.0, ge=1, le=300, description="A dead worker's shards are taken over after this.")
+    idle_sleep: float = Field(
+        default=1.0, gt=0, le=60, description="Longest sleep of an idle worker (timers and NOTIFY wake it sooner)."
+    )
+    listen: bool = Field(
+        default=True, description="Wake on LISTEN/NOTIFY hints of writers (off: timers and idle_sleep only)."
+    )
+    lease_ttl: float = Field(
+        default=10.0, ge=1, le=300, description="A dead worker's shards are taken over after this."
+    )
     publish: bool = Field(default=True, description="Publish every saved entity + state to the pub/sub stream.")
-    observe_seconds: float = Field(default=10.0, gt=0, le=3600, description="How often worker job 0 records per-stage observations.")
+    observe_interval_seconds: int = Field(
+        default=10, ge=1, le=3600, description="How often the status sensor observes the stages."
+    )
     rescan_cron: str | None = Field(default="0 3 * * *", description="When the background rescan runs (None: never).")
     rescan_seconds: float = Field(default=600.0, gt=0, le=86400, description="Time box of one rescan run.")
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, /, **values: Any) -> None:
         from cmb_dagster.stages.stage import check_stages
 
-        super().__init__(**data)
-        check_stages(self.stages)  # raises InvalidStageInput naming the field (a validator's error is wrapped)
+        if "observe_seconds" in values:
+            warnings.warn(
+                "StageOptions(observe_seconds=...) is deprecated: use observe_interval_seconds",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            values["observe_interval_seconds"] = max(1, round(values.pop("observe_seconds")))
+        super().__init__(**values)
+        check_stages(self.stages)  # raises InvalidStageInput naming the stage and its setting
+
+    @field_validator("rescan_cron")
+    @classmethod
+    def _cron_is_valid(cls, value: str | None) -> str | None:
+        if value is not None and not croniter.is_valid(value):
+            raise ValueError(f"{value!r} is not a valid cron expression")
+        return value
 
 
 class StageStatus(BaseModel):
-    """One stage's queues and counters (``cmb-dagster stages status``, the Dagster observations)."""
+    """One stage's queues and counters."""
 
     stage: str
-    queued: int = 0            # main queue, due now
-    timers: int = 0            # main queue, due later
-    low_priority: int = 0      # rescan queue
+    queued: int = 0  # main queue, due now
+    timers: int = 0  # main queue, due later
+    low_priority: int = 0  # rescan queue
     oldest_seconds: float = 0  # age of the oldest due entry (main queue)
     parked: int = 0
-    failing: int = 0           # entries with a failed attempt, not parked
+    failing: int = 0  # entries with a failed attempt, not parked
     processed: int = 0
     changed: int = 0
     conflicts: int = 0
     errors: int = 0
     capped: int = 0
+
+
+class StagesStatus(BaseModel):
+    """The stage scheduler's status (``cmb-dagster stages status``, the Dagster observations): the shard count
+    and a row per stage that has entries or counters, by name."""
+
+    shard_count: int
+    stages: list[StageStatus] = Field(default_factory=list)
+
+    def stage(self, name: str) -> StageStatus:
+        """The row of stage ``name`` (zeros when it has none yet)."""
+        return next((row for row in self.stages if row.stage == name), StageStatus(stage=name))
+
+    def __iter__(self) -> Any:  # type: ignore[override]
+        """Deprecated: iterate over :attr:`stages` (``status()`` returned that list before)."""
+        warnings.warn(
+            "iterating over stages.status() is deprecated: iterate over status().stages",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return iter(self.stages)
 
 
 class QueueEntry(BaseModel):
@@ -173,6 +222,16 @@ def changed_fields(old: dict[str, Any] | None, new: dict[str, Any]) -> set[str]:
 _MISSING = object()
 
 __all__ = [
-    "Entity", "MergePatch", "QueueEntry", "SavedEntity", "StageOptions", "StageResult", "StageStatus",
-    "changed_fields", "entity_hash", "merge_patch", "shard_of",
+    "Entity",
+    "MergePatch",
+    "QueueEntry",
+    "SavedEntity",
+    "StageOptions",
+    "StageResult",
+    "StageStatus",
+    "StagesStatus",
+    "changed_fields",
+    "entity_hash",
+    "merge_patch",
+    "shard_of",
 ]

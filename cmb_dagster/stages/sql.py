@@ -15,8 +15,12 @@ SETTINGS = "SELECT shard_count, capture_branch, results_branch FROM stage_settin
 
 LOCK_SETTINGS = "SELECT shard_count FROM stage_settings FOR UPDATE"
 
-RESHARD_QUEUE = "UPDATE stage_queue SET shard_id = stage_hash(entity_id) %% %(n)s WHERE shard_id <> stage_hash(entity_id) %% %(n)s"
-RESHARD_CHANGES = "UPDATE stage_changes SET shard_id = stage_hash(entity_id) %% %(n)s WHERE shard_id <> stage_hash(entity_id) %% %(n)s"
+RESHARD_QUEUE = """
+UPDATE stage_queue SET shard_id = stage_hash(entity_id) %% %(n)s WHERE shard_id <> stage_hash(entity_id) %% %(n)s
+"""
+RESHARD_CHANGES = """
+UPDATE stage_changes SET shard_id = stage_hash(entity_id) %% %(n)s WHERE shard_id <> stage_hash(entity_id) %% %(n)s
+"""
 SET_SHARD_COUNT = "UPDATE stage_settings SET shard_count = %(n)s, updated_at = now()"
 
 CAPTURE_INSTALLED = """
@@ -94,6 +98,22 @@ WITH updated AS (
 SELECT version FROM updated UNION ALL SELECT version FROM inserted
 """
 
+
+def _states(entity: str) -> str:
+    """Every stage's state of the entity ``<entity>.entity_id``: {stage: [state, version, runs, window start]}."""
+    return f"""(SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
+                                          extract(epoch FROM s.window_start)))
+        FROM stage_states s WHERE s.entity_id = {entity}.entity_id)"""
+
+
+def _states_and_due_stages(entity: str) -> str:
+    """:func:`_states`, and the stages the entity is due in on the main lane (filters in FILTER: the primary key
+    drives it)."""
+    return f"""{_states(entity)},
+       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
+        FROM stage_queue q2 WHERE q2.entity_id = {entity}.entity_id)"""
+
+
 # -- processing ----------------------------------------------------------------------------------
 
 # The batch's write transaction: the settings row as BEGIN_WRITE locks it, under the engine's writer mark.
@@ -117,7 +137,8 @@ INSERT INTO stage_rate_limits (stage, tokens) VALUES (%(stage)s, %(burst)s) ON C
 """
 TAKE_TOKENS = """
 WITH now_ AS (
-    SELECT stage, least(%(burst)s::float8, tokens + %(rate)s * extract(epoch FROM clock_timestamp() - refilled_at)) AS avail
+    SELECT stage,
+           least(%(burst)s::float8, tokens + %(rate)s * extract(epoch FROM clock_timestamp() - refilled_at)) AS avail
     FROM stage_rate_limits WHERE stage = %(stage)s FOR UPDATE
 )
 UPDATE stage_rate_limits r
@@ -126,7 +147,7 @@ FROM now_ WHERE r.stage = now_.stage
 RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
 """
 
-# The original design's Queue.peek + loading, over several shards and stages, as one claim committed before
+# The queue's peek and the loading, over several shards and stages, as one claim committed before
 # any stage runs: each (shard, stage)'s due entries (the low-priority lane only where the main one has nothing
 # due), except entities whose call is still running (%(busy)s); of those, one entry per entity (one stage at a
 # time on an entity), the earliest due first, up to %(limit)s entries and about %(max_bytes)s bytes of payload
@@ -136,7 +157,7 @@ RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
 # entry claimed ('run': with the entity, every stage's state of it and the stages it is due in) or parked.
 # Its commit need not wait for the WAL flush: what it records (crashes) matters when a worker dies, and a
 # worker's death does not lose what the server has; a server crash only undercounts crashes.
-CLAIM = """
+CLAIM = f"""
 WITH allowed AS (
     SELECT (cardinality(%(partitions)s::text[]) = 0
             OR (SELECT count(*) FROM leases l
@@ -188,16 +209,13 @@ WITH allowed AS (
 ), parked AS (
     UPDATE stage_queue q
     SET parked_at = now(), crashes = 0, attempts = q.attempts + 1,
-        last_error = format('%%s runs in a row ended with the death of their worker (a crash, kill -9 or OOM)', c.crashes)
+        last_error = format('%%s runs in a row ended with the death of their worker (a crash, kill -9 or OOM)',
+                            c.crashes)
     FROM chosen c WHERE c.crashes >= c.max_crashes AND q.entity_id = c.entity_id AND q.stage = c.stage
     RETURNING q.entity_id, q.stage, q.attempts, c.crashes
 )
 (SELECT 'run', m.entity_id, m.stage, m.attempts, m.crashes, e.version, e.payload,
-       (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
-                                extract(epoch FROM s.window_start)))
-        FROM stage_states s WHERE s.entity_id = m.entity_id),
-       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
-        FROM stage_queue q2 WHERE q2.entity_id = m.entity_id)  -- filters in FILTER: the primary key drives it
+       {_states_and_due_stages("m")}
 FROM marked m LEFT JOIN stage_entities e ON e.entity_id = m.entity_id
 ORDER BY m.due_at)
 UNION ALL
@@ -213,7 +231,7 @@ WHERE stage = %(stage)s AND entity_id = ANY(%(ids)s::text[])
 # The change path's batch: changed entities of some shards, with every state and the stages queued. Read
 # without locks (only the shard's lease holder asks); DELETE_CHANGES then removes only the changes that were
 # not written again meanwhile (same xmin), so a writer's newer fields are asked about in the next batch.
-PEEK_CHANGES = """
+PEEK_CHANGES = f"""
 WITH picked AS (
     SELECT c.entity_id, c.fields, c.changed_at, c.xmin::text AS seen
     FROM unnest(%(shards)s::int[]) AS sh(shard_id)
@@ -227,11 +245,7 @@ WITH picked AS (
     SELECT * FROM picked ORDER BY changed_at LIMIT %(limit)s
 )
 SELECT p.entity_id, p.fields, p.seen, e.version, e.payload,
-       (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
-                                extract(epoch FROM s.window_start)))
-        FROM stage_states s WHERE s.entity_id = p.entity_id),
-       (SELECT array_agg(q2.stage) FILTER (WHERE q2.lane = 0 AND q2.due_at <= now() AND q2.parked_at IS NULL)
-        FROM stage_queue q2 WHERE q2.entity_id = p.entity_id)  -- filters in FILTER: the primary key drives it
+       {_states_and_due_stages("p")}
 FROM chosen p LEFT JOIN stage_entities e ON e.entity_id = p.entity_id
 """
 
@@ -275,11 +289,12 @@ ON CONFLICT (entity_id, stage) DO UPDATE SET
     state = CASE WHEN EXCLUDED.version > 0 THEN EXCLUDED.state ELSE s.state END,
     version = s.version + EXCLUDED.version,
     runs = CASE WHEN s.window_start > now() - make_interval(secs => %(window)s) THEN s.runs + 1 ELSE 1 END,
-    window_start = CASE WHEN s.window_start > now() - make_interval(secs => %(window)s) THEN s.window_start ELSE now() END,
+    window_start = CASE WHEN s.window_start > now() - make_interval(secs => %(window)s) THEN s.window_start
+                        ELSE now() END,
     updated_at = now()
 """
 
-# The original design's Queue.delete for entries done without a timer, and the timer of those that set one.
+# Entries done without a timer are deleted; those that set one get it as their due time.
 DELETE_ENTRIES = "DELETE FROM stage_queue WHERE stage = %(stage)s AND entity_id = ANY(%(ids)b::text[])"
 SET_TIMERS = """
 UPDATE stage_queue q
@@ -288,7 +303,7 @@ FROM unnest(%(ids)b::text[], %(dues)b::timestamptz[]) AS u(entity_id, due_at)
 WHERE q.stage = %(stage)s AND q.entity_id = u.entity_id
 """
 
-# The original design's Queue.offer: at most one entry per (entity, stage). An earlier due time wins; the main
+# The offer: at most one entry per (entity, stage). An earlier due time wins; the main
 # lane wins over the low-priority one; parked entries stay parked.
 OFFER = """
 INSERT INTO stage_queue AS q (entity_id, stage, shard_id, lane, due_at)
@@ -368,11 +383,8 @@ FROM unnest(%(shards)b::int[]) AS sh(shard_id),
 
 # -- rescan --------------------------------------------------------------------------------------
 
-RESCAN_PAGE = """
-SELECT e.entity_id, e.version, e.payload,
-       (SELECT jsonb_object_agg(s.stage, jsonb_build_array(s.state, s.version, s.runs,
-                                extract(epoch FROM s.window_start)))
-        FROM stage_states s WHERE s.entity_id = e.entity_id),
+RESCAN_PAGE = f"""
+SELECT e.entity_id, e.version, e.payload, {_states("e")},
        (SELECT array_agg(q.stage) FROM stage_queue q WHERE q.entity_id = e.entity_id)
 FROM stage_entities e
 WHERE e.entity_id > %(after)s
@@ -387,7 +399,8 @@ SELECT stage,
        count(*) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at <= now()),
        count(*) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at > now()),
        count(*) FILTER (WHERE lane = 1 AND parked_at IS NULL),
-       coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at <= now())), 0)::float8,
+       coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE lane = 0 AND parked_at IS NULL
+                                                                AND due_at <= now())), 0)::float8,
        count(*) FILTER (WHERE parked_at IS NOT NULL),
        count(*) FILTER (WHERE parked_at IS NULL AND attempts > 0)
 FROM stage_queue GROUP BY stage

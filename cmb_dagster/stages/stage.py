@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import shorten
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
+from cmb_dagster.models import Backoff
 from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult, UnknownStage
 from cmb_dagster.stages.models import STAGE_NAME_PATTERN, Entity, StageResult, Timer
 
@@ -23,16 +26,17 @@ class Stage:
 
     ``should_process(entity, state)`` is asked after every change of the entity (by the API, plain SQL
     or another stage); it must be fast and return True (enqueue now), False, or a timer (a
-    ``timedelta`` or an aware ``datetime``). If it raises, the entity is enqueued anyway (the original design's
-    rule), so ``process`` checks again whether there is work. ``process(entity, state)`` returns a
+    ``timedelta`` or an aware ``datetime``). If it raises, the entity is enqueued anyway, so ``process``
+    checks again whether there is work. ``process(entity, state)`` returns a
     :class:`StageResult`; it must have no side effects (it may run again after a conflict or a
     crash): side effects go to ``after_commit(saved)``, run after the commit at least once, keyed by
     ``saved.event_id``.
 
     Class attributes (override in a subclass, or pass to the constructor):
     ``fields`` (payload keys the stage cares about: changes elsewhere do not ask it; None: all),
-    ``max_attempts`` (failed calls before the entry is parked), ``retry_backoff`` / ``max_backoff``
-    (seconds, doubling), ``rate_limit`` (process calls per second across all workers),
+    ``max_attempts`` (failed calls before the entry is parked), ``backoff`` (the wait before an entry
+    whose call failed runs again: 1 s, doubling, at most 300 s), ``rate_limit`` (process calls per second
+    across all workers),
     ``max_parallelism`` (concurrent process batches across all workers), ``max_triggers`` per
     ``trigger_window`` seconds (re-trigger cap; later triggers wait for the next window), ``timeout``
     (seconds a ``process`` call may run before it fails; after about a second it is set aside and the
@@ -44,8 +48,7 @@ class Stage:
     state_model: ClassVar[type[BaseModel]] = NoState
     fields: ClassVar[tuple[str, ...] | None] = None
     max_attempts: int = 5
-    retry_backoff: float = 1.0
-    max_backoff: float = 300.0
+    backoff: Backoff = Backoff(first=1.0, factor=2, max=300.0)
     rate_limit: float | None = None
     max_parallelism: int | None = None
     max_triggers: int | None = None
@@ -54,11 +57,22 @@ class Stage:
     timeout: float = 60.0
     max_crashes: int = DEFAULT_MAX_CRASHES
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        renamed = {key: cls.__dict__[key] for key in _RENAMED if key in cls.__dict__}
+        if renamed:
+            for key in renamed:
+                delattr(cls, key)
+            cls.backoff = _renamed_backoff(cls.backoff, renamed)
+
     def __init__(self, **overrides: Any) -> None:
+        renamed = {key: overrides.pop(key) for key in _RENAMED if key in overrides}
         for key, value in overrides.items():
             if not hasattr(type(self), key) or key.startswith("_"):
                 raise InvalidStageInput(f"{key}: not a stage setting")
             setattr(self, key, value)
+        if renamed:
+            self.backoff = _renamed_backoff(self.backoff, renamed)
 
     def should_process(self, entity: Entity, state: Any) -> bool | Timer:
         return True
@@ -87,6 +101,24 @@ class Stage:
         return state.model_dump(mode="json")
 
 
+_RENAMED = {"retry_backoff": "first", "max_backoff": "max"}  # deprecated stage settings -> backoff fields
+
+
+def _renamed_backoff(backoff: Backoff, renamed: dict[str, Any]) -> Backoff:
+    """``backoff`` with the deprecated ``retry_backoff`` / ``max_backoff`` settings applied; warns the code that
+    set them (a subclass's body or a constructor call)."""
+    names = " and ".join(renamed)
+    warnings.warn(
+        f"Stage {names}: deprecated, set backoff = Backoff(first=..., factor=2, max=...) instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    try:
+        return Backoff(**(backoff.model_dump() | {_RENAMED[key]: value for key, value in renamed.items()}))
+    except InvalidInput as exc:
+        raise InvalidStageInput(f"{names}: {exc}") from None
+
+
 def check_stages(stages: Sequence[Any]) -> dict[str, Stage]:
     """Stages by name; raises InvalidStageInput for non-stages, bad names, duplicates, bad settings."""
     by_name: dict[str, Stage] = {}
@@ -100,10 +132,13 @@ def check_stages(stages: Sequence[Any]) -> dict[str, Stage]:
             raise InvalidStageInput(f"{where}.name: two stages are named {stage.name!r}")
         if not (isinstance(stage.state_model, type) and issubclass(stage.state_model, BaseModel)):
             raise InvalidStageInput(f"{where}.state_model: must be a pydantic model class")
+        if not isinstance(stage.backoff, Backoff):
+            raise InvalidStageInput(f"{where}.backoff: must be a Backoff, not {type(stage.backoff).__name__}")
         for setting, low, high in _BOUNDS:
             value = getattr(stage, setting)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or not low <= value <= high):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high
+            ):
                 raise InvalidStageInput(f"{where}.{setting}: {shorten(value)} is outside {low:g}..{high:g}")
         if stage.fields is not None and not all(isinstance(f, str) for f in stage.fields):
             raise InvalidStageInput(f"{where}.fields: must be payload key names")
@@ -112,9 +147,13 @@ def check_stages(stages: Sequence[Any]) -> dict[str, Stage]:
 
 
 _BOUNDS = (  # (setting, lowest, highest) of every number a stage sets
-    ("max_attempts", 1, 10_000), ("retry_backoff", 0, 86400), ("max_backoff", 0, 30 * 86400),
-    ("rate_limit", 0.001, 1_000_000), ("max_parallelism", 1, 1024), ("max_triggers", 1, 1_000_000),
-    ("trigger_window", 0.001, 30 * 86400), ("max_conflicts", 1, 10_000), ("timeout", 0.001, 86400),
+    ("max_attempts", 1, 10_000),
+    ("rate_limit", 0.001, 1_000_000),
+    ("max_parallelism", 1, 1024),
+    ("max_triggers", 1, 1_000_000),
+    ("trigger_window", 0.001, 30 * 86400),
+    ("max_conflicts", 1, 10_000),
+    ("timeout", 0.001, 86400),
     ("max_crashes", 1, 1000),
 )
 
@@ -140,10 +179,6 @@ def due_of(value: Any, now: datetime, what: str) -> datetime | None:
             raise InvalidStageResult(f"{what}: a naive datetime {value.isoformat()} (give a timezone)")
         return value
     raise InvalidStageResult(f"{what}: must be a bool, timedelta or aware datetime, not {type(value).__name__}")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 __all__ = ["NoState", "Stage", "check_stages", "due_of", "stage_named"]

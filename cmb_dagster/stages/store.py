@@ -13,14 +13,24 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
+from pydantic import ValidationError
 
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.inputs import check_int, to_json
+from cmb_dagster.models import describe
 from cmb_dagster.notifications import channel_name
 from cmb_dagster.pubsub import install_capture
-from cmb_dagster.stages import sql as q
+from cmb_dagster.stages import sql
 from cmb_dagster.stages.errors import EntityNotFound, InvalidStageInput, VersionConflict
-from cmb_dagster.stages.models import CHANNEL, Entity, MergePatch, changed_fields, check_entity_id, dump_payload, merge_patch
+from cmb_dagster.stages.models import (
+    CHANNEL,
+    Entity,
+    MergePatch,
+    changed_fields,
+    check_entity_id,
+    dump_payload,
+    merge_patch,
+)
 from cmb_dagster.stages.stage import Stage, check_stages, stage_named
 
 WRITER_SETTING = "cmb.stages_writer"
@@ -34,15 +44,22 @@ def capture_branch_expression(branch: int) -> str:
 def ensure_capture(db: Database) -> None:
     """Install the pub/sub capture of ``stage_entities`` once (idempotent, safe from several processes)."""
     with db.connection() as conn:
-        if conn.execute(q.CAPTURE_INSTALLED).fetchone():
+        if conn.execute(sql.CAPTURE_INSTALLED).fetchone():
             return
-        conn.execute(q.CAPTURE_LOCK, {"schema": db.schema})
-        if conn.execute(q.CAPTURE_INSTALLED).fetchone():
+        conn.execute(sql.CAPTURE_LOCK, {"schema": db.schema})
+        if conn.execute(sql.CAPTURE_INSTALLED).fetchone():
             return
-        branch = conn.execute(q.SETTINGS).fetchone()[1]
-        install_capture(conn, f"{db.schema}.stage_entities", capture_branch_expression(branch),
-                        key=["entity_id"], columns=["entity_id", "version"], ops=["insert", "update"],
-                        topic="stages.entities", schema=db.schema)
+        branch = conn.execute(sql.SETTINGS).fetchone()[1]
+        install_capture(
+            conn,
+            f"{db.schema}.stage_entities",
+            capture_branch_expression(branch),
+            key=["entity_id"],
+            columns=["entity_id", "version"],
+            ops=["insert", "update"],
+            topic="stages.entities",
+            schema=db.schema,
+        )
 
 
 class StageStore:
@@ -72,14 +89,14 @@ class StageStore:
             return {}
         self._ensure_capture()
         with self.db.connection() as conn:
-            shard_count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
-            old = {row[0]: row[2] for row in conn.execute(q.LOCK_ENTITIES, {"ids": ids})}
-            written = dict(conn.execute(q.UPSERT_ENTITIES, {"ids": ids, "payloads": texts}).fetchall())
+            shard_count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
+            old = {row[0]: row[2] for row in conn.execute(sql.LOCK_ENTITIES, {"ids": ids})}
+            written = dict(conn.execute(sql.UPSERT_ENTITIES, {"ids": ids, "payloads": texts}).fetchall())
             changes = [(i, _fields(old.get(i), entities[i])) for i in ids if i in written]
-            self._changed(conn, shard_count, changes)
+            enqueue_changes(conn, self.db, shard_count, changes)
             versions = {i: written[i] for i in written}
             if len(versions) < len(ids):  # unchanged payloads keep their version
-                for row in conn.execute(q.LOCK_ENTITIES, {"ids": [i for i in ids if i not in versions]}):
+                for row in conn.execute(sql.LOCK_ENTITIES, {"ids": [i for i in ids if i not in versions]}):
                     versions[row[0]] = row[1]
         return versions
 
@@ -89,12 +106,14 @@ class StageStore:
         ``version``: only if the entity is at this version (else :class:`VersionConflict`)."""
         check_entity_id(entity_id)
         if not isinstance(patch, Mapping):
-            raise InvalidStageInput(f"patch: must be a JSON object (an RFC 7386 merge patch), not {type(patch).__name__}")
+            raise InvalidStageInput(
+                f"patch: must be a JSON object (an RFC 7386 merge patch), not {type(patch).__name__}"
+            )
         dump_payload(dict(patch), "patch")
         self._ensure_capture()
         with self.db.connection() as conn:
-            shard_count = conn.execute(q.BEGIN_WRITE).fetchone()[0]
-            row = conn.execute(q.LOCK_ENTITIES, {"ids": [entity_id]}).fetchone()
+            shard_count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
+            row = conn.execute(sql.LOCK_ENTITIES, {"ids": [entity_id]}).fetchone()
             if row is None:
                 raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
             _, current, payload = row
@@ -104,22 +123,24 @@ class StageStore:
             if new == payload:
                 return current
             text = dump_payload(new, "patch")
-            saved = conn.execute(q.UPDATE_ENTITY_IF_VERSION, {"id": entity_id, "payload": text, "version": current}).fetchone()
-            self._changed(conn, shard_count, [(entity_id, _fields(payload, new))])
+            saved = conn.execute(
+                sql.UPDATE_ENTITY_IF_VERSION, {"id": entity_id, "payload": text, "version": current}
+            ).fetchone()
+            enqueue_changes(conn, self.db, shard_count, [(entity_id, _fields(payload, new))])
             return saved[0]
 
     def delete(self, entity_id: str) -> bool:
         """Delete an entity with its states and queue entries; False if there was none."""
         check_entity_id(entity_id)
         with self.db.connection() as conn:
-            conn.execute(q.BEGIN_WRITE)
-            return conn.execute(q.DELETE_ENTITY, {"id": entity_id}).fetchone() is not None
+            conn.execute(sql.BEGIN_WRITE)
+            return conn.execute(sql.DELETE_ENTITY, {"id": entity_id}).fetchone() is not None
 
     def get(self, entity_id: str) -> Entity | None:
         """The entity, or None."""
         check_entity_id(entity_id)
         with self.db.connection() as conn:
-            row = conn.execute(q.GET_ENTITY, {"id": entity_id}).fetchone()
+            row = conn.execute(sql.GET_ENTITY, {"id": entity_id}).fetchone()
         return None if row is None else Entity(row[0], row[1], row[2], row[3])
 
     # -- state API -----------------------------------------------------------------------------
@@ -130,7 +151,7 @@ class StageStore:
         check_entity_id(entity_id)
         spec = stage_named(self.stages, stage)
         with self.db.connection() as conn:
-            row = conn.execute(q.READ_STATE, {"id": entity_id, "stage": stage}).fetchone()
+            row = conn.execute(sql.READ_STATE, {"id": entity_id, "stage": stage}).fetchone()
         if row is None:
             raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
         return spec.load_state(row[1]), row[2]
@@ -143,16 +164,19 @@ class StageStore:
         if isinstance(new_state, Mapping):
             try:
                 new_state = spec.state_model.model_validate(new_state)
-            except Exception as exc:  # noqa: BLE001 - pydantic's message names the field
-                raise InvalidStageInput(f"new_state: not a valid {spec.state_model.__name__}: {exc}") from None
+            except ValidationError as exc:
+                raise InvalidStageInput(
+                    f"new_state: not a valid {spec.state_model.__name__}: {describe(exc)}"
+                ) from None
         if not isinstance(new_state, spec.state_model):
             raise InvalidStageInput(f"new_state: must be a {spec.state_model.__name__}, not {type(new_state).__name__}")
         text = to_json(new_state.model_dump(mode="json"), "new_state", error=InvalidStageInput)
         with self.db.connection() as conn:
-            if conn.execute(q.LOCK_ENTITY, {"id": entity_id}).fetchone() is None:
+            if conn.execute(sql.LOCK_ENTITY, {"id": entity_id}).fetchone() is None:
                 raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
-            stored = conn.execute(q.WRITE_STATE_IF_VERSION, {
-                "id": entity_id, "stage": stage, "state": text, "version": version}).fetchone()
+            stored = conn.execute(
+                sql.WRITE_STATE_IF_VERSION, {"id": entity_id, "stage": stage, "state": text, "version": version}
+            ).fetchone()
         return stored is not None
 
     # -- internals -----------------------------------------------------------------------------
@@ -162,18 +186,21 @@ class StageStore:
             ensure_capture(self.db)
             self._capture_checked = True
 
-    def _changed(self, conn: psycopg.Connection, shard_count: int, changes: list[tuple[str, str]]) -> None:
-        if not changes:
-            return
-        enqueue_changes(conn, shard_count, changes)
-        conn.execute(q.NOTIFY, {"channel": channel_name(self.db, CHANNEL), "payload": ""})
 
-
-def enqueue_changes(conn: psycopg.Connection, shard_count: int, changes: list[tuple[str, str]]) -> None:
-    """Put entities on the change path; each change is (entity_id, 'a,b' changed fields or '*')."""
-    conn.execute(q.ENQUEUE_CHANGES, {
-        "shard_count": shard_count, "ids": [c[0] for c in changes], "fields": [c[1] for c in changes],
-    })
+def enqueue_changes(conn: psycopg.Connection, db: Database, shard_count: int, changes: list[tuple[str, str]]) -> None:
+    """Put entities on the change path and wake the workers; each change is (entity_id, 'a,b' changed fields
+    or '*')."""
+    if not changes:
+        return
+    conn.execute(
+        sql.ENQUEUE_CHANGES,
+        {
+            "shard_count": shard_count,
+            "ids": [c[0] for c in changes],
+            "fields": [c[1] for c in changes],
+        },
+    )
+    conn.execute(sql.NOTIFY, {"channel": channel_name(db, CHANNEL), "payload": ""})
 
 
 def _fields(old: Any, new: Mapping[str, Any]) -> str:
@@ -185,4 +212,4 @@ def _fields(old: Any, new: Mapping[str, Any]) -> str:
     return ",".join(sorted(fields)) or "*"
 
 
-__all__ = ["MergePatch", "StageStore", "ensure_capture", "enqueue_changes"]
+__all__ = ["MergePatch", "StageStore", "enqueue_changes", "ensure_capture"]

@@ -89,14 +89,11 @@ def parse_scale(value: str) -> ChunkScale:
         return _CALENDAR["week"]
     if size <= timedelta() or size % timedelta(minutes=1) or size > timedelta(days=1):
         raise ValueError(
-            f"chunk scale {value!r} must be whole minutes or hours up to a day, "
-            f"or one of {', '.join(_CALENDAR)}"
+            f"chunk scale {value!r} must be whole minutes or hours up to a day, or one of {', '.join(_CALENDAR)}"
         )
     minutes = size // timedelta(minutes=1)
     if MINUTES_PER_DAY % minutes:
-        raise ValueError(
-            f"chunk scale {value!r} does not divide a day evenly; use one of {_SUB_DAY_EXAMPLES}"
-        )
+        raise ValueError(f"chunk scale {value!r} does not divide a day evenly; use one of {_SUB_DAY_EXAMPLES}")
     return _minutes_scale(_canonical_minutes(minutes), minutes)
 
 

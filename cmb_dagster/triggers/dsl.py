@@ -111,7 +111,8 @@ class Param:
 
 
 ASSET_PARAMETER = "loaded_until"
-"""The parameter a trigger reads when it names an asset key without one (what ``ctl_metadata(loaded_until=...)`` sets)."""
+"""The parameter a trigger reads when it names an asset key without one (what ``ctl_metadata(loaded_until=...)``
+sets)."""
 
 
 def param(entity: object, parameter: str = ASSET_PARAMETER) -> Param:

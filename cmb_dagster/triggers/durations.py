@@ -34,9 +34,7 @@ def parse_duration(value: timedelta | str) -> timedelta:
     total = timedelta()
     for number, unit in _TERM.findall(text):
         if unit not in _UNITS:
-            raise ValueError(
-                f"unknown duration unit {unit!r} in {value!r}; known units: s, min, h, d, w"
-            )
+            raise ValueError(f"unknown duration unit {unit!r} in {value!r}; known units: s, min, h, d, w")
         if len(number) > 12:  # more digits than any duration up to MAX_DURATION needs, in any unit
             raise ValueError(f"duration {value!r} is too long; at most {MAX_DURATION.days} days (100 years)")
         try:

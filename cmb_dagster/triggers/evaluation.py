@@ -53,7 +53,7 @@ class TriggerResult:
 class _Inputs:
     """Evaluation inputs; CTL values are checked only when a trigger reads them."""
 
-    __slots__ = ("now", "now_utc", "current", "last", "timezone")
+    __slots__ = ("current", "last", "now", "now_utc", "timezone")
 
     def __init__(self, now: datetime, current: CtlValues, last: CtlValues, timezone: str) -> None:
         self.now = now
@@ -172,14 +172,39 @@ def _moved_back(moved_back: bool) -> str:
     return "; current is before last: the parameter moved back, reset the task's last state" if moved_back else ""
 
 
-def _delta(trigger: Delta, inputs: _Inputs) -> TriggerResult:
-    key, task_timezone = trigger.key, inputs.timezone
+def _current_and_last(trigger: Delta | ChunkDelta, inputs: _Inputs) -> TriggerResult | tuple[datetime, datetime]:
+    """The current and last values a Delta-type trigger compares, or its result when one of them is missing."""
+    key = trigger.key
     current = inputs.current_of(key)
     if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, {})
+        return _waiting_to_appear(trigger, inputs.timezone, key, {})
     last = inputs.last_of(key)
     if last is None:
-        return _first_time(trigger, task_timezone, current)
+        return _first_time(trigger, inputs.timezone, current)
+    return current, last
+
+
+def _current_and_reference(
+    trigger: RefDelay | ChunkRefDelay, inputs: _Inputs
+) -> TriggerResult | tuple[datetime, datetime, dict[ParameterKey, datetime]]:
+    """The current and reference values a RefDelay-type trigger compares and the values it read, or its result
+    when one of them is missing."""
+    key, ref_key = trigger.key, trigger.ref_key
+    current = inputs.current_of(key)
+    reference = inputs.current_of(ref_key)
+    used = {k: v for k, v in ((key, current), (ref_key, reference)) if v is not None}
+    if current is None:
+        return _waiting_to_appear(trigger, inputs.timezone, key, used)
+    if reference is None:
+        return _waiting_to_appear(trigger, inputs.timezone, ref_key, used)
+    return current, reference, used
+
+
+def _delta(trigger: Delta, inputs: _Inputs) -> TriggerResult:
+    values = _current_and_last(trigger, inputs)
+    if isinstance(values, TriggerResult):
+        return values
+    (current, last), key, task_timezone = values, trigger.key, inputs.timezone
     difference = _utc(current) - _utc(last)
     fired = difference >= trigger.min_delta
 
@@ -211,14 +236,10 @@ def _delay(trigger: Delay, inputs: _Inputs) -> TriggerResult:
 
 
 def _ref_delay(trigger: RefDelay, inputs: _Inputs) -> TriggerResult:
-    key, ref_key, task_timezone = trigger.key, trigger.ref_key, inputs.timezone
-    current = inputs.current_of(key)
-    reference = inputs.current_of(ref_key)
-    used = {k: v for k, v in ((key, current), (ref_key, reference)) if v is not None}
-    if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, used)
-    if reference is None:
-        return _waiting_to_appear(trigger, task_timezone, ref_key, used)
+    values = _current_and_reference(trigger, inputs)
+    if isinstance(values, TriggerResult):
+        return values
+    (current, reference, used), task_timezone = values, inputs.timezone
     lag = _utc(reference) - _utc(current)
     return TriggerResult(
         trigger,
@@ -244,13 +265,10 @@ def _chunks(count: int) -> str:
 
 
 def _chunk_delta(trigger: ChunkDelta, inputs: _Inputs) -> TriggerResult:
-    key, task_timezone = trigger.key, inputs.timezone
-    current = inputs.current_of(key)
-    if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, {})
-    last = inputs.last_of(key)
-    if last is None:
-        return _first_time(trigger, task_timezone, current)
+    values = _current_and_last(trigger, inputs)
+    if isinstance(values, TriggerResult):
+        return values
+    (current, last), key, task_timezone = values, trigger.key, inputs.timezone
     scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
     current_index, current_local = chunk_of(current, scale, zone)
     last_index, last_local = chunk_of(last, scale, zone)
@@ -296,14 +314,10 @@ def _chunk_delay(trigger: ChunkDelay, inputs: _Inputs) -> TriggerResult:
 
 
 def _chunk_ref_delay(trigger: ChunkRefDelay, inputs: _Inputs) -> TriggerResult:
-    key, ref_key, task_timezone = trigger.key, trigger.ref_key, inputs.timezone
-    current = inputs.current_of(key)
-    reference = inputs.current_of(ref_key)
-    used = {k: v for k, v in ((key, current), (ref_key, reference)) if v is not None}
-    if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, used)
-    if reference is None:
-        return _waiting_to_appear(trigger, task_timezone, ref_key, used)
+    values = _current_and_reference(trigger, inputs)
+    if isinstance(values, TriggerResult):
+        return values
+    (current, reference, used), task_timezone = values, inputs.timezone
     scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
     reference_index, reference_local = chunk_of(reference, scale, zone)
     current_index, current_local = chunk_of(current, scale, zone)

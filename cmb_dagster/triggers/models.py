@@ -341,9 +341,7 @@ class ChunkRefDelay(CtlTriggerBase):
 
 
 CTL_TRIGGER_TYPES = (Delta, Delay, RefDelay, ChunkDelta, ChunkDelay, ChunkRefDelay)
-CtlTrigger = Annotated[
-    Delta | Delay | RefDelay | ChunkDelta | ChunkDelay | ChunkRefDelay, Field(discriminator="kind")
-]
+CtlTrigger = Annotated[Delta | Delay | RefDelay | ChunkDelta | ChunkDelay | ChunkRefDelay, Field(discriminator="kind")]
 """Any CTL trigger; usable as a pydantic field type."""
 
 _AGGREGATE_KINDS = ("All", "Any")
@@ -437,9 +435,7 @@ def combine(aggregate: type[All] | type[Any], *triggers: TriggerBase) -> All | A
         if isinstance(trigger, aggregate):
             children.extend(trigger.triggers)
         elif isinstance(trigger, AggregateBase):
-            raise ValueError(
-                f"cannot put {trigger!r} inside {aggregate.__name__}: aggregate triggers cannot be nested"
-            )
+            raise ValueError(f"cannot put {trigger!r} inside {aggregate.__name__}: aggregate triggers cannot be nested")
         else:
             children.append(trigger)  # type: ignore[arg-type]
     return aggregate(*children)

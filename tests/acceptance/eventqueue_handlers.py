@@ -3,7 +3,7 @@
 import os
 import time
 
-from cmb_dagster.eventqueue import HandlerRegistry
+from cmb_dagster.eventqueue import Backoff, HandlerRegistry
 
 registry = HandlerRegistry()
 _fd = None
@@ -25,7 +25,7 @@ def record(event) -> None:
     os.write(_out(), f"{event.id} {time.time():.6f}\n".encode())  # unbuffered: survives kill -9
 
 
-@registry.handler("always_fails", max_retries=1, retry_delay=0.1)
+@registry.handler("always_fails", max_retries=1, backoff=Backoff(first=0.1))
 def always_fails(event) -> None:
     raise ValueError(f"cannot handle {event.value}")
 

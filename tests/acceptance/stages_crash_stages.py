@@ -29,8 +29,10 @@ class Step(Stage):
         time.sleep(random.random() * 0.004)  # so that kills land inside process()
         if self.source not in entity.payload or self.target in entity.payload:
             return StageResult()
-        return StageResult(update=MergePatch({self.target: entity.payload[self.source] + 1}),
-                           new_state=Seen(runs=state.runs + 1, last_version=entity.version))
+        return StageResult(
+            update=MergePatch({self.target: entity.payload[self.source] + 1}),
+            new_state=Seen(runs=state.runs + 1, last_version=entity.version),
+        )
 
 
 class Expire(Stage):
@@ -51,11 +53,16 @@ class Expire(Stage):
             return StageResult(update=MergePatch({"due": due_at.timestamp()}), timer=due_at)
         if now.timestamp() < due:
             return StageResult(update=MergePatch({"early": True}))  # must never happen
-        return StageResult(update=MergePatch({"expired_late_ms": round((now.timestamp() - due) * 1000)}),
-                           new_state=Seen(runs=state.runs + 1, last_version=entity.version))
+        return StageResult(
+            update=MergePatch({"expired_late_ms": round((now.timestamp() - due) * 1000)}),
+            new_state=Seen(runs=state.runs + 1, last_version=entity.version),
+        )
 
 
 options = StageOptions(
     stages=[Step("first", "a", "b"), Step("second", "b", "c"), Step("third", "c", "d"), Expire()],
-    shard_count=4, batch_size=25, lease_ttl=2.0, idle_sleep=0.2,
+    shard_count=4,
+    batch_size=25,
+    lease_ttl=2.0,
+    idle_sleep=0.2,
 )

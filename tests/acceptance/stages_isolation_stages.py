@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from cmb_dagster.models import Backoff
 from cmb_dagster.stages import Entity, MergePatch, Stage, StageOptions, StageResult
 
 
@@ -36,7 +37,12 @@ class Mark(Stage):
         return StageResult(update=MergePatch({"done": True}))
 
 
-poison = StageOptions(stages=[Mark(max_attempts=2, retry_backoff=0.1)], shard_count=4, batch_size=200,
-                      lease_ttl=2.0, idle_sleep=0.2)
+poison = StageOptions(
+    stages=[Mark(max_attempts=2, backoff=Backoff(first=0.1))],
+    shard_count=4,
+    batch_size=200,
+    lease_ttl=2.0,
+    idle_sleep=0.2,
+)
 slow = StageOptions(stages=[Mark(timeout=60.0)], shard_count=4, batch_size=200, lease_ttl=2.0, idle_sleep=0.2)
 crash = StageOptions(stages=[Mark(max_crashes=3)], shard_count=4, batch_size=100, lease_ttl=1.0, idle_sleep=0.2)

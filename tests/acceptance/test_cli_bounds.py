@@ -60,8 +60,10 @@ def test_worker_shards_must_be_ids_within_range(database_url):
 
 
 def test_consume_refuses_a_handler_of_the_standard_library_or_of_another_shape(database_url):
-    refused = [["pubsub", "consume", "c", "--handler", handler, "--duration", "0.3"]
-               for handler in ["os:system", "subprocess:call", "builtins:eval", "cmb_dagster.inputs:max_payload_bytes"]]
+    refused = [
+        ["pubsub", "consume", "c", "--handler", handler, "--duration", "0.3"]
+        for handler in ["os:system", "subprocess:call", "builtins:eval", "cmb_dagster.inputs:max_payload_bytes"]
+    ]
     for args, result in run_all(refused, database_url):
         line = error_line(result)
         assert result.returncode == 1 and "handler: " in line, (args, line)

@@ -37,7 +37,10 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (GOOD, ["pubsub", "trim"]),
     (GOOD, ["pubsub", "reset"]),
     (GOOD, ["pubsub", "drop", "nobody"]),
-    (GOOD, ["pubsub", "consume", "quiet", "--handler", "cmb_dagster.examples.pubsub:add_to_totals", "--duration", "0.3"]),
+    (
+        GOOD,
+        ["pubsub", "consume", "quiet", "--handler", "cmb_dagster.examples.pubsub:add_to_totals", "--duration", "0.3"],
+    ),
     (GOOD, ["pubsub", "dead"]),
     (GOOD, ["callbacks", "buckets", "5"]),
     (GOOD, ["callbacks", "buckets", "3"]),
@@ -66,7 +69,20 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["reactive", "forget", "s", "t", "--parameter", "only-one"]),
     (BAD, ["reactive", "retry", "nobody", "nothing"]),
     (BAD, ["reactive", "status", "--bogus"]),
-    (BAD, ["reactive", "set-last", "nobody", "nothing", "--parameter", "a/b", "p", "--value", "2024-01-01T00:00:00+00:00"]),
+    (
+        BAD,
+        [
+            "reactive",
+            "set-last",
+            "nobody",
+            "nothing",
+            "--parameter",
+            "a/b",
+            "p",
+            "--value",
+            "2024-01-01T00:00:00+00:00",
+        ],
+    ),
     (BAD, ["reactive", "set-last", "s", "t", "--parameter", "a/b", "p", "--value", "yesterday"]),
     (BAD, ["pubsub", "consume", "unregistered", "--duration", "0.3"]),
     (BAD, ["pubsub", "consume", "c", "--handler", "no_such_module_x:f", "--duration", "0.3"]),
@@ -129,7 +145,9 @@ def check_one_line_error(result: subprocess.CompletedProcess[str], args: list[st
 def test_no_password_anywhere(database_url, tmp_path, form):
     url = with_password(database_url, form)
     env = {"CMB_DATABASE_URL": url, "CMB_HOME": str(tmp_path / "home"), "CMB_CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
-    results = [(args, run_cli(args, env)) for kind, args in COMMANDS if kind == GOOD]  # in order: they build on each other
+    results = [
+        (args, run_cli(args, env)) for kind, args in COMMANDS if kind == GOOD
+    ]  # in order: they build on each other
     for args, result in results:
         assert result.returncode == 0, (args, result.stderr)
     covered = {tuple(a[: len(c)]) for _, a in COMMANDS for c in all_commands() if tuple(a[: len(c)]) == c}
@@ -180,8 +198,14 @@ def test_item3_env_quotes_hostile_values(tmp_path, show_secrets):
     assert printed.returncode == 0, printed.stderr
     assert ("PWNED2" in printed.stdout) == show_secrets  # the password is printed only when asked for
     script = 'eval "$1" && printf "%s\\n%s\\n" "$CMB_DAGSTER_STORAGE_URL" "$CMB_HOME"'
-    shell = subprocess.run(["sh", "-c", script, "sh", printed.stdout], cwd=tmp_path, env={**os.environ, **env},
-                           capture_output=True, text=True, timeout=30)
+    shell = subprocess.run(
+        ["sh", "-c", script, "sh", printed.stdout],
+        cwd=tmp_path,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert shell.returncode == 0, shell.stderr
     assert not list(tmp_path.glob("PWNED*")), "eval ran code from a value"
     assert shell.stdout.splitlines() == [f"postgresql+psycopg2://u:{HOSTILE}@127.0.0.1:1/d", str(home)]
@@ -209,7 +233,9 @@ def test_item4_every_group_ends_a_bad_value_in_one_line(database_url):
         check_one_line_error(result, args)
         assert result.returncode == (2 if "--help')" in result.stderr else 1), (args, result.stderr)
     debug = run_cli(["ctl", "history", "--limit", "-1"], {**env, "CMB_DEBUG": "1"})
-    assert "Traceback" in debug.stderr and debug.stderr.strip().splitlines()[-1].startswith("cmb-dagster ctl history: error:")
+    assert "Traceback" in debug.stderr and debug.stderr.strip().splitlines()[-1].startswith(
+        "cmb-dagster ctl history: error:"
+    )
     flag = run_cli(["--debug", "callbacks", "show", "me", "g", "nothing"], env)
     assert "Traceback" in flag.stderr and flag.returncode == 1
 
@@ -243,11 +269,17 @@ def numeric_parameters() -> list[tuple[tuple[str, ...], click.Parameter]]:
 def test_item7_every_numeric_option_and_argument_has_a_range():
     params = numeric_parameters()
     assert len(params) >= 30
-    unbounded = [(path, p.name) for path, p in params
-                 if not isinstance(p.type, click.types._NumberRangeBase) or p.type.min is None or p.type.max is None]
+    unbounded = [
+        (path, p.name)
+        for path, p in params
+        if not isinstance(p.type, click.types._NumberRangeBase) or p.type.min is None or p.type.max is None
+    ]
     assert unbounded == []
-    nan_passes = [(path, p.name) for path, p in params
-                  if isinstance(p.type, click.FloatRange) and not isinstance(p.type, FloatRange)]
+    nan_passes = [
+        (path, p.name)
+        for path, p in params
+        if isinstance(p.type, click.FloatRange) and not isinstance(p.type, FloatRange)
+    ]
     assert nan_passes == []  # click's FloatRange lets NaN through every comparison
 
 
@@ -262,8 +294,15 @@ def test_item7_out_of_range_values_end_in_one_line_naming_the_parameter(database
             if isinstance(param, click.Option):
                 cases.append(([*path, param.opts[0], value], f"'{param.opts[0]}"))
             else:  # the required arguments before it get placeholders
-                arguments = [p for p in main.get_command(None, path[0]).commands[path[1]].params if isinstance(p, click.Argument)] \
-                    if len(path) == 2 else []
+                arguments = (
+                    [
+                        p
+                        for p in main.get_command(None, path[0]).commands[path[1]].params
+                        if isinstance(p, click.Argument)
+                    ]
+                    if len(path) == 2
+                    else []
+                )
                 before = ["x" for p in arguments[: arguments.index(param)]]
                 cases.append(([*path, *before, value], param.human_readable_name))
     # refused while the command line is parsed, before any command runs: in-process (a process per case took a

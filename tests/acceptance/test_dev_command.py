@@ -51,8 +51,9 @@ class DevServer:
     def __init__(self, env: dict[str, str], port: int, log: Path):
         self.port = port
         self.log = log.open("ab")
-        self.proc = subprocess.Popen([*CLI, "dev", "--port", str(port)], cwd=ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*CLI, "dev", "--port", str(port)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 120, "the UI", interval=0.5)
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
         self.session = int(children.stdout.split()[0])  # `dagster dev` leads a session of its own
@@ -67,8 +68,9 @@ class DevServer:
             raise
         finally:
             self.log.close()
-        left = subprocess.run(["ps", "-o", "pid=,args=", "--sid", str(self.session)], capture_output=True,
-                              text=True).stdout.strip()
+        left = subprocess.run(
+            ["ps", "-o", "pid=,args=", "--sid", str(self.session)], capture_output=True, text=True
+        ).stdout.strip()
         assert not left, f"processes left behind by cmb-dagster dev:\n{left}"
 
 
@@ -95,8 +97,13 @@ def test_dev_serves_examples_and_restart_keeps_runs_and_rows(dev_env, tmp_path):
         assert launched["__typename"] == "LaunchRunSuccess", launched
         run_id = launched["run"]["runId"]
         status = wait_until(
-            lambda: graphql(port, RUN, {"id": run_id})["runOrError"]["status"] in ("SUCCESS", "FAILURE")
-            and graphql(port, RUN, {"id": run_id})["runOrError"]["status"], 120, "the run to finish")
+            lambda: (
+                graphql(port, RUN, {"id": run_id})["runOrError"]["status"] in ("SUCCESS", "FAILURE")
+                and graphql(port, RUN, {"id": run_id})["runOrError"]["status"]
+            ),
+            120,
+            "the run to finish",
+        )
         assert status == "SUCCESS", (tmp_path / "dev.log").read_text()[-3000:]
     finally:
         server.stop()
@@ -107,8 +114,9 @@ def test_dev_serves_examples_and_restart_keeps_runs_and_rows(dev_env, tmp_path):
         assert graphql(port, RUN, {"id": run_id})["runOrError"]["status"] == "SUCCESS"
         cmb_url = dev_env.get("CMB_DATABASE_URL") or embedded_url(Path(dev_env["CMB_HOME"]))
         with psycopg.connect(cmb_url) as conn:
-            assert conn.execute("SELECT count(*) FROM cmb.health_checks WHERE source = %s",
-                                (f"dagster run {run_id}",)).fetchone() == (1,)
+            assert conn.execute(
+                "SELECT count(*) FROM cmb.health_checks WHERE source = %s", (f"dagster run {run_id}",)
+            ).fetchone() == (1,)
     finally:
         server.stop()
 
@@ -120,7 +128,13 @@ def test_definitions_validate_on_the_workspace(database_url):
         key, value = line.removeprefix("export ").split("=", 1)
         env[key] = value.strip("'")
     dagster = Path(sys.executable).parent / "dagster"
-    result = subprocess.run([str(dagster), "definitions", "validate", "-w", "workspace.yaml"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(dagster), "definitions", "validate", "-w", "workspace.yaml"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "All code locations passed validation" in result.stdout + result.stderr

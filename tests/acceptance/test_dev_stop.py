@@ -4,6 +4,7 @@ Two ways a user stops it: Ctrl-C in the terminal (the terminal sends SIGINT to i
 group) and SIGTERM to the process group of `make dev` (what a process manager does).
 """
 
+import contextlib
 import os
 import pty
 import signal
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from test_dev_command import answers, dev_env, free_port  # noqa: F401 - dev_env is a fixture
+from test_dev_command import answers, free_port
+from test_dev_command import dev_env as dev_env  # a fixture
 from waiting import wait_until
 
 from cmb_dagster.embedded import embedded_url
@@ -26,7 +28,9 @@ WORKER_KINDS = {"callbacks.bucket", "pubsub.consumer", "stages.shard", "eventque
 
 
 def session_processes(session: int) -> str:
-    return subprocess.run(["ps", "-o", "pid=,args=", "--sid", str(session)], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["ps", "-o", "pid=,args=", "--sid", str(session)], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def cmb_url(env: dict[str, str]) -> str:
@@ -46,8 +50,9 @@ def workers_working(env: dict[str, str]) -> bool:
         kinds = {k for (k,) in conn.execute("SELECT kind FROM cmb.leases WHERE expires_at > now()")}
         busy = conn.execute(
             "SELECT pipeline_name FROM runs r WHERE status = 'STARTING' OR status = 'STARTED' AND NOT EXISTS "
-            "(SELECT FROM run_tags t WHERE t.run_id = r.run_id AND t.key = 'cmb/worker')").fetchall()
-    return WORKER_KINDS <= kinds and not busy
+            "(SELECT FROM run_tags t WHERE t.run_id = r.run_id AND t.key = 'cmb/worker')"
+        ).fetchall()
+    return kinds >= WORKER_KINDS and not busy
 
 
 def wait_stopped(proc: subprocess.Popen, sessions: list[int]) -> None:
@@ -55,14 +60,20 @@ def wait_stopped(proc: subprocess.Popen, sessions: list[int]) -> None:
     try:
         proc.wait(timeout=STOP_WITHIN_S)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"still running {STOP_WITHIN_S} s after the stop:\n"
-                             + "\n".join(session_processes(s)[:2000] for s in sessions)) from None
+        raise AssertionError(
+            f"still running {STOP_WITHIN_S} s after the stop:\n"
+            + "\n".join(session_processes(s)[:2000] for s in sessions)
+        ) from None
 
 
 def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float) -> None:
     try:
-        wait_until(lambda: not any(session_processes(s) for s in sessions), STOP_WITHIN_S, "every process to stop",
-                   interval=0.2)
+        wait_until(
+            lambda: not any(session_processes(s) for s in sessions),
+            STOP_WITHIN_S,
+            "every process to stop",
+            interval=0.2,
+        )
     except AssertionError:
         raise AssertionError("left running:\n" + "\n".join(session_processes(s)[:2000] for s in sessions)) from None
     assert time.monotonic() - stopped_at < STOP_WITHIN_S
@@ -79,8 +90,14 @@ def stop_env(dev_env):
 
 def test_sigterm_to_the_process_group_of_make_dev(stop_env):
     port = stop_env["DEV_ARGS"].split()[1]
-    make = subprocess.Popen(["make", "dev", f"PYTHON={sys.executable}"], cwd=ROOT, env=stop_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    make = subprocess.Popen(
+        ["make", "dev", f"PYTHON={sys.executable}"],
+        cwd=ROOT,
+        env=stop_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
         wait_until(lambda: workers_working(stop_env), 120, "worker runs to work", interval=1)
@@ -97,8 +114,16 @@ def test_ctrl_c_in_a_terminal(stop_env):
     port = stop_env["DEV_ARGS"].split()[1]
     cli = [sys.executable, "-c", "from cmb_dagster.cli import run; run()", "dev", *stop_env["DEV_ARGS"].split()]
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cli, cwd=ROOT, env=stop_env, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True, preexec_fn=lambda: _take_terminal(0))
+    proc = subprocess.Popen(
+        cli,
+        cwd=ROOT,
+        env=stop_env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=lambda: _take_terminal(0),
+    )
     os.close(slave)
     threading.Thread(target=_drain, args=(master,), daemon=True).start()  # the child never blocks on a full pty
     try:
@@ -116,7 +141,7 @@ def test_ctrl_c_in_a_terminal(stop_env):
 def dagster_sessions(pid: int) -> list[int]:
     """Sessions led by descendants of ``pid`` (`dagster dev` runs in a session of its own)."""
     out = subprocess.run(["ps", "-eo", "pid=,ppid=,sid="], capture_output=True, text=True).stdout.split()
-    rows = [tuple(map(int, out[i:i + 3])) for i in range(0, len(out), 3)]
+    rows = [tuple(map(int, out[i : i + 3])) for i in range(0, len(out), 3)]
     children: dict[int, list[int]] = {}
     for p, parent, _ in rows:
         children.setdefault(parent, []).append(p)
@@ -131,14 +156,8 @@ def dagster_sessions(pid: int) -> list[int]:
 def with_kill(group: int) -> None:
     for session in [group, *dagster_sessions(group)]:
         for line in session_processes(session).splitlines():
-            with_suppressed(lambda: os.kill(int(line.split()[0]), signal.SIGKILL))
-
-
-def with_suppressed(action) -> None:
-    try:
-        action()
-    except ProcessLookupError:
-        pass
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
 
 
 def _take_terminal(fd: int) -> None:
@@ -186,9 +205,13 @@ def stop_under_run_process_group(script: str, marker: Path, ready: Path, grace_s
     """Run ``script`` (given ``marker`` and ``ready``) under ``run_process_group``, optionally with another grace
     period; SIGTERM it once ``ready`` exists and wait for it to return 0."""
     setup = "" if grace_s is None else f"cli.STOP_GRACE_S = {grace_s}; "
-    wrapper = f"import os, sys; from cmb_dagster import cli; {setup}sys.exit(cli.run_process_group(sys.argv[1:], dict(os.environ)))"
-    proc = subprocess.Popen([sys.executable, "-c", wrapper, sys.executable, "-c", script, str(marker), str(ready)],
-                            start_new_session=True)
+    wrapper = (
+        f"import os, sys; from cmb_dagster import cli; {setup}"
+        "sys.exit(cli.run_process_group(sys.argv[1:], dict(os.environ)))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", wrapper, sys.executable, "-c", script, str(marker), str(ready)], start_new_session=True
+    )
     try:
         wait_until(ready.exists, 30, "the command to start", interval=0.05)
         os.kill(proc.pid, signal.SIGTERM)
@@ -208,7 +231,8 @@ def test_a_process_started_in_the_group_after_the_stop_is_stopped_too(tmp_path):
 SLOW_STOPPER = """
 import pathlib, signal, subprocess, sys, time
 exited = pathlib.Path(sys.argv[1])
-stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"])
+stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "time.sleep(120)"])
 
 def stop_slowly(signum, frame):
     time.sleep(8)

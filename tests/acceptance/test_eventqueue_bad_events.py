@@ -1,7 +1,6 @@
 """One slow or crashing event affects only itself: event queue worker processes run every other event, and
 no finished event runs twice unless a worker died while it was in flight."""
 
-import os
 import subprocess
 import time
 from pathlib import Path

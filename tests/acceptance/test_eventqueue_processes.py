@@ -20,8 +20,13 @@ WORKER = [*CLI, "events", "worker", "--handlers", "eventqueue_handlers:registry"
 
 
 def env_for(database_url: str, out: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "CMB_DATABASE_URL": database_url, "EQ_OUT": str(out),
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **extra}
+    return {
+        **os.environ,
+        "CMB_DATABASE_URL": database_url,
+        "EQ_OUT": str(out),
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
 
 
 def runs(out: Path) -> dict[int, list[tuple[float, int]]]:
@@ -53,8 +58,9 @@ def emit_all(db, n: int) -> list[int]:
     register(db, eventqueue_handlers.registry)
     ids = []
     for start in range(0, n, 1000):
-        ids += emit_many([{"namespace": "ns", "handler": "record", "value": i} for i in range(start, start + 1000)],
-                         db=db)
+        ids += emit_many(
+            [{"namespace": "ns", "handler": "record", "value": i} for i in range(start, start + 1000)], db=db
+        )
     return ids
 
 
@@ -93,17 +99,23 @@ def test_four_workers_process_10000_events_exactly_once(db, database_url, tmp_pa
 def test_kill_9_workers_repeatedly_loses_nothing_and_lock_expiry_bounds_the_delay(db, database_url, tmp_path):
     lock_expiry = 2.0
     ids = emit_all(db, 10_000)
-    env = env_for(database_url, tmp_path, EQ_SLEEP="0.002", EQ_LOCK_EXPIRY=str(lock_expiry))  # a batch is mostly handler time
+    # a batch is mostly handler time
+    env = env_for(database_url, tmp_path, EQ_SLEEP="0.002", EQ_LOCK_EXPIRY=str(lock_expiry))
     command = [*WORKER, "--batch-size", "20"]
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(4)]
     kills: list[tuple[float, int]] = []
     rng = random.Random(13)
     try:
         for _ in range(3):
-            wait_until(lambda: sum(len(v) for v in runs(tmp_path).values()) >= 1500 * (len(kills) + 1),
-                       timeout=60, what="progress before the next kill", interval=0.05)
-            wait_until(lambda: running_a_batch(procs, tmp_path), timeout=30, what="a worker running a batch",
-                       interval=0.005)
+            wait_until(
+                lambda: sum(len(v) for v in runs(tmp_path).values()) >= 1500 * (len(kills) + 1),
+                timeout=60,
+                what="progress before the next kill",
+                interval=0.05,
+            )
+            wait_until(
+                lambda: running_a_batch(procs, tmp_path), timeout=30, what="a worker running a batch", interval=0.005
+            )
             victim = rng.choice(running_a_batch(procs, tmp_path))  # killed mid-batch: its runs are not committed
             victim.send_signal(signal.SIGKILL)
             victim.wait(10)
@@ -136,12 +148,14 @@ def test_kill_9_workers_repeatedly_loses_nothing_and_lock_expiry_bounds_the_dela
 
 
 def cli(*args: str, url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, "events", *args], env=env_for(url, tmp_path), capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [*CLI, "events", *args], env=env_for(url, tmp_path), capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_cli_emit_status_pause_dead_replay_and_one_line_errors(db, database_url, tmp_path):
-    assert cli("register", "--handlers", "eventqueue_handlers:registry", url=database_url, tmp_path=tmp_path).returncode == 0
+    registered = cli("register", "--handlers", "eventqueue_handlers:registry", url=database_url, tmp_path=tmp_path)
+    assert registered.returncode == 0
     bad = cli("emit", "ns", "nope", "1", url=database_url, tmp_path=tmp_path)
     assert bad.returncode == 1 and "handler: no handler named 'nope'" in bad.stderr and "Traceback" not in bad.stderr
     bad = cli("emit", "ns", "record", "{oops", url=database_url, tmp_path=tmp_path)
@@ -150,11 +164,21 @@ def test_cli_emit_status_pause_dead_replay_and_one_line_errors(db, database_url,
     assert bad.returncode == 2 and "Invalid value for '--delay'" in bad.stderr and "Traceback" not in bad.stderr
     bad = cli("replay", "999", url=database_url, tmp_path=tmp_path)
     assert bad.returncode == 1 and "ids: event 999 is not in the dead-letter table" in bad.stderr
-    assert cli("pause", "ns", "record", url=database_url, tmp_path=tmp_path).stdout.startswith("paused ns/record/worker")
+    paused = cli("pause", "ns", "record", url=database_url, tmp_path=tmp_path)
+    assert paused.stdout.startswith("paused ns/record/worker")
     recorded = int(cli("emit", "ns", "record", '{"a": 1}', url=database_url, tmp_path=tmp_path).stdout)
     failing = int(cli("emit", "ns", "always_fails", '"x"', url=database_url, tmp_path=tmp_path).stdout)
-    worker = cli("worker", "--handlers", "eventqueue_handlers:registry", "--duration", "2", "--sweep-interval", "0.1",
-                 url=database_url, tmp_path=tmp_path)
+    worker = cli(
+        "worker",
+        "--handlers",
+        "eventqueue_handlers:registry",
+        "--duration",
+        "2",
+        "--sweep-interval",
+        "0.1",
+        url=database_url,
+        tmp_path=tmp_path,
+    )
     assert worker.returncode == 0, worker.stderr
     assert recorded not in runs(tmp_path)  # paused
     status = cli("status", url=database_url, tmp_path=tmp_path).stdout
@@ -163,8 +187,17 @@ def test_cli_emit_status_pause_dead_replay_and_one_line_errors(db, database_url,
     assert f"{failing} ns/always_fails" in dead and "ValueError: cannot handle x" in dead
     assert "1 held events released" in cli("unpause", "ns", "record", url=database_url, tmp_path=tmp_path).stdout
     assert cli("replay", "--all", url=database_url, tmp_path=tmp_path).stdout.strip() == "replayed 1 events"
-    worker = cli("worker", "--handlers", "eventqueue_handlers:registry", "--duration", "1", "--sweep-interval", "0.1",
-                 url=database_url, tmp_path=tmp_path)
+    worker = cli(
+        "worker",
+        "--handlers",
+        "eventqueue_handlers:registry",
+        "--duration",
+        "1",
+        "--sweep-interval",
+        "0.1",
+        url=database_url,
+        tmp_path=tmp_path,
+    )
     assert worker.returncode == 0
     assert len(runs(tmp_path)[recorded]) == 1
     assert f"{failing} ns/always_fails" in cli("dead", url=database_url, tmp_path=tmp_path).stdout  # failed again

@@ -12,7 +12,7 @@ from waiting import wait_until
 
 from cmb_dagster.database import Database
 from cmb_dagster.embedded import embedded_url, stop_embedded
-from cmb_dagster.eventqueue import EventWorker, HandlerRegistry, WorkerSettings, emit_many
+from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegistry, WorkerSettings, emit_many
 from cmb_dagster.stages import Entity, MergePatch, Stage, StageOptions, StageResult, StageStore, StageWorker
 
 
@@ -65,7 +65,9 @@ def test_event_queue_workers_ride_out_a_postgres_restart(tmp_path):
     runs: Counter[int] = Counter()
     registry = HandlerRegistry()
     registry.add("h", lambda event: (runs.update([event.id]), time.sleep(0.001)), lock_expiry=5)
-    worker = EventWorker(db, registry, WorkerSettings(sweep_interval=0.2, lease_ttl=2))
+    worker = EventWorker(
+        db, EventQueueOptions(handlers=registry, worker=WorkerSettings(sweep_interval=0.2, lease_ttl=2))
+    )
     worker.register()
     ids = emit_many([{"namespace": "ns", "handler": "h", "value": i} for i in range(3000)], db=db)
     thread = threading.Thread(target=worker.run, daemon=True)

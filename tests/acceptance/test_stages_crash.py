@@ -29,7 +29,11 @@ def finished(db: Database) -> int:
 @pytest.mark.slow
 def test_kill_9_at_random_points_converges_to_the_same_state(db, database_url):
     rng = random.Random(9)
-    env = {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "CMB_DATABASE_URL": database_url,
+        "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     sys.path.insert(0, str(HERE))
     import stages_crash_stages
 

@@ -7,7 +7,9 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition", *, interval: float = 0.02) -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition", *, interval: float = 0.02
+) -> T:
     """Poll ``predicate`` until it returns something truthy (returned); fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

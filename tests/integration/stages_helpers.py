@@ -1,4 +1,4 @@
-"""Stages used by the stage scheduler tests, and a helper that runs a worker until nothing is due."""
+"""Stages used by the stage scheduler tests, and a helper that steps a worker until nothing is due."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ class Step(Stage):
         p = entity.payload
         if self.source not in p or p.get(self.target) == p[self.source] + 1:
             return StageResult()
-        return StageResult(update=MergePatch({self.target: p[self.source] + 1}),
-                           new_state=Seen(runs=state.runs + 1, last_version=entity.version))
+        return StageResult(
+            update=MergePatch({self.target: p[self.source] + 1}),
+            new_state=Seen(runs=state.runs + 1, last_version=entity.version),
+        )
 
 
 def pipeline(**kw: object) -> list[Step]:
@@ -50,7 +52,8 @@ def pipeline(**kw: object) -> list[Step]:
 
 
 def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int:
-    """Run every shard step (no leases) and the capture consumer until a round handles nothing."""
+    """Step every shard (no leases) and every pub/sub consumer until a round handles nothing (for ``settle``
+    seconds)."""
     if not worker._consumers:
         worker.setup()
     total = 0

@@ -15,7 +15,7 @@ from cmb_dagster.callbacks import (
     CallbackNotFound,
     CallbackSettings,
     CallbackStatus,
-    CallbackValidationError,
+    InvalidCallbackInput,
     NewCallback,
     RetryPolicy,
 )
@@ -48,7 +48,10 @@ def test_create_get_and_idempotent_create(client):
     event = client.get("shop", "orders", "o-1")
     assert (event.event_id, event.status, event.run_at, event.originally_run_at) == (event_id, "pending", at, at)
     assert event.context == {"order": 1} and event.retry.backoff == "exponential" and event.attempts == 0
-    assert client.create("shop", "orders", "o-1", at, URL, {"order": 1}, RetryPolicy.exponential(10, max_delay=60)) == event_id
+    assert (
+        client.create("shop", "orders", "o-1", at, URL, {"order": 1}, RetryPolicy.exponential(10, max_delay=60))
+        == event_id
+    )
     with pytest.raises(CallbackConflict, match="shop/orders/o-1"):
         client.create("shop", "orders", "o-1", at, URL, {"order": 2})
     with pytest.raises(CallbackNotFound, match="no event shop/orders/nope"):
@@ -65,18 +68,37 @@ def test_create_many_stores_each_event_as_given(client):
         ("k3", at, {"n": 1.5}, fast),
         ("k4", at.astimezone(timezone(timedelta(hours=5, minutes=30, seconds=15))), 2**70, None),  # offset in seconds
     ]
-    ids = client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": key, "run_at": run_at,
-                               "cb_url": URL, "context": context, "retry": retry} for key, run_at, context, retry in given])
+    ids = client.create_many(
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": key,
+                "run_at": run_at,
+                "cb_url": URL,
+                "context": context,
+                "retry": retry,
+            }
+            for key, run_at, context, retry in given
+        ]
+    )
     assert len(set(ids)) == len(given)
     for event_id, (key, run_at, context, retry) in zip(ids, given, strict=True):
         event = client.get("a", "g", key)
-        assert (event.event_id, event.run_at, event.context, event.retry) == (event_id, run_at, context, retry or RetryPolicy())
+        assert (event.event_id, event.run_at, event.context, event.retry) == (
+            event_id,
+            run_at,
+            context,
+            retry or RetryPolicy(),
+        )
 
 
 def test_create_many_is_all_or_nothing(client, db):
     at = later()
     client.create("a", "g", "taken", at, URL)
-    rows = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at, "cb_url": URL} for i in range(3)]
+    rows = [
+        {"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at, "cb_url": URL} for i in range(3)
+    ]
     assert len(client.create_many(rows)) == 3
     clash = [{**rows[0], "event_key": "new"}, {**rows[0], "event_key": "taken", "context": "other"}]
     with pytest.raises(CallbackConflict):
@@ -86,7 +108,9 @@ def test_create_many_is_all_or_nothing(client, db):
 
 def test_create_many_again_returns_the_stored_ids_and_adds_the_new(client, db):
     at = later()
-    rows = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at, "cb_url": URL} for i in range(4)]
+    rows = [
+        {"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at, "cb_url": URL} for i in range(4)
+    ]
     first = client.create_many(rows[:2])
     with db.connection() as conn:
         drawn_before = conn.execute("SELECT last_value FROM callback_event_ids").fetchone()[0]
@@ -101,12 +125,14 @@ def test_create_many_is_one_transaction_across_its_insert_statements(client, db)
     size = 2 * CREATE_CHUNK + 10  # three statements
 
     def batch(prefix: str) -> list[dict]:
-        return [{"owner_client_id": "a", "group_key": "g", "event_key": f"{prefix}{i}", "run_at": at, "cb_url": URL}
-                for i in range(size)]
+        return [
+            {"owner_client_id": "a", "group_key": "g", "event_key": f"{prefix}{i}", "run_at": at, "cb_url": URL}
+            for i in range(size)
+        ]
 
     bad_at_the_end = batch("bad")
     bad_at_the_end[-1]["cb_url"] = ""
-    with pytest.raises(CallbackValidationError, match="cb_url"):
+    with pytest.raises(InvalidCallbackInput, match="cb_url"):
         client.create_many(bad_at_the_end)
     clash = batch("clash")
     clash[-1] = {**clash[0], "cb_url": "http://127.0.0.1:9/other"}  # the first statement's key, another payload
@@ -128,30 +154,32 @@ def test_create_many_pauses_the_cyclic_collector_and_gives_it_back(client):
 
     client.create_many(events())
     assert seen == [False] and gc.isenabled()
-    with pytest.raises(CallbackValidationError):
-        client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": "k", "run_at": later(), "cb_url": ""}])
+    with pytest.raises(InvalidCallbackInput):
+        client.create_many(
+            [{"owner_client_id": "a", "group_key": "g", "event_key": "k", "run_at": later(), "cb_url": ""}]
+        )
     assert gc.isenabled()
 
 
 def test_bad_input_writes_nothing(client, db):
-    with pytest.raises(CallbackValidationError, match="^run_at:"):
+    with pytest.raises(InvalidCallbackInput, match="^run_at:"):
         client.create("a", "g", "k", datetime(2030, 1, 1), URL)
-    with pytest.raises(CallbackValidationError, match="^cb_url:"):
+    with pytest.raises(InvalidCallbackInput, match="^cb_url:"):
         client.create("a", "g", "k", later(), "javascript:alert(1)")
-    with pytest.raises(CallbackValidationError, match="^status:"):
+    with pytest.raises(InvalidCallbackInput, match="^status:"):
         client.list(status="done")
     assert count(db) == 0
 
 
 def test_allowlisted_client_refuses_internal_hosts(db):
     with CallbackClient(db, CallbackSettings(allowed_hosts=["hooks.example.com"])) as client:
-        with pytest.raises(CallbackValidationError, match="169.254.169.254"):
+        with pytest.raises(InvalidCallbackInput, match="169.254.169.254"):
             client.create("a", "g", "k", later(), "http://169.254.169.254/")
         client.create("a", "g", "k", later(), "https://hooks.example.com/x")
     assert count(db) == 1
 
 
-def test_cancel_update_delete_follow_the_seed_rules(client, db):
+def test_cancel_update_delete_follow_the_status_rules(client, db):
     client.create("a", "g", "k", later(), URL, {"v": 1})
     moved = later(7200)
     old_id = client.get("a", "g", "k").event_id
@@ -167,9 +195,9 @@ def test_cancel_update_delete_follow_the_seed_rules(client, db):
     revived = client.update("a", "g", "k", cb_url="http://127.0.0.1:9/other", i_ensure_pending=True)
     assert revived.status == CallbackStatus.PENDING and revived.cb_url.endswith("/other")
 
-    with pytest.raises(CallbackValidationError, match="at least one"):
+    with pytest.raises(InvalidCallbackInput, match="at least one"):
         client.update("a", "g", "k")
-    with pytest.raises(CallbackValidationError, match="^run_at:"):
+    with pytest.raises(InvalidCallbackInput, match="^run_at:"):
         client.update("a", "g", "k", run_at=datetime(2030, 1, 1))
 
     client.create("a", "g", "soon", later(30), URL)
@@ -191,16 +219,21 @@ def test_notified_events_cannot_change(client, db):
     client.create("a", "g", "k", later(), URL)
     with db.connection() as conn:
         conn.execute("UPDATE callback_events SET status = 'notified'")
-    for change in (lambda: client.cancel("a", "g", "k"),
-                   lambda: client.update("a", "g", "k", context=1, i_ensure_pending=True)):
+    for change in (
+        lambda: client.cancel("a", "g", "k"),
+        lambda: client.update("a", "g", "k", context=1, i_ensure_pending=True),
+    ):
         with pytest.raises(CallbackInvalidState, match="is notified"):
             change()
     assert count(db, "callback_change_log") == 0
 
 
 def test_buffered_creates_from_many_threads_are_written_in_batches(db):
-    # that the poller misses no id committed out of order is tested in test_callbacks_defects.py (several processes)
-    with CallbackClient(db, CallbackSettings(write_linger=0.02, allowed_hosts=["127.0.0.1"])) as client, ThreadPoolExecutor(16) as pool:
+    # that the poller misses no id committed out of order is tested in test_callbacks_guarantees.py (several processes)
+    with (
+        CallbackClient(db, CallbackSettings(write_linger=0.02, allowed_hosts=["127.0.0.1"])) as client,
+        ThreadPoolExecutor(16) as pool,
+    ):
         ids = list(pool.map(lambda i: client.create("a", "g", f"k{i}", later(), URL), range(400)))
     assert len(set(ids)) == 400
     with db.connection() as conn:
@@ -211,8 +244,10 @@ def test_buffered_creates_from_many_threads_are_written_in_batches(db):
 def test_buffered_creates_go_on_after_the_writers_connections_were_cut(client, db):
     client.create("a", "g", "before", later(), URL)  # the writers have their connections
     with db.connection() as conn:  # every other session of this database: the writers' too
-        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
     with ThreadPoolExecutor(4) as pool:  # both writer threads meet a cut connection
         ids = list(pool.map(lambda i: client.create("a", "g", f"after-{i}", later(), URL), range(8)))
     assert len(set(ids)) == 8 and count(db) == 9
@@ -221,11 +256,17 @@ def test_buffered_creates_go_on_after_the_writers_connections_were_cut(client, d
 def test_buckets_spread_events_and_can_be_raised_and_lowered(client, db):
     assert client.bucket_ids() == [0, 1, 2, 3]
     client.create_many(
-        [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": later(), "cb_url": URL} for i in range(200)]
+        [
+            {"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": later(), "cb_url": URL}
+            for i in range(200)
+        ]
     )
     assert client.set_bucket_count(6) == [0, 1, 2, 3, 4, 5]
     client.create_many(
-        [{"owner_client_id": "b", "group_key": "g", "event_key": f"k{i}", "run_at": later(), "cb_url": URL} for i in range(200)]
+        [
+            {"owner_client_id": "b", "group_key": "g", "event_key": f"k{i}", "run_at": later(), "cb_url": URL}
+            for i in range(200)
+        ]
     )
     with db.connection() as conn:
         used = dict(conn.execute("SELECT bucket_id, count(*) FROM callback_events GROUP BY 1").fetchall())
@@ -234,7 +275,7 @@ def test_buckets_spread_events_and_can_be_raised_and_lowered(client, db):
     with db.connection() as conn:
         used = dict(conn.execute("SELECT bucket_id, count(*) FROM callback_events GROUP BY 1").fetchall())
     assert set(used) == {0, 1} and sum(used.values()) == 400
-    with pytest.raises(CallbackValidationError, match="count"):
+    with pytest.raises(InvalidCallbackInput, match="count"):
         client.set_bucket_count(4097)
 
 
@@ -249,7 +290,7 @@ def test_clean_removes_only_old_finished_events_and_change_log(client, db):
     report = client.clean(ttl_days=30)
     assert (report.events, report.change_log) == (1, 1)
     assert sorted(e.event_key for e in client.list()) == ["new-done", "old-pending"]
-    with pytest.raises(CallbackValidationError, match="ttl_days"):
+    with pytest.raises(InvalidCallbackInput, match="ttl_days"):
         client.clean(ttl_days=-1)
 
 
@@ -258,7 +299,7 @@ def test_schedules_materialize_once_per_fire_time_even_concurrently(client, db):
     assert client.create_schedule("a", "g", "every-minute", "* * * * *", URL, horizon=600, context={"s": 1}) == schedule
     with pytest.raises(CallbackConflict):
         client.create_schedule("a", "g", "every-minute", "*/2 * * * *", URL, horizon=600)
-    with pytest.raises(CallbackValidationError, match="^timezone:"):
+    with pytest.raises(InvalidCallbackInput, match="^timezone:"):
         client.create_schedule("a", "g", "bad", "* * * * *", URL, timezone="Nowhere/Land")
 
     barrier = threading.Barrier(4)
@@ -324,18 +365,30 @@ def test_poller_queries_use_the_partial_indexes_at_one_million_pending_events(db
         )
     from cmb_dagster.callbacks import sql
 
-    params = {"bucket": 1, "run_at": datetime.now(UTC), "event_id": 0, "max_event_id": 999000,
-              "lookahead": 2.0, "limit": 1000}
+    params = {
+        "bucket": 1,
+        "run_at": datetime.now(UTC),
+        "event_id": 0,
+        "max_event_id": 999000,
+        "lookahead": 2.0,
+        "limit": 1000,
+    }
     with psycopg.connect(db.url, autocommit=True, **db.connect_kwargs) as conn:
         for statistics in ("without statistics", "analyzed"):  # the same plans either way
             if statistics == "analyzed":
                 conn.execute("ANALYZE callback_events")
             ahead = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.POLL_AHEAD, params))
-            assert "Index Scan using callback_events_pending on" in ahead, (statistics, ahead)  # in (run_at, event_id) order
+            assert "Index Scan using callback_events_pending on" in ahead, (
+                statistics,
+                ahead,
+            )  # in (run_at, event_id) order
             # query 2 starts at the seen horizon (by the pending ids' index or the primary key, as statistics say), not
             # at the bucket's oldest run_at, below which every called event leaves an entry until vacuum
             late = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.POLL_LATE, params))
-            assert re.search(r"Index Cond: .*event_id > ", late) and "callback_events_pending on" not in late, (statistics, late)
+            assert re.search(r"Index Cond: .*event_id > ", late) and "callback_events_pending on" not in late, (
+                statistics,
+                late,
+            )
             for plan in (ahead, late):
                 assert "Seq Scan" not in plan and "Sort" not in plan, (statistics, plan)
 
@@ -358,8 +411,13 @@ def test_outcome_write_reads_events_by_id_with_or_without_statistics(db, statist
         from cmb_dagster.callbacks import sql
 
         ids = list(range(5000, 5500))
-        params = {"ids": ids, "outcomes": ["notified"] * 500, "errors": [None] * 500, "delays": [0.0] * 500,
-                  "cursor_run_at": datetime.now(UTC)}
+        params = {
+            "ids": ids,
+            "outcomes": ["notified"] * 500,
+            "errors": [None] * 500,
+            "delays": [0.0] * 500,
+            "cursor_run_at": datetime.now(UTC),
+        }
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.FINISH_EVENTS, params))
         assert "callback_events_pending" not in plan, plan  # every pending event read, for each batch
         assert "Seq Scan on callback_events" not in plan, plan
@@ -390,8 +448,10 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
     ids = [21, 25, 29]
     statements = {
         "gate": (sql.GATE, {"kind": "callbacks.bucket", "owner": "me", "partitions": ["1"], "fences": [1], "ids": ids}),
-        "finish": (sql.FINISH_EVENTS, {"ids": ids, "outcomes": ["notified"] * 3, "errors": [None] * 3,
-                                       "delays": [0.0] * 3, "cursor_run_at": now}),
+        "finish": (
+            sql.FINISH_EVENTS,
+            {"ids": ids, "outcomes": ["notified"] * 3, "errors": [None] * 3, "delays": [0.0] * 3, "cursor_run_at": now},
+        ),
         "ahead": (sql.POLL_AHEAD, {"bucket": 1, "lookahead": 2.0, "limit": 1000, "run_at": now, "event_id": 0}),
         "late": (sql.POLL_LATE, {"bucket": 1, "limit": 1000, "run_at": now, "max_event_id": 20}),
     }
@@ -409,8 +469,10 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
                 for _ in range(8):  # past the executions after which Postgres may cache a plan for good
                     ClientCursor(conn).execute(*executions[name])
         insert(41, 50_000)
-        plans = {name: "\n".join(r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
-                 for name, (run, args) in executions.items()}
+        plans = {
+            name: "\n".join(r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
+            for name, (run, args) in executions.items()
+        }
     finally:
         worker._loop_conn.close()
     for plan in plans.values():
@@ -418,3 +480,28 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
     assert "callback_events_pkey" in plans["gate"] and "callback_events_pkey" in plans["finish"], plans
     assert "Index Scan using callback_events_pending on" in plans["ahead"] and "Sort" not in plans["ahead"], plans
     assert re.search(r"Index Cond: .*event_id > ", plans["late"]), plans
+
+
+def test_status_reports_totals_and_each_bucket_set(client, db):
+    from cmb_dagster.callbacks import admin
+
+    client.create("a", "g", "late", datetime.now(UTC) - timedelta(minutes=5), URL)
+    client.create("a", "g", "later", later(), URL)
+    client.cancel("a", "g", "later")
+    report = admin.status(db, bucket_sets=2)
+    assert (report.totals.pending, report.totals.overdue, report.totals.cancelled) == (1, 1, 1)
+    assert report.totals.oldest_overdue_seconds >= 299
+    assert [s.bucket_set for s in report.bucket_sets] == [0, 1]
+    assert sum(s.pending for s in report.bucket_sets) == 1 == sum(s.overdue for s in report.bucket_sets)
+    assert admin.status(db).bucket_sets == [] and admin.status(db, bucket_sets=2, totals=False).totals is None
+    with pytest.raises(InvalidCallbackInput, match="bucket_sets"):
+        admin.status(db, bucket_sets=-1)
+
+
+def test_the_old_status_functions_are_deprecated_aliases(db):
+    from cmb_dagster.callbacks import admin, callback_counts
+
+    with pytest.deprecated_call(match="status"):
+        assert callback_counts(db) == admin.status(db).totals
+    with pytest.deprecated_call(match="status"):
+        assert admin.bucket_set_counts(db, 3) == admin.status(db, bucket_sets=3, totals=False).bucket_sets

@@ -1,5 +1,4 @@
 import sys
-import threading
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -19,16 +18,19 @@ from dagster._core.code_pointer import CodePointer
 from dagster._core.origin import RepositoryPythonOrigin
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker
-from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG, CallbackOptions, DagsterRunLauncher
+from cmb_dagster.callbacks import CallbackClient, CallbackOptions, CallbackSettings, CallbackWorker
+from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG
 from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.definitions import cmb_definitions
+from cmb_dagster.jobs import QueuedRunLauncher
+from cmb_dagster.models import Backoff
 from cmb_dagster.resources import CmbResource
 
 FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
 )
 
 
@@ -57,7 +59,9 @@ def defs(database_url: str, **options) -> Definitions:
 def test_definitions_hold_worker_jobs_keepers_cleanup_and_materializer(database_url):
     d = defs(database_url, workers=2, cleanup_cron="30 19 * * *")
     repo = d.get_repository_def()
-    assert {"cmb_callbacks_worker_0_of_2", "cmb_callbacks_worker_1_of_2", "cmb_callbacks_cleanup"} <= set(repo.job_names)
+    assert {"cmb_callbacks_worker_0_of_2", "cmb_callbacks_worker_1_of_2", "cmb_callbacks_cleanup"} <= set(
+        repo.job_names
+    )
     sensors = {s.name for s in repo.sensor_defs}
     assert {
         "cmb_callbacks_worker_0_of_2_keeper",
@@ -80,9 +84,12 @@ def test_worker_job_calls_events_back_in_process(db, database_url):
 
         def one_short_run() -> bool:  # runs follow one another, as the keeper sensor hands over
             with instance_for_test() as instance:
-                runs.append(job_def.execute_in_process(
-                    instance=instance, run_config={"ops": {"cmb_callbacks_worker_op": {"config": {"duration_seconds": 0.5}}}}
-                ))
+                runs.append(
+                    job_def.execute_in_process(
+                        instance=instance,
+                        run_config={"ops": {"cmb_callbacks_worker_op": {"config": {"duration_seconds": 0.5}}}},
+                    )
+                )
             return {e.status for e in client.list()} == {"notified"}
 
         wait_until(one_short_run, timeout=60, what="every event notified by worker runs")
@@ -119,12 +126,12 @@ def queued_instance():
         yield instance
 
 
-def launcher_for(instance, repository) -> DagsterRunLauncher:
+def launcher_for(instance, repository) -> QueuedRunLauncher:
     """The launcher a worker op builds from its run's origins, for a code location loaded from this file."""
     target = LoadableTargetOrigin(executable_path=sys.executable, python_file=__file__, attribute="location")
     remote = RemoteRepositoryOrigin(InProcessCodeLocationOrigin(target, location_name="test"), "__repository__")
     python = RepositoryPythonOrigin(sys.executable, CodePointer.from_python_file(__file__, "location", None))
-    return DagsterRunLauncher(instance, repository, remote, python)
+    return QueuedRunLauncher(instance, repository, remote, python, run_key_tag=RUN_KEY_TAG)
 
 
 def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instance):
@@ -140,17 +147,10 @@ def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instan
             {"run_config": {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}, "tags": {"team": "data"}},
         )
         client.create("a", "g", "typo", datetime.now(UTC), "dagster://nightly_reprot")
-        worker = CallbackWorker(db, FAST, launcher=launcher)
-
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        try:
+        with Running(CallbackWorker(db, FAST, launcher=launcher)):
             wait_until(
                 lambda: {e.event_key: e.status for e in client.list()} == {"report": "notified", "typo": "failed"}
             )
-        finally:
-            worker.stop()
-            thread.join(30)
         event = client.get("a", "g", "report")
         assert "nightly_reprot" in client.get("a", "g", "typo").last_error
 
@@ -171,7 +171,7 @@ location = Definitions(jobs=[nightly_report])
 
 def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, database_url):
     d = defs(database_url)
-    sensor = d.get_sensor_def("cmb_callbacks_observer")
+    sensor = d.get_sensor_def("cmb_callbacks_status")
     resources = {"cmb": CmbResource(database_url=database_url)}
     with build_sensor_context(resources=resources) as context:
         first = sensor.evaluate_tick(context)
@@ -192,7 +192,7 @@ def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
     d = defs(database_url, workers=2)
     keys = [AssetKey(["callbacks", "events_0_of_2"]), AssetKey(["callbacks", "events_1_of_2"])]
     assert all(d.get_repository_def().source_assets_by_key[k].is_observable for k in keys)
-    sensor = d.get_sensor_def("cmb_callbacks_observer")
+    sensor = d.get_sensor_def("cmb_callbacks_status")
     resources = {"cmb": CmbResource(database_url=database_url)}
     now = datetime.now(UTC)
     with CallbackClient(db, FAST) as client:
@@ -206,8 +206,12 @@ def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
     assert [figures[k]["pending"] for k in keys] == [len(in_set[0]), len(in_set[1])]
     late, failed = in_set[1][0], in_set[1][1]
     with db.connection() as conn:  # one overdue event and one failed in the last hour, both in set 1
-        conn.execute("UPDATE callback_events SET run_at = now() - interval '90 seconds' WHERE event_id = %s", (late.event_id,))
-        conn.execute("UPDATE callback_events SET status = 'failed', finished_at = now() WHERE event_id = %s", (failed.event_id,))
+        conn.execute(
+            "UPDATE callback_events SET run_at = now() - interval '90 seconds' WHERE event_id = %s", (late.event_id,)
+        )
+        conn.execute(
+            "UPDATE callback_events SET status = 'failed', finished_at = now() WHERE event_id = %s", (failed.event_id,)
+        )
     with build_sensor_context(resources=resources, cursor=first.cursor) as context:
         second = sensor.evaluate_tick(context)
     [observation] = second.asset_events  # set 0 did not change
@@ -219,3 +223,12 @@ def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
         [again] = sensor.evaluate_tick(context).asset_events  # overdue: observed again, its age grows
     assert again.asset_key == keys[1]
 
+
+def test_the_options_moved_to_models_and_the_asset_key_to_a_function_keep_their_old_paths():
+    from cmb_dagster.callbacks import dagster_defs
+
+    options = CallbackOptions(workers=2)
+    assert dagster_defs.CallbackOptions is CallbackOptions
+    with pytest.deprecated_call(match="counts_asset_key"):
+        assert options.counts_asset_key(1) == dagster_defs.counts_asset_key(options, 1)
+    assert dagster_defs.counts_asset_key(options, 1) == AssetKey(["callbacks", "events_1_of_2"])

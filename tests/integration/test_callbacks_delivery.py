@@ -1,39 +1,24 @@
 import asyncio
+import itertools
 import random
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput, RetryPolicy
 from cmb_dagster.callbacks import worker as worker_module
-from cmb_dagster.callbacks.errors import CallbackValidationError
 from cmb_dagster.callbacks.sink import CallbackSink
+from cmb_dagster.models import Backoff
 
 FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, fast_retry_pause=0.01, lookahead=1, allowed_hosts=["127.0.0.1"]
+    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
 )
-
-
-class Running:
-    """A CallbackWorker on a thread, stopped (gracefully) by the test's teardown."""
-
-    def __init__(self, db, settings=FAST, **kwargs):
-        self.worker = CallbackWorker(db, settings, **kwargs)
-        self.report = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        self.report = self.worker.run()
-
-    def stop(self):
-        self.worker.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture
@@ -52,8 +37,8 @@ def client(db):
 def workers(db):
     started: list[Running] = []
 
-    def start(**kwargs) -> Running:
-        started.append(Running(db, **kwargs))
+    def start(settings=FAST, **kwargs) -> Running:
+        started.append(Running(CallbackWorker(db, settings, **kwargs)))
         return started[-1]
 
     yield start
@@ -93,8 +78,16 @@ def test_events_created_behind_the_cursor_but_still_ahead_wait_for_their_time(cl
     marker = client.create("a", "g", "marker", datetime.now(UTC) + timedelta(seconds=0.95), f"{sink.url}/cb")
     wait_until(lambda: any(s.cursor[1] == marker for s in running.worker._states.values()))  # polled ahead
     now = datetime.now(UTC)
-    rows = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now + timedelta(seconds=0.2 + i / 500),
-             "cb_url": f"{sink.url}/cb"} for i in range(300)]
+    rows = [
+        {
+            "owner_client_id": "a",
+            "group_key": "g",
+            "event_key": f"k{i}",
+            "run_at": now + timedelta(seconds=0.2 + i / 500),
+            "cb_url": f"{sink.url}/cb",
+        }
+        for i in range(300)
+    ]
     client.create_many(rows)  # behind the cursor yet not due: query 2 finds them ahead of their time
     wait_until(lambda: statuses(client) == {"notified": 301})
     run_ats = {r["event_key"]: r["run_at"].timestamp() for r in rows}
@@ -106,8 +99,14 @@ def test_reject_header_rejects_and_errors_retry_then_fail(client, sink, workers)
     now = datetime.now(UTC)
     client.create("a", "g", "rejected", now, f"{sink.url}/reject")
     client.create("a", "g", "retried", now, f"{sink.url}/fail", retry=RetryPolicy.constant(0.3, fast_retries=2))
-    client.create("a", "g", "expires", now, f"{sink.url}/fail",
-                  retry=RetryPolicy.constant(0.2, fast_retries=0, stop_after_delay=1.5))
+    client.create(
+        "a",
+        "g",
+        "expires",
+        now,
+        f"{sink.url}/fail",
+        retry=RetryPolicy.constant(0.2, fast_retries=0, stop_after_delay=1.5),
+    )
     workers()
     wait_until(lambda: client.get("a", "g", "rejected").status == "rejected")
     wait_until(lambda: client.get("a", "g", "retried").main_retries >= 2)
@@ -127,24 +126,32 @@ def test_twenty_writers_with_past_and_present_run_at_all_fire(db, client, sink, 
     def writer(n: int) -> None:
         with CallbackClient(db, FAST) as own:  # its own buffer: 20 concurrent batch writers
             for i in range(25):
-                if i % 5 == 0:
-                    at = same_moment  # equal run_at values across writers
-                else:
-                    at = datetime.now(UTC) - timedelta(seconds=random.uniform(0, 3))  # already due: query 2
+                # equal run_at values across writers, or already due (query 2)
+                at = same_moment if i % 5 == 0 else datetime.now(UTC) - timedelta(seconds=random.uniform(0, 3))
                 own.create(f"w{n}", "g", f"e{i}", at, f"{sink.url}/cb")
 
     with ThreadPoolExecutor(20) as pool:
         list(pool.map(writer, range(20)))
     wait_until(lambda: statuses(client) == {"notified": 500}, timeout=30)
-    assert len(keys_received(sink) | {f"{c.body['owner_client_id']}/{c.body['event_key']}" for c in sink.received}) >= 500
+    assert (
+        len(keys_received(sink) | {f"{c.body['owner_client_id']}/{c.body['event_key']}" for c in sink.received}) >= 500
+    )
     assert len({(c.body["owner_client_id"], c.body["event_key"]) for c in sink.received}) == 500
 
 
 def test_two_workers_never_call_one_event_at_the_same_time(client, sink, workers):
     now = datetime.now(UTC)
     client.create_many(
-        [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now + timedelta(milliseconds=10 * i),
-          "cb_url": f"{sink.url}/slow?ms=30"} for i in range(300)]
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": f"k{i}",
+                "run_at": now + timedelta(milliseconds=10 * i),
+                "cb_url": f"{sink.url}/slow?ms=30",
+            }
+            for i in range(300)
+        ]
     )
     pair = [workers(), workers()]
     wait_until(lambda: len(client.list(status="notified", limit=1000)) >= 100, timeout=30)
@@ -158,7 +165,7 @@ def test_two_workers_never_call_one_event_at_the_same_time(client, sink, workers
     assert len(calls) == 300
     for spans in calls.values():
         spans.sort()
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), spans
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans)), spans
     assert holder.report.items > 0 and other.worker.delivered > 0
 
 
@@ -166,8 +173,12 @@ def test_raised_buckets_are_served_without_restarting_workers(client, sink, work
     workers()
     client.set_bucket_count(12)
     now = datetime.now(UTC)
-    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now,
-                         "cb_url": f"{sink.url}/cb"} for i in range(120)])
+    client.create_many(
+        [
+            {"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now, "cb_url": f"{sink.url}/cb"}
+            for i in range(120)
+        ]
+    )
     assert len({e.bucket_id for e in client.list(limit=200)}) > 4
     wait_until(lambda: statuses(client) == {"notified": 120}, timeout=20)
     assert len(sink.received) == 120
@@ -179,15 +190,34 @@ def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, 
     steady = FAST.model_copy(update={"lease_ttl": 10})  # no lease lapses on a loaded machine (those call again)
     workers(settings=steady), workers(settings=steady)
     now = datetime.now(UTC)
-    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
-                         "run_at": now + timedelta(milliseconds=10 * i - 1000), "cb_url": f"{sink.url}/slow?ms=150"}
-                        for i in range(500)])
+    client.create_many(
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": f"k{i}",
+                "run_at": now + timedelta(milliseconds=10 * i - 1000),
+                "cb_url": f"{sink.url}/slow?ms=150",
+            }
+            for i in range(500)
+        ]
+    )
     wait_until(lambda: len(sink.received) >= 50)
     removed = [e for e in client.list(status="pending", limit=1000) if e.bucket_id >= 3]
     assert removed  # events due and in flight in the buckets about to go
     assert client.set_bucket_count(3) == [0, 1, 2]
-    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"late{i}", "run_at": now,
-                         "cb_url": f"{sink.url}/cb"} for i in range(50)])
+    client.create_many(
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": f"late{i}",
+                "run_at": now,
+                "cb_url": f"{sink.url}/cb",
+            }
+            for i in range(50)
+        ]
+    )
     wait_until(lambda: statuses(client) == {"notified": 550}, timeout=60)
     calls = defaultdict(int)
     for call in sink.received:
@@ -199,12 +229,24 @@ def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, 
         assert conn.execute("SELECT count(*) FROM callback_buckets").fetchone()[0] == 3
 
 
-def test_lowered_buckets_no_worker_holds_move_at_once_behind_the_receiving_cursor_and_fire_once(client, sink, workers, monkeypatch):
+def test_lowered_buckets_no_worker_holds_move_at_once_behind_the_receiving_cursor_and_fire_once(
+    client, sink, workers, monkeypatch
+):
     monkeypatch.setattr(worker_module, "MOVE_BATCH", 7)  # several batches per bucket
     client.set_bucket_count(6)
     past = datetime.now(UTC) - timedelta(minutes=1)
-    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
-                         "run_at": past + timedelta(milliseconds=i), "cb_url": f"{sink.url}/cb"} for i in range(120)])
+    client.create_many(
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": f"k{i}",
+                "run_at": past + timedelta(milliseconds=i),
+                "cb_url": f"{sink.url}/cb",
+            }
+            for i in range(120)
+        ]
+    )
     before = {e.event_key: e for e in client.list(limit=200)}
     served = [e for e in before.values() if e.bucket_id < 2]
     running = workers(buckets=[0, 1])  # its cursors pass the run_at and ids of the events of buckets 2-5
@@ -221,7 +263,7 @@ def test_lowered_buckets_no_worker_holds_move_at_once_behind_the_receiving_curso
 
 def test_bucket_count_is_bounded(client):
     for count in (0, -1, 4097, 100_000_000):
-        with pytest.raises(CallbackValidationError, match="count"):
+        with pytest.raises(InvalidCallbackInput, match="count"):
             client.set_bucket_count(count)
     assert client.bucket_ids() == [0, 1, 2, 3]
 
@@ -239,18 +281,30 @@ def test_an_event_moved_behind_the_cursor_still_fires(client, sink, workers):
 def test_a_lapsed_lease_is_taken_back_and_nothing_is_lost(db, client, sink, workers):
     running = workers()
     now = datetime.now(UTC)
-    client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}",
-                         "run_at": now + timedelta(milliseconds=10 * i), "cb_url": f"{sink.url}/slow?ms=20"}
-                        for i in range(300)])
+    client.create_many(
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": f"k{i}",
+                "run_at": now + timedelta(milliseconds=10 * i),
+                "cb_url": f"{sink.url}/slow?ms=20",
+            }
+            for i in range(300)
+        ]
+    )
+
     def lowest_fence() -> int:
         with db.connection() as conn:
-            return conn.execute("SELECT coalesce(min(fence), 0) FROM leases WHERE kind = 'callbacks.bucket'").fetchone()[0]
+            return conn.execute(
+                "SELECT coalesce(min(fence), 0) FROM leases WHERE kind = 'callbacks.bucket'"
+            ).fetchone()[0]
 
     wait_until(lambda: running.worker.delivered > 0)
     for round_ in range(3):  # the worker stalls past its lease (as after a long GC pause) and takes it back
         with db.connection() as conn:
             conn.execute("UPDATE leases SET expires_at = now() - interval '1 second' WHERE kind = 'callbacks.bucket'")
-        wait_until(lambda: lowest_fence() >= round_ + 2)
+        wait_until(lambda round_=round_: lowest_fence() >= round_ + 2)
     wait_until(lambda: statuses(client) == {"notified": 300}, timeout=30)
     wait_until(lambda: all(not s.in_flight for s in running.worker._states.values()))
     with db.connection() as conn:
@@ -260,20 +314,19 @@ def test_a_lapsed_lease_is_taken_back_and_nothing_is_lost(db, client, sink, work
 
 
 def test_failed_calls_are_logged_with_their_keys_at_a_bounded_rate(db, caplog):
-    from cmb_dagster.callbacks import worker as worker_module
-
     settings = CallbackSettings(allowed_hosts=["127.0.0.1"], poll_interval=0.05)
     with CallbackClient(db, settings) as client:
         for n in range(worker_module.FAILURES_LOGGED_PER_WINDOW + 5):
-            client.create("shop", "orders", f"o-{n}", datetime.now(UTC), "http://127.0.0.1:9/closed",
-                          retry=RetryPolicy.constant(3600, fast_retries=0, stop_after_delay=7200))
-        runner = CallbackWorker(db, settings)
-        with caplog.at_level("WARNING", logger="cmb_dagster.callbacks"):
-            thread = threading.Thread(target=runner.run, daemon=True)
-            thread.start()
+            client.create(
+                "shop",
+                "orders",
+                f"o-{n}",
+                datetime.now(UTC),
+                "http://127.0.0.1:9/closed",
+                retry=RetryPolicy.constant(3600, fast_retries=0, stop_after_delay=7200),
+            )
+        with caplog.at_level("WARNING", logger="cmb_dagster.callbacks"), Running(CallbackWorker(db, settings)):
             wait_until(lambda: all(e.attempts for e in client.list()), timeout=30, what="every event tried once")
-            runner.stop()
-            thread.join(30)
     lines = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
     assert len(lines) == worker_module.FAILURES_LOGGED_PER_WINDOW
     assert "callback shop/orders/o-" in lines[0] and "retries in" in lines[0]
@@ -293,16 +346,34 @@ def test_the_gate_starts_nothing_when_one_of_its_buckets_is_no_longer_held(db, c
         event_id = client.create("a", "g", f"k{n}", now, f"{sink.url}/cb")
         event = client.get("a", "g", f"k{n}")
         with db.connection() as conn:
-            bucket = conn.execute("SELECT bucket_id FROM callback_events WHERE event_id = %s", (event_id,)).fetchone()[0]
-        deliveries.append(Delivery(
-            bucket_id=bucket, event_id=event_id, run_at=event.run_at, originally_run_at=event.run_at,
-            owner_client_id="a", group_key="g", event_key=f"k{n}", cb_url=event.cb_url, context_json=None,
-            retry=RetryPolicy(), attempts=0, main_retries=0, due=0.0, lease_deadline=lambda: float("inf"),
-            on_done=lambda d: None))
+            bucket = conn.execute("SELECT bucket_id FROM callback_events WHERE event_id = %s", (event_id,)).fetchone()[
+                0
+            ]
+        deliveries.append(
+            Delivery(
+                bucket_id=bucket,
+                event_id=event_id,
+                run_at=event.run_at,
+                originally_run_at=event.run_at,
+                owner_client_id="a",
+                group_key="g",
+                event_key=f"k{n}",
+                cb_url=event.cb_url,
+                context_json=None,
+                retry=RetryPolicy(),
+                attempts=0,
+                main_retries=0,
+                due=0.0,
+                lease_deadline=lambda: float("inf"),
+                on_done=lambda d: None,
+            )
+        )
     assert {d.bucket_id for d in deliveries} == {0, 1}
     with db.connection() as conn:  # bucket 1 was taken over meanwhile
-        conn.execute("UPDATE leases SET fence = fence + 1, owner = 'other' WHERE kind = %s AND partition = '1'",
-                     (worker_module.LEASE_KIND,))
+        conn.execute(
+            "UPDATE leases SET fence = fence + 1, owner = 'other' WHERE kind = %s AND partition = '1'",
+            (worker_module.LEASE_KIND,),
+        )
     started = []
 
     async def gate_twice() -> None:
@@ -324,12 +395,14 @@ def test_a_worker_goes_on_after_its_connections_were_cut(db, client, sink, worke
     client.create("a", "g", "before", datetime.now(UTC), f"{sink.url}/cb")
     wait_until(lambda: "before" in keys_received(sink))
     with db.connection() as conn:  # every other session of this database: the worker's too
-        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
     for n in range(5):
         client.create("a", "g", f"after-{n}", datetime.now(UTC), f"{sink.url}/cb")
     wait_until(lambda: {f"after-{n}" for n in range(5)} <= keys_received(sink), timeout=30)
-    assert running.thread.is_alive()
+    assert running.threads[0].is_alive()
 
 
 def test_a_worker_whose_dispatcher_fails_stops_and_another_calls_its_events(db, client, sink, workers, monkeypatch):
@@ -357,3 +430,42 @@ def test_a_worker_whose_dispatcher_fails_stops_and_another_calls_its_events(db, 
     assert failures and raised and isinstance(raised[0].__cause__, ZeroDivisionError)
     workers()
     wait_until(lambda: "k" in keys_received(sink), timeout=30)
+
+
+# -- the worker contract: run for a time, drain on stop, progress, a stop asked while it starts -----------------------
+
+
+def test_a_run_for_a_duration_ends_by_draining_the_calls_in_flight(db, client, sink):
+    now = datetime.now(UTC)
+    client.create_many(
+        [
+            {
+                "owner_client_id": "a",
+                "group_key": "g",
+                "event_key": f"k{i}",
+                "run_at": now,
+                "cb_url": f"{sink.url}/slow?ms=800",
+            }
+            for i in range(20)
+        ]
+    )
+    progress = []
+    worker = CallbackWorker(db, FAST)
+    report = worker.run(1.0, on_progress=progress.append)
+    assert report.seconds >= 1.0 and report.items == 20 and report.owner == worker.owner
+    assert progress and not worker.listening
+    assert statuses(client) == {"notified": 20}  # every call started was let end and its outcome written
+
+
+def test_a_stop_asked_while_the_worker_starts_ends_its_run_at_once(db):
+    worker = CallbackWorker(db, FAST)
+    worker.stop()
+    started = time.monotonic()
+    report = worker.run(30)
+    assert time.monotonic() - started < 5 and report.items == 0
+
+
+def test_a_worker_built_without_settings_is_deprecated(db):
+    with pytest.deprecated_call(match="CallbackSettings"):
+        worker = CallbackWorker(db)
+    assert worker.settings.lease_ttl == CallbackSettings().lease_ttl

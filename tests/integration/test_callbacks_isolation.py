@@ -1,4 +1,4 @@
-"""Issue 29 in the callbacks engine: one bad, big or slow event affects only itself."""
+"""The isolation rule in the callbacks engine: one bad, big or slow event affects only itself."""
 
 import threading
 import time
@@ -8,23 +8,31 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from running import Running
 from waiting import wait_until
 
 from cmb_dagster.callbacks import (
     CallbackClient,
     CallbackSettings,
     CallbackTimeout,
-    CallbackValidationError,
     CallbackWorker,
+    InvalidCallbackInput,
     RetryPolicy,
     sql,
 )
 from cmb_dagster.database import Database
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import DEFAULT_MAX_PAYLOAD_BYTES, MAX_PAYLOAD_ENV
+from cmb_dagster.models import Backoff
 
-TUNING = {"poll_interval": 0.2, "lease_ttl": 3, "timeout": 1, "fast_retry_pause": 0.01, "lookahead": 1,
-          "allowed_hosts": ["127.0.0.1"]}
+TUNING = {
+    "poll_interval": 0.2,
+    "lease_ttl": 3,
+    "timeout": 1,
+    "backoff": Backoff(first=0.01),
+    "lookahead": 1,
+    "allowed_hosts": ["127.0.0.1"],
+}
 LATER = timedelta(hours=1)
 ONCE = RetryPolicy.constant(3600, fast_retries=0)  # one call, then a main retry an hour later
 
@@ -48,8 +56,11 @@ def test_the_context_limit_is_the_shared_payload_limit(db, monkeypatch):
     monkeypatch.setenv(MAX_PAYLOAD_ENV, str(64 * 2**20))
     assert CallbackSettings().max_context_bytes == 16 * 2**20  # the context's own bound stays
     monkeypatch.setenv(MAX_PAYLOAD_ENV, "2048")
-    with CallbackClient(db, CallbackSettings(**TUNING)) as client, pytest.raises(
-        CallbackValidationError, match=rf"^context: 3008 bytes as JSON, at most 2048 allowed \({MAX_PAYLOAD_ENV}\)"
+    with (
+        CallbackClient(db, CallbackSettings(**TUNING)) as client,
+        pytest.raises(
+            InvalidCallbackInput, match=rf"^context: 3008 bytes as JSON, at most 2048 allowed \({MAX_PAYLOAD_ENV}\)"
+        ),
     ):
         client.create("a", "g", "3k", datetime.now(UTC) + LATER, "http://127.0.0.1:9/cb", {"x": "y" * 3000})
 
@@ -67,8 +78,17 @@ def _create(client, context):
 
 
 def _create_many(client, context):
-    events = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": datetime.now(UTC) + LATER,
-               "cb_url": "http://127.0.0.1:9/cb", "context": context if i == 1 else {"i": i}} for i in range(3)]
+    events = [
+        {
+            "owner_client_id": "a",
+            "group_key": "g",
+            "event_key": f"k{i}",
+            "run_at": datetime.now(UTC) + LATER,
+            "cb_url": "http://127.0.0.1:9/cb",
+            "context": context if i == 1 else {"i": i},
+        }
+        for i in range(3)
+    ]
     client.create_many(events)
 
 
@@ -86,7 +106,7 @@ def test_every_create_path_refuses_a_bad_context_naming_it_and_writes_nothing(db
     monkeypatch.setenv(MAX_PAYLOAD_ENV, "2048")
     with CallbackClient(db, CallbackSettings(**TUNING)) as client:
         client.create("a", "g", "stored", datetime.now(UTC) + LATER, "http://127.0.0.1:9/cb", {"v": 1})
-        with pytest.raises(CallbackValidationError, match="^context: ") as raised:
+        with pytest.raises(InvalidCallbackInput, match="^context: ") as raised:
             path(client, bad)
         assert isinstance(raised.value, InvalidInput)
         assert [e.event_key for e in client.list()] == ["stored"] and client.get("a", "g", "stored").context == {"v": 1}
@@ -156,30 +176,33 @@ def endpoint():
 def work(db):
     """Start a CallbackWorker on a thread; stopped by the teardown."""
     started = []
-
-    def start(**kwargs):
-        worker = CallbackWorker(db, CallbackSettings(**TUNING), **kwargs)
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        started.append((worker, thread))
-
-    yield start
-    for worker, thread in started:
-        worker.stop()
-        thread.join(30)
-        assert not thread.is_alive()
+    yield lambda **kwargs: started.append(Running(CallbackWorker(db, CallbackSettings(**TUNING), **kwargs)))
+    for running in started:
+        running.stop()
 
 
 def test_a_status_line_with_a_nul_is_stored_sanitised_and_the_rest_of_the_batch_is_delivered(db, endpoint, work):
     with CallbackClient(db, CallbackSettings(**TUNING)) as client:
         client.set_bucket_count(1)  # every event in one bucket: their outcomes are written together
         now = datetime.now(UTC)
-        client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": key, "run_at": now,
-                             "cb_url": f"{endpoint.url}/{'poison' if key == 'poison' else 'ok'}", "retry": ONCE}
-                            for key in ["ok0", "ok1", "poison", "ok2", "ok3"]])
+        client.create_many(
+            [
+                {
+                    "owner_client_id": "a",
+                    "group_key": "g",
+                    "event_key": key,
+                    "run_at": now,
+                    "cb_url": f"{endpoint.url}/{'poison' if key == 'poison' else 'ok'}",
+                    "retry": ONCE,
+                }
+                for key in ["ok0", "ok1", "poison", "ok2", "ok3"]
+            ]
+        )
         work()
-        wait_until(lambda: client.get("a", "g", "poison").main_retries == 1 and not client.list(status="pending")[1:],
-                   what="the poison event retried, the others finished")
+        wait_until(
+            lambda: client.get("a", "g", "poison").main_retries == 1 and not client.list(status="pending")[1:],
+            what="the poison event retried, the others finished",
+        )
         poison = client.get("a", "g", "poison")
         assert (poison.status, poison.attempts, poison.last_error) == ("pending", 1, "HTTP 500 bad\\0reason")
         others = [e for e in client.list() if e.event_key != "poison"]
@@ -246,7 +269,9 @@ def test_a_launch_that_hangs_times_out_and_the_launches_queued_behind_it_never_s
         work(launcher=launcher)
         try:
             for key in ("hang", "queued"):
-                event = wait_until(lambda k=key: (e := client.get("a", "g", k)).main_retries and e, what=f"{key} retried")
+                event = wait_until(
+                    lambda k=key: (e := client.get("a", "g", k)).main_retries and e, what=f"{key} retried"
+                )
                 assert (event.status, event.attempts, event.last_error) == ("pending", 1, "timed out")
             assert client.get("a", "g", "web").status == "notified"
         finally:
@@ -290,8 +315,18 @@ def test_create_many_the_gate_and_the_outcome_writes_commit_outside_their_pipeli
     monkeypatch.setattr(BaseConnection, "_exec_command", spy)
     with CallbackClient(db, CallbackSettings(**TUNING)) as client:
         now = datetime.now(UTC)
-        client.create_many([{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": now,
-                             "cb_url": f"{endpoint.url}/ok"} for i in range(5)])
+        client.create_many(
+            [
+                {
+                    "owner_client_id": "a",
+                    "group_key": "g",
+                    "event_key": f"k{i}",
+                    "run_at": now,
+                    "cb_url": f"{endpoint.url}/ok",
+                }
+                for i in range(5)
+            ]
+        )
         work()
         wait_until(lambda: [e.status for e in client.list()] == ["notified"] * 5)
     assert len(inside) >= 3 and not any(inside)  # create_many, at least one gate, at least one outcome write
@@ -311,8 +346,17 @@ def test_a_create_many_of_10_mb_of_contexts_commits_within_a_minute_over_the_uni
     """The commit is never sent inside a pipeline, where it can wait forever on large data (psycopg #685)."""
     db = Database(_socket_url(database_url))
     at = datetime.now(UTC) + LATER
-    events = [{"owner_client_id": "a", "group_key": "g", "event_key": f"k{i}", "run_at": at,
-               "cb_url": "http://127.0.0.1:9/cb", "context": {"blob": f"{i:04}" + "x" * 25_000}} for i in range(400)]
+    events = [
+        {
+            "owner_client_id": "a",
+            "group_key": "g",
+            "event_key": f"k{i}",
+            "run_at": at,
+            "cb_url": "http://127.0.0.1:9/cb",
+            "context": {"blob": f"{i:04}" + "x" * 25_000},
+        }
+        for i in range(400)
+    ]
     ids = []
     try:
         with CallbackClient(db, CallbackSettings(**TUNING)) as client:

@@ -1,3 +1,4 @@
+import itertools
 import threading
 from datetime import UTC, datetime, timedelta, timezone
 
@@ -11,9 +12,12 @@ T0 = datetime(2024, 5, 1, tzinfo=UTC)
 
 def events(db):
     with db.connection() as conn:
-        return [row[0] for row in conn.execute(
-            "SELECT payload FROM pubsub_events WHERE branch_id = %s ORDER BY id", (CTL_BRANCH_ID,)
-        ).fetchall()]
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT payload FROM pubsub_events WHERE branch_id = %s ORDER BY id", (CTL_BRANCH_ID,)
+            ).fetchall()
+        ]
 
 
 def test_set_get_and_get_many(db):
@@ -109,21 +113,24 @@ def test_concurrent_writers_leave_an_exact_history_chain(db):
     assert errors == []
     chain = list(reversed(store.history("sales", "loaded_until", limit=1000)))
     assert chain[0].old_value is None
-    for before, after in zip(chain, chain[1:]):
+    for before, after in itertools.pairwise(chain):
         assert after.old_value == before.new_value  # every change saw exactly the value it replaced
     assert chain[-1].new_value == store.get("sales", "loaded_until")
     assert len(events(db)) == len(chain)
 
 
 def test_the_change_stream_delivers_every_change(db):
-    from cmb_dagster.pubsub import Consumer
+    from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker
 
     store = CtlStore(db)
     for i in range(5):
         store.set("sales", "loaded_until", T0 + timedelta(hours=i))
     seen = []
-    consumer = Consumer(db, "test.ctl", CTL_BRANCH_ID, lambda conn, batch: seen.extend(
-        c["new"] for e in batch for c in e.payload["changes"]))
+
+    def handler(conn, batch) -> None:
+        seen.extend(c["new"] for e in batch for c in e.payload["changes"])
+
+    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id="test.ctl", branch_id=CTL_BRANCH_ID, handler=handler))
     while consumer.run_once():
         pass
     assert seen == [(T0 + timedelta(hours=i)).isoformat() for i in range(5)]

@@ -47,3 +47,70 @@ def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url):
         create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.NOT_STARTED)
         # a standby waits: nothing more to launch
         assert isinstance(keeper(build_sensor_context(instance=instance)), SkipReason)
+
+
+def test_the_status_sensor_records_what_changed_and_what_waits(database_url):
+    from dagster import AssetKey, AssetObservation
+
+    from cmb_dagster.jobs import status_sensor
+
+    figures = {"a": {"queued": 0, "oldest_seconds": 0.0}, "b": {"queued": 0, "oldest_seconds": 0.0}}
+
+    def observe(database):
+        return [AssetObservation(asset_key=AssetKey([name]), metadata=dict(f)) for name, f in figures.items()]
+
+    sensor = status_sensor("demo_status", observe, minimum_interval_seconds=5, description="demo")
+    resources = {"cmb": CmbResource(database_url=database_url)}
+
+    def tick(cursor):
+        with build_sensor_context(resources=resources, cursor=cursor) as context:
+            result = sensor.evaluate_tick(context)
+        return sorted(e.asset_key.path[0] for e in result.asset_events), result.cursor or cursor
+
+    recorded, cursor = tick(None)
+    assert recorded == ["a", "b"]  # the first tick records everything
+    assert tick(cursor)[0] == []  # nothing changed, nothing waits: an idle engine records nothing
+    figures["b"] = {"queued": 3, "oldest_seconds": 0.0}
+    recorded, cursor = tick(cursor)
+    assert recorded == ["b"]
+    figures["b"] = {"queued": 3, "oldest_seconds": 12.5}  # only the age grows while work waits: still recorded
+    assert tick(cursor)[0] == ["b"]
+
+
+def test_the_reactive_status_sensor_counts_tasks_on_the_translated_asset(database_url):
+    from dagster import AssetKey, job, op
+
+    from cmb_dagster import CmbTranslator, ReactiveOptions, ReactiveTask
+    from cmb_dagster.triggers import Delta
+
+    @op
+    def noop() -> None:
+        pass
+
+    @job
+    def mart() -> None:
+        noop()
+
+    class Translator(CmbTranslator):
+        def get_asset_key(self, engine, name):
+            return AssetKey(["watch", engine, *name])
+
+    defs = cmb_definitions(
+        resource=CmbResource(database_url=database_url),
+        translator=Translator(),
+        reactive=ReactiveOptions(tasks=[ReactiveTask("mart", mart, Delta("a/b", "p", "1h"))]),
+    )
+    repo = defs.get_repository_def()
+    with instance_for_test() as instance:
+        with build_sensor_context(
+            instance=instance, resources={"cmb": CmbResource(database_url=database_url)}, repository_def=repo
+        ) as context:
+            repo.get_sensor_def("cmb_reactive_scheduler")(context)  # stores the task's state
+        with build_sensor_context(
+            instance=instance, resources={"cmb": CmbResource(database_url=database_url)}
+        ) as context:
+            [observation] = repo.get_sensor_def("cmb_reactive_status").evaluate_tick(context).asset_events
+    assert observation.asset_key == AssetKey(["watch", "reactive", "tasks"])
+    counts = {k: v.value for k, v in observation.metadata.items()}
+    assert counts["waiting"] + counts["ready"] + counts["launched"] + counts["backoff"] == 1
+    assert AssetKey(["watch", "reactive", "tasks"]) in repo.source_assets_by_key

@@ -38,8 +38,13 @@ def test_two_schemas_share_one_database(empty_database_url):
 
 def test_four_parallel_upgrades_apply_each_migration_once(empty_database_url):
     procs = [
-        subprocess.Popen([*CLI, "db", "upgrade"], env={**os.environ, "CMB_DATABASE_URL": empty_database_url},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*CLI, "db", "upgrade"],
+            env={**os.environ, "CMB_DATABASE_URL": empty_database_url},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(4)
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
@@ -92,13 +97,17 @@ def test_embedded_server_is_shared_between_processes():
     from cmb_dagster.settings import Settings
 
     here = embedded_url(Settings.from_env().home)
-    code = "from cmb_dagster.embedded import embedded_url; from cmb_dagster.settings import Settings; " \
-           "print(embedded_url(Settings.from_env().home))"
+    code = (
+        "from cmb_dagster.embedded import embedded_url; from cmb_dagster.settings import Settings; "
+        "print(embedded_url(Settings.from_env().home))"
+    )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
     assert other == here
     with psycopg.connect(here) as a, psycopg.connect(other) as b:
-        assert a.execute("SELECT pg_postmaster_start_time()").fetchone() == b.execute(
-            "SELECT pg_postmaster_start_time()").fetchone()
+        assert (
+            a.execute("SELECT pg_postmaster_start_time()").fetchone()
+            == b.execute("SELECT pg_postmaster_start_time()").fetchone()
+        )
 
 
 def test_a_migration_missing_below_the_newest_is_applied(database_url):

@@ -30,7 +30,8 @@ from cmb_dagster.eventqueue import (
     pause,
     status,
 )
-from cmb_dagster.eventqueue.dagster_defs import RUN_KEY_TAG, EventQueueResource, EventRunLauncher
+from cmb_dagster.eventqueue.dagster_defs import RUN_KEY_TAG, EventQueueResource
+from cmb_dagster.jobs import QueuedRunLauncher
 from cmb_dagster.resources import CmbResource
 
 SEEN = []
@@ -80,8 +81,9 @@ def emitting_job() -> None:
 
 
 def defs(database_url: str) -> Definitions:
-    return cmb_definitions(resource=CmbResource(database_url=database_url), events=OPTIONS,
-                           jobs=[nightly_report, emitting_job])
+    return cmb_definitions(
+        resource=CmbResource(database_url=database_url), events=OPTIONS, jobs=[nightly_report, emitting_job]
+    )
 
 
 def count(db):
@@ -102,8 +104,9 @@ def test_definitions_status_sensor_worker_job_and_resource(db, database_url):
             sensor(ctx)  # registers the handlers, so ops can emit before any worker ran
 
         emitting = repo.get_job("emitting_job")
-        assert not emitting.execute_in_process(instance=instance, raise_on_error=False,
-                                               run_config={"ops": {"emitting_op": {"config": {"fail": True}}}}).success
+        assert not emitting.execute_in_process(
+            instance=instance, raise_on_error=False, run_config={"ops": {"emitting_op": {"config": {"fail": True}}}}
+        ).success
         assert count(db) == 0
         assert emitting.execute_in_process(instance=instance).success
         assert count(db) == 1
@@ -111,8 +114,8 @@ def test_definitions_status_sensor_worker_job_and_resource(db, database_url):
         emit("elsewhere", "note", 2, db=db)
 
         worker = repo.get_job("cmb_events_worker_0_of_2")
-        run = worker.execute_in_process(instance=instance,
-                                        run_config={"ops": {"cmb_events_worker_0_of_2_op": {"config": {"duration_seconds": 1.0}}}})
+        one_second = {"ops": {"cmb_events_worker_0_of_2_op": {"config": {"duration_seconds": 1.0}}}}
+        run = worker.execute_in_process(instance=instance, run_config=one_second)
         assert run.success
         assert count(db) == 1 and {"from": "op"} in SEEN  # the paused one waits
 
@@ -136,8 +139,9 @@ def test_dagster_job_handler_launches_one_run_per_event(db, database_url, queued
     target = LoadableTargetOrigin(executable_path=sys.executable, python_file=__file__, attribute="location")
     remote = RemoteRepositoryOrigin(InProcessCodeLocationOrigin(target, location_name="test"), "__repository__")
     python = RepositoryPythonOrigin(sys.executable, CodePointer.from_python_file(__file__, "location", None))
-    launcher = EventRunLauncher(queued_instance, repository, remote, python)
-    worker = EventWorker(db, handlers, WorkerSettings(listen=False), launcher=launcher)
+    launcher = QueuedRunLauncher(queued_instance, repository, remote, python, run_key_tag=RUN_KEY_TAG)
+    options = EventQueueOptions(handlers=handlers, worker=WorkerSettings(listen=False))
+    worker = EventWorker(db, options, launcher=launcher)
     worker.register()
     good = emit("ns", "report", {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}, db=db)
     bad = emit("ns", "typo", {}, db=db)
@@ -150,7 +154,7 @@ def test_dagster_job_handler_launches_one_run_per_event(db, database_url, queued
     assert run.tags["cmb/eventqueue/event_id"] == str(good)
     again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})
     assert again == run.run_id  # the run key keeps a retried event from launching twice
-    assert [s.dead for s in status(db) if s.handler == "typo"] == [1]
+    assert [s.dead for s in status(db).handlers if s.handler == "typo"] == [1]
     worker.close()
 
 

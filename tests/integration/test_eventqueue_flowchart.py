@@ -1,11 +1,13 @@
-"""One test per edge of the seed's dequeue flowchart, named after the edge."""
+"""One test per edge of the dequeue flowchart (docs/eventqueue.md), named after the edge."""
 
 import time
 
 import pytest
 
 from cmb_dagster.eventqueue import (
+    Backoff,
     Edge,
+    EventQueueOptions,
     EventWorker,
     HandlerRegistry,
     WorkerSettings,
@@ -40,9 +42,9 @@ def calls():
 @pytest.fixture
 def worker(db, calls):
     registry = HandlerRegistry()
-    registry.add("h", calls, lock_expiry=30, max_retries=2, retry_delay=0.2, max_retry_delay=0.2)
+    registry.add("h", calls, lock_expiry=30, max_retries=2, backoff=Backoff(first=0.2, max=0.2))
     registry.add("other", lambda e: None)
-    w = EventWorker(db, registry, SETTINGS)
+    w = EventWorker(db, EventQueueOptions(handlers=registry, worker=SETTINGS))
     w.register()
     yield w
     w.close()
@@ -100,8 +102,10 @@ def test_delay_not_yet_requeues(db, worker, calls):
 def test_is_locked_requeues(db, worker, calls):
     event_id = emit("ns", "h", 1, db=db)
     with db.connection() as conn:
-        conn.execute("UPDATE eventqueue_events SET locked_at = now(), visible_at = now() + interval '30 s' WHERE id = %s",
-                     (event_id,))
+        conn.execute(
+            "UPDATE eventqueue_events SET locked_at = now(), visible_at = now() + interval '30 s' WHERE id = %s",
+            (event_id,),
+        )
     assert worker.dequeue([event_id]) == {event_id: [Edge.IS_LOCKED]}
     assert worker.run_once() == 0 and calls.events == []
 
@@ -109,8 +113,11 @@ def test_is_locked_requeues(db, worker, calls):
 def test_lock_expired_claims(db, worker, calls):
     event_id = emit("ns", "h", 1, db=db)
     with db.connection() as conn:  # a worker claimed it 31 s ago and died
-        conn.execute("UPDATE eventqueue_events SET locked_at = now() - interval '31 s', "
-                     "visible_at = now() - interval '1 s' WHERE id = %s", (event_id,))
+        conn.execute(
+            "UPDATE eventqueue_events SET locked_at = now() - interval '31 s', "
+            "visible_at = now() - interval '1 s' WHERE id = %s",
+            (event_id,),
+        )
     assert worker.run_once() == 1
     assert [e.id for e in calls.events] == [event_id] and row(db, event_id) is None
 
@@ -143,8 +150,14 @@ def test_exception_retry_too_many_dead_letters_and_replay(db, worker, calls):
     for _ in range(3):
         time.sleep(0.21)
         edges += worker.dequeue([event_id])[event_id]
-    assert edges == [Edge.LOCK_NONE, Edge.RETRY_ALLOWED, Edge.LOCK_NONE, Edge.RETRY_ALLOWED,
-                     Edge.LOCK_NONE, Edge.RETRY_TOO_MANY]
+    assert edges == [
+        Edge.LOCK_NONE,
+        Edge.RETRY_ALLOWED,
+        Edge.LOCK_NONE,
+        Edge.RETRY_ALLOWED,
+        Edge.LOCK_NONE,
+        Edge.RETRY_TOO_MANY,
+    ]
     assert row(db, event_id) is None
     [dead] = dead_letters(db)
     assert (dead.id, dead.value, dead.retries) == (event_id, {"x": 1}, 2)
@@ -167,7 +180,7 @@ def test_an_exception_that_cannot_describe_itself_is_still_retried(db, calls):
 
     registry = HandlerRegistry()
     registry.add("h", broken)
-    worker = EventWorker(db, registry, SETTINGS)
+    worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=SETTINGS))
     event_id = emit("ns", "h", 1, db=db) if worker.register() is None else None
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_NONE, Edge.RETRY_ALLOWED]}
     assert row(db, event_id)[5] == "BrokenError: (its message could not be read)"
@@ -184,7 +197,7 @@ def test_exception_in_retry_check_requeues_after_lock_expiry(db, calls):
 
     registry = HandlerRegistry()
     registry.add("h", cut_off, lock_expiry=1.0)
-    worker = EventWorker(db, registry, SETTINGS)
+    worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=SETTINGS))
     event_id = emit("ns", "h", 1, db=db) if worker.register() is None else None
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_NONE, Edge.RETRY_CHECK_FAILED]}
     assert row(db, event_id)[1] is not None  # still locked

@@ -3,16 +3,18 @@ before it reaches Postgres, errors that cannot be stored as they are, and delete
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
+from running import Running
 from waiting import wait_until
 
 from cmb_dagster.eventqueue import (
+    Backoff,
+    EventQueueOptions,
     EventWorker,
     HandlerRegistry,
-    InvalidInput,
+    InvalidEventQueueInput,
     WorkerSettings,
     dead_letters,
     emit,
@@ -29,63 +31,66 @@ def test_no_claimed_event_of_a_paused_handler_starts_after_pause_returns(db):
     registry = HandlerRegistry()
     registry.add("slow", lambda e: (starts.append((e.id, time.monotonic())), time.sleep(0.5)))
     registry.add("other", lambda e: others.append(e.id))
-    worker = EventWorker(db, registry, WorkerSettings(batch_size=10, sweep_interval=0.1))
-    worker.register()
+    worker = worker_for(db, registry, WorkerSettings(batch_size=10, sweep_interval=0.1))
     ids = [emit("ns", "slow", i, db=db) for i in range(10)]
-    thread = threading.Thread(target=worker.run, args=(30,), daemon=True)
-    thread.start()
-    wait_until(lambda: worker.listening and starts, 10, "the first event started")
-    pause(db, "ns", "slow")
-    paused_at = time.monotonic()
-    other = emit_many([{"namespace": "ns", "handler": "other", "value": i} for i in range(1000)], db=db)
-    wait_until(lambda: sorted(others) == other, 30, "1,000 events of a handler that is not paused done")
-    time.sleep(1.2)  # more than two calls of the paused handler
-    started = [event_id for event_id, at in starts if at > paused_at]
-    assert not started, f"events started after pause() returned: {started}"
-    [slow] = [s for s in status(db) if s.handler == "slow"]
-    assert slow.held == 10 - len(starts) >= 5  # pause() did not wait for the batch: the rest is held
-    unpause(db, "ns", "slow")
-    wait_until(lambda: sorted(e for e, _ in starts) == ids, 20, "every event ran after unpause")
-    worker.stop()
-    thread.join(10)
+    with Running(worker):
+        wait_until(lambda: worker.listening and starts, 10, "the first event started")
+        pause(db, "ns", "slow")
+        paused_at = time.monotonic()
+        other = emit_many([{"namespace": "ns", "handler": "other", "value": i} for i in range(1000)], db=db)
+        wait_until(lambda: sorted(others) == other, 30, "1,000 events of a handler that is not paused done")
+        time.sleep(1.2)  # more than two calls of the paused handler
+        started = [event_id for event_id, at in starts if at > paused_at]
+        assert not started, f"events started after pause() returned: {started}"
+        [slow] = [s for s in status(db).handlers if s.handler == "slow"]
+        assert slow.held == 10 - len(starts) >= 5  # pause() did not wait for the batch: the rest is held
+        unpause(db, "ns", "slow")
+        wait_until(lambda: sorted(e for e, _ in starts) == ids, 20, "every event ran after unpause")
 
 
 def test_pause_waits_for_a_worker_that_has_not_applied_it(db):
     """A worker that misses the rule's notification applies and acknowledges it at its next claim."""
     registry = HandlerRegistry()
     registry.add("h", lambda e: None)
-    worker = EventWorker(db, registry, WorkerSettings(listen=False, sweep_interval=0.3))
+    with Running(worker_for(db, registry, WorkerSettings(listen=False, sweep_interval=0.3))):
+        wait_until(lambda: _live_workers(db) == 1, 10, "the worker's lease")
+        started = time.monotonic()
+        pause(db, "ns", "h", wait=10)
+        assert time.monotonic() - started < 5  # within a sweep or so, not the whole wait
+        with db.connection() as conn:
+            assert conn.execute("SELECT rules_seen FROM eventqueue_workers").fetchone()[0] >= 1
+
+
+def worker_for(db, registry: HandlerRegistry, settings: WorkerSettings) -> EventWorker:
+    """A worker of ``registry`` whose handlers are registered, so events can be emitted to them."""
+    worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=settings))
     worker.register()
-    thread = threading.Thread(target=worker.run, args=(30,), daemon=True)
-    thread.start()
-    wait_until(lambda: _live_workers(db) == 1, 10, "the worker's lease")
-    started = time.monotonic()
-    pause(db, "ns", "h", wait=10)
-    assert time.monotonic() - started < 5  # within a sweep or so, not the whole wait
-    with db.connection() as conn:
-        assert conn.execute("SELECT rules_seen FROM eventqueue_workers").fetchone()[0] >= 1
-    worker.stop()
-    thread.join(10)
+    return worker
 
 
 def _live_workers(db) -> int:
     with db.connection() as conn:
-        return conn.execute("SELECT count(*) FROM leases WHERE kind = 'eventqueue.worker' AND expires_at > now()").fetchone()[0]
+        return conn.execute(
+            "SELECT count(*) FROM leases WHERE kind = 'eventqueue.worker' AND expires_at > now()"
+        ).fetchone()[0]
 
 
-@pytest.mark.parametrize(("field", "event"), [
-    ("value", {"value": {"k": "\udc80"}}),
-    ("namespace", {"namespace": "ns\ud800"}),
-    ("delay", {"delay": 1e13}),
-    ("delay", {"delay": 1.7e12}),  # milliseconds passed as seconds
-    ("delay", {"delay": 1e300}),
-])
+@pytest.mark.parametrize(
+    ("field", "event"),
+    [
+        ("value", {"value": {"k": "\udc80"}}),
+        ("namespace", {"namespace": "ns\ud800"}),
+        ("delay", {"delay": 1e13}),
+        ("delay", {"delay": 1.7e12}),  # milliseconds passed as seconds
+        ("delay", {"delay": 1e300}),
+    ],
+)
 def test_bad_input_is_refused_before_postgres_and_the_callers_transaction_goes_on(db, field, event):
     registry = HandlerRegistry()
     registry.add("h", lambda e: None)
-    EventWorker(db, registry).register()
+    worker_for(db, registry, WorkerSettings())
     with db.connection() as conn:
-        with pytest.raises(InvalidInput, match=f"^{field}: "):
+        with pytest.raises(InvalidEventQueueInput, match=f"^{field}: "):
             emit(**{"namespace": "ns", "handler": "h", "value": 1, **event}, conn=conn)
         assert conn.execute("SELECT 1").fetchone() == (1,)  # the transaction is not aborted
         assert conn.execute("SELECT count(*) FROM eventqueue_events").fetchone() == (0,)
@@ -94,10 +99,9 @@ def test_bad_input_is_refused_before_postgres_and_the_callers_transaction_goes_o
 def test_an_event_visible_beyond_what_python_can_hold_does_not_break_the_idle_worker(db):
     registry = HandlerRegistry()
     registry.add("h", lambda e: None)
-    worker = EventWorker(db, registry, WorkerSettings(listen=False))
-    worker.register()
+    worker = worker_for(db, registry, WorkerSettings(listen=False))
     emit("ns", "h", 1, db=db)
-    with db.connection() as conn:  # written around the API (or by an older version)
+    with db.connection() as conn:  # written around the API
         conn.execute("UPDATE eventqueue_events SET delay_until = '55000-01-01', visible_at = '55000-01-01'")
     assert worker.run_once() == 0
     assert worker._sleep_for() == worker.settings.sweep_interval
@@ -109,9 +113,8 @@ def test_an_error_message_postgres_cannot_store_as_it_is_still_dead_letters_the_
         raise ValueError("bad \x00 byte and \udc80 half a character")
 
     registry = HandlerRegistry()
-    registry.add("h", poison, max_retries=1, retry_delay=0.05)
-    worker = EventWorker(db, registry, WorkerSettings(listen=False))
-    worker.register()
+    registry.add("h", poison, max_retries=1, backoff=Backoff(first=0.05))
+    worker = worker_for(db, registry, WorkerSettings(listen=False))
     event_id = emit("ns", "h", 1, db=db)
     wait_until(lambda: worker.run_once() == 0 and dead_letters(db), 10, "the event dead-lettered")
     [dead] = dead_letters(db)
@@ -134,11 +137,10 @@ def test_finished_events_are_deleted_after_the_connection_comes_back(db):
                 conn.execute("SELECT pg_terminate_backend(%s)", (worker._own.get().info.backend_pid,))
 
     registry.add("h", record, lock_expiry=1.0)
-    worker = EventWorker(db, registry, WorkerSettings(listen=False, sweep_interval=0.1))
-    worker.register()
+    worker = worker_for(db, registry, WorkerSettings(listen=False, sweep_interval=0.1))
     ids = [emit("ns", "h", i, db=db) for i in range(5)]
     assert worker.run_once() == 5  # the batch ran; its delete could not be sent
-    other = EventWorker(db, registry, WorkerSettings(listen=False))
+    other = EventWorker(db, EventQueueOptions(handlers=registry, worker=WorkerSettings(listen=False)))
     time.sleep(1.2)  # the events' locks have lapsed
     worker.run_once()  # reconnects and deletes them first
     assert other.run_once() == 0

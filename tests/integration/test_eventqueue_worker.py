@@ -7,12 +7,14 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
+from running import Running
 from waiting import wait_until
 
 from cmb_dagster.eventqueue import (
+    EventQueueOptions,
     EventWorker,
     HandlerRegistry,
-    InvalidInput,
+    InvalidEventQueueInput,
     NotDead,
     UnknownHandler,
     WorkerSettings,
@@ -48,25 +50,11 @@ def registry_with(recorder, *names, **config):
     return registry
 
 
-class Running:
-    """EventWorkers looping in threads for the length of a with block."""
-
-    def __init__(self, *workers):
-        self.workers = workers
-        self.threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
-
-    def __enter__(self):
-        for w in self.workers:
-            w.register()
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        for w in self.workers:
-            w.stop()
-        for t in self.threads:
-            t.join(10)
+def worker_for(db, registry, settings=None):
+    """A worker of ``registry`` whose handlers are registered, so events can be emitted to them."""
+    worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=settings or WorkerSettings()))
+    worker.register()
+    return worker
 
 
 def queued(db):
@@ -90,18 +78,21 @@ def test_bad_input_is_refused_naming_the_field_and_writes_nothing(db):
     with pytest.raises(UnknownHandler, match="handler: no handler named 'nope'"):
         emit("ns", "nope", 1, db=db)
     with pytest.raises(UnknownHandler, match="handler"):
-        emit_many([{"namespace": "ns", "handler": "h", "value": 1}, {"namespace": "ns", "handler": "nope", "value": 2}],
-                  db=db)
-    with pytest.raises(InvalidInput, match="value: not JSON"):
+        emit_many(
+            [{"namespace": "ns", "handler": "h", "value": 1}, {"namespace": "ns", "handler": "nope", "value": 2}], db=db
+        )
+    with pytest.raises(InvalidEventQueueInput, match="value: not JSON"):
         emit("ns", "h", {"when": object()}, db=db)
-    with pytest.raises(InvalidInput, match="value"):
+    with pytest.raises(InvalidEventQueueInput, match="value"):
         emit("ns", "h", float("nan"), db=db)
-    with pytest.raises(InvalidInput, match="delay: must not be negative"):
+    with pytest.raises(InvalidEventQueueInput, match="delay: must not be negative"):
         emit("ns", "h", 1, delay=-1, db=db)
-    with pytest.raises(InvalidInput, match="delay: must not be negative"):
+    with pytest.raises(InvalidEventQueueInput, match="delay: must not be negative"):
         emit("ns", "h", 1, delay=timedelta(seconds=-1), db=db)
-    with pytest.raises(InvalidInput, match=r"events\[1\].namespace"):
-        emit_many([{"namespace": "ns", "handler": "h", "value": 1}, {"namespace": "", "handler": "h", "value": 1}], db=db)
+    with pytest.raises(InvalidEventQueueInput, match=r"events\[1\].namespace"):
+        emit_many(
+            [{"namespace": "ns", "handler": "h", "value": 1}, {"namespace": "", "handler": "h", "value": 1}], db=db
+        )
     with pytest.raises(UnknownHandler, match="handler"):
         pause(db, "ns", "nope")
     with pytest.raises(NotDead, match="ids: event 12345 is not in the dead-letter table"):
@@ -116,7 +107,7 @@ def test_bad_input_is_refused_naming_the_field_and_writes_nothing(db):
 
 def test_notification_wakes_worker_at_once(db):
     recorder = Recorder()
-    worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(sweep_interval=30))
+    worker = worker_for(db, registry_with(recorder, "h"), WorkerSettings(sweep_interval=30))
     with Running(worker):
         wait_until(lambda: worker.listening, what="listener connected")
         time.sleep(0.2)  # the first sweep has passed: only a notification can wake the worker now
@@ -130,26 +121,29 @@ def test_notification_wakes_worker_at_once(db):
 def test_notifications_off_events_still_run_within_sweep_and_listener_reconnects(db):
     recorder = Recorder()
     settings = WorkerSettings(sweep_interval=0.5, heartbeat=0.2)
-    worker = EventWorker(db, registry_with(recorder, "h"), settings)
+    worker = worker_for(db, registry_with(recorder, "h"), settings)
     with Running(worker):
         wait_until(lambda: worker.listening, what="listener connected")
         with db.connection() as conn:  # kill the LISTEN connection behind the worker's back
             killed = conn.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND pid <> pg_backend_pid() AND (query LIKE 'LISTEN%%' OR query = 'SELECT 1')").fetchone()[0]
+                "AND pid <> pg_backend_pid() AND (query LIKE 'LISTEN%%' OR query = 'SELECT 1')"
+            ).fetchone()[0]
         assert killed >= 1
         started = time.monotonic()
         ids = [emit("ns", "h", i, db=db) for i in range(20)]
         wait_until(lambda: all(recorder.seen[i] for i in ids), timeout=10, what="events run without notifications")
         assert max(recorder.started[i] for i in ids) - started < settings.sweep_interval + 3.0
-        wait_until(lambda: worker.listening and worker.listener.connections >= 2, timeout=10, what="listener reconnected")
+        wait_until(
+            lambda: worker.listening and worker._loop.listener.connections >= 2, timeout=10, what="listener reconnected"
+        )
         event_id = emit("ns", "h", 1, db=db)
         wait_until(lambda: recorder.seen[event_id], timeout=10, what="event run after reconnect")
 
 
 def test_sweep_only_worker_runs_events_within_sweep_interval(db):
     recorder = Recorder()
-    worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(listen=False, sweep_interval=0.3))
+    worker = worker_for(db, registry_with(recorder, "h"), WorkerSettings(listen=False, sweep_interval=0.3))
     with Running(worker):
         time.sleep(0.2)
         started = time.monotonic()
@@ -160,8 +154,7 @@ def test_sweep_only_worker_runs_events_within_sweep_interval(db):
 
 def test_pause_holds_unpause_delivers_and_other_handlers_go_on(db):
     recorder = Recorder()
-    worker = EventWorker(db, registry_with(recorder, "paused", "free"), WorkerSettings(sweep_interval=0.2))
-    worker.register()
+    worker = worker_for(db, registry_with(recorder, "paused", "free"), WorkerSettings(sweep_interval=0.2))
     pause(db, "ns", "paused")
     with Running(worker):
         held = emit_many([{"namespace": "ns", "handler": "paused", "value": i} for i in range(50)], db=db)
@@ -179,8 +172,7 @@ def test_pause_holds_unpause_delivers_and_other_handlers_go_on(db):
 
 def test_block_holds_until_unblock_and_pause_plus_block_needs_both_lifted(db):
     recorder = Recorder()
-    worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(sweep_interval=0.2))
-    worker.register()
+    worker = worker_for(db, registry_with(recorder, "h"), WorkerSettings(sweep_interval=0.2))
     block(db, "ns", "h")
     pause(db, "ns", "h")
     with Running(worker):
@@ -195,20 +187,36 @@ def test_block_holds_until_unblock_and_pause_plus_block_needs_both_lifted(db):
 
 
 def status_of(db, handler):
-    return next(s for s in status(db) if s.handler == handler)
+    return next(s for s in status(db).handlers if s.handler == handler)
 
 
 def test_status_counts(db):
     recorder = Recorder()
     registry = registry_with(recorder, "h", max_retries=0)
-    worker = EventWorker(db, registry, WorkerSettings(listen=False))
-    worker.register()
+    worker = worker_for(db, registry, WorkerSettings(listen=False))
     emit("ns", "h", 1, db=db)
     emit("ns", "h", 1, delay=60, db=db)
     s = status_of(db, "h")
     assert (s.queued, s.delayed, s.locked, s.held, s.dead, s.kind) == (1, 1, 0, 0, 0, "python")
     assert s.oldest_queued_seconds >= 0
+    assert status(db).totals == {"queued": 1, "delayed": 1, "locked": 0, "held": 0, "dead": 0}
+    with pytest.warns(DeprecationWarning):  # status(db) was the list of rows
+        assert [r.handler for r in status(db)] == ["h"]
     worker.close()
+
+
+def test_the_old_constructor_still_runs_events_with_a_warning(db):
+    recorder = Recorder()
+    with pytest.warns(DeprecationWarning, match="EventQueueOptions"):
+        worker = EventWorker(db, registry_with(recorder, "h"), WorkerSettings(listen=False, sweep_interval=0.1))
+    assert worker.settings.sweep_interval == 0.1 and worker.names == ["h"]
+    worker.register()
+    event_id = emit("ns", "h", 1, db=db)
+    assert worker.run(0.5).items == 1 and recorder.seen[event_id] == 1
+    with pytest.warns(DeprecationWarning):
+        EventWorker(db, registry_with(recorder, "h"))  # as the README shows it
+    with pytest.raises(InvalidEventQueueInput, match="settings"):
+        EventWorker(db, EventQueueOptions(handlers=registry_with(recorder, "h")), WorkerSettings())
 
 
 def test_cron_handler_emits_once_per_interval_across_workers(db):
@@ -217,7 +225,7 @@ def test_cron_handler_emits_once_per_interval_across_workers(db):
     def make_worker():
         registry = registry_with(recorder, "tick")
         registry.cron("every_second", "* * * * * *", handler="tick", value={"cron": True})
-        return EventWorker(db, registry, WorkerSettings(sweep_interval=0.1, cron_interval=0.05))
+        return worker_for(db, registry, WorkerSettings(sweep_interval=0.1, cron_interval=0.05))
 
     workers = [make_worker() for _ in range(3)]
     with Running(*workers):

@@ -2,8 +2,9 @@
 
 import threading
 
-from cmb_dagster.notifications import Listener, channel_name
 from waiting import wait_until
+
+from cmb_dagster.notifications import Listener, channel_name
 
 
 def test_listener_delivers_and_reconnects(db):
@@ -23,9 +24,11 @@ def test_listener_delivers_and_reconnects(db):
         wait_until(lambda: (channel, "one") in got, timeout=10, what="notification delivered")
 
         with db.connection() as conn:  # kill the listening connection behind its back
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE (query LIKE 'LISTEN%%' OR query = 'SELECT 1') AND pid <> pg_backend_pid() "
-                         "AND datname = current_database()")
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE (query LIKE 'LISTEN%%' OR query = 'SELECT 1') AND pid <> pg_backend_pid() "
+                "AND datname = current_database()"
+            )
         wait_until(lambda: got.count((channel, None)) >= 2, timeout=10, what="reconnected")
         with db.connection() as conn:
             conn.execute("SELECT pg_notify(%s, 'two')", (channel,))

@@ -9,10 +9,10 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 from psycopg import sql
+from waiting import wait_until
 
 from cmb_dagster.database import Database
 from cmb_dagster.notifications import Listener, channel_name
-from waiting import wait_until
 
 LOGGER = "cmb_dagster.notifications"
 OUTAGE_S = 3.0
@@ -64,8 +64,11 @@ def test_an_outage_is_one_warning_then_one_line_when_it_reconnects(db, database_
         with psycopg.connect(server_url, autocommit=True) as admin:
             admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(sql.Identifier(name)))
             try:
-                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = %s AND pid <> pg_backend_pid()", (name,))
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (name,),
+                )
                 wait_until(lambda: messages(log_records(), "lost its connection"), timeout=10, what="loss logged")
                 time.sleep(OUTAGE_S)  # the outage itself
                 during_outage = len(attempts)
@@ -87,8 +90,10 @@ def test_a_killed_connection_reconnects_and_says_so_once(db, log_records):
     with listener:
         wait_until(listener.connected.is_set, timeout=10, what="listener connected")
         with db.connection() as conn:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                         "WHERE query LIKE 'LISTEN%%' AND pid <> pg_backend_pid() AND datname = current_database()")
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE query LIKE 'LISTEN%%' AND pid <> pg_backend_pid() AND datname = current_database()"
+            )
         wait_until(lambda: listener.connections == 2 and listener.connected.is_set(), timeout=10, what="reconnected")
     records = log_records()
     assert len(messages(records, "lost its connection")) == 1, [r.getMessage() for r in records]

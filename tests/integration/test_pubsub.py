@@ -47,11 +47,13 @@ def commits(db):
     """The seed's table: trunk commits go to branch 0, approved ones to their approved branch."""
     with db.connection() as conn:
         conn.execute(
-            "CREATE TABLE public.commits (id bigint PRIMARY KEY, branch text NOT NULL, state text NOT NULL DEFAULT 'draft',"
+            "CREATE TABLE public.commits (id bigint PRIMARY KEY, branch text NOT NULL,"
+            " state text NOT NULL DEFAULT 'draft',"
             " approved_branch bigint, body text)"
         )
         install_capture(
-            conn, "public.commits",
+            conn,
+            "public.commits",
             branch="CASE WHEN state = 'approved' THEN approved_branch WHEN branch = 'trunk' THEN 0 END",
             ops=("insert", "update", "delete"),
         )
@@ -61,7 +63,9 @@ def commits(db):
 def test_captured_rows_and_published_events_arrive_in_commit_order(commits):
     db = commits
     with db.connection() as conn:
-        conn.execute("INSERT INTO commits (id, branch, body) VALUES (1, 'trunk', 'a'), (2, 'trunk', 'b'), (3, 'feature', 'x')")
+        conn.execute(
+            "INSERT INTO commits (id, branch, body) VALUES (1, 'trunk', 'a'), (2, 'trunk', 'b'), (3, 'feature', 'x')"
+        )
         publish(conn, 0, {"note": "outbox"}, topic="notes", key={"n": 1})
     with db.connection() as conn:
         conn.execute("UPDATE commits SET state = 'approved', approved_branch = 7 WHERE id = 1")
@@ -89,11 +93,16 @@ def test_tables_with_long_multibyte_names_each_get_their_own_capture(db):
         for name in (at_limit, twin, over):
             conn.execute(f'CREATE TABLE public."{name}" (id int PRIMARY KEY)')
             install_capture(conn, f'public."{name}"')
-            names.append(conn.execute("SELECT relname FROM pg_class WHERE oid = %s::regclass", (f'public."{name}"',)).fetchone()[0])
+            names.append(
+                conn.execute("SELECT relname FROM pg_class WHERE oid = %s::regclass", (f'public."{name}"',)).fetchone()[
+                    0
+                ]
+            )
         assert len(at_limit.encode()) == len(twin.encode()) == 63 and len(names[2].encode()) <= 63 < len(over.encode())
         functions = conn.execute(
             "SELECT DISTINCT p.proname FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
-            "WHERE t.tgrelid = ANY(%s::regclass[])", ([f'public."{n}"' for n in names],)
+            "WHERE t.tgrelid = ANY(%s::regclass[])",
+            ([f'public."{n}"' for n in names],),
         ).fetchall()
         assert len(functions) == 3 and all(len(f[0].encode()) <= 63 for f in functions)
     for i, name in enumerate(names):
@@ -125,7 +134,9 @@ def test_bad_input_is_refused_by_field_and_writes_nothing(commits):
         with db.connection() as conn, pytest.raises(InvalidInput, match=message):
             install_capture(conn, **kwargs)
     with db.connection() as conn:
-        triggers = conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.plain'::regclass").fetchone()[0]
+        triggers = conn.execute("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.plain'::regclass").fetchone()[
+            0
+        ]
         assert triggers == 0
         with pytest.raises(InvalidInput, match="payload: not JSON"):
             publish(conn, 0, {"when": object()})
@@ -190,8 +201,11 @@ def test_the_watermark_lock_serialises_identical_consumers(db):
     thread = threading.Thread(target=lambda: (waiting.run_once(), done.set()))
     thread.start()
     wait_until(  # blocked on the row lock while the other transaction holds the watermark
-        lambda: count(db, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                      " AND query LIKE '%%pubsub_watermarks%%' AND pid <> pg_backend_pid()"),
+        lambda: count(
+            db,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%%pubsub_watermarks%%' AND pid <> pg_backend_pid()",
+        ),
         what="the second consumer waits for the watermark lock",
     )
     assert not done.is_set()
@@ -205,7 +219,8 @@ def test_competing_consumers_apply_each_event_once(db):
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
         conn.execute(
-            "INSERT INTO pubsub_events (branch_id, topic, op, payload) SELECT 0, 't', 'publish', '{}' FROM generate_series(1, 3000)"
+            "INSERT INTO pubsub_events (branch_id, topic, op, payload)"
+            " SELECT 0, 't', 'publish', '{}' FROM generate_series(1, 3000)"
         )
 
     def handler(conn, events):
@@ -319,15 +334,21 @@ def test_trim_keeps_what_a_registered_consumer_has_not_read(db):
     drain(fast)
     slow.run_once()
     with db.connect(autocommit=True) as conn:
-        assert trim(conn, retain=timedelta(0)) == 0  # one transaction: slow is inside it (target snapshot), nothing below its xmin
+        assert (
+            trim(conn, retain=timedelta(0)) == 0
+        )  # one transaction: slow is inside it (target snapshot), nothing below its xmin
     drain(slow)
     with db.connection() as conn:
         publish(conn, 0, {"n": "late"})
     with db.connect(autocommit=True) as conn:
-        assert trim(conn, batch_size=3, retain=timedelta(0)) == 10  # branch 0's read events; branch 5 has no consumer: kept
+        assert (
+            trim(conn, batch_size=3, retain=timedelta(0)) == 10
+        )  # branch 0's read events; branch 5 has no consumer: kept
         assert conn.execute("SELECT branch_id, count(*) FROM cmb.pubsub_events GROUP BY 1 ORDER BY 1").fetchall() == [
-            (0, 1), (5, 10)]
-        newcomer, seen = collect(db, "newcomer", 5)
+            (0, 1),
+            (5, 10),
+        ]
+        newcomer, _ = collect(db, "newcomer", 5)
         newcomer.check()  # registered: branch 5 is now held back for it
         assert trim(conn, retain=timedelta(0)) == 0
     assert drain(newcomer) == 10
@@ -359,8 +380,11 @@ def fake_restore(db, ahead=1_000_000):
         conn.execute("UPDATE pubsub_clock SET system_identifier = 42")
         conn.execute("UPDATE pubsub_events SET txid = (txid::text::bigint + %s)::text::xid8", (ahead,))
         conn.execute(
-            "UPDATE pubsub_watermarks SET snapshot = format('%%s:%%s:', pg_snapshot_xmin(snapshot)::text::bigint + %(a)s,"
-            " pg_snapshot_xmax(snapshot)::text::bigint + %(a)s)::pg_snapshot", {"a": ahead})
+            "UPDATE pubsub_watermarks SET snapshot = format('%%s:%%s:',"
+            " pg_snapshot_xmin(snapshot)::text::bigint + %(a)s,"
+            " pg_snapshot_xmax(snapshot)::text::bigint + %(a)s)::pg_snapshot",
+            {"a": ahead},
+        )
 
 
 def test_after_a_restore_consumers_refuse_until_reset_then_resume_exactly(db):

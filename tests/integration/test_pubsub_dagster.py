@@ -4,8 +4,6 @@ import sys
 import pytest
 from dagster import (
     AssetKey,
-    DagsterEventType,
-    EventRecordsFilter,
     RunRequest,
     build_sensor_context,
     instance_for_test,
@@ -15,7 +13,7 @@ from dagster import (
 
 from cmb_dagster import PubSubOptions, cmb_definitions
 from cmb_dagster.examples import pubsub as demo
-from cmb_dagster.pubsub import InvalidInput, publish
+from cmb_dagster.pubsub import InvalidPubSubInput, publish
 from cmb_dagster.pubsub.dagster_defs import pubsub_sensor
 from cmb_dagster.resources import CmbResource
 
@@ -32,7 +30,8 @@ def per_change() -> None:
 
 def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, database_url):
     defs = cmb_definitions(
-        resource=CmbResource(database_url=database_url), jobs=[demo.pubsub_demo_place_orders],
+        resource=CmbResource(database_url=database_url),
+        jobs=[demo.pubsub_demo_place_orders],
         pubsub=PubSubOptions(consumers=[demo.consumer]),
     )
     consumer_job = defs.get_job_def("cmb_pubsub_consumer_demo_order_totals_branch_100")
@@ -44,26 +43,33 @@ def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, datab
             run_config={"ops": {f"{consumer_job.name}_op": {"config": {"duration_seconds": 1.0}}}},
         )
         assert result.success
-        records = instance.get_event_records(
-            EventRecordsFilter(DagsterEventType.ASSET_OBSERVATION, asset_key=AssetKey(["pubsub", "demo_order_totals", "branch_100"]))
-        )
-        metadata = records[0].event_log_entry.asset_observation.metadata
+        with build_sensor_context(instance=instance, resources={"cmb": CmbResource(database_url=database_url)}) as ctx:
+            [observation] = defs.get_sensor_def("cmb_pubsub_status").evaluate_tick(ctx).asset_events
+        assert observation.asset_key == AssetKey(["pubsub", "demo_order_totals", "branch_100"])
+        metadata = observation.metadata
         assert metadata["lag_events"].value == 0 and metadata["delivered"].value == 100
         keeper = defs.get_sensor_def(f"{consumer_job.name}_keeper")
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
     with db.connection() as conn:
-        assert conn.execute("SELECT sum(orders), sum(amount) FROM public.pubsub_demo_totals").fetchone() == conn.execute(
-            "SELECT count(*), sum(amount) FROM public.pubsub_demo_orders").fetchone()
+        totals = conn.execute("SELECT sum(orders), sum(amount) FROM public.pubsub_demo_totals").fetchone()
+        assert totals == conn.execute("SELECT count(*), sum(amount) FROM public.pubsub_demo_orders").fetchone()
     assert defs.get_schedule_def("cmb_pubsub_trim_schedule").cron_schedule == "17 * * * *"
     with instance_for_test() as instance:
-        assert defs.get_job_def("cmb_pubsub_trim").execute_in_process(
-            instance=instance, run_config={"ops": {"cmb_pubsub_trim_op": {"config": {"retain_days": 0}}}}).success
+        assert (
+            defs.get_job_def("cmb_pubsub_trim")
+            .execute_in_process(
+                instance=instance, run_config={"ops": {"cmb_pubsub_trim_op": {"config": {"retain_days": 0}}}}
+            )
+            .success
+        )
     with db.connection() as conn:
         assert conn.execute("SELECT count(*) FROM pubsub_events WHERE branch_id = 100").fetchone() == (0,)
 
 
 def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, database_url):
-    sensor = pubsub_sensor(per_change, branch_id=3, batch_size=2, run_config=lambda e: {"tags": {"n": str(e.payload["n"])}})
+    sensor = pubsub_sensor(
+        per_change, branch_id=3, batch_size=2, run_config=lambda e: {"tags": {"n": str(e.payload["n"])}}
+    )
     resources = {"cmb": CmbResource(database_url=database_url)}
     with db.connection() as conn:
         ids = [publish(conn, 3, {"n": n}) for n in range(3)]
@@ -99,10 +105,13 @@ def test_engine_modules_do_not_import_dagster():
 
 
 def test_definitions_refuse_consumers_whose_job_names_collide():
-    with pytest.raises(InvalidInput, match="job name"):
-        cmb_definitions(pubsub=PubSubOptions(consumers=[{"consumer_id": "a.b", "handler": "m:f"},
-                                                        {"consumer_id": "a_b", "handler": "m:f"}]))
-    with pytest.raises(InvalidInput, match="consumer_id"):
+    with pytest.raises(InvalidPubSubInput, match="job name"):
+        cmb_definitions(
+            pubsub=PubSubOptions(
+                consumers=[{"consumer_id": "a.b", "handler": "m:f"}, {"consumer_id": "a_b", "handler": "m:f"}]
+            )
+        )
+    with pytest.raises(InvalidPubSubInput, match="consumer_id"):
         cmb_definitions(pubsub=PubSubOptions(consumers=[{"consumer_id": "", "handler": "m:f"}]))
 
 

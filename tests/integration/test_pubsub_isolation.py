@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
-from cmb_dagster.pubsub import Consumer, dead_letters, publish
-from cmb_dagster.pubsub.errors import HandlerFailed
+from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, HandlerFailed, InvalidPubSubInput, dead_letters, publish
 
 ACCEPTANCE = Path(__file__).parents[1] / "acceptance"
 
@@ -35,7 +34,7 @@ def parked(db, consumer_id: str):
         return dead_letters(conn, consumer_id, 0)
 
 
-def drain(consumer: Consumer, rounds: int = 100) -> None:
+def drain(consumer: ConsumerWorker, rounds: int = 100) -> None:
     for _ in range(rounds):
         try:
             if consumer.run_once() == 0:
@@ -53,7 +52,7 @@ def test_an_error_message_postgres_cannot_store_as_it_is_parks_the_event_and_the
             raise ValueError("bad \x00 byte and \udc80 half a character")
         conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
 
-    consumer = Consumer(db, "poisoned", 0, handler, max_attempts=2)
+    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id="poisoned", handler=handler, max_attempts=2))
     drain(consumer)
     assert results(db) == [i for i in ids if i != ids[3]]
     [dead] = parked(db, "poisoned")
@@ -70,7 +69,8 @@ def test_a_handler_past_its_time_limit_has_its_transaction_ended_and_fails(db):
         if any(e.payload["n"] == 2 for e in events):
             release.wait(30)  # holds its transaction open (and the watermark locked) until the deadline
 
-    consumer = Consumer(db, "slow", 0, handler, max_attempts=2, handler_timeout=0.5)
+    spec = ConsumerSpec(consumer_id="slow", handler=handler, max_attempts=2, handler_timeout=0.5)
+    consumer = ConsumerWorker(db, spec)
     drain(consumer)
     release.set()
     assert results(db) == [i for i in ids if i != ids[2]]  # its insert was rolled back with its transaction
@@ -82,10 +82,25 @@ def test_a_handler_past_its_time_limit_has_its_transaction_ended_and_fails(db):
 @pytest.mark.slow
 def test_an_event_whose_delivery_kills_the_consumer_is_parked_after_its_crashes(db, database_url):
     ids = publish_all(db, [{"crash": n == 30} for n in range(100)])
-    command = [sys.executable, "-c", "from cmb_dagster.cli import run; run()", "pubsub", "consume", "fragile",
-               "--handler", "pubsub_isolation_handlers:record", "--lease-ttl", "1", "--batch-size", "50"]
-    env = {**os.environ, "CMB_DATABASE_URL": database_url,
-           "PYTHONPATH": f"{ACCEPTANCE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [
+        sys.executable,
+        "-c",
+        "from cmb_dagster.cli import run; run()",
+        "pubsub",
+        "consume",
+        "fragile",
+        "--handler",
+        "pubsub_handlers:record",
+        "--lease-ttl",
+        "1",
+        "--batch-size",
+        "50",
+    ]
+    env = {
+        **os.environ,
+        "CMB_DATABASE_URL": database_url,
+        "PYTHONPATH": f"{ACCEPTANCE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)]
     deaths = 0
 
@@ -110,19 +125,20 @@ def test_an_event_whose_delivery_kills_the_consumer_is_parked_after_its_crashes(
     assert 4 <= deaths <= 5, deaths  # the batch it was in, then max_crashes deliveries alone
 
 
-@pytest.mark.parametrize(("field", "arguments"), [
-    ("payload", {"payload": {"text": "a\x00b"}}),
-    ("payload", {"payload": {"text": "\udc80"}}),
-    ("payload", {"payload": "x" * (5 * 1024 * 1024)}),
-    ("key", {"key": {"id": "\ud800"}}),
-    ("topic", {"topic": "t\x00"}),
-    ("branch_id", {"branch_id": 2**63}),
-    ("branch_id", {"branch_id": True}),
-])
+@pytest.mark.parametrize(
+    ("field", "arguments"),
+    [
+        ("payload", {"payload": {"text": "a\x00b"}}),
+        ("payload", {"payload": {"text": "\udc80"}}),
+        ("payload", {"payload": "x" * (5 * 1024 * 1024)}),
+        ("key", {"key": {"id": "\ud800"}}),
+        ("topic", {"topic": "t\x00"}),
+        ("branch_id", {"branch_id": 2**63}),
+        ("branch_id", {"branch_id": True}),
+    ],
+)
 def test_publish_refuses_what_postgres_cannot_store_naming_the_field(db, field, arguments):
-    from cmb_dagster.pubsub.errors import InvalidInput
-
     with db.connection() as conn:
-        with pytest.raises(InvalidInput, match=f"^{field}: "):
+        with pytest.raises(InvalidPubSubInput, match=f"^{field}: "):
             publish(conn, **{"branch_id": 0, "payload": {}, **arguments})
         assert conn.execute("SELECT count(*) FROM pubsub_events").fetchone() == (0,)  # the transaction goes on

@@ -1,13 +1,13 @@
-import threading
 import time
 
 import psycopg
 import pytest
+from running import Running
 from waiting import wait_until
 
-from cmb_dagster.pubsub import Consumer, publish
+from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, publish
 
-HOLD_SECONDS = 8  # the seed's reader would deliver nothing for as long (past the 3 s bound): what matters is the count below
+HOLD_SECONDS = 8  # a reader of the events below xmin would deliver nothing for as long (past the 3 s bound)
 
 
 @pytest.mark.slow
@@ -22,9 +22,8 @@ def test_a_transaction_held_open_elsewhere_delays_nothing_committed_meanwhile(db
                 duplicates.append(e.id)
             received[e.id] = now
 
-    consumer = Consumer(db, "patient", 0, handler, idle_sleep=0.05)
-    consumer_thread = threading.Thread(target=consumer.run)
-    consumer_thread.start()
+    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id="patient", handler=handler, idle_sleep=0.05))
+    running = Running(consumer)
     long_writer = db.connect()  # holds a txid and an uncommitted event for HOLD_SECONDS
     held = publish(long_writer, 0, {"from": "the long transaction"})
     report = db.connect()  # a long report: holds back xmin without a txid of its own
@@ -47,8 +46,7 @@ def test_a_transaction_held_open_elsewhere_delays_nothing_committed_meanwhile(db
     long_writer.commit()
     report.rollback()
     wait_until(lambda: held in received, timeout=5)
-    consumer.stop()
-    consumer_thread.join(10)
+    running.stop()
     long_writer.close()
     report.close()
 
@@ -56,6 +54,6 @@ def test_a_transaction_held_open_elsewhere_delays_nothing_committed_meanwhile(db
     print(f"delivery delay over {len(delays)} events: p50 {delays[len(delays) // 2]:.3f}s, max {delays[-1]:.3f}s")
     assert delays[-1] < 3.0, f"p50 {delays[len(delays) // 2]:.3f}s, max {delays[-1]:.3f}s"
     assert not duplicates and set(received) == set(committed) | {held}
-    assert below_xmin == 0  # the seed's reader (txid below xmin) would have delivered none of them yet
+    assert below_xmin == 0  # a reader of the events below xmin would have delivered none of them yet
     with psycopg.connect(db.url) as conn:
         assert conn.execute("SELECT delivered FROM cmb.pubsub_watermarks").fetchone() == (len(committed) + 1,)

@@ -1,7 +1,6 @@
 """Reactive tasks that speak Dagster: partitions, run config and tags, manual recovery, asset-sourced CTL,
 lineage from the asset graph, warnings users see, and scheduler names owned by one code location."""
 
-import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -28,14 +27,17 @@ from dagster import (
 from cmb_dagster import ReactiveOptions, ReactiveTask, cmb_definitions, ctl_metadata, launched_values
 from cmb_dagster.ctl import CtlStore
 from cmb_dagster.database import Database
+from cmb_dagster.models import Backoff
 from cmb_dagster.reactive import (
+    InvalidReactiveInput,
     ReactiveTriggerWarning,
     SchedulerConflict,
     set_last_value,
-    task_states,
+    status,
     tick_reactive_sensor,
 )
 from cmb_dagster.reactive.cli import reactive as reactive_cli
+from cmb_dagster.reactive.engine import TaskScheduler
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import ChunkDelta, Delay, Delta, param
 
@@ -96,8 +98,9 @@ class Location:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReactiveTriggerWarning)
             self.defs = cmb_definitions(
-                resource=resource, assets=list(assets),
-                reactive=ReactiveOptions(tasks=tasks, name=name, **{"retry_backoff": timedelta(0), **options}),
+                resource=resource,
+                assets=list(assets),
+                reactive=ReactiveOptions(tasks=tasks, name=name, **{"backoff": Backoff(first=0), **options}),
             )
         self.clock = datetime.now(UTC)
 
@@ -110,13 +113,16 @@ class Location:
     def run(self, request: RunRequest) -> bool:
         job_def = self.defs.resolve_job_def(request.job_name)
         result = job_def.execute_in_process(
-            instance=self.instance, tags=request.tags, partition_key=request.partition_key,
-            run_config=request.run_config or None, raise_on_error=False,
+            instance=self.instance,
+            tags=request.tags,
+            partition_key=request.partition_key,
+            run_config=request.run_config or None,
+            raise_on_error=False,
         )
         return result.success
 
     def state(self, task: str):
-        return {s.name: s for s in task_states(self.db, self.name)}[task]
+        return {s.name: s for s in status(self.db, self.name).tasks}[task]
 
 
 def drain(location: Location) -> list[RunRequest]:
@@ -151,9 +157,14 @@ def test_a_monthly_partitioned_asset_gets_each_new_month_in_order_committed_per_
     loc.store.set(*ORDERS, utc(2024, 4, 2))  # January's end, February and March arrived at once
     requests = drain(loc)
     assert [r.partition_key for r in requests] == ["2024-01-01", "2024-02-01", "2024-03-01"]
-    assert [launched_values(r.tags, resource)[ORDERS] for r in requests] == [utc(2024, 2, 1), utc(2024, 3, 1), utc(2024, 4, 1)]
-    assert SEEN == [("monthly", "2024-01-01"), ("monthly", "2024-01-01"), ("monthly", "2024-02-01"),
-                    ("monthly", "2024-03-01")]
+    months = [utc(2024, 2, 1), utc(2024, 3, 1), utc(2024, 4, 1)]
+    assert [launched_values(r.tags, resource)[ORDERS] for r in requests] == months
+    assert SEEN == [
+        ("monthly", "2024-01-01"),
+        ("monthly", "2024-01-01"),
+        ("monthly", "2024-02-01"),
+        ("monthly", "2024-03-01"),
+    ]
     state = loc.state("monthly")
     assert state.last_values == {"shop/orders": {"loaded_until": "2024-04-01T00:00:00+00:00"}}
     assert state.status == "waiting"  # April is not complete: its month chunk has not changed
@@ -169,18 +180,22 @@ def test_a_daily_partitioned_asset_gets_one_run_per_new_day_and_a_failure_stops_
     loc.store.set(*ORDERS, utc(2024, 3, 3, 12))
     requests = drain(loc)
     assert [r.partition_key for r in requests] == ["2024-03-01", "2024-03-02", "2024-03-03"]
-    assert launched_values(requests[-1].tags, resource)[ORDERS] == utc(2024, 3, 3, 12)  # the partial day, up to the value
+    # the partial day, up to the value
+    assert launched_values(requests[-1].tags, resource)[ORDERS] == utc(2024, 3, 3, 12)
     assert loc.state("daily").last_values == {"shop/orders": {"loaded_until": "2024-03-03T12:00:00+00:00"}}
 
 
 def test_a_partition_callable_picks_the_key_and_run_config_and_tags_follow_the_values(db, instance, resource):
     task = ReactiveTask(
-        "daily", [daily_mart], Delta(*ORDERS, "1h"),
+        "daily",
+        [daily_mart],
+        Delta(*ORDERS, "1h"),
         partition=lambda values: values[ORDERS].strftime("%Y-%m-%d"),
         tags=lambda values: {"team": "shop", "cmb/reactive/task": "not overridden"},
     )
-    op_task = ReactiveTask("plain", plain, Delta(*ORDERS, "1h"), tags={"team": "ops"},
-                           run_config={"ops": {"work": {"config": {}}}})
+    op_task = ReactiveTask(
+        "plain", plain, Delta(*ORDERS, "1h"), tags={"team": "ops"}, run_config={"ops": {"work": {"config": {}}}}
+    )
     loc = Location(db, instance, resource, [task, op_task], assets=[daily_mart])
     loc.store.set(*ORDERS, utc(2024, 3, 5, 6))
     by_task = {r.tags["cmb/reactive/task"]: r for r in loc.requests()}
@@ -198,28 +213,37 @@ def test_a_failing_tags_run_config_or_partition_callable_backs_off_that_task_alo
             if what in broken:
                 raise RuntimeError(f"no {what} today")
             return result(values)
+
         return call
 
     tasks = [
         ReactiveTask("bad_tags", plain, Delta(*ORDERS, "1h"), tags=fails("tags", lambda v: {"team": "shop"})),
         ReactiveTask("bad_config", plain, Delta(*ORDERS, "1h"), run_config=fails("run_config", lambda v: {})),
-        ReactiveTask("bad_partition", [daily_mart], Delta(*ORDERS, "1h"),
-                     partition=fails("partition", lambda v: v[ORDERS].strftime("%Y-%m-%d"))),
+        ReactiveTask(
+            "bad_partition",
+            [daily_mart],
+            Delta(*ORDERS, "1h"),
+            partition=fails("partition", lambda v: v[ORDERS].strftime("%Y-%m-%d")),
+        ),
         ReactiveTask("good", plain, Delta(*ORDERS, "1h")),
     ]
-    loc = Location(db, instance, resource, tasks, assets=[daily_mart], retry_backoff=timedelta(minutes=1))
+    loc = Location(db, instance, resource, tasks, assets=[daily_mart], backoff=Backoff(first=60, max=3600))
     loc.store.set(*ORDERS, utc(2024, 3, 5, 6))
     assert [r.tags["cmb/reactive/task"] for r in loc.requests()] == ["good"]
     logged = capfd.readouterr().err
-    for name, what in (("bad_tags", "run config or tags"), ("bad_config", "run config or tags"),
-                       ("bad_partition", "choosing the partition")):
+    for name, what in (
+        ("bad_tags", "run config or tags"),
+        ("bad_config", "run config or tags"),
+        ("bad_partition", "choosing the partition"),
+    ):
         state = loc.state(name)
         assert state.status == "backoff" and state.explanation.startswith("error: ")
         assert f"{what} raised RuntimeError" in state.explanation and "retry after 0:01:00" in state.explanation
         assert f"{name}: error - error: " in logged
-    status = CliRunner().invoke(reactive_cli, ["status", "test", "bad_tags"],
-                                env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
-    assert status.exit_code == 0 and "no tags today" in status.output, status.output
+    shown = CliRunner().invoke(
+        reactive_cli, ["status", "test", "bad_tags"], env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema}
+    )
+    assert shown.exit_code == 0 and "no tags today" in shown.output, shown.output
 
     broken.clear()
     assert loc.requests() == []  # backing off
@@ -244,7 +268,8 @@ def test_set_last_into_the_past_makes_a_delta_task_fire_again_after_a_backwards_
     assert "moved backwards" in loc.state("mart").backwards_note and "set-last" in loc.state("mart").backwards_note
 
     result = CliRunner().invoke(
-        reactive_cli, ["set-last", "test", "mart", "--parameter", *ORDERS, "--value", "2024-05-01T00:00:00+00:00"],
+        reactive_cli,
+        ["set-last", "test", "mart", "--parameter", *ORDERS, "--value", "2024-05-01T00:00:00+00:00"],
         env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema},
     )
     assert result.exit_code == 0, result.output
@@ -252,8 +277,11 @@ def test_set_last_into_the_past_makes_a_delta_task_fire_again_after_a_backwards_
     assert launched_values(again.tags, resource) == {ORDERS: utc(2024, 5, 3)}
     assert "2024-05-01" in loc.state("mart").explanation
     assert set_last_value(db, "test", "nope", ORDERS, utc(2024, 1, 1)) is None
-    bad = CliRunner().invoke(reactive_cli, ["set-last", "test", "mart", "--parameter", *ORDERS, "--value", "2024-05-01"],
-                             env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
+    bad = CliRunner().invoke(
+        reactive_cli,
+        ["set-last", "test", "mart", "--parameter", *ORDERS, "--value", "2024-05-01"],
+        env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema},
+    )
     assert bad.exit_code != 0 and "no UTC offset" in bad.output
 
 
@@ -373,8 +401,11 @@ def test_a_run_materializing_an_upstream_asset_holds_lower_priority_tasks(db, in
     assert loc.run(first)
     loc.tick()  # important waits for new raw data
     # a scheduled (not reactive) run of the upstream loader is queued
-    run = instance.create_run_for_job(loc.defs.resolve_job_def("cmb_reactive_important"),
-                                      asset_selection=frozenset({raw.key}), status=DagsterRunStatus.STARTED)
+    run = instance.create_run_for_job(
+        loc.defs.resolve_job_def("cmb_reactive_important"),
+        asset_selection=frozenset({raw.key}),
+        status=DagsterRunStatus.STARTED,
+    )
     loc.store.set("shop/other", "loaded_until", utc(2024, 1, 1))
     result = loc.tick()
     assert not result.run_requests
@@ -401,31 +432,30 @@ def test_check_findings_warn_at_load_and_on_the_first_tick(db, instance, resourc
 
 
 def test_a_partitioned_target_without_a_partition_mapping_is_refused_naming_the_task(resource):
-    from cmb_dagster.reactive import InvalidReactiveTask
-
-    with pytest.raises(InvalidReactiveTask, match="reactive task 'monthly': its target is partitioned"):
-        cmb_definitions(resource=resource, assets=[monthly_mart],
-                        reactive=ReactiveOptions(tasks=[ReactiveTask("monthly", [monthly_mart], Delta(*ORDERS, "1h"))]))
-    with pytest.raises(InvalidReactiveTask, match="partition shop/other/loaded_until is not read by the trigger"):
+    with pytest.raises(InvalidReactiveInput, match="reactive task 'monthly': its target is partitioned"):
+        cmb_definitions(
+            resource=resource,
+            assets=[monthly_mart],
+            reactive=ReactiveOptions(tasks=[ReactiveTask("monthly", [monthly_mart], Delta(*ORDERS, "1h"))]),
+        )
+    with pytest.raises(InvalidReactiveInput, match="partition shop/other/loaded_until is not read by the trigger"):
         ReactiveTask("monthly", [monthly_mart], Delta(*ORDERS, "1h"), partition=("shop/other", "loaded_until"))
 
 
 def test_two_locations_whose_names_normalise_alike_with_other_tasks_do_not_fight(db):
     """'team a' and 'team_a' both become scheduler 'team_a': the second refuses instead of rewriting the first."""
-    from cmb_dagster.reactive.scheduler import TaskScheduler
-
     first = TaskScheduler(db, "team_a", [ReactiveTask("a", plain, Delta(*ORDERS, "1h")).spec], location="team a")
     second = TaskScheduler(db, "team_a", [ReactiveTask("b", plain, Delta(*ORDERS, "1h")).spec], location="team_a")
     first.tick(lambda s, keys: {})
     with pytest.raises(SchedulerConflict, match="used by code location 'team a' with other tasks.*refuses to tick"):
         second.tick(lambda s, keys: {})
-    assert {s.name: s.defined for s in task_states(db, "team_a")} == {"a": True}  # nothing rewritten
+    assert {s.name: s.defined for s in status(db, "team_a").tasks} == {"a": True}  # nothing rewritten
     first.tick(lambda s, keys: {})  # the owner keeps ticking
     same = TaskScheduler(db, "team_a", [ReactiveTask("a", plain, Delta(*ORDERS, "1h")).spec], location="team_a")
     same.tick(lambda s, keys: {})  # the same tasks from another location: a copy, allowed
     later = datetime.now(UTC) + timedelta(minutes=11)
     second.tick(lambda s, keys: {}, now=later)  # the owner has been silent past takeover_after: renamed, taken over
-    assert {s.name: s.defined for s in task_states(db, "team_a")} == {"a": False, "b": True}
+    assert {s.name: s.defined for s in status(db, "team_a").tasks} == {"a": False, "b": True}
 
 
 def test_a_location_with_no_state_warns_when_another_scheduler_name_has_state(db, instance, resource):
@@ -434,8 +464,6 @@ def test_a_location_with_no_state_warns_when_another_scheduler_name_has_state(db
     [request] = old.requests()
     assert old.run(request)
     old.tick()
-    from cmb_dagster.reactive.scheduler import TaskScheduler
-
     engine = TaskScheduler(db, "new_name", [t.spec for t in [ReactiveTask("mart", plain, Delta(*ORDERS, "1h"))]])
     report = engine.tick(lambda s, keys: {})
     assert any("'old_name' (1 task(s))" in w and "ReactiveOptions(name=...)" in w for w in report.warnings)
@@ -451,8 +479,13 @@ def test_the_sensor_logs_a_scheduler_name_warning_once_across_ticks(db, instance
     from cmb_dagster.reactive.dagster_testing import reactive_sensor
 
     def tick(defs, location: str) -> str:
-        context = SensorEvaluationContext(instance_ref=None, instance=instance, resources={"cmb": resource},
-                                          definitions=defs, code_location_origin=RegisteredCodeLocationOrigin(location))
+        context = SensorEvaluationContext(
+            instance_ref=None,
+            instance=instance,
+            resources={"cmb": resource},
+            definitions=defs,
+            code_location_origin=RegisteredCodeLocationOrigin(location),
+        )
         capfd.readouterr()
         try:
             reactive_sensor(defs).evaluate_tick(context)
@@ -461,7 +494,8 @@ def test_the_sensor_logs_a_scheduler_name_warning_once_across_ticks(db, instance
         return capfd.readouterr().err
 
     def defs_of(task: str):
-        return cmb_definitions(resource=resource, reactive=ReactiveOptions(tasks=[ReactiveTask(task, plain, Delta(*ORDERS, "1h"))]))
+        options = ReactiveOptions(tasks=[ReactiveTask(task, plain, Delta(*ORDERS, "1h"))])
+        return cmb_definitions(resource=resource, reactive=options)
 
     owner, refused, renamed = defs_of("a"), defs_of("b"), defs_of("a")
     tick(owner, "team a")  # scheduler team_a, owned by location 'team a'

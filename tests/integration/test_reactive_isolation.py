@@ -17,9 +17,10 @@ from cmb_dagster.ctl import CTL_BRANCH_ID, CtlStore, InvalidCtlInput
 from cmb_dagster.ctl.cli import ctl as ctl_cli
 from cmb_dagster.ctl.store import CTL_TOPIC
 from cmb_dagster.database import Database
-from cmb_dagster.reactive import InvalidReactiveTask, ReactiveTriggerWarning, task_states, tick_reactive_sensor
+from cmb_dagster.models import Backoff
+from cmb_dagster.reactive import InvalidReactiveInput, ReactiveTriggerWarning, status, tick_reactive_sensor
+from cmb_dagster.reactive.engine import TaskScheduler
 from cmb_dagster.reactive.models import SchedulerSettings, TaskSpec
-from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Delta
 
@@ -27,6 +28,7 @@ T0 = datetime(2024, 5, 1, tzinfo=UTC)
 NOW = T0 + timedelta(hours=2)
 KEY = ("shop/orders", "loaded_until")
 BACKOFF = timedelta(minutes=1)
+RETRIES = Backoff(first=BACKOFF.total_seconds(), max=3600)
 
 
 def no_runs(scheduler, run_keys):
@@ -34,13 +36,13 @@ def no_runs(scheduler, run_keys):
 
 
 def engine(db: Database, names, **kwargs) -> TaskScheduler:
-    settings = SchedulerSettings(retry_backoff=BACKOFF, **kwargs.pop("settings", {}))
+    settings = SchedulerSettings(backoff=RETRIES, **kwargs.pop("settings", {}))
     specs = [TaskSpec(name=name, trigger=Delta(*KEY, "1h")) for name in names]
     return TaskScheduler(db, "iso", specs, settings, **kwargs)
 
 
 def states(db: Database, scheduler: str = "iso"):
-    return {s.name: s for s in task_states(db, scheduler)}
+    return {s.name: s for s in status(db, scheduler).tasks}
 
 
 def assert_backs_off(db: Database, name: str, error: str) -> None:
@@ -65,10 +67,14 @@ def test_a_run_config_error_with_nul_and_a_lone_surrogate_backs_off_its_task_alo
 
 
 def test_a_partition_key_or_run_config_that_cannot_be_stored_or_sent_fails_only_its_task(db):
-    partitioners = {"nul_key": lambda values, last: ("2024-05\x00", dict(values)),
-                    "naive_value": lambda values, last: ("2024-05", {KEY: datetime(2024, 5, 1)})}
-    options = {"object_config": lambda values: ({"ops": {"x": object()}}, {}),
-               "huge_tags": lambda values: (None, {"t": "x" * 5_000_000})}
+    partitioners = {
+        "nul_key": lambda values, last: ("2024-05\x00", dict(values)),
+        "naive_value": lambda values, last: ("2024-05", {KEY: datetime(2024, 5, 1)}),
+    }
+    options = {
+        "object_config": lambda values: ({"ops": {"x": object()}}, {}),
+        "huge_tags": lambda values: (None, {"t": "x" * 5_000_000}),
+    }
     scheduler = engine(db, [*partitioners, *options, "good"], partitioners=partitioners, launch_options=options)
     CtlStore(db).set(*KEY, T0)
     report = scheduler.tick(no_runs, now=NOW)
@@ -91,7 +97,7 @@ def test_a_change_event_published_by_hand_without_entity_does_not_stop_the_tick(
 
 def test_names_a_trigger_reads_are_refused_when_ctl_could_not_store_them():
     for entity, problem in (("shop\x00", "U\\+0000"), ("shop\udc80", "surrogate"), ("s" * 201, "201 characters")):
-        with pytest.raises(InvalidReactiveTask, match=f"entity: .*{problem}"):
+        with pytest.raises(InvalidReactiveInput, match=f"entity: .*{problem}"):
             ReactiveTask("t", plain, Delta(entity, "loaded_until", "1h"))
         with pytest.raises(ValueError, match=f"entity: .*{problem}"):
             TaskSpec(name="t", trigger=Delta(entity, "loaded_until", "1h"))
@@ -107,7 +113,10 @@ def test_a_callable_that_never_returns_times_out_and_backs_off_its_task_alone(db
         release.wait(5)
         return {}
 
-    tasks = [ReactiveTask("stuck", plain, Delta(*KEY, "1h"), run_config=stuck), ReactiveTask("good", plain, Delta(*KEY, "1h"))]
+    tasks = [
+        ReactiveTask("stuck", plain, Delta(*KEY, "1h"), run_config=stuck),
+        ReactiveTask("good", plain, Delta(*KEY, "1h")),
+    ]
     location = Location(db, instance, resource, tasks, callable_timeout=0.5)
     CtlStore(db).set(*KEY, T0)
     try:
@@ -132,8 +141,9 @@ def test_a_tick_starts_no_user_code_after_its_time_box_and_one_timeout(db):
         return None, {}
 
     options = {"stuck_a": stuck, "stuck_b": stuck}
-    scheduler = engine(db, ["stuck_a", "stuck_b"], launch_options=options,
-                       settings={"tick_seconds": 0.01, "callable_timeout": 0.5})
+    scheduler = engine(
+        db, ["stuck_a", "stuck_b"], launch_options=options, settings={"tick_seconds": 0.01, "callable_timeout": 0.5}
+    )
     CtlStore(db).set(*KEY, T0)
     try:
         started = time.monotonic()
@@ -154,10 +164,12 @@ def test_user_code_runs_while_the_tick_holds_no_transaction_open(db):
 
     def options(values):
         with psycopg.connect(db.url, autocommit=True) as conn:
-            seen.append(conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
-            ).fetchone()[0])
+            seen.append(
+                conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+                ).fetchone()[0]
+            )
         return None, {}
 
     scheduler = engine(db, ["good"], launch_options={"good": options})
@@ -198,9 +210,11 @@ def test_bad_ctl_input_is_refused_naming_the_field_and_the_callers_transaction_g
 
 @pytest.mark.parametrize(
     ("arguments", "field"),
-    [(["x" * 100_000, "loaded_until", "2024-05-01T00:00:00+00:00"], "entity"),
-     (["sales", "loaded\udc80", "2024-05-01T00:00:00+00:00"], "parameter"),
-     (["sales", "loaded_until", "9" * 100_000], "value")],
+    [
+        (["x" * 100_000, "loaded_until", "2024-05-01T00:00:00+00:00"], "entity"),
+        (["sales", "loaded\udc80", "2024-05-01T00:00:00+00:00"], "parameter"),
+        (["sales", "loaded_until", "9" * 100_000], "value"),
+    ],
 )
 def test_the_ctl_cli_refuses_bad_input_in_a_short_message_naming_the_field(db, arguments, field):
     result = CliRunner().invoke(ctl_cli, ["set", *arguments], env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
@@ -243,7 +257,7 @@ class Location:
             warnings.simplefilter("ignore", ReactiveTriggerWarning)
             self.defs = cmb_definitions(
                 resource=resource,
-                reactive=ReactiveOptions(tasks=tasks, name="iso", retry_backoff=BACKOFF, **options),
+                reactive=ReactiveOptions(tasks=tasks, name="iso", backoff=RETRIES, **options),
             )
 
     def tick(self):

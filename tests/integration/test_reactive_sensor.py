@@ -22,14 +22,14 @@ from dagster import (
     op,
 )
 
+from cmb_dagster import CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.reactive import task_states, tick_reactive_sensor
 from cmb_dagster.database import Database
 from cmb_dagster.definitions import cmb_definitions
-from cmb_dagster import CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster.models import Backoff
+from cmb_dagster.reactive import status, tick_reactive_sensor
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Any, ChunkDelay, ChunkDelta, Delay, Delta
-
 
 
 @pytest.fixture
@@ -67,10 +67,8 @@ class Harness:
     def __init__(self, db: Database, instance: DagsterInstance, resource: CmbResource, tasks, **options) -> None:
         self.db, self.instance, self.resource = db, instance, resource
         self.store = CtlStore(db, actor="test")
-        options = {"name": "test", "retry_backoff": timedelta(0), **options}
-        self.defs: Definitions = cmb_definitions(
-            resource=resource, reactive=ReactiveOptions(tasks=tasks, **options)
-        )
+        options = {"name": "test", "backoff": Backoff(first=0), **options}
+        self.defs: Definitions = cmb_definitions(resource=resource, reactive=ReactiveOptions(tasks=tasks, **options))
         self.clock: datetime | None = None  # the evaluation time of ticks; None: the wall clock
 
     def tick(self):
@@ -94,7 +92,7 @@ class Harness:
         target.execute_in_process(instance=self.instance, tags=tags, raise_on_error=False)
 
     def state(self, name: str):
-        return {s.name: s for s in task_states(self.db, "test")}[name]
+        return {s.name: s for s in status(self.db, "test").tasks}[name]
 
 
 def test_a_ctl_change_launches_the_task_with_short_tags_and_its_values_and_reason_in_the_runs_log(
@@ -113,7 +111,10 @@ def test_a_ctl_change_launches_the_task_with_short_tags_and_its_values_and_reaso
     assert request.tags["cmb/reactive/task"] == "mart"
     assert launched_values(request.tags, resource) == {("sales", "loaded_until"): now}
     assert sorted(k for k in request.tags if k.startswith("cmb/")) == [
-        "cmb/reactive/attempt", "cmb/reactive/run_key", "cmb/reactive/scheduler", "cmb/reactive/task"
+        "cmb/reactive/attempt",
+        "cmb/reactive/run_key",
+        "cmb/reactive/scheduler",
+        "cmb/reactive/task",
     ]
     assert request.run_key == request.tags["cmb/reactive/run_key"]
     run = h.start(request)
@@ -160,8 +161,11 @@ def test_success_commits_the_values_as_last_seen(db, instance, resource, now):
 
 def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resource, now):
     h = Harness(
-        db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))],
-        retry_backoff=timedelta(minutes=1),
+        db,
+        instance,
+        resource,
+        [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))],
+        backoff=Backoff(first=60, max=3600),
     )
     h.clock = now  # ticks evaluate at a time the test sets: no race with a short backoff
     h.store.set("sales", "loaded_until", now)
@@ -218,9 +222,9 @@ def test_only_tasks_whose_inputs_changed_are_evaluated(db, instance, resource, n
     h.tick()  # first tick: every task is new to the code location
     h.store.set("e7", "loaded_until", now)
     h.store.set("unrelated", "loaded_until", now)
-    before = {s.name: s.evaluated_at for s in task_states(db, "test")}
+    before = {s.name: s.evaluated_at for s in status(db, "test").tasks}
     [request] = h.requests()
-    after = {s.name: s.evaluated_at for s in task_states(db, "test")}
+    after = {s.name: s.evaluated_at for s in status(db, "test").tasks}
     assert request.tags["cmb/reactive/task"] == "t7"
     assert [name for name in before if before[name] != after[name]] == ["t7"]
 
@@ -235,7 +239,7 @@ def test_a_changed_definition_is_evaluated_again_with_the_seeds_release_rules(db
     # while the parameter it kept (sales) is evaluated against the last run's value as usual
     changed = Any(Delta("sales", "loaded_until", "1h"), ChunkDelta("prices", "loaded_until", "day"))
     h2 = Harness(db, instance, resource, [ReactiveTask("mart", target, changed)])
-    [again] = h2.requests()
+    [_] = h2.requests()
     reason = h2.state("mart").explanation
     assert "Delta(sales/loaded_until, 1h) waits" in reason and "the parameter is new to the trigger" in reason
     assert h2.state("mart").last_values == {"sales": {"loaded_until": now.isoformat()}}
@@ -312,9 +316,11 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
     sensor = defs.get_repository_def().get_sensor_def("cmb_reactive_scheduler")
 
     def tick():
-        return sensor.evaluate_tick(build_sensor_context(instance=instance, resources={"cmb": resource}, definitions=defs))
+        context = build_sensor_context(instance=instance, resources={"cmb": resource}, definitions=defs)
+        return sensor.evaluate_tick(context)
 
-    loaders = defs.get_repository_def().get_sensor_def("example_loaders").evaluate_tick(build_sensor_context(instance=instance))
+    loaders_sensor = defs.get_repository_def().get_sensor_def("example_loaders")
+    loaders = loaders_sensor.evaluate_tick(build_sensor_context(instance=instance))
     assert sorted(r.job_name for r in loaders.run_requests) == ["orders_loader", "prices_loader"]
     assert defs.get_job_def("orders_loader").execute_in_process(instance=instance).success
     assert "ChunkDelta(shop/orders/loaded_until, 5min in UTC, 1) fires" in tick().skip_message  # prices not loaded yet
@@ -330,7 +336,7 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
 
 
 def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, resource, now):
-    from cmb_dagster.reactive.scheduler import LEASE_KIND
+    from cmb_dagster.reactive.engine import LEASE_KIND
     from cmb_dagster.workers import Leases
 
     h = Harness(db, instance, resource, [ReactiveTask("mart", target, Delta("sales", "loaded_until", "1h"))])
@@ -346,10 +352,14 @@ def test_a_second_scheduler_process_with_the_same_name_stands_by(db, instance, r
 def producer_and_readers(*, produces: bool = True, **priorities: int) -> list[ReactiveTask]:
     """'orders' writes shop/orders; 'mart' (priority 10) waits for it; the others read sales/loaded_until."""
     return [
-        ReactiveTask("orders", target, Delta("erp", "exported_until", "1h"),
-                     produces=[("shop", "orders")] if produces else ()),
+        ReactiveTask(
+            "orders", target, Delta("erp", "exported_until", "1h"), produces=[("shop", "orders")] if produces else ()
+        ),
         ReactiveTask("mart", target, Delta("shop", "orders", "1h"), priority=10),
-        *(ReactiveTask(name, target, Delta("sales", "loaded_until", "1h"), priority=p) for name, p in priorities.items()),
+        *(
+            ReactiveTask(name, target, Delta("sales", "loaded_until", "1h"), priority=p)
+            for name, p in priorities.items()
+        ),
     ]
 
 
@@ -363,7 +373,7 @@ def start_the_producer(h: Harness, now: datetime):
 
 @pytest.mark.parametrize("success", [True, False])
 def test_a_producer_in_flight_holds_lower_priority_tasks_until_its_run_ends(db, instance, resource, success, now):
-    h = Harness(db, instance, resource, producer_and_readers(low=1), retry_backoff=timedelta(hours=1))
+    h = Harness(db, instance, resource, producer_and_readers(low=1), backoff=Backoff(first=3600, max=3600))
     run = start_the_producer(h, now)
     h.store.set("sales", "loaded_until", now)
     for _ in range(2):  # held tick after tick while the producer runs

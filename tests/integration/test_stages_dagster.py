@@ -1,11 +1,13 @@
-"""The stage scheduler's Dagster shell: definitions, worker job with observations, keeper, rescan; the
+"""The stage scheduler's Dagster shell: definitions, worker jobs, status observations, keeper, rescan; the
 after-commit consumer; limits across workers."""
 
+import contextlib
 import threading
 import time
 
 from dagster import AssetKey, RunRequest, build_sensor_context, instance_for_test
 from pydantic import BaseModel
+from running import Running
 from stages_helpers import drain, pipeline
 from waiting import wait_until
 
@@ -14,10 +16,19 @@ from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.examples import stages as example
 from cmb_dagster.resources import CmbResource
-from cmb_dagster.stages import Entity, MergePatch, SavedEntity, Stage, StageOptions, StageResult, StageStore, StageWorker
+from cmb_dagster.stages import (
+    Entity,
+    MergePatch,
+    SavedEntity,
+    Stage,
+    StageOptions,
+    StageResult,
+    StageStore,
+    StageWorker,
+)
 
 
-def test_definitions_worker_job_observes_stages_and_keeper_requests_a_run(database_url):
+def test_definitions_status_sensor_observes_stages_and_keeper_requests_a_run(database_url):
     options = StageOptions(stages=pipeline(), workers=2, shard_count=4, idle_sleep=0.1)
     defs = cmb_definitions(resource=CmbResource(database_url=database_url), stages=options)
     repo = defs.get_repository_def()
@@ -30,11 +41,13 @@ def test_definitions_worker_job_observes_stages_and_keeper_requests_a_run(databa
         for i in range(2):
             name = f"cmb_stages_worker_{i}_of_2"
             result = defs.get_job_def(name).execute_in_process(
-                instance=instance, run_config={"ops": {f"{name}_op": {"config": {"duration_seconds": 2.0}}}})
+                instance=instance, run_config={"ops": {f"{name}_op": {"config": {"duration_seconds": 2.0}}}}
+            )
             assert result.success
-        observations = instance.fetch_observations(AssetKey(["stages", "third"]), limit=10).records
-        assert observations
-        metadata = observations[0].asset_observation.metadata
+        resources = {"cmb": CmbResource(database_url=database_url)}
+        with build_sensor_context(instance=instance, resources=resources) as ctx:
+            observations = defs.get_sensor_def("cmb_stages_status").evaluate_tick(ctx).asset_events
+        [metadata] = [o.metadata for o in observations if o.asset_key == AssetKey(["stages", "third"])]
         assert {"queued", "timers", "low_priority", "oldest_seconds", "parked", "conflicts"} <= set(metadata)
         keeper = defs.get_sensor_def("cmb_stages_worker_0_of_2_keeper")
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
@@ -50,7 +63,7 @@ def test_example_withdraws_and_notifies_the_sink_after_commit(db, monkeypatch):
         monkeypatch.setattr(example, "SINK", f"{sink.url}/stages/withdrawn")
         store = StageStore(db, example.options.stages)
         store.put_many({"o1": {"title": "car", "status": "active", "category": "cars", "base_price": 100}})
-        worker = StageWorker(db, example.options, listen=False)
+        worker = StageWorker(db, example.options)
         drain(worker)
         assert store.get("o1").payload["predicted_price"] == 105.0
         time.sleep(0.35)
@@ -79,16 +92,14 @@ def test_after_commit_runs_at_least_once_with_the_event_id(db):
 
     stage = Notifies()
     StageStore(db, [stage]).put("n", {})
-    worker = StageWorker(db, [stage], listen=False)
+    worker = StageWorker(db, [stage])
     worker.setup()
     for _ in range(2):  # the change path, then the stage
         worker.shards_step(range(8), 8)
     consumer = worker._consumers["after_commit:notifies"]
     for _ in range(3):
-        try:
+        with contextlib.suppress(Exception):  # the failing first delivery
             consumer.run_once()
-        except Exception:  # noqa: BLE001 - the failing first delivery
-            pass
     assert [s.entity_id for s in seen] == ["n"] and seen[0].payload == {"done": True} and seen[0].event_id > 0
 
 
@@ -114,25 +125,21 @@ class Counting(Stage):
 
 def run_two_workers(database_url: str, stage: Stage, count: int) -> None:
     db = Database(database_url)
-    options = StageOptions(stages=[stage], shard_count=4, idle_sleep=0.05, batch_size=10)
-    workers = [StageWorker(Database(database_url), options, owner=f"w{i}", workers=2, index=i, listen=False)
-               for i in range(2)]
-    threads = [threading.Thread(target=w.run, args=(30,), daemon=True) for w in workers]
+    options = StageOptions(stages=[stage], shard_count=4, idle_sleep=0.05, batch_size=10, listen=False)
+    workers = [StageWorker(Database(database_url), options, owner=f"w{i}", workers=2, index=i) for i in range(2)]
     StageStore(db, [stage]).put_many({f"x{i}": {} for i in range(count)})
-    for t in threads:
-        t.start()
 
     def done() -> bool:
         with db.connection() as conn:
-            return conn.execute("SELECT count(*) FROM stage_entities WHERE payload ? %s", (stage.name,)).fetchone()[0] == count
+            return (
+                conn.execute("SELECT count(*) FROM stage_entities WHERE payload ? %s", (stage.name,)).fetchone()[0]
+                == count
+            )
 
     try:
-        wait_until(done, 30, "all processed")
+        with Running(*workers):
+            wait_until(done, 30, "all processed")
     finally:
-        for w in workers:
-            w.stop()
-        for t in threads:
-            t.join()
         for w in workers:
             w.db.close()
         db.close()

@@ -1,16 +1,21 @@
-"""The stage scheduler against real Postgres: the seed's algorithm, change paths, failures, limits."""
+"""The stage scheduler against real Postgres: batches, change paths, timers, failures, limits, sharding."""
 
 from __future__ import annotations
 
 import random
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+import warnings
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
 from pydantic import BaseModel
+from running import Running
+from stages_helpers import Seen, Step, drain, pipeline
+from waiting import wait_until
 
+from cmb_dagster.models import Backoff
 from cmb_dagster.stages import (
     Engine,
     Entity,
@@ -18,7 +23,9 @@ from cmb_dagster.stages import (
     InvalidStageInput,
     MergePatch,
     Stage,
+    StageOptions,
     StageResult,
+    StagesStatus,
     StageStore,
     StageWorker,
     UnknownStage,
@@ -28,19 +35,17 @@ from cmb_dagster.stages import (
     status,
 )
 from cmb_dagster.stages.models import entity_hash
-from stages_helpers import Seen, Step, drain, pipeline
-from waiting import wait_until
 
 
 def by_stage(db):
-    return {s.stage: s for s in status(db)}
+    return {s.stage: s for s in status(db).stages}
 
 
 def test_three_stages_run_in_turn_and_keep_state(db):
     stages = pipeline()
     store = StageStore(db, stages)
     store.put_many({f"e{i}": {"a": i} for i in range(50)})
-    drain(StageWorker(db, stages, listen=False))
+    drain(StageWorker(db, stages))
     for i in range(50):
         entity = store.get(f"e{i}")
         assert entity.payload == {"a": i, "b": i + 1, "c": i + 2, "d": i + 3}
@@ -53,8 +58,9 @@ def test_three_stages_run_in_turn_and_keep_state(db):
     with db.connection() as conn:  # one post-save publication per commit, with entity and state
         rows = conn.execute("SELECT topic, payload FROM pubsub_events WHERE op = 'publish' ORDER BY id").fetchall()
     assert len(rows) == 150
-    topic, payload = next(r for r in rows if r[1]["entity_id"] == "e7" and r[0] == "stages.second")
-    assert payload["payload"]["c"] == 9 and payload["state"] == {"runs": 1, "last_version": 2} and payload["version"] == 3
+    _, payload = next(r for r in rows if r[1]["entity_id"] == "e7" and r[0] == "stages.second")
+    assert payload["payload"]["c"] == 9 and payload["version"] == 3
+    assert payload["state"] == {"runs": 1, "last_version": 2}
 
 
 def test_sql_hash_matches_python(db):
@@ -66,7 +72,7 @@ def test_sql_hash_matches_python(db):
 
 def test_write_bypassing_the_api_is_processed_like_one_through_it(db):
     stages = pipeline()
-    worker = StageWorker(db, stages, listen=False)
+    worker = StageWorker(db, stages)
     worker.setup()  # installs the capture
     with db.connection() as conn:
         conn.execute("""INSERT INTO stage_entities (entity_id, payload) VALUES ('sql-1', '{"a": 1}')""")
@@ -97,27 +103,32 @@ def test_concurrent_external_writes_never_lose_to_a_stage_result(database_url):
             result = super().process(entity, state)
             if rng.random() < 0.3:  # an external write to another field, committed while we run
                 bump = rng.randint(1, 1000)
-                external.execute("UPDATE cmb.stage_entities SET payload = jsonb_set(payload, '{x}', %s::jsonb) "
-                                 "WHERE entity_id = %s", (str(bump), entity.id))
+                external.execute(
+                    "UPDATE cmb.stage_entities SET payload = jsonb_set(payload, '{x}', %s::jsonb) WHERE entity_id = %s",
+                    (str(bump), entity.id),
+                )
                 writes.append(bump)
                 last_x[entity.id] = bump
             if rng.random() < 0.1:
-                external.execute("UPDATE cmb.stage_entities SET payload = jsonb_set(payload, '{a}', "
-                                 "to_jsonb((payload->>'a')::int + 100)) WHERE entity_id = %s", (entity.id,))
+                external.execute(
+                    "UPDATE cmb.stage_entities SET payload = jsonb_set(payload, '{a}', "
+                    "to_jsonb((payload->>'a')::int + 100)) WHERE entity_id = %s",
+                    (entity.id,),
+                )
                 a_bumps[entity.id] = a_bumps.get(entity.id, 0) + 1
             return result
 
     stages = [Racing("first", "a", "b"), Racing("second", "b", "c"), Racing("third", "c", "d")]
     store = StageStore(db, stages)
     store.put_many({f"e{i}": {"a": i} for i in range(40)})
-    drain(StageWorker(db, stages, listen=False))
+    drain(StageWorker(db, stages))
     assert writes, "the property needs external writes"
     for i in range(40):
         p = store.get(f"e{i}").payload
         assert p["b"] == p["a"] + 1 and p["c"] == p["a"] + 2 and p["d"] == p["a"] + 3, p
         # no external write was overwritten by a stage result computed before it
         assert p.get("x") == last_x.get(f"e{i}") and p["a"] == i + 100 * a_bumps.get(f"e{i}", 0), p
-    conflicts = sum(s.conflicts for s in status(db))
+    conflicts = sum(s.conflicts for s in status(db).stages)
     assert conflicts > 0
     # every committed result was computed from the version it replaced: the state remembers it
     with db.connection() as conn:
@@ -163,7 +174,7 @@ def test_timers_fire_at_their_time_never_before_also_after_a_restart(db):
     stage = TimerStage(after=0.6)
     store = StageStore(db, [stage])
     store.put_many({f"t{i}": {"status": "active"} for i in range(5)})
-    first = StageWorker(db, [stage], listen=False)
+    first = StageWorker(db, [stage])
     drain(first)
     assert all(store.get(f"t{i}").payload["status"] == "active" for i in range(5))
     assert by_stage(db)["withdraw"].timers == 5
@@ -172,12 +183,10 @@ def test_timers_fire_at_their_time_never_before_also_after_a_restart(db):
     assert first.engine.process_batch(range(8), ["withdraw"]).taken == 0
     assert len(stage.calls) == before
     # a new worker (a restart) fires them
-    worker = StageWorker(db, [stage], listen=False, owner="second")
-    thread = threading.Thread(target=worker.run, args=(10,), daemon=True)
-    thread.start()
-    wait_until(lambda: all(store.get(f"t{i}").payload["status"] == "withdrawn" for i in range(5)), 10, "timers fired")
-    worker.stop()
-    thread.join()
+    with Running(StageWorker(db, StageOptions(stages=[stage], listen=False), owner="second")):
+        wait_until(
+            lambda: all(store.get(f"t{i}").payload["status"] == "withdrawn" for i in range(5)), 10, "timers fired"
+        )
     fired = [(now, due) for _, now, due in stage.calls if due is not None]
     assert fired and all(now >= due for now, due in fired)  # never early
     lateness = max(now - due for now, due in fired)
@@ -187,7 +196,7 @@ def test_timers_fire_at_their_time_never_before_also_after_a_restart(db):
 class Flaky(Stage):
     name = "flaky"
     max_attempts = 3
-    retry_backoff = 0.05
+    backoff = Backoff(first=0.05, factor=2, max=300)
 
     def process(self, entity: Entity, state: BaseModel) -> StageResult:
         if entity.payload.get("fail"):
@@ -199,7 +208,7 @@ def test_failing_process_retries_with_backoff_then_parks_and_can_be_retried(db):
     stage = Flaky()
     store = StageStore(db, [stage])
     store.put_many({"bad": {"fail": True}, "good": {}})
-    worker = StageWorker(db, [stage], listen=False)
+    worker = StageWorker(db, [stage])
     drain(worker, settle=0.6)
     assert store.get("good").payload == {"ok": True}
     bad = store.get("bad")
@@ -219,7 +228,7 @@ def test_failing_process_retries_with_backoff_then_parks_and_can_be_retried(db):
 class Bad(Stage):
     name = "bad"
 
-    class state_model(BaseModel):  # noqa: N801
+    class state_model(BaseModel):
         n: int = 0
 
     def process(self, entity: Entity, state: BaseModel) -> StageResult:
@@ -235,18 +244,21 @@ class Bad(Stage):
         return "not a result"  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(("kind", "message"), [
-    ("state", "new_state: stage 'bad' must return a state_model, not Seen"),
-    ("update", "update: stage 'bad' must return a dict or MergePatch, not list"),
-    ("nan", "update: not JSON-serializable"),
-    ("timer", "timer: a naive datetime"),
-    ("result", "result: stage 'bad' must return a StageResult"),
-])
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("state", "new_state: stage 'bad' must return a state_model, not Seen"),
+        ("update", "update: stage 'bad' must return a dict or MergePatch, not list"),
+        ("nan", "update: not JSON-serializable"),
+        ("timer", "timer: a naive datetime"),
+        ("result", "result: stage 'bad' must return a StageResult"),
+    ],
+)
 def test_invalid_results_are_typed_errors_and_write_nothing(db, kind, message):
     stage = Bad(max_attempts=1)
     store = StageStore(db, [stage])
     store.put("x", {"kind": kind})
-    drain(StageWorker(db, [stage], listen=False))
+    drain(StageWorker(db, [stage]))
     [entry] = entries(db, stage="bad")
     assert entry.parked_at is not None and "InvalidStageResult" in entry.last_error and message in entry.last_error
     assert store.get("x").version == 1
@@ -266,7 +278,7 @@ def test_state_api_compare_and_set(db):
         store.read_state("s", "nope")
     with pytest.raises(UnknownStage):
         store.update_state("s", "nope", Seen(), 0)
-    with pytest.raises(InvalidStageInput, match="new_state: not a valid Seen"):
+    with pytest.raises(InvalidStageInput, match=r"^new_state: not a valid Seen: runs: [^\n]*$"):
         store.update_state("s", "first", {"runs": "many"}, 2)
     with pytest.raises(EntityNotFound):
         store.read_state("missing", "first")
@@ -296,7 +308,7 @@ def test_merge_patch_through_the_api_and_delete(db):
     v = store.patch("m", {"keep": {"y": None, "z": 3}})
     assert store.get("m").payload == {"a": 1, "keep": {"x": 1, "z": 3}} and v == 2
     assert store.patch("m", {"a": 1}) == 2  # no change, no version
-    drain(StageWorker(db, stages, listen=False))
+    drain(StageWorker(db, stages))
     assert store.delete("m") is True and store.get("m") is None and store.delete("m") is False
     assert entries(db) == []
 
@@ -328,7 +340,7 @@ def test_should_process_raising_enqueues_anyway_and_fields_filter(db):
     stages = [raising, no, price]
     store = StageStore(db, stages)
     store.put("f", {"title": "t"})
-    worker = StageWorker(db, stages, listen=False)
+    worker = StageWorker(db, stages)
     drain(worker)
     assert raising.processed == ["f"] and no.processed == [] and no.asked == 1
     assert price.processed == ["f"]  # a new entity: every field is new
@@ -341,7 +353,7 @@ def test_should_process_raising_enqueues_anyway_and_fields_filter(db):
 
 
 class Capped(Stage):
-    """Flips a counter forever with its partner: the seed's combinatorial explosion."""
+    """Flips a counter forever with its partner: a combinatorial explosion of triggers."""
 
     def __init__(self, name: str, key: str) -> None:
         super().__init__(max_triggers=2, trigger_window=30)
@@ -356,7 +368,7 @@ def test_retrigger_cap_defers_and_counts(db, caplog):
     stages = [Capped("ping", "p"), Capped("pong", "q")]
     store = StageStore(db, stages)
     store.put("loop", {})
-    drain(StageWorker(db, stages, listen=False))
+    drain(StageWorker(db, stages))
     payload = store.get("loop").payload
     assert payload["p"] <= 3 and payload["q"] <= 3  # not endless
     counts = by_stage(db)
@@ -381,14 +393,16 @@ def test_rescan_fills_the_low_priority_queue_drained_after_the_main_one(db):
     stage = Recorder()
     engine = Engine(db, [stage], batch_size=1000)
     with db.connection() as conn:  # old entities, never seen by the stage (as after a deploy)
-        conn.execute("INSERT INTO stage_entities (entity_id, payload) SELECT 'old' || i, '{}' FROM generate_series(1, 30) i")
+        conn.execute(
+            "INSERT INTO stage_entities (entity_id, payload) SELECT 'old' || i, '{}' FROM generate_series(1, 30) i"
+        )
     seen, offered, stopped = engine.rescan()
     assert (seen, offered, stopped) == (30, 30, None)
     assert by_stage(db)["recorder"].low_priority == 30
     store = StageStore(db, [stage])
     store.put_many({f"new{i}": {"n": 1} for i in range(5)})
     set_shard_count(db, 1)
-    worker = StageWorker(db, [stage], listen=False)
+    worker = StageWorker(db, [stage])
     drain(worker)
     first_old = next(i for i, (eid, _) in enumerate(order) if eid.startswith("old"))
     assert {eid for eid, _ in order[:first_old]} == {f"new{i}" for i in range(5)}
@@ -421,24 +435,19 @@ def test_two_workers_on_the_same_shards_never_overlap_on_an_entity(database_url)
     stages = [Slow("first", "a", "b"), Slow("second", "a", "c"), Slow("third", "a", "d")]
     store = StageStore(db, stages)
     set_shard_count(db, 2)
-    workers = [StageWorker(Database(database_url), stages, owner=f"w{i}", listen=False) for i in range(2)]
-    for w in workers:
-        w.options = w.options.model_copy(update={"batch_size": 20, "idle_sleep": 0.05, "lease_ttl": 2.0})
-        w.engine.batch_size = 20
-    threads = [threading.Thread(target=w.run, args=(30,), daemon=True) for w in workers]
-    for t in threads:
-        t.start()
-    store.put_many({f"o{i}": {"a": i} for i in range(300)})
+    options = StageOptions(stages=stages, batch_size=20, idle_sleep=0.05, lease_ttl=2.0, listen=False)
+    workers = [StageWorker(Database(database_url), options, owner=f"w{i}") for i in range(2)]
 
     def done() -> bool:
         with db.connection() as conn:
-            return conn.execute("SELECT count(*) FROM stage_entities WHERE payload ?& array['b', 'c', 'd']").fetchone()[0] == 300
+            return (
+                conn.execute("SELECT count(*) FROM stage_entities WHERE payload ?& array['b', 'c', 'd']").fetchone()[0]
+                == 300
+            )
 
-    wait_until(done, 30, "all entities through three stages")
-    for w in workers:
-        w.stop()
-    for t in threads:
-        t.join()
+    with Running(*workers):
+        store.put_many({f"o{i}": {"a": i} for i in range(300)})
+        wait_until(done, 30, "all entities through three stages")
     for w in workers:
         w.db.close()
     assert overlaps == []
@@ -454,19 +463,17 @@ def test_changing_the_shard_count_while_workers_run_loses_nothing(database_url):
     db = Database(database_url)
     stages = pipeline()
     store = StageStore(db, stages)
-    worker = StageWorker(db, stages, listen=False)
-    worker.options = worker.options.model_copy(update={"idle_sleep": 0.05, "lease_ttl": 1.5})
-    thread = threading.Thread(target=worker.run, args=(40,), daemon=True)
-    thread.start()
-    for round_, count in enumerate([3, 16, 1, 5]):
-        store.put_many({f"r{round_}-{i}": {"a": i} for i in range(100)})
-        set_shard_count(db, count)
-    with db.connection() as conn:
-        wait_until(lambda: conn.execute("SELECT count(*) FROM stage_entities WHERE payload ? 'd'").fetchone()[0] == 400,
-                   30, "every entity processed")
+    worker = StageWorker(db, StageOptions(stages=stages, idle_sleep=0.05, lease_ttl=1.5, listen=False))
+    with Running(worker), db.connection() as conn:
+        for round_, count in enumerate([3, 16, 1, 5]):
+            store.put_many({f"r{round_}-{i}": {"a": i} for i in range(100)})
+            set_shard_count(db, count)
+        wait_until(
+            lambda: conn.execute("SELECT count(*) FROM stage_entities WHERE payload ? 'd'").fetchone()[0] == 400,
+            30,
+            "every entity processed",
+        )
         calls = conn.execute("SELECT sum(processed) FROM stage_counters").fetchone()[0]
-    worker.stop()
-    thread.join()
     assert calls == 1200  # each stage once per entity: nothing duplicated
     db.close()
 
@@ -507,3 +514,34 @@ def test_a_batch_whose_lease_was_taken_over_while_its_stage_ran_writes_nothing(d
     assert StageStore(db).get("b").payload == {"runs": 2} and not entries(db, stage="blocking")
     old.close()
     new.close()
+
+
+def test_status_reports_the_shard_count_and_a_row_per_stage(db):
+    stages = pipeline()
+    StageStore(db, stages).put_many({f"s{i}": {"a": i} for i in range(3)})
+    drain(StageWorker(db, stages))
+    report = status(db)
+    assert isinstance(report, StagesStatus) and report.shard_count == 8
+    assert [row.stage for row in report.stages] == ["first", "second", "third"]
+    assert report.stage("second").processed == 3 and report.stage("none yet").processed == 0
+    with pytest.warns(DeprecationWarning, match=r"status\(\).stages"):
+        rows = list(report)  # status() returned the list of rows before
+    assert rows == report.stages
+
+
+def test_the_listen_keyword_still_sets_the_option(db):
+    with pytest.warns(DeprecationWarning, match="StageOptions"):
+        worker = StageWorker(db, pipeline(), listen=False)
+    assert worker.options.listen is False and [s.name for s in worker.options.stages] == ["first", "second", "third"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert StageWorker(db, StageOptions(stages=pipeline(), listen=False)).options.listen is False
+
+
+def test_a_write_wakes_an_idle_worker_at_once(db):
+    stages = pipeline()
+    worker = StageWorker(db, StageOptions(stages=stages, idle_sleep=60))
+    with Running(worker):
+        wait_until(lambda: worker.listening, 10, "the worker listens")
+        StageStore(db, stages).put("w", {"a": 1})
+        wait_until(lambda: StageStore(db).get("w").payload.get("d") == 4, 10, "the entity through every stage")

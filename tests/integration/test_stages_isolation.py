@@ -11,12 +11,13 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 from pydantic import BaseModel
-
-from cmb_dagster.database import Database
-from cmb_dagster.stages import Engine, Entity, MergePatch, Stage, StageResult, StageStore, StageWorker, entries
-from cmb_dagster.stages import engine as engine_module
 from stages_helpers import drain
 from waiting import wait_until
+
+from cmb_dagster.database import Database
+from cmb_dagster.models import Backoff
+from cmb_dagster.stages import Engine, Entity, MergePatch, Stage, StageResult, StageStore, StageWorker, entries
+from cmb_dagster.stages import engine as engine_module
 
 
 class Patch(Stage):
@@ -35,7 +36,7 @@ def test_a_result_postgres_refuses_is_split_off_and_the_others_commit(db, monkey
     monkeypatch.setattr(engine_module, "to_json", lambda value, field, **kw: json.dumps(value))
     store = StageStore(db, [Patch()])
     store.put_many({f"e{i}": {"i": i} for i in range(50)} | {"bad": {"bad": True}})
-    drain(StageWorker(db, [Patch(max_attempts=1)], listen=False))
+    drain(StageWorker(db, [Patch(max_attempts=1)]))
     assert all(store.get(f"e{i}").payload.get("done") is True for i in range(50))
     [bad] = entries(db, stage="patch")
     assert bad.entity_id == "bad" and bad.parked_at is not None and bad.attempts == 1
@@ -55,7 +56,7 @@ class Held(Stage):
 
 def test_a_process_past_its_timeout_fails_and_is_retried_later(db):
     Held.release.clear()
-    stage = Held(timeout=0.3, retry_backoff=60)
+    stage = Held(timeout=0.3, backoff=Backoff(first=60))
     StageStore(db, [stage]).put("slow", {})
     engine = Engine(db, [stage])
     engine.changes_batch(range(8))
@@ -119,7 +120,7 @@ def test_a_batch_with_large_payloads_commits_within_seconds(database_url, transp
     store = StageStore(db, [Patch()])
     store.put("big", {"blob": "x" * (10 * 1024 * 1024)})
     store.put_many({f"p{i}": {"blob": "y" * 100_000} for i in range(60)})
-    worker = StageWorker(db, [Patch()], listen=False)
+    worker = StageWorker(db, [Patch()])
     finished = threading.Event()
     threading.Thread(target=lambda: (drain(worker), finished.set()), daemon=True).start()
     assert finished.wait(60), "the batch did not finish (a commit blocked inside a pipeline?)"
@@ -194,19 +195,25 @@ def test_update_state_refuses_a_version_that_moved_while_it_waited(db):
 
 def _waits_for_a_lock(db: Database) -> bool:
     with db.connection() as conn:
-        return bool(conn.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                 "AND datname = current_database()").fetchone())
+        return bool(
+            conn.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ).fetchone()
+        )
 
 
-@pytest.mark.parametrize(("field", "entity_id", "payload"), [
-    ("entity_id", "a\x00b", {}),
-    ("entity_id", "\udc80", {}),
-    ("entity_id", "x" * 257, {}),
-    ("payload of 'e'", "e", {"text": "a\x00b"}),
-    ("payload of 'e'", "e", {"text": "\ud800"}),
-    ("payload of 'e'", "e", {"blob": "x" * (5 * 1024 * 1024)}),
-    ("payload of 'e'", "e", {"n": float("nan")}),
-])
+@pytest.mark.parametrize(
+    ("field", "entity_id", "payload"),
+    [
+        ("entity_id", "a\x00b", {}),
+        ("entity_id", "\udc80", {}),
+        ("entity_id", "x" * 257, {}),
+        ("payload of 'e'", "e", {"text": "a\x00b"}),
+        ("payload of 'e'", "e", {"text": "\ud800"}),
+        ("payload of 'e'", "e", {"blob": "x" * (5 * 1024 * 1024)}),
+        ("payload of 'e'", "e", {"n": float("nan")}),
+    ],
+)
 def test_put_refuses_what_postgres_cannot_store_naming_the_field(db, field, entity_id, payload):
     from cmb_dagster.stages import InvalidStageInput
 

@@ -17,9 +17,8 @@ def test_a_partition_has_one_owner_until_its_lease_expires(db):
     assert b.acquire(["p1", "p2", "p3"]).keys() == {"p3"}
     wait_until(lambda: "p1" in b.acquire(["p1"]), timeout=5)
     assert b.acquire(["p1"])["p1"].fence == held_a["p1"].fence + 1
-    with db.connection() as conn:
-        with pytest.raises(LeaseLost):
-            Leases.check(conn, held_a["p1"])
+    with db.connection() as conn, pytest.raises(LeaseLost):
+        Leases.check(conn, held_a["p1"])
 
 
 def test_check_many_refuses_when_any_lease_moved(db):
@@ -31,9 +30,8 @@ def test_check_many_refuses_when_any_lease_moved(db):
     a.acquire(["p1"])  # p1 renewed, p2 left to expire and taken over
     b = Leases(db, "test.kind", owner="b", ttl=60)
     wait_until(lambda: "p2" in b.acquire(["p2"]), timeout=5)
-    with db.connection() as conn:
-        with pytest.raises(LeaseLost, match="p2"):
-            Leases.check_many(conn, list(held.values()))()
+    with db.connection() as conn, pytest.raises(LeaseLost, match="p2"):
+        Leases.check_many(conn, list(held.values()))()
 
 
 def test_a_takeover_waits_for_a_transaction_that_checked_the_lease_while_renewals_do_not(db):
@@ -84,8 +82,16 @@ def test_joint_partitions_are_stepped_together(db):
         singles.append(lease.partition)
         return 0
 
-    worker = Worker(db, "test.joint", ["s:1", "s:2", "other"], step, ttl=5, idle_sleep=0.01,
-                    joint=lambda p: p.startswith("s:"), joint_step=joint_step)
+    worker = Worker(
+        db,
+        "test.joint",
+        ["s:1", "s:2", "other"],
+        step,
+        ttl=5,
+        idle_sleep=0.01,
+        joint=lambda p: p.startswith("s:"),
+        joint_step=joint_step,
+    )
     worker.run(5)
     assert seen == [["s:1", "s:2"]]
     assert "s:1" not in singles and "s:2" not in singles
@@ -124,6 +130,7 @@ def test_two_workers_split_nothing_and_a_stopped_one_hands_over(db):
         def step(lease):
             seen.append((name, lease.partition))
             return 0
+
         return step
 
     first = Worker(db, "test.kind", ["p"], step_for("first"), idle_sleep=0.02)
@@ -165,14 +172,18 @@ class Counting(EngineWorker):
     def loops(self) -> list[Worker]:
         if self.stop_while_starting:
             self.stop()  # as a signal arriving while the worker is still being set up
-        return [Worker(self.db, "test.main", ["m"], self._step("main"), owner=self.owner, idle_sleep=5,
-                       channels=["test_wake"]),
-                Worker(self.db, "test.side", ["s"], self._step("side"), owner=self.owner, idle_sleep=0.01)]
+        return [
+            Worker(
+                self.db, "test.main", ["m"], self._step("main"), owner=self.owner, idle_sleep=5, channels=["test_wake"]
+            ),
+            Worker(self.db, "test.side", ["s"], self._step("side"), owner=self.owner, idle_sleep=0.01),
+        ]
 
     def _step(self, name: str):
         def step(lease) -> int:
             self.steps[name] += 1
             return 0
+
         return step
 
 

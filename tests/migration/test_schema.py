@@ -27,11 +27,15 @@ def dump_schema(url: str) -> str:
     """The cmb schema of ``url`` as SQL, without pg_dump's session settings and comments."""
     out = subprocess.run(
         [str(client_tool("pg_dump")), "--schema-only", "--no-owner", "--no-privileges", "--schema=cmb", "-d", url],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     lines = [
-        line for line in out.splitlines()
-        if line.strip() and not line.startswith(("--", "SET ", "SELECT pg_catalog.set_config", "\\restrict", "\\unrestrict"))
+        line
+        for line in out.splitlines()
+        if line.strip()
+        and not line.startswith(("--", "SET ", "SELECT pg_catalog.set_config", "\\restrict", "\\unrestrict"))
         and "SET (pg_attver=" not in line  # a per-server column option some builds add; not part of the schema
     ]
     text = "\n".join(lines)
@@ -60,10 +64,10 @@ def test_a_changed_migration_shows_in_the_comparison(database_url, empty_databas
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[1]))
-    from conftest import _create_database, _drop_database  # noqa: E402
+    from conftest import _create_database, _drop_database
 
-    from cmb_dagster.embedded import embedded_url  # noqa: E402
-    from cmb_dagster.settings import Settings  # noqa: E402
+    from cmb_dagster.embedded import embedded_url
+    from cmb_dagster.settings import Settings
 
     server = embedded_url(Settings.from_env().home)
     name, url = _create_database(server, None)

@@ -7,29 +7,28 @@ import pytest
 
 PACKAGE = Path(__file__).parents[2] / "cmb_dagster"
 ENGINES = ["callbacks", "eventqueue", "pubsub", "reactive", "stages"]
-SHAPE = {"__init__.py", "models.py", "sql.py", "admin.py", "cli.py", "errors.py"}
+SHAPE = {"__init__.py", "models.py", "sql.py", "admin.py", "cli.py", "errors.py", "worker.py"}
 IMPORTS_DAGSTER = re.compile(r"^\s*(import dagster|from dagster[\s.])", re.MULTILINE)
 DAGSTER_SHELL = {"jobs.py", "resources.py", "definitions.py"}  # the foundation's Dagster shell
 
 
 def modules_importing_dagster() -> set[str]:
     return {
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if IMPORTS_DAGSTER.search(path.read_text())
+        str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if IMPORTS_DAGSTER.search(path.read_text())
     }
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_engine_has_the_same_files(engine):
     files = {p.name for p in (PACKAGE / engine).glob("*.py")}
-    assert SHAPE <= files, f"{engine} lacks {sorted(SHAPE - files)}"
+    assert files >= SHAPE, f"{engine} lacks {sorted(SHAPE - files)}"
     assert any(name.startswith("dagster_") for name in files)
 
 
 def test_only_the_dagster_shell_imports_dagster():
     allowed = {
-        name for name in modules_importing_dagster()
+        name
+        for name in modules_importing_dagster()
         if Path(name).name.startswith("dagster_") or name in DAGSTER_SHELL or name.startswith("examples/")
     }
     assert modules_importing_dagster() == allowed, sorted(modules_importing_dagster() - allowed)
@@ -63,12 +62,16 @@ def commits_inside_pipelines() -> list[str]:
             if "pipeline" not in names:
                 continue
             where = f"{path.relative_to(PACKAGE)}:{node.lineno}"
-            if "transaction" in names[names.index("pipeline") + 1:]:
+            if "transaction" in names[names.index("pipeline") + 1 :]:
                 found.append(f"{where} a transaction inside the pipeline")
             for inner in ast.walk(node):
                 if inner is node:
                     continue
-                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute) and inner.func.attr == "commit":
+                if (
+                    isinstance(inner, ast.Call)
+                    and isinstance(inner.func, ast.Attribute)
+                    and inner.func.attr == "commit"
+                ):
                     found.append(f"{where} commit() at line {inner.lineno}")
                 if isinstance(inner, ast.With | ast.AsyncWith) and "transaction" in _with_calls(inner):
                     found.append(f"{where} a transaction at line {inner.lineno}")
@@ -88,9 +91,142 @@ def test_every_advisory_lock_key_names_the_schema():
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text()
         for match in re.finditer(r"pg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\(", text):
-            call = text[match.end(): match.end() + 150]
-            keys.append((f"{path.relative_to(PACKAGE)}:{text[:match.start()].count(chr(10)) + 1}", call))
+            call = text[match.end() : match.end() + 150]
+            keys.append((f"{path.relative_to(PACKAGE)}:{text[: match.start()].count(chr(10)) + 1}", call))
     assert keys
-    unnamed = [(where, call) for where, call in keys
-               if "schema" not in call and "public." not in call and "%(key)s" not in call]
+    unnamed = [
+        (where, call)
+        for where, call in keys
+        if "schema" not in call and "public." not in call and "%(key)s" not in call
+    ]
     assert unnamed == []
+
+
+CONTRACT_FILES = {"__init__.py", "models.py", "sql.py", "admin.py", "cli.py", "errors.py", "worker.py"}
+WORKERS = {
+    "callbacks": "CallbackWorker",
+    "eventqueue": "EventWorker",
+    "pubsub": "ConsumerWorker",
+    "reactive": "ReactiveWorker",
+    "stages": "StageWorker",
+}
+ERRORS = {
+    "callbacks": "Callback",
+    "eventqueue": "EventQueue",
+    "pubsub": "PubSub",
+    "reactive": "Reactive",
+    "stages": "Stage",
+}
+STATUS = {
+    "callbacks": "CallbacksStatus",
+    "eventqueue": "EventQueueStatus",
+    "pubsub": "PubSubStatus",
+    "reactive": "ReactiveStatus",
+    "stages": "StagesStatus",
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_has_the_contracts_files(engine):
+    files = {p.name for p in (PACKAGE / engine).glob("*.py")}
+    assert files >= CONTRACT_FILES, f"{engine} lacks {sorted(CONTRACT_FILES - files)}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_exports_one_worker_of_the_shared_shape(engine):
+    import importlib
+    import inspect
+
+    from cmb_dagster.workers import EngineWorker
+
+    package = importlib.import_module(f"cmb_dagster.{engine}")
+    workers = {name for name in package.__all__ if name.endswith("Worker")}
+    assert workers == {WORKERS[engine]}
+    worker = getattr(package, WORKERS[engine])
+    assert issubclass(worker, EngineWorker) and worker.__module__ == f"cmb_dagster.{engine}.worker"
+    parameters = list(inspect.signature(worker).parameters.values())
+    assert [p.name for p in parameters[:2]] == ["db", "options"] and "owner" in {p.name for p in parameters}
+    assert worker.run is EngineWorker.run and worker.stop is EngineWorker.stop
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_has_one_error_base_and_one_bad_input_error(engine):
+    import importlib
+
+    from cmb_dagster.errors import CmbError, InvalidInput
+
+    errors = importlib.import_module(f"cmb_dagster.{engine}.errors")
+    base = getattr(errors, f"{ERRORS[engine]}Error")
+    invalid = getattr(errors, f"Invalid{ERRORS[engine]}Input")
+    assert issubclass(base, CmbError) and issubclass(invalid, base) and issubclass(invalid, InvalidInput)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engines_options_extend_the_options_base_and_raise_its_bad_input_error(engine):
+    import importlib
+
+    from pydantic import BaseModel
+
+    from cmb_dagster.models import Options
+
+    models = importlib.import_module(f"cmb_dagster.{engine}.models")
+    invalid = getattr(importlib.import_module(f"cmb_dagster.{engine}.errors"), f"Invalid{ERRORS[engine]}Input")
+    found = [
+        value
+        for name, value in vars(models).items()
+        if isinstance(value, type)
+        and issubclass(value, BaseModel)
+        and value.__module__ == models.__name__
+        and name.endswith(("Options", "Settings"))
+    ]
+    assert found
+    for model in found:
+        assert issubclass(model, Options) and issubclass(model.error, invalid), model
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engines_status_is_one_model(engine):
+    import importlib
+    import inspect
+
+    from pydantic import BaseModel
+
+    admin = importlib.import_module(f"cmb_dagster.{engine}.admin")
+    models = importlib.import_module(f"cmb_dagster.{engine}.models")
+    status_model = getattr(models, STATUS[engine])
+    assert issubclass(status_model, BaseModel)
+    assert inspect.signature(admin.status).return_annotation in (status_model, STATUS[engine])
+
+
+DEFINITIONS = {
+    "callbacks": "callback_definitions",
+    "eventqueue": "eventqueue_definitions",
+    "pubsub": "pubsub_definitions",
+    "reactive": "reactive_definitions",
+    "stages": "stages_definitions",
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_has_the_same_dagster_shell(engine):
+    import importlib
+    import inspect
+
+    shell = importlib.import_module(f"cmb_dagster.{engine}.dagster_defs")
+    parameters = inspect.signature(getattr(shell, DEFINITIONS[engine])).parameters
+    assert next(iter(parameters)) == "options"
+    for name in ("prefix", "resource", "translator"):
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    source = (PACKAGE / engine / "dagster_defs.py").read_text()
+    assert "status_sensor(" in source and "observed_asset(" in source  # one way into the UI
+    assert "worker_job_names(" in source or engine in ("pubsub", "reactive")  # one worker per consumer / none
+
+
+def test_a_private_dagster_import_says_why():
+    private = re.compile(r"^from dagster\._core\S* import", re.MULTILINE)
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if private.match(line):
+                above = lines[number - 1]
+                assert above.startswith("#") or private.match(above), f"{path.name}:{number + 1} says not why"

@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 import pytest
 from click.testing import CliRunner
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackValidationError
+from cmb_dagster.callbacks import CallbackClient, CallbackSettings, InvalidCallbackInput
 from cmb_dagster.callbacks.cli import callbacks
 from cmb_dagster.callbacks.models import check_url
 
@@ -18,30 +18,39 @@ LOOPBACK_SPELLINGS = [
     "http://localhost./cb",  # fully qualified name
 ]
 PRIVATE_SPELLINGS = ["http://0xa000001/cb", "http://012.0.0.1/cb", "http://0xa9.254.169.254/cb", "http://0/cb"]
-PUBLIC_TARGETS = ["http://8.8.8.8/cb", "http://0x8080808/cb", "http://example.com/cb", "http://example.com./cb",
-                  "http://deadbeef.example/cb", "http://cafe.be/cb"]
+PUBLIC_TARGETS = [
+    "http://8.8.8.8/cb",
+    "http://0x8080808/cb",
+    "http://example.com/cb",
+    "http://example.com./cb",
+    "http://deadbeef.example/cb",
+    "http://cafe.be/cb",
+]
 NO_DATABASE = "postgresql://nobody@127.0.0.1:9/never_connected"  # the check refuses before any connection
 
 
 @pytest.mark.parametrize("url", LOOPBACK_SPELLINGS + PRIVATE_SPELLINGS)
 def test_every_spelling_of_a_closed_address_is_refused_by_default(url):
-    with pytest.raises(CallbackValidationError, match=r"^cb_url: host '.+' is not allowed \(loopback"):
+    with pytest.raises(InvalidCallbackInput, match=r"^cb_url: host '.+' is not allowed \(loopback"):
         check_url(url, CallbackSettings(allowed_hosts=None))
 
 
 @pytest.mark.parametrize("url", LOOPBACK_SPELLINGS)
 def test_a_client_create_refuses_every_spelling_of_loopback(url):
-    with CallbackClient(NO_DATABASE, CallbackSettings(allowed_hosts=None), buffered=False) as client:
-        with pytest.raises(CallbackValidationError, match="^cb_url: .* is not allowed"):
-            client.create("o", "g", "k", datetime(2030, 1, 1, tzinfo=UTC), url)
+    with (
+        CallbackClient(NO_DATABASE, CallbackSettings(allowed_hosts=None), buffered=False) as client,
+        pytest.raises(InvalidCallbackInput, match="^cb_url: .* is not allowed"),
+    ):
+        client.create("o", "g", "k", datetime(2030, 1, 1, tzinfo=UTC), url)
 
 
 @pytest.mark.parametrize("url", LOOPBACK_SPELLINGS)
 def test_the_create_command_refuses_every_spelling_of_loopback(url, monkeypatch):
     monkeypatch.delenv("CMB_CALLBACK_ALLOWED_HOSTS", raising=False)
-    result = CliRunner().invoke(callbacks, ["create", "o", "g", "k", "--in", "60", "--url", url],
-                                env={"CMB_DATABASE_URL": NO_DATABASE})
-    assert isinstance(result.exception, CallbackValidationError)
+    result = CliRunner().invoke(
+        callbacks, ["create", "o", "g", "k", "--in", "60", "--url", url], env={"CMB_DATABASE_URL": NO_DATABASE}
+    )
+    assert isinstance(result.exception, InvalidCallbackInput)
     assert str(result.exception).startswith("cb_url: ")
 
 
@@ -64,5 +73,5 @@ def test_an_opened_name_opens_its_fully_qualified_spelling():
 def test_opening_one_address_opens_no_other():
     settings = CallbackSettings(allowed_hosts=["127.0.0.1"])
     for url in ["http://127.2/cb", "http://0x7f000002/cb", "http://localhost./cb"]:
-        with pytest.raises(CallbackValidationError, match="^cb_url: "):
+        with pytest.raises(InvalidCallbackInput, match="^cb_url: "):
             check_url(url, settings)

@@ -30,7 +30,11 @@ def report() -> None:
 
 def names(defs: Definitions) -> set[str]:
     repo = defs.get_repository_def()
-    return {j.name for j in repo.get_all_jobs()} | {s.name for s in repo.sensor_defs} | {s.name for s in repo.schedule_defs}
+    return (
+        {j.name for j in repo.get_all_jobs()}
+        | {s.name for s in repo.sensor_defs}
+        | {s.name for s in repo.schedule_defs}
+    )
 
 
 def everything(prefix: str) -> Definitions:
@@ -56,12 +60,16 @@ def test_nothing_is_added_that_was_not_asked_for():
 
 
 def test_reactive_names_take_the_prefix_too():
-    defs = cmb_definitions(prefix="x_", reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]))
+    defs = cmb_definitions(
+        prefix="x_", reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))])
+    )
     assert "x_reactive_scheduler" in names(defs)
 
 
-@pytest.mark.parametrize("make", [lambda: CallbackOptions(workers=0), lambda: PubSubOptions(trim_cron="often"),
-                                  lambda: CallbackOptions(unknown=1)])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: CallbackOptions(workers=0), lambda: PubSubOptions(trim_cron="often"), lambda: CallbackOptions(unknown=1)],
+)
 def test_bad_options_are_invalid_input_naming_the_field(make):
     with pytest.raises(InvalidInput, match="workers|trim_cron|unknown"):
         make()
@@ -71,6 +79,43 @@ def test_example_location_loads_without_beta_warnings() -> None:
     """A code location loads in every Dagster process, many times: a warning there floods the terminal."""
     loaded = subprocess.run(
         [sys.executable, "-W", "default", "-c", "import cmb_dagster.examples.definitions"],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert "BetaWarning" not in loaded.stderr, loaded.stderr
+
+
+def test_a_translator_chooses_the_key_and_group_of_every_asset_the_engines_add():
+    from dagster import AssetKey
+
+    from cmb_dagster import CmbTranslator
+    from cmb_dagster.examples import eventqueue, stages
+
+    class Translator(CmbTranslator):
+        def get_asset_key(self, engine, name):
+            return AssetKey(["ops", engine, *name])
+
+        def get_group_name(self, engine):
+            return f"monitoring_{engine}"
+
+    def assets(translator):
+        defs = cmb_definitions(
+            reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]),
+            pubsub=PubSubOptions(consumers=[ConsumerSpec(consumer_id="c", handler="m:f")]),
+            callbacks=CallbackOptions(),
+            stages=stages.options,
+            events=eventqueue.options,
+            **({"translator": translator} if translator else {}),
+        )
+        return defs.get_repository_def().source_assets_by_key
+
+    default = assets(None)
+    engines = {key.path[0] for key in default}
+    assert engines == {"callbacks", "eventqueue", "pubsub", "reactive", "stages"}
+    chosen = assets(Translator())
+    assert set(chosen) == {AssetKey(["ops", *key.path]) for key in default}
+    assert {key: asset.group_name for key, asset in chosen.items()} == {
+        key: f"monitoring_{key.path[1]}" for key in chosen
+    }

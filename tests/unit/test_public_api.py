@@ -12,9 +12,11 @@ def test_every_root_name_resolves():
 
 
 def test_importing_the_package_and_engines_does_not_load_dagster():
-    code = ("import sys, cmb_dagster, cmb_dagster.pubsub, cmb_dagster.callbacks, cmb_dagster.ctl, "
-            "cmb_dagster.reactive, cmb_dagster.triggers, cmb_dagster.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))")
+    code = (
+        "import sys, cmb_dagster, cmb_dagster.pubsub, cmb_dagster.callbacks, cmb_dagster.ctl, "
+        "cmb_dagster.reactive, cmb_dagster.triggers, cmb_dagster.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -1,10 +1,17 @@
+"""Reactive task definitions, the scheduler's options and settings, and the names they replace."""
+
+import importlib
+import sys
+from datetime import timedelta
+
 import pytest
 from dagster import AssetSelection, DefaultSensorStatus, asset, job, op
 
 from cmb_dagster import ReactiveOptions, ReactiveTask, cmb_definitions
-from cmb_dagster.reactive import InvalidReactiveTask
-from cmb_dagster.reactive.models import SchedulerSettings
-from cmb_dagster.reactive.scheduler import values_hash
+from cmb_dagster.models import Backoff
+from cmb_dagster.reactive import InvalidReactiveInput, reactive_definitions
+from cmb_dagster.reactive.engine import values_hash
+from cmb_dagster.reactive.models import SchedulerSettings, TaskSpec
 from cmb_dagster.triggers import All, Any, ChunkDelta, Delay, Delta
 
 
@@ -51,8 +58,45 @@ def test_cmb_definitions_adds_one_running_scheduler_sensor_the_jobs_and_the_ctl_
     ],
 )
 def test_bad_task_definitions_are_clear_errors_naming_the_field(make, message):
-    with pytest.raises(InvalidReactiveTask, match=message):
+    with pytest.raises(InvalidReactiveInput, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ReactiveOptions(tasks=[], bogus=1), "ReactiveOptions: bogus: Extra inputs are not permitted"),
+        (lambda: ReactiveOptions(tasks=[], tick_seconds=60), "ReactiveOptions: tick_seconds: "),
+        (lambda: ReactiveOptions(tasks=[], backoff={"first": -1}), "ReactiveOptions: backoff: .*first: "),
+        (lambda: SchedulerSettings(idle_sleep=0), "SchedulerSettings: idle_sleep: "),
+        (lambda: SchedulerSettings(max_crashes=0, bogus=1), "SchedulerSettings: max_crashes: .*; bogus: "),
+        (lambda: TaskSpec(name="t", trigger=DELTA, priority=2**31), "TaskSpec: priority: "),
+    ],
+)
+def test_bad_options_and_settings_are_one_line_naming_the_field(make, message):
+    with pytest.raises(InvalidReactiveInput, match=message) as refused:
+        make()
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (ReactiveOptions(tasks=[ReactiveTask("t", report, DELTA), "not a task"]), "tasks.1: expected a ReactiveTask"),
+        (ReactiveOptions(tasks=[], default_status="RUNNING"), "default_status: expected a DefaultSensorStatus"),
+    ],
+)
+def test_options_holding_dagster_objects_are_checked_when_the_definitions_are_built(options, message):
+    with pytest.raises(InvalidReactiveInput, match=message):
+        reactive_definitions(options)
+
+
+def test_a_stopped_sensor_can_be_asked_for():
+    options = ReactiveOptions(tasks=[ReactiveTask("t", report, DELTA)], default_status=DefaultSensorStatus.STOPPED)
+    [sensor] = [
+        s for s in reactive_definitions(options).get_repository_def().sensor_defs if s.name == "cmb_reactive_scheduler"
+    ]
+    assert sensor.default_status == DefaultSensorStatus.STOPPED
 
 
 def test_nested_aggregates_are_refused_at_definition_time():
@@ -60,10 +104,11 @@ def test_nested_aggregates_are_refused_at_definition_time():
         All(DELTA, Any(Delay("prices", "loaded_until", "1h")))
 
 
-def test_the_seeds_advice_warns_about_tasks_that_would_run_continuously():
+def test_check_warns_about_tasks_that_would_run_continuously():
     assert ReactiveTask("fresh", report, Delay("prices", "loaded_until", "1h")).warnings
-    assert not ReactiveTask("new_day", report, All(ChunkDelta("sales", "loaded_until", "day"),
-                                                   Delay("prices", "loaded_until", "1h"))).warnings
+    assert not ReactiveTask(
+        "new_day", report, All(ChunkDelta("sales", "loaded_until", "day"), Delay("prices", "loaded_until", "1h"))
+    ).warnings
 
 
 def test_asset_selection_target_becomes_an_asset_job():
@@ -74,15 +119,42 @@ def test_asset_selection_target_becomes_an_asset_job():
 
 def test_trigger_hash_changes_with_the_trigger_or_time_zone_only():
     a = ReactiveTask("t", report, DELTA).spec
-    assert a.trigger_hash == ReactiveTask("t", report, Delta("sales", "loaded_until", "60min"), priority=9).spec.trigger_hash
+    same = ReactiveTask("t", report, Delta("sales", "loaded_until", "60min"), priority=9).spec
+    assert a.trigger_hash == same.trigger_hash
     assert a.trigger_hash != ReactiveTask("t", report, DELTA, timezone="Europe/Moscow").spec.trigger_hash
     assert a.trigger_hash != ReactiveTask("t", report, Delta("sales", "loaded_until", "2h")).spec.trigger_hash
 
 
 def test_backoff_doubles_up_to_its_cap():
-    settings = ReactiveOptions(tasks=[], retry_backoff="PT10S", max_retry_backoff="PT60S").settings
-    assert [settings.backoff(n).total_seconds() for n in range(5)] == [10, 20, 40, 60, 60]
+    settings = ReactiveOptions(tasks=[], backoff=Backoff(first=10, max=60)).settings
+    assert [settings.backoff.delay(n) for n in range(5)] == [10, 20, 40, 60, 60]
     assert isinstance(settings, SchedulerSettings)
+    assert SchedulerSettings().backoff == Backoff(first=30, factor=2, max=3600)
+
+
+def test_the_old_backoff_fields_still_work_and_warn():
+    with pytest.warns(DeprecationWarning, match="backoff=Backoff"):
+        settings = ReactiveOptions(tasks=[], retry_backoff="PT10S", max_retry_backoff="PT60S").settings
+    assert [settings.backoff.delay(n) for n in range(5)] == [10, 20, 40, 60, 60]
+    with pytest.warns(DeprecationWarning):
+        assert SchedulerSettings(retry_backoff=timedelta(seconds=5)).backoff == Backoff(first=5, max=3600)
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidReactiveInput, match="retry_backoff: .*30 days"):
+        SchedulerSettings(retry_backoff=timedelta(days=365))
+
+
+def test_the_old_names_still_work_and_warn():
+    from cmb_dagster.reactive import InvalidReactiveInput as current
+
+    with pytest.warns(DeprecationWarning, match="InvalidReactiveInput"):
+        from cmb_dagster.reactive import InvalidReactiveTask
+    assert InvalidReactiveTask is current
+    sys.modules.pop("cmb_dagster.reactive.scheduler", None)
+    with pytest.warns(DeprecationWarning, match="cmb_dagster.reactive.engine"):
+        old = importlib.import_module("cmb_dagster.reactive.scheduler")
+    assert old.values_hash is values_hash
+    with pytest.warns(DeprecationWarning, match="reactive_definitions"):
+        defs = ReactiveOptions(tasks=[ReactiveTask("t", report, DELTA)]).definitions()
+    assert "cmb_reactive_scheduler" in [s.name for s in defs.get_repository_def().sensor_defs]
 
 
 def test_values_hash_ignores_the_time_zone_a_value_is_written_in():
@@ -98,8 +170,11 @@ def test_the_engine_imports_nothing_from_dagster():
     import subprocess
     import sys
 
-    code = ("import sys, cmb_dagster.ctl, cmb_dagster.reactive, cmb_dagster.reactive.scheduler, cmb_dagster.reactive.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))")
+    code = (
+        "import sys, cmb_dagster.ctl, cmb_dagster.reactive, cmb_dagster.reactive.engine, "
+        "cmb_dagster.reactive.worker, cmb_dagster.reactive.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -27,14 +27,16 @@ def random_ctl_trigger(rng: random.Random):
     duration = timedelta(minutes=rng.randrange(1, 60 * 24 * 40))
     zone = rng.choice([None, *ZONES])
     scale = rng.choice(SCALES)
-    return rng.choice([
-        lambda: Delta(e, p, duration),
-        lambda: Delay(e, p, duration),
-        lambda: RefDelay(e, p, re_, rp, duration),
-        lambda: ChunkDelta(e, p, scale, rng.choice([None, 1, 2, 5]), timezone=zone),
-        lambda: ChunkDelay(e, p, scale, rng.choice([None, 0, 1, 3]), timezone=zone),
-        lambda: ChunkRefDelay(e, p, re_, rp, scale, rng.choice([None, 0, 1, 3]), timezone=zone),
-    ])()
+    return rng.choice(
+        [
+            lambda: Delta(e, p, duration),
+            lambda: Delay(e, p, duration),
+            lambda: RefDelay(e, p, re_, rp, duration),
+            lambda: ChunkDelta(e, p, scale, rng.choice([None, 1, 2, 5]), timezone=zone),
+            lambda: ChunkDelay(e, p, scale, rng.choice([None, 0, 1, 3]), timezone=zone),
+            lambda: ChunkRefDelay(e, p, re_, rp, scale, rng.choice([None, 0, 1, 3]), timezone=zone),
+        ]
+    )()
 
 
 def random_trigger(rng: random.Random):

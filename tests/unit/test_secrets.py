@@ -17,8 +17,14 @@ SECRET = "pw4SAFETYtest"
     [
         (f"postgresql://u:{SECRET}@h:5432/d", "postgresql://u:***@h:5432/d"),
         (f"postgresql://u@h/d?password={SECRET}", "postgresql://u@h/d?password=***"),
-        (f"postgresql://u@h/d?sslmode=require&sslpassword={SECRET}", "postgresql://u@h/d?sslmode=require&sslpassword=***"),
-        (f"postgres://u:{SECRET}@h/d?PASSWORD={SECRET}x&application_name=a", "postgres://u:***@h/d?PASSWORD=***&application_name=a"),
+        (
+            f"postgresql://u@h/d?sslmode=require&sslpassword={SECRET}",
+            "postgresql://u@h/d?sslmode=require&sslpassword=***",
+        ),
+        (
+            f"postgres://u:{SECRET}@h/d?PASSWORD={SECRET}x&application_name=a",
+            "postgres://u:***@h/d?PASSWORD=***&application_name=a",
+        ),
         (f"postgresql://u:{SECRET}@h/d?host=/tmp&password={SECRET}", "postgresql://u:***@h/d?host=/tmp&password=***"),
         (f"postgresql://u:p@{SECRET}/x@h/d", "postgresql://u:***@h/d"),  # raw '@' and '/' in the password
         (f"host=h user=u password={SECRET} dbname=d", "host=h user=u password=*** dbname=d"),
@@ -47,7 +53,11 @@ def test_scrub_hides_the_secrets_of_a_source_in_any_form():
 
 @pytest.mark.parametrize(
     "url",
-    [f"postgresql://u:{SECRET}%zz@h/d", f"postgresql://u@h/d?password={SECRET}%zz", f"postgresql://u:{SECRET}@h/d?nosuchparameter=1"],
+    [
+        f"postgresql://u:{SECRET}%zz@h/d",
+        f"postgresql://u@h/d?password={SECRET}%zz",
+        f"postgresql://u:{SECRET}@h/d?nosuchparameter=1",
+    ],
 )
 def test_a_malformed_url_is_reported_without_its_secret(url):
     with pytest.raises(ConfigError) as raised:

@@ -221,7 +221,7 @@ def test_equivalent_spellings_are_equal():
 @pytest.mark.parametrize("trigger", ALL_KINDS, ids=repr)
 def test_repr_is_the_constructor_call(trigger):
     namespace = {name: getattr(triggers_package, name) for name in triggers_package.__all__}
-    assert eval(repr(trigger), namespace) == trigger  # noqa: S307 - our own repr
+    assert eval(repr(trigger), namespace) == trigger  # our own repr
     assert str(trigger) == repr(trigger)
 
 
@@ -592,8 +592,10 @@ def test_durations_too_long_are_typed_errors_naming_the_field(make, field):
     [
         (Delay("shop/prices", "loaded_until", "2h"), "Delay(shop/prices/loaded_until, 2h)"),
         (Delta("shop/prices", "loaded_until", "1d12h"), "Delta(shop/prices/loaded_until, 1d12h)"),
-        (RefDelay("mart", "loaded_until", "shop/prices", "loaded_until", "30min"),
-         "RefDelay(mart/loaded_until behind shop/prices/loaded_until, 30min)"),
+        (
+            RefDelay("mart", "loaded_until", "shop/prices", "loaded_until", "30min"),
+            "RefDelay(mart/loaded_until behind shop/prices/loaded_until, 30min)",
+        ),
         (ChunkDelta("shop/prices", "loaded_until", "day", 2), "ChunkDelta(shop/prices/loaded_until, day in UTC, 2)"),
         (ChunkDelay("shop/prices", "loaded_until", "hour"), "ChunkDelay(shop/prices/loaded_until, hour in UTC, 0)"),
     ],

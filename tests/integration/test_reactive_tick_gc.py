@@ -5,8 +5,8 @@ import gc
 import pytest
 
 from cmb_dagster.database import Database
+from cmb_dagster.reactive.engine import TaskScheduler
 from cmb_dagster.reactive.models import TaskSpec
-from cmb_dagster.reactive.scheduler import TaskScheduler
 from cmb_dagster.triggers import Delta
 
 

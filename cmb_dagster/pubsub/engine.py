@@ -1,0 +1,433 @@
+"""Consuming the stream: watermarks locked for the consumer's transaction, batches read between snapshots
+and delivered to the handler, failures narrowed down to the event that causes them."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from cmb_dagster.database import Database
+from cmb_dagster.isolation import UserCode, describe_error, describe_traceback
+from cmb_dagster.pubsub import sql
+from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
+from cmb_dagster.pubsub.models import ConsumerKey, ConsumerSpec, Event, Handler, Watermark
+from cmb_dagster.workers import Lease, Leases
+
+log = logging.getLogger("cmb_dagster.pubsub")
+
+RESET_HINT = (
+    "the database looks restored with pg_dump/pg_restore, so its txids are not this server's; "
+    "stop the producers and run `cmb-dagster pubsub reset` once, then start again"
+)
+
+Order = Literal["snapshot", "txid"]
+
+
+def lock_watermark(conn: psycopg.Connection, consumer_id: str, branch_id: int, *, wait: bool = True) -> Watermark:
+    """Lock (creating it at zero on first use) the watermark of ``consumer_id`` on ``branch_id`` until
+    ``conn``'s transaction ends, and return it.
+
+    Another transaction locking the same watermark waits for this one, or, with ``wait=False``, gets
+    :class:`ConsumerBusy` (creating a new watermark still waits for a concurrent creation of the same
+    one). Raises :class:`StreamRestored` when the stored txids come from another cluster.
+    """
+    key = ConsumerKey(consumer_id=consumer_id, branch_id=branch_id)
+    params = {"consumer_id": key.consumer_id, "branch_id": key.branch_id}
+    query = sql.LOCK_WATERMARK if wait else sql.LOCK_WATERMARK_OR_SKIP
+    for _ in range(2):
+        row = conn.cursor(row_factory=tuple_row).execute(query, params).fetchone()
+        if row is not None:
+            break
+        if not wait and conn.execute(sql.WATERMARK_EXISTS, params).fetchone():
+            raise ConsumerBusy(f"consumer {key.consumer_id!r} of branch {key.branch_id} is busy in another transaction")
+        conn.execute(sql.CREATE_WATERMARK, params)
+    else:  # pragma: no cover - the row was created and deleted between our two statements
+        raise ConsumerBusy(f"consumer {key.consumer_id!r} of branch {key.branch_id} was dropped while locking it")
+    consumer, branch, snapshot, target, txid, event_id, delivered, handler, failing, attempts, crashes, problem = row
+    if problem:
+        raise StreamRestored(f"consumer {consumer!r} of branch {branch}: {problem}; {RESET_HINT}")
+    return Watermark(
+        consumer_id=consumer,
+        branch_id=branch,
+        snapshot=snapshot,
+        target=target,
+        txid=int(txid),
+        event_id=event_id,
+        delivered=delivered,
+        handler=handler,
+        failing_event=failing,
+        attempts=attempts,
+        crashes=crashes,
+    )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Events read after a watermark, and the watermark to store once they are handled."""
+
+    events: list[Event]
+    after: Watermark
+    changed: bool  # False: nothing new, nothing to store
+
+
+def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int, *, order: Order = "snapshot") -> Batch:
+    """The next ``limit`` events after ``watermark``: those whose transactions the current snapshot shows
+    committed and the stored one does not (docs/pubsub.md, "How a batch is read").
+
+    ``order="txid"``: only events of transactions below the oldest one still running, so every
+    delivered sequence is in txid order (a transaction left open holds the consumer back).
+    """
+    params = {
+        "branch_id": watermark.branch_id,
+        "snapshot": watermark.snapshot,
+        "target": watermark.target,
+        "strict": order == "txid",
+        "limit": limit + 1,
+        # the position counts within a half-delivered difference only; a new one starts at its beginning
+        "txid": str(watermark.txid) if watermark.target else "0",
+        "event_id": watermark.event_id if watermark.target else 0,
+    }
+    target, found = conn.execute(sql.READ_BATCH, params, prepare=True).fetchone()
+    if target is None:  # order="txid" and no transaction ended beyond the stored snapshot
+        return Batch(events=[], after=watermark, changed=False)
+    rows = json.loads(found) if found else []
+    events = [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], datetime.fromisoformat(r[7])) for r in rows[:limit]]
+    more = len(rows) > limit
+    last = events[-1] if events else None
+    after = watermark.model_copy(
+        update={
+            "snapshot": watermark.snapshot if more else target,
+            "target": target if more else None,
+            "txid": last.txid if last else watermark.txid,
+            "event_id": last.id if last else watermark.event_id,
+            "delivered": watermark.delivered + len(events),
+            "failing_event": None,
+            "attempts": 0,
+            "crashes": 0,
+        }
+    )
+    return Batch(events=events, after=after, changed=bool(events) or watermark.target is not None)
+
+
+def refuse_if_restored(conn: psycopg.Connection, watermark: Watermark) -> None:
+    """Raise :class:`StreamRestored` if ``watermark``'s txids come from another cluster."""
+    problem = conn.execute(sql.RESTORE_PROBLEM, {"snapshot": watermark.target or watermark.snapshot}).fetchone()[0]
+    if problem:
+        raise StreamRestored(
+            f"consumer {watermark.consumer_id!r} of branch {watermark.branch_id}: {problem}; {RESET_HINT}"
+        )
+
+
+def record_watermark(conn: psycopg.Connection, watermark: Watermark) -> None:
+    """Store ``watermark`` as is (creating the row): a Dagster sensor mirrors the cursor it keeps, so
+    that trim keeps the events it has not read."""
+    conn.execute(
+        sql.RECORD_WATERMARK,
+        {
+            "consumer_id": watermark.consumer_id,
+            "branch_id": watermark.branch_id,
+            "snapshot": watermark.snapshot,
+            "target": watermark.target,
+            "txid": str(watermark.txid),
+            "event_id": watermark.event_id,
+            "delivered": watermark.delivered,
+        },
+    )
+
+
+def save_watermark(conn: psycopg.Connection, before: Watermark, after: Watermark) -> None:
+    """Store ``after`` as the watermark (in the transaction that locked ``before``)."""
+    conn.execute(
+        sql.SAVE_WATERMARK,
+        {
+            "consumer_id": after.consumer_id,
+            "branch_id": after.branch_id,
+            "snapshot": after.snapshot,
+            "target": after.target,
+            "txid": str(after.txid),
+            "event_id": after.event_id,
+            "count": after.delivered - before.delivered,
+        },
+    )
+
+
+class Delivery:
+    """Delivers the batches of one consumer (``spec``) to ``handler``, one :meth:`batch` at a time.
+
+    A failed batch is delivered again in halves until the failing event is alone; a single event's failures
+    are counted in its watermark and, past ``max_attempts``, it is parked (``on_poison="park"``). After a
+    takeover from a worker that died, the next events go one at a time, each start counted first (careful
+    mode). ``keep_alive`` is called while the handler runs (the worker renews its lease there).
+    """
+
+    def __init__(
+        self, db: Database, spec: ConsumerSpec, handler: Handler, *, keep_alive: Callable[[], None] = lambda: None
+    ) -> None:
+        self.db = db
+        self.spec = spec
+        self.handler = handler
+        self.keep_alive = keep_alive
+        self.user_code = UserCode(f"pubsub:{self.partition}", set_aside_after=None)
+        self._registered = False
+        self._retry_limit = 0  # after a failed batch: the size of the next ones, halved at each failure
+        self._retry_left = 0  # events of the failed batch not delivered since
+        self._careful = 0  # after a takeover from a dead worker: events to deliver alone, each start counted first
+        self._inherited_fence: int | None = None
+        self._abandoned: psycopg.Connection | None = None
+        self._conn: psycopg.Connection | None = None  # kept across batches (a pool's checkout costs a round trip)
+
+    @property
+    def partition(self) -> str:
+        """The consumer's partition in the worker runtime's leases."""
+        return f"{self.spec.consumer_id}@{self.spec.branch_id}"
+
+    @property
+    def label(self) -> str:
+        return f"consumer {self.spec.consumer_id!r} of branch {self.spec.branch_id}"
+
+    # -- registering, connections -----------------------------------------------------------------
+
+    def register(self) -> Watermark:
+        """Register the consumer (watermark where ``start`` says, handler path) and return its watermark;
+        raises :class:`StreamRestored` after a restore. Waits while another transaction holds the watermark."""
+        spec, path = self.spec, self.spec.handler_path
+        with self.db.connection() as conn:
+            if not self._registered:
+                params = {"consumer_id": spec.consumer_id, "branch_id": spec.branch_id}
+                created = conn.execute(sql.START_CONSUMER, {**params, "handler": path, "start": spec.start}).fetchone()
+                if created is not None and created[0]:
+                    log.warning("consumer %s of branch %s: %s", spec.consumer_id, spec.branch_id, created[0])
+                if created is None and path is not None:
+                    registered = conn.execute(sql.REGISTERED_HANDLER, params).fetchone()
+                    if registered is None or registered[0] != path:
+                        conn.execute(sql.REGISTER_CONSUMER, {**params, "handler": path})
+            self._registered = True
+            return lock_watermark(conn, spec.consumer_id, spec.branch_id)
+
+    def close(self) -> None:
+        """Close the connection kept between batches (the next batch opens another)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[psycopg.Connection]:
+        """One transaction on the consumer's own connection (committed on success), or, for a pool the
+        caller passed, on a connection borrowed from it."""
+        if self.db.uses_your_pool:
+            with self.db.connection() as conn:
+                yield conn
+            return
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            self.close()
+            conn = self._conn = self.db.connect()
+        try:
+            yield conn
+        except BaseException:
+            if conn is not self._abandoned:
+                try:
+                    conn.rollback()
+                except psycopg.Error:
+                    self.close()
+            raise
+        if conn is self._abandoned:  # its call ran past the deadline: the server ended its transaction
+            return
+        try:
+            conn.commit()
+        except psycopg.Error:
+            self.close()
+            raise
+
+    @contextmanager
+    def _locked(self, lease: Lease | None) -> Iterator[tuple[psycopg.Connection, Watermark]]:
+        """A transaction that checked ``lease`` (if any) and holds the consumer's watermark locked."""
+        with self._transaction() as conn:
+            if lease is not None:
+                Leases.check(conn, lease)
+            yield conn, lock_watermark(conn, self.spec.consumer_id, self.spec.branch_id, wait=self.spec.wait)
+
+    # -- delivering -------------------------------------------------------------------------------
+
+    def batch(self, lease: Lease | None) -> int:
+        """Deliver one batch (under ``lease``, if given); return how many events it settled (0: nothing new)."""
+        if not self._registered:
+            self.register()
+        if lease is not None and lease.inherited and lease.fence != self._inherited_fence:
+            self._inherited_fence = lease.fence
+            self._careful = self.spec.batch_size  # as many as the dead worker may have had in flight
+            log.warning(
+                "%s: taken over from a worker that died; the next events are delivered one at a time", self.label
+            )
+        if self._careful:
+            parked = self._record_start(lease)
+            if parked is not None:
+                return parked
+        failure: BaseException | None = None
+        with self._locked(lease) as (conn, before):
+            batch = read_batch(conn, before, self._retry_limit or self.spec.batch_size, order=self.spec.order)
+            if batch.events:
+                try:
+                    self._call_handler(conn, batch.events)
+                except Exception as exc:  # noqa: BLE001 - recorded below, after this transaction rolls back
+                    failure = exc
+                    if conn is not self._abandoned:
+                        conn.rollback()
+            if failure is None and batch.changed:
+                save_watermark(conn, before, batch.after)
+        if failure is not None:
+            return self._failed(lease, before, batch, failure)
+        self._settled(len(batch.events))
+        return len(batch.events)
+
+    def _call_handler(self, conn: psycopg.Connection, events: list[Event]) -> None:
+        """The handler on ``events`` in the thread of user code; past ``handler_timeout`` the transaction is
+        ended by the server (the call is abandoned) and :class:`TimedOut` raised."""
+        backend = conn.info.backend_pid
+        [call] = self.user_code.run(
+            [events], lambda batch: self.handler(conn, batch), self.spec.handler_timeout, on_wait=self.keep_alive
+        )
+        if call.timed_out:
+            self._abandoned, self._conn = conn, None  # left to the abandoned call: not closed under its thread
+            with self.db.connection() as other:
+                other.execute("SELECT pg_terminate_backend(%s)", (backend,))
+        call.outcome  # noqa: B018 - raises the call's error, or TimedOut
+
+    def _settled(self, count: int) -> None:
+        """``count`` more events were delivered or parked: after a failed batch, full batches again once all of
+        its events were."""
+        if self._retry_limit:
+            self._retry_left -= count
+            if self._retry_left <= 0:
+                self._retry_limit = 0
+
+    def _park(
+        self,
+        conn: psycopg.Connection,
+        before: Watermark,
+        batch: Batch,
+        *,
+        error: str,
+        traceback: str,
+        attempts: int,
+        first_failed_at: datetime,
+    ) -> None:
+        """Move the batch's single event to the dead letters and the watermark past it."""
+        event = batch.events[0]
+        conn.execute(
+            sql.PARK_EVENT,
+            {
+                "consumer_id": self.spec.consumer_id,
+                "branch_id": self.spec.branch_id,
+                "event_id": event.id,
+                "txid": str(event.txid),
+                "error": error,
+                "traceback": traceback,
+                "attempts": attempts,
+                "first_failed_at": first_failed_at,
+            },
+        )
+        save_watermark(conn, before, batch.after.model_copy(update={"delivered": before.delivered}))
+
+    def _record_start(self, lease: Lease | None) -> int | None:
+        """In careful mode: count the next event's delivery as started (committed), or park it if its deliveries
+        already killed ``max_crashes`` workers (then return 1); None when the next event is to be delivered now."""
+        with self._locked(lease) as (conn, before):
+            batch = read_batch(conn, before, 1, order=self.spec.order)
+            if not batch.events:
+                self._careful = 0
+                return None
+            event = batch.events[0]
+            crashes = before.crashes if before.failing_event == event.id else 0
+            if crashes < self.spec.max_crashes:
+                conn.execute(
+                    sql.RECORD_START,
+                    {"consumer_id": self.spec.consumer_id, "branch_id": self.spec.branch_id, "event_id": event.id},
+                )
+                self._careful -= 1
+                self._retry_limit, self._retry_left = 1, max(self._retry_left, 1)
+                return None
+            error = f"{crashes} deliveries in a row ended with the death of their worker (a crash, kill -9 or OOM)"
+            if self.spec.on_poison == "stop":
+                raise HandlerFailed(f"{self.label}: stopped on event {event.id}: {error}")
+            self._park(
+                conn,
+                before,
+                batch,
+                error=error,
+                traceback="",
+                attempts=before.attempts,
+                first_failed_at=datetime.now(UTC),
+            )
+        self._careful -= 1
+        log.error("%s: parked event %s: %s", self.label, event.id, error)
+        return 1
+
+    def _failed(self, lease: Lease | None, before: Watermark, batch: Batch, exc: BaseException) -> int:
+        """After the handler raised on ``batch`` (rolled back): narrow a batch down to halves; for a single
+        event, count the attempt and park the event once it has failed ``max_attempts`` times
+        (``on_poison="park"``: then return 1). Raises :class:`HandlerFailed` otherwise."""
+        events = batch.events
+        error = describe_error(exc)
+        if len(events) > 1:
+            if not self._retry_limit:
+                self._retry_left = len(events)
+            self._retry_limit = max(1, len(events) // 2)
+            raise HandlerFailed(
+                f"{self.label}: handler failed on a batch of {len(events)} events (ids {events[0].id}..{events[-1].id})"
+                f": {error}; retrying them in batches of {self._retry_limit}"
+            ) from exc
+        event = events[0]
+        unchanged = {"failing_event", "attempts"}
+        with self._locked(lease) as (conn, now):
+            if now.model_dump(exclude=unchanged) != before.model_dump(exclude=unchanged):  # moved meanwhile
+                raise HandlerFailed(f"{self.label}: handler failed on event {event.id}: {error}") from exc
+            attempts, first_failed_at = conn.execute(
+                sql.RECORD_FAILURE,
+                {
+                    "consumer_id": self.spec.consumer_id,
+                    "branch_id": self.spec.branch_id,
+                    "event_id": event.id,
+                    "error": error,
+                },
+            ).fetchone()
+            if attempts >= self.spec.max_attempts and self.spec.on_poison == "park":
+                self._park(
+                    conn,
+                    before,
+                    batch,
+                    error=error,
+                    traceback=describe_traceback(exc),
+                    attempts=attempts,
+                    first_failed_at=first_failed_at,
+                )
+                log.warning(
+                    "%s: parked event %s after %s failed attempts (%s); `cmb-dagster pubsub dead` lists it, "
+                    "`cmb-dagster pubsub replay` runs it again",
+                    self.label,
+                    event.id,
+                    attempts,
+                    error,
+                )
+                self._settled(1)
+                return 1
+        if attempts >= self.spec.max_attempts:
+            log.error(
+                "%s: stuck on event %s after %s failed attempts (on_poison='stop'): %s",
+                self.label,
+                event.id,
+                attempts,
+                error,
+            )
+        raise HandlerFailed(
+            f"{self.label}: handler failed on event {event.id} (attempt {attempts} of {self.spec.max_attempts}"
+            f"{', on_poison=stop' if self.spec.on_poison == 'stop' else ''}): {error}"
+        ) from exc
