@@ -1,13 +1,18 @@
-"""The base of every user-facing options and settings model, and the one backoff every engine uses."""
+"""The base of every user-facing options and settings model, the one backoff every engine uses, and the deprecated
+iteration of status models."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cmb_dagster.errors import InvalidInput
+
+T = TypeVar("T")
 
 
 def describe(exc: ValidationError) -> str:
@@ -15,6 +20,12 @@ def describe(exc: ValidationError) -> str:
     return "; ".join(
         f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
     )
+
+
+def deprecated_iteration(rows: Iterable[T], message: str) -> Iterator[T]:
+    """An iterator over ``rows`` that warns the code iterating a status model (deprecated) with ``message``."""
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    return iter(rows)
 
 
 class Options(BaseModel):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 from cmb_dagster import inputs
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
-from cmb_dagster.models import Backoff, Options
+from cmb_dagster.models import Backoff, Options, deprecated_iteration
 
 DEFAULT_NAMESPACE = "default"
 DEFAULT_MODULE = "worker"  # the event space of events emitted by code
@@ -92,12 +92,9 @@ class EventQueueStatus(BaseModel):
 
     def __iter__(self) -> Iterator[HandlerStatus]:  # type: ignore[override]
         """The rows (deprecated: iterate :attr:`handlers`)."""
-        warnings.warn(
-            "iterating eventqueue.status(db) is deprecated: iterate status(db).handlers",
-            DeprecationWarning,
-            stacklevel=2,
+        return deprecated_iteration(
+            self.handlers, "iterating eventqueue.status(db) is deprecated: iterate status(db).handlers"
         )
-        return iter(self.handlers)
 
 
 class HandlerConfig(Options):

@@ -8,6 +8,7 @@ Bulk writes pass their rows as one JSON array (``jsonb_to_recordset``): psycopg 
 faster than several text arrays whose every element it escapes.
 """
 
+
 # -- reactive scheduler: definitions ----------------------------------------------------------
 
 SCHEDULER_ROW = """
@@ -226,19 +227,28 @@ SET crashes = CASE WHEN name = ANY(%(ended)s::text[]) THEN 0 ELSE greatest(crash
 WHERE scheduler = %(scheduler)s AND name = ANY(%(ended)s::text[] || %(unstarted)s::text[])
 """
 
-# `reactive retry`: a task parked for its crashes (or backing off) is evaluated again on the next tick.
-RETRY_TASK = """
-WITH retried AS (
+
+def _change_task(assignments: str, returns: str = "name") -> str:
+    """An UPDATE of task ``%(name)s`` of scheduler ``%(scheduler)s`` that also marks it, so the next tick evaluates
+    it; it returns ``returns`` of the changed row (no row: no such task)."""
+    return f"""
+WITH changed AS (
     UPDATE reactive_tasks
-    SET crashes = 0, status = CASE WHEN status = 'backoff' THEN 'waiting' ELSE status END, backoff_until = NULL,
-        updated_at = now()
+    SET {assignments}
     WHERE scheduler = %(scheduler)s AND name = %(name)s
-    RETURNING name
+    RETURNING {returns}
 ), marked AS (
-    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM retried ON CONFLICT DO NOTHING
+    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, %(name)s FROM changed ON CONFLICT DO NOTHING
 )
-SELECT name FROM retried
+SELECT {returns} FROM changed
 """
+
+
+# `reactive retry`: a task parked for its crashes (or backing off) is evaluated again on the next tick.
+RETRY_TASK = _change_task(
+    """crashes = 0, status = CASE WHEN status = 'backoff' THEN 'waiting' ELSE status END, backoff_until = NULL,
+        updated_at = now()"""
+)
 
 # One index probe (scheduler, task, values_hash) per launch: the cost does not grow with the launch history.
 PREVIOUS_ATTEMPTS = """
@@ -291,36 +301,21 @@ WHERE (%(scheduler)s::text IS NULL OR scheduler = %(scheduler)s)
 ORDER BY scheduler, priority DESC, name
 """
 
-FORGET_LAST_VALUES = """
-WITH forgotten AS (
-    UPDATE reactive_tasks
-    SET last_values = CASE WHEN %(parameter)s::text[] IS NULL THEN '{}'::jsonb
+FORGET_LAST_VALUES = _change_task(
+    """last_values = CASE WHEN %(parameter)s::text[] IS NULL THEN '{}'::jsonb
                            ELSE last_values #- %(parameter)s::text[] END,
-        backwards_note = NULL, updated_at = now()
-    WHERE scheduler = %(scheduler)s AND name = %(name)s
-    RETURNING name
-), marked AS (
-    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM forgotten ON CONFLICT DO NOTHING
+        backwards_note = NULL, updated_at = now()"""
 )
-SELECT name FROM forgotten
-"""
 
 # Move one remembered value (into the past too): the manual recovery of a Delta-type trigger.
-SET_LAST_VALUE = """
-WITH moved AS (
-    UPDATE reactive_tasks
-    SET last_values = jsonb_set(
+SET_LAST_VALUE = _change_task(
+    """last_values = jsonb_set(
             CASE WHEN last_values ? %(entity)s THEN last_values
                  ELSE last_values || jsonb_build_object(%(entity)s::text, '{}'::jsonb) END,
             ARRAY[%(entity)s::text, %(parameter)s::text], to_jsonb(%(value)s::text)),
-        backwards_note = NULL, updated_at = now()
-    WHERE scheduler = %(scheduler)s AND name = %(name)s
-    RETURNING name, last_values
-), marked AS (
-    INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM moved ON CONFLICT DO NOTHING
+        backwards_note = NULL, updated_at = now()""",
+    returns="last_values",
 )
-SELECT last_values FROM moved
-"""
 
 # -- reactive scheduler: runs launched by hand -------------------------------------------------
 

@@ -13,7 +13,7 @@ from croniter import croniter
 from pydantic import BaseModel, Field, field_validator
 
 from cmb_dagster.inputs import check_text, to_json
-from cmb_dagster.models import Options
+from cmb_dagster.models import Options, deprecated_iteration
 from cmb_dagster.stages.errors import InvalidStageInput
 
 MAX_ENTITY_ID_LENGTH = 256
@@ -177,12 +177,9 @@ class StagesStatus(BaseModel):
 
     def __iter__(self) -> Any:  # type: ignore[override]
         """Deprecated: iterate over :attr:`stages` (``status()`` returned that list before)."""
-        warnings.warn(
-            "iterating over stages.status() is deprecated: iterate over status().stages",
-            DeprecationWarning,
-            stacklevel=2,
+        return deprecated_iteration(
+            self.stages, "iterating over stages.status() is deprecated: iterate over status().stages"
         )
-        return iter(self.stages)
 
 
 class QueueEntry(BaseModel):
