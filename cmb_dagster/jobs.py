@@ -13,6 +13,7 @@ from dagster import (
     DagsterInstance,
     DagsterRunStatus,
     DefaultSensorStatus,
+    Definitions,
     JobDefinition,
     ObserveResult,
     OpExecutionContext,
@@ -218,7 +219,27 @@ def status_sensor(name: str, observe: Observe, *, minimum_interval_seconds: int,
     return _status
 
 
-def observed_asset(key: AssetKey, group_name: str, description: str, observe: Observe) -> SourceAsset:
+def status_definitions(
+    name: str,
+    observe: Observe,
+    *,
+    minimum_interval_seconds: int,
+    description: str,
+    group_name: str,
+    assets: Mapping[AssetKey, str],
+) -> Definitions:
+    """An engine's way into the UI: the :func:`status_sensor` ``name`` and an observable asset for each key of
+    ``assets`` (key -> the asset's description) in ``group_name``, whose Observe button records ``observe``'s
+    figures for it."""
+    return Definitions(
+        sensors=[
+            status_sensor(name, observe, minimum_interval_seconds=minimum_interval_seconds, description=description)
+        ],
+        assets=[_observed_asset(key, group_name, text, observe) for key, text in assets.items()],
+    )
+
+
+def _observed_asset(key: AssetKey, group_name: str, description: str, observe: Observe) -> SourceAsset:
     """An observable asset whose Observe button records what ``observe`` reports for ``key`` (no Materialize)."""
 
     @observable_source_asset(key=key, group_name=group_name, description=description)

@@ -29,8 +29,7 @@ from cmb_dagster.jobs import (
     Observe,
     QueuedRunLauncher,
     keep_running_sensor,
-    observed_asset,
-    status_sensor,
+    status_definitions,
     worker_job,
     worker_job_names,
 )
@@ -116,28 +115,26 @@ def callback_definitions(
         created = materialize_schedules(cmb.database)
         return SkipReason(f"created {created} scheduled callback events")
 
-    observe = observations(options, translator)
-    status = status_sensor(
+    status = status_definitions(
         f"{prefix}callbacks_status",
-        observe,
+        observations(options, translator),
         minimum_interval_seconds=options.observe_interval_seconds,
         description=COUNTS_DESCRIPTION,
+        group_name=translator.get_group_name("callbacks"),
+        assets={
+            counts_asset_key(options, index, translator): f"{COUNTS_DESCRIPTION} Buckets with id % {options.workers} "
+            f"== {index}."
+            for index in range(options.workers)
+        },
     )
-    assets = [
-        observed_asset(
-            counts_asset_key(options, index, translator),
-            translator.get_group_name("callbacks"),
-            f"{COUNTS_DESCRIPTION} Buckets with id % {options.workers} == {index}.",
-            observe,
-        )
-        for index in range(options.workers)
-    ]
-    return Definitions(
-        jobs=[*workers, cleanup_job],
-        schedules=[cleanup_schedule],
-        sensors=[*(keep_running_sensor(w) for w in workers), materializer, status],
-        assets=assets,
-        resources={"cmb": resource or CmbResource()},
+    return Definitions.merge(
+        Definitions(
+            jobs=[*workers, cleanup_job],
+            schedules=[cleanup_schedule],
+            sensors=[*(keep_running_sensor(w) for w in workers), materializer],
+            resources={"cmb": resource or CmbResource()},
+        ),
+        status,
     )
 
 

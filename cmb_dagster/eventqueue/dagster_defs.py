@@ -9,8 +9,8 @@ asset page) and ``paused`` / ``blocked`` / ``rules``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -26,8 +26,7 @@ from cmb_dagster.eventqueue.worker import EventWorker
 from cmb_dagster.jobs import (
     QueuedRunLauncher,
     keep_running_sensor,
-    observed_asset,
-    status_sensor,
+    status_definitions,
     worker_job,
     worker_job_names,
 )
@@ -52,11 +51,9 @@ class EventQueueResource(ConfigurableResource):
         """The database of the ``cmb`` resource."""
         return self.cmb.database
 
-    @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
+    def connection(self) -> AbstractContextManager[psycopg.Connection]:
         """A pooled connection whose transaction commits when the block succeeds."""
-        with self.cmb.connection() as conn:
-            yield conn
+        return self.cmb.connection()
 
     def emit(
         self,
@@ -140,28 +137,23 @@ def eventqueue_definitions(
         admin.register(database, registry)  # emit refuses unknown handlers: record them before any worker ran
         return [handler_observation(s, translator) for s in admin.status(database).handlers if s.handler in registry]
 
-    status = status_sensor(
+    status = status_definitions(
         f"{prefix}events_status",
         observe,
         minimum_interval_seconds=options.observe_interval_seconds,
         description="Registers the event queue's handlers and observes each one's queue (queued, delayed, locked, "
         "held by pause/block, dead-lettered, oldest queued age).",
-    )
-    assets = [
-        observed_asset(
-            handler_asset_key(name, translator),
-            translator.get_group_name("eventqueue"),
-            f"Event queue of handler {name!r} ({registry[name].kind}).",
-            observe,
-        )
-        for name in registry.names
-    ]
-    return Definitions(
-        jobs=workers,
-        sensors=[*(keep_running_sensor(w) for w in workers), status],
-        assets=assets,
-        resources={
-            "cmb": resource,
-            "events": EventQueueResource(cmb=resource),
+        group_name=translator.get_group_name("eventqueue"),
+        assets={
+            handler_asset_key(name, translator): f"Event queue of handler {name!r} ({registry[name].kind})."
+            for name in registry.names
         },
+    )
+    return Definitions.merge(
+        Definitions(
+            jobs=workers,
+            sensors=[keep_running_sensor(w) for w in workers],
+            resources={"cmb": resource, "events": EventQueueResource(cmb=resource)},
+        ),
+        status,
     )

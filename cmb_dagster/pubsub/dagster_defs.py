@@ -33,7 +33,7 @@ from pydantic import Field
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.inputs import BIGINT, check_int
-from cmb_dagster.jobs import keep_running_sensor, observed_asset, status_sensor, worker_job
+from cmb_dagster.jobs import keep_running_sensor, status_definitions, worker_job
 from cmb_dagster.pubsub.admin import status, trim
 from cmb_dagster.pubsub.engine import read_batch, record_watermark, refuse_if_restored
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
@@ -197,33 +197,27 @@ def pubsub_definitions(
             if (lag.consumer_id, lag.branch_id) == (spec.consumer_id, spec.branch_id)
         ]
 
-    sensors = [keep_running_sensor(j) for j in jobs]
-    if specs:
-        sensors.append(
-            status_sensor(
-                f"{prefix}pubsub_status",
-                observe,
-                minimum_interval_seconds=options.observe_interval_seconds,
-                description="Observes each consumer's lag (events and seconds behind, delivered, a failing or parked "
-                "event).",
-            )
-        )
-    assets = [
-        observed_asset(
-            lag_asset_key(s.consumer_id, s.branch_id, translator),
-            translator.get_group_name("pubsub"),
-            f"Lag of pub/sub consumer {s.consumer_id!r} on branch {s.branch_id}.",
-            observe,
-        )
-        for s in specs
-    ]
-    return Definitions(
+    engine = Definitions(
         jobs=[*jobs, trim_events],
-        sensors=sensors,
+        sensors=[keep_running_sensor(j) for j in jobs],
         schedules=[trim_schedule],
-        assets=assets,
         resources={"cmb": resource or CmbResource()},
     )
+    if not specs:
+        return engine
+    observed = status_definitions(
+        f"{prefix}pubsub_status",
+        observe,
+        minimum_interval_seconds=options.observe_interval_seconds,
+        description="Observes each consumer's lag (events and seconds behind, delivered, a failing or parked event).",
+        group_name=translator.get_group_name("pubsub"),
+        assets={
+            lag_asset_key(s.consumer_id, s.branch_id, translator): f"Lag of pub/sub consumer {s.consumer_id!r} on "
+            f"branch {s.branch_id}."
+            for s in specs
+        },
+    )
+    return Definitions.merge(engine, observed)
 
 
 def _name(value: str) -> str:

@@ -28,7 +28,7 @@ from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.inputs import shorten
-from cmb_dagster.jobs import Observe, observed_asset, status_sensor
+from cmb_dagster.jobs import Observe, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
 from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
@@ -235,24 +235,19 @@ def reactive_definitions(
         findings={task.name: task.warnings for task in tasks if task.warnings},
     )
     resource = resource or CmbResource()
-    observe = observations(options, translator)
-    status = status_sensor(
+    observed = status_definitions(
         f"{prefix}reactive_status",
-        observe,
+        observations(options, translator),
         minimum_interval_seconds=options.observe_interval_seconds,
         description="Observes how many reactive tasks wait, are ready, launched or back off.",
+        group_name=translator.get_group_name("reactive"),
+        assets={tasks_asset_key(translator): "Reactive tasks of this code location by status."},
     )
-    observed = observed_asset(
-        tasks_asset_key(translator),
-        translator.get_group_name("reactive"),
-        "Reactive tasks of this code location by status.",
-        observe,
-    )
-    return Definitions(
-        jobs=list(jobs.values()),
-        sensors=[sensor, status],
-        assets=[observed],
-        resources={"cmb": resource, "ctl": CtlResource(cmb=resource)},
+    return Definitions.merge(
+        Definitions(
+            jobs=list(jobs.values()), sensors=[sensor], resources={"cmb": resource, "ctl": CtlResource(cmb=resource)}
+        ),
+        observed,
     )
 
 

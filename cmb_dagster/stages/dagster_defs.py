@@ -20,7 +20,7 @@ from dagster import (
 
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
-from cmb_dagster.jobs import keep_running_sensor, observed_asset, status_sensor, worker_job, worker_job_names
+from cmb_dagster.jobs import keep_running_sensor, status_definitions, worker_job, worker_job_names
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.stages.admin import status
 from cmb_dagster.stages.engine import Engine
@@ -99,26 +99,23 @@ def stages_definitions(
         report = status(database)  # stages without entries yet show zeros
         return [stage_observation(report.stage(stage.name), translator) for stage in options.stages]
 
-    status_sensor_def = status_sensor(
+    observed = status_definitions(
         f"{prefix}stages_status",
         observe,
         minimum_interval_seconds=options.observe_interval_seconds,
         description="Observes each stage's queues and counters (queued, timers, oldest age, parked, failing, "
         "conflicts, processed, errors).",
+        group_name=translator.get_group_name("stages"),
+        assets={
+            stage_asset_key(s.name, translator): f"Queues and counters of stage {s.name!r}." for s in options.stages
+        },
     )
-    assets = [
-        observed_asset(
-            stage_asset_key(s.name, translator),
-            translator.get_group_name("stages"),
-            f"Queues and counters of stage {s.name!r}.",
-            observe,
-        )
-        for s in options.stages
-    ]
-    return Definitions(
-        jobs=jobs,
-        sensors=[*(keep_running_sensor(w) for w in workers), status_sensor_def],
-        schedules=schedules,
-        assets=assets,
-        resources={"cmb": resource or CmbResource()},
+    return Definitions.merge(
+        Definitions(
+            jobs=jobs,
+            sensors=[keep_running_sensor(w) for w in workers],
+            schedules=schedules,
+            resources={"cmb": resource or CmbResource()},
+        ),
+        observed,
     )
