@@ -2,14 +2,15 @@
 
     .venv/bin/python benchmarks/bench_callbacks_handover.py
 
-The worker job (``cmb_callbacks_worker``) runs in-process in a child process for ``--run-seconds``; the
-moment it ends, the next run starts in a fresh process, as the queued standby run does when the working
-one's time is up (the run launcher spawns a process that loads the code location and runs the job).
+The worker job (``cmb_callbacks_worker``) runs in-process in a child process for ``--run-seconds``; its
+successor starts in a fresh process ``--lead`` seconds before that, as the keeper sensor launches it (the run
+launcher spawns a process that loads the code location and runs the job), and waits for the buckets.
 Meanwhile a producer creates events at a steady rate, due from 0 to 2 s after creation. Lateness is the
 sink's arrival time minus run_at; the figures split events due during the handover from the rest.
 With ``--dagster-dev`` the handover is Dagster's own: ``cmb-dagster dev`` runs a code location with the
-callbacks engine, the keeper sensor launches the worker runs, the daemon starts the queued standby and the
-run launcher its process; the benchmark waits for one handover (a run works 300 s).
+callbacks engine, the keeper sensor launches each run's successor a minute before the run ends, the successor
+waits for the buckets, and takes them when the ending run releases them; the benchmark waits for one handover
+(a run works ``CMB_WORKER_RUN_SECONDS``, 120 s here).
 Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end; run it alone
 on the machine. JSON last.
 """
@@ -75,14 +76,15 @@ def run_worker(url: str, seconds: float) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rate", type=int, default=200, help="Events created per second.")
-    parser.add_argument("--run-seconds", type=float, default=10.0, help="How long each worker run works.")
+    parser.add_argument("--run-seconds", type=float, default=20.0, help="How long each worker run works.")
+    parser.add_argument("--lead", type=float, default=10.0, help="Seconds before its end the successor starts.")
     parser.add_argument("--dagster-dev", action="store_true", help="Measure a handover under `cmb-dagster dev`.")
     args = parser.parse_args()
     with bench_database() as db:
         if args.dagster_dev:
             dagster_dev_handover(db, args.rate)
         else:
-            handover(db, args.rate, args.run_seconds)
+            handover(db, args.rate, args.run_seconds, args.lead)
 
 
 def produce(client: CallbackClient, sink: CallbackSink, rate: int, stop: threading.Event) -> None:
@@ -119,7 +121,7 @@ def handover_figures(calls: list, after: float, before: float) -> dict[str, obje
     }
 
 
-def handover(db: Database, rate: int, run_seconds: float) -> None:
+def handover(db: Database, rate: int, run_seconds: float, lead: float) -> None:
     url = db.url
     results: dict[str, object] = {
         "benchmark": "callbacks_handover",
@@ -133,12 +135,14 @@ def handover(db: Database, rate: int, run_seconds: float) -> None:
         producer = threading.Thread(target=produce, args=(client, sink, rate, stop))
         first = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
         first.start()
+        launched = time.monotonic()
         time.sleep(8)  # the first run is up (process start and code load) before events flow
         producer.start()
+        time.sleep(max(0.0, launched + run_seconds - lead - time.monotonic()))
+        second = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
+        second.start()  # the successor: waits for the buckets until the first run releases them
         first.join()
         ended = runs[0]["ended"]
-        second = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
-        second.start()  # the standby: starts the moment the first ends
         while not any(c.started > ended for c in list(sink.received)) and second.is_alive():
             time.sleep(0.05)
         time.sleep(run_seconds / 2)  # events keep flowing after the handover, all due before the end
@@ -153,21 +157,21 @@ def handover(db: Database, rate: int, run_seconds: float) -> None:
             "events_called": len(calls),
             "events_left_pending": pending,
             **handover_figures(calls, runs[0]["working"], runs[1]["ended"]),
-            "first_run_end_to_standby_working_s": round(runs[1]["working"] - runs[0]["ended"], 2),
-            "standby_process_to_working_s": round(runs[1]["working"] - runs[1]["process_started"], 2),
+            "successor_working_before_the_end_s": round(runs[0]["ended"] - runs[1]["working"], 2),
             "load_average_end": [round(x, 2) for x in os.getloadavg()],
         }
     )
     print(f"callbacks handover on {db.display_url}: {rate} events/s, runs of {run_seconds:g}s")
     print(
-        f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's process end to "
-        f"the standby's code loaded {results['first_run_end_to_standby_working_s']}s, of which "
-        f"{results['standby_process_to_working_s']}s process start and code load"
+        f"  handover (the longest time without a call): {results['handover_seconds']}s; the successor was working "
+        f"{results['successor_working_before_the_end_s']}s before the first run ended"
     )
     print(f"  events due around the handover: {results['due_during_handover']}")
     print(f"  other events: {results['rest']}; {pending} left pending")
     print(json.dumps(results))
 
+
+DEV_RUN_SECONDS = 120
 
 DEFINITIONS = """
 from cmb_dagster import CallbackOptions, cmb_definitions
@@ -207,7 +211,7 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
     (project / "workspace.yaml").write_text("load_from:\n  - python_file: definitions.py\n")
     shutil.copy(ROOT / "dagster.yaml", project / "dagster.yaml")
     log = open(project / "dev.log", "wb")  # noqa: SIM115 - the child owns it
-    env = {**os.environ, "CMB_DATABASE_URL": db.url}
+    env = {**os.environ, "CMB_DATABASE_URL": db.url, "CMB_WORKER_RUN_SECONDS": str(DEV_RUN_SECONDS)}
     env.pop("DAGSTER_HOME", None)
     env.pop("CMB_DAGSTER_STORAGE_URL", None)
     dev = subprocess.Popen(
@@ -239,9 +243,9 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
             producer = threading.Thread(target=produce, args=(client, sink, rate, stop))
             producer.start()
             deadline = time.monotonic() + 420
-            while time.monotonic() < deadline:  # until the standby has worked 20 s
+            while time.monotonic() < deadline:  # until the first run has ended 20 s ago
                 runs = worker_runs(db)
-                if len(runs) >= 2 and runs[1][1] is not None and time.time() - runs[1][1] > 20:
+                if len(runs) >= 2 and runs[0][2] is not None and time.time() - runs[0][2] > 20:
                     break
                 time.sleep(1)
             else:
@@ -266,17 +270,17 @@ def dagster_dev_handover(db: Database, rate: int) -> None:
             "events_called": len(calls),
             "events_left_pending": pending,
             **handover_figures(calls, -math.inf, math.inf),
-            "first_run_end_to_standby_start_s": round(second_start - first_end, 2)
+            "successor_started_before_the_end_s": round(first_end - second_start, 2)
             if first_end and second_start
             else None,
             "load_average_end": [round(x, 2) for x in os.getloadavg()],
         }
     )
     shutil.rmtree(project, ignore_errors=True)
-    print(f"callbacks handover under cmb-dagster dev on {db.display_url}: {rate} events/s, runs of 300s")
+    print(f"callbacks handover under cmb-dagster dev on {db.display_url}: {rate} events/s, runs of {DEV_RUN_SECONDS}s")
     print(
-        f"  handover (the longest time without a call): {results['handover_seconds']}s; first run's end to the "
-        f"standby's start (Dagster's run records) {results['first_run_end_to_standby_start_s']}s"
+        f"  handover (the longest time without a call): {results['handover_seconds']}s; the successor started "
+        f"{results['successor_started_before_the_end_s']}s before the first run ended (Dagster's run records)"
     )
     print(f"  events due around the handover: {results['due_during_handover']}")
     print(f"  other events: {results['rest']}; {pending} left pending")

@@ -2,6 +2,7 @@
 launcher of queued runs, the status sensor and the observable assets that bring an engine's status into the UI."""
 
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from dagster import (
     OpExecutionContext,
     QueuedRunCoordinator,
     RepositoryDefinition,
+    RunRecord,
     RunRequest,
     RunsFilter,
     SensorDefinition,
@@ -40,7 +42,9 @@ from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from pydantic import Field
 
 from cmb_dagster.database import Database
+from cmb_dagster.models import LAUNCHED_BY_TAG
 from cmb_dagster.resources import CmbResource
+from cmb_dagster.settings import Settings
 from cmb_dagster.workers import WorkerReport, stop_workers_on_signals
 
 WAITING_STATUSES = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING]
@@ -49,10 +53,19 @@ WORKING_STATUSES = [DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 RunWorker = Callable[[Database, float, OpExecutionContext], WorkerReport]
 
 
-class WorkerConfig(Config):
-    """How long one run of a worker job works before it ends and the sensor launches the next."""
+HANDOVER_SECONDS = 60
+"""How long before a worker run ends its successor is launched."""
 
-    duration_seconds: float = Field(default=300.0, gt=0, description="Seconds this run keeps working.")
+
+class WorkerConfig(Config):
+    """How long one run of a worker job works; its successor is launched shortly before it ends."""
+
+    duration_seconds: float = Field(
+        default=Settings.model_fields["worker_run_seconds"].default,
+        gt=0,
+        le=7 * 86400,
+        description="Seconds this run keeps working (the keeper sets CMB_WORKER_RUN_SECONDS, one hour by default).",
+    )
 
 
 def worker_job(name: str, run_worker: RunWorker, *, description: str) -> JobDefinition:
@@ -86,13 +99,14 @@ def keep_running_sensor(
     worker: JobDefinition,
     *,
     minimum_interval_seconds: int = 15,
+    handover_seconds: int = HANDOVER_SECONDS,
     default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING,
 ) -> SensorDefinition:
-    """A sensor that keeps ``worker`` running with one run standing by behind the working one.
+    """A sensor that keeps ``worker`` running: it launches a run (working ``CMB_WORKER_RUN_SECONDS``) when none
+    works, and the next run ``handover_seconds`` before the working one ends.
 
-    The standby run waits in the queue (dagster.yaml limits the ``cmb/worker`` tag to one run per
-    worker) and starts at the queue's next check after the working run ends (``dequeue_interval_seconds``),
-    so the handover costs no sensor interval; without that limit it starts at once and waits for the leases.
+    For that while both run (dagster.yaml allows two runs per ``cmb/worker`` tag): the successor waits for the
+    partitions, which the ending run releases and announces, so the successor takes them at once.
     """
 
     @sensor(
@@ -100,18 +114,33 @@ def keep_running_sensor(
         job=worker,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
-        description=f"Keeps {worker.name} running, with one run standing by.",
+        description=f"Keeps {worker.name} running; launches each run's successor before it ends.",
     )
     def _keeper(context: SensorEvaluationContext) -> RunRequest | SkipReason:
         runs = context.instance.get_runs(RunsFilter(job_name=worker.name, statuses=WAITING_STATUSES), limit=1)
         if runs:
-            return SkipReason(f"run {runs[0].run_id} of {worker.name} is {runs[0].status.value}: standing by")
-        working = context.instance.get_runs(RunsFilter(job_name=worker.name, statuses=WORKING_STATUSES), limit=2)
+            return SkipReason(f"run {runs[0].run_id} of {worker.name} is {runs[0].status.value}: it takes over")
+        working = context.instance.get_run_records(RunsFilter(job_name=worker.name, statuses=WORKING_STATUSES), limit=2)
         if len(working) > 1:
             return SkipReason(f"{len(working)} runs of {worker.name} are working")
-        return RunRequest()
+        if working:
+            handover_at = _ends_at(working[0], worker.name) - handover_seconds
+            if handover_at > time.time():
+                return SkipReason(
+                    f"run {working[0].dagster_run.run_id} works; its successor is launched in "
+                    f"{handover_at - time.time():.0f} s"
+                )
+        seconds = Settings.from_env().worker_run_seconds
+        return RunRequest(run_config={"ops": {f"{worker.name}_op": {"config": {"duration_seconds": seconds}}}})
 
     return _keeper
+
+
+def _ends_at(record: RunRecord, job_name: str) -> float:
+    """When a working run of a worker job ends (epoch seconds), from its start and its configured duration."""
+    started = record.start_time or time.time()  # STARTED but no start event yet: it has just started
+    config = record.dagster_run.run_config.get("ops", {}).get(f"{job_name}_op", {}).get("config", {})
+    return started + float(config.get("duration_seconds", WorkerConfig().duration_seconds))
 
 
 def worker_job_names(prefix: str, base: str, workers: int) -> list[str]:
@@ -177,12 +206,18 @@ class QueuedRunLauncher:
         run = self.instance.create_run_for_job(
             job_def=self.repository.get_job(job_name),
             run_config=dict(run_config),
-            tags={**tags, self.run_key_tag: run_key},
+            tags={**tags, self.run_key_tag: run_key, **_launched_by(tags)},
             remote_job_origin=RemoteJobOrigin(repository_origin=self.remote_origin, job_name=job_name),
             job_code_origin=JobPythonOrigin(job_name, self.python_origin),
         )
         self.instance.submit_run(run.run_id, workspace=None)  # type: ignore[arg-type]
         return run.run_id
+
+
+def _launched_by(tags: Mapping[str, str]) -> dict[str, str]:
+    """The runs list's "Launched by" column shows the ``user`` tag (Dagster sets it only for a signed-in user):
+    a run an engine launched names the engine and the item there."""
+    return {"user": tags[LAUNCHED_BY_TAG]} if LAUNCHED_BY_TAG in tags else {}
 
 
 Observe = Callable[[Database], Sequence[AssetObservation]]

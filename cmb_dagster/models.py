@@ -28,6 +28,12 @@ def deprecated_iteration(rows: Iterable[T], message: str) -> Iterator[T]:
     return iter(rows)
 
 
+LAUNCHED_BY_TAG = "cmb/launched_by"
+"""Tag of a run an engine launched (a callback, an event queue handler): which engine and which item."""
+MAX_TAG_VALUE = 63
+"""Longest tag value the engines write (Dagster's limit for a tag that is also a label)."""
+
+
 class Options(BaseModel):
     """Options or settings of one engine: unknown or invalid fields raise the engine's :class:`InvalidInput`
     (``error``), one line naming each field; every number has both bounds."""

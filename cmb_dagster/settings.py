@@ -37,6 +37,12 @@ class Settings(BaseModel):
     database_url: str | None = Field(default=None, description="CMB_DATABASE_URL; unset = embedded Postgres.")
     schema_name: str = Field(default="cmb", description="CMB_SCHEMA: the Postgres schema of cmb tables.")
     home: Path = Field(default=Path(".cmb"), description="CMB_HOME: embedded server data and Dagster artifacts.")
+    worker_run_seconds: float = Field(
+        default=3600.0,
+        ge=10,
+        le=7 * 86400,
+        description="CMB_WORKER_RUN_SECONDS: how long each run of a Dagster worker job works.",
+    )
 
     @field_validator("schema_name")
     @classmethod
@@ -61,11 +67,13 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        """Settings from CMB_DATABASE_URL, CMB_SCHEMA and CMB_HOME; keyword overrides win."""
+        """Settings from CMB_DATABASE_URL, CMB_SCHEMA, CMB_HOME and CMB_WORKER_RUN_SECONDS; keyword overrides
+        win."""
         values: dict[str, object] = {
             "database_url": os.environ.get("CMB_DATABASE_URL") or None,
             "schema_name": os.environ.get("CMB_SCHEMA") or "cmb",
             "home": os.environ.get("CMB_HOME") or ".cmb",
+            "worker_run_seconds": os.environ.get("CMB_WORKER_RUN_SECONDS") or 3600.0,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:

@@ -30,9 +30,15 @@ FROM taken t LEFT JOIN previous p ON p.partition = t.partition
 """
 
 # Give partitions up at once (they expire now).
+# Released leases are announced on the leases channel (payload: the kind), so a successor waiting for them
+# takes them at once instead of at its next renewal.
 RELEASE_LEASES = """
-UPDATE leases SET expires_at = '-infinity'
-WHERE kind = %(kind)s AND owner = %(owner)s AND partition = ANY(%(partitions)s::text[])
+WITH released AS (
+    UPDATE leases SET expires_at = '-infinity'
+    WHERE kind = %(kind)s AND owner = %(owner)s AND partition = ANY(%(partitions)s::text[])
+    RETURNING 1
+)
+SELECT pg_notify(%(channel)s, %(kind)s) FROM (SELECT 1 FROM released LIMIT 1) r
 """
 
 # Is the lease still ours and unexpired? Key-share-locks the row until the transaction ends: no takeover

@@ -31,9 +31,12 @@ from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.errors import CmbError
 from cmb_dagster.isolation import WorkerStuck
 from cmb_dagster.models import Backoff
-from cmb_dagster.notifications import Listener, OnNotify
+from cmb_dagster.notifications import Listener, OnNotify, channel_name
 
 log = logging.getLogger("cmb_dagster.workers")
+
+LEASES_CHANNEL = "leases"
+"""Where released leases are announced (payload: their kind)."""
 
 
 class LeaseLost(CmbError):
@@ -76,8 +79,13 @@ class Leases:
         return {p: Lease(self.kind, p, self.owner, fence, inherited) for p, fence, inherited in rows}
 
     def release(self, partitions: Iterable[str]) -> None:
-        """Give partitions up at once, so another worker need not wait for the expiry."""
-        params = {"kind": self.kind, "owner": self.owner, "partitions": list(partitions)}
+        """Give partitions up at once and announce it, so another worker takes them without waiting."""
+        params = {
+            "kind": self.kind,
+            "owner": self.owner,
+            "partitions": list(partitions),
+            "channel": channel_name(self.db, LEASES_CHANNEL),
+        }
         with self.db.connection() as conn:
             conn.execute(sql.RELEASE_LEASES, params)
 
@@ -148,7 +156,8 @@ class Worker:
     ``step`` does one bounded batch for one partition and returns how many items it handled; when
     no partition had work, the worker sleeps ``idle_sleep`` seconds (or until :meth:`wake`: on every
     NOTIFY on ``channels``, unless ``on_notify`` handles them; the listener checks its connection after
-    ``heartbeat`` seconds of silence). A step that raises is logged and its
+    ``heartbeat`` seconds of silence). A listening worker also hears leases of its kind being released
+    (a worker run handing over to its successor) and asks for them at once. A step that raises is logged and its
     partition is retried after ``backoff``. ``partitions`` may be a function, asked again at every lease
     renewal, for partitions that can be added while it runs. Partitions for which ``joint`` is true are
     served together: one call ``joint_step(leases)`` with all of them held (one backoff for the group).
@@ -223,7 +232,10 @@ class Worker:
         _running.add(self.on_shutdown)
         if self.channels:
             self.listener = Listener(
-                self.leases.db, self.channels, self.on_notify or (lambda *_: self.wake()), heartbeat=self.heartbeat
+                self.leases.db,
+                [*self.channels, channel_name(self.leases.db, LEASES_CHANNEL)],
+                self._notified,
+                heartbeat=self.heartbeat,
             ).start()
         try:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
@@ -274,6 +286,16 @@ class Worker:
                     log.warning("could not release leases (%s); they expire in %.0fs", exc, self.leases.ttl)
             report.seconds = time.monotonic() - started
         return report
+
+    def _notified(self, channel: str, payload: str | None) -> None:
+        if channel == channel_name(self.leases.db, LEASES_CHANNEL):
+            if payload == self.leases.kind:  # a handover: ask for the released partitions now
+                self._next_renew = 0.0
+                self.wake()
+        elif self.on_notify is not None:
+            self.on_notify(channel, payload)
+        else:
+            self.wake()
 
     @property
     def listening(self) -> bool:

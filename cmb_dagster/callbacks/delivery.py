@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_job_name
 from cmb_dagster.isolation import describe_error, sanitize
+from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -610,7 +611,8 @@ class DeliveryPool:
         context = json.loads(delivery.context_json or "null")
         context = context if isinstance(context, dict) else {}
         tags = {str(k): str(v) for k, v in (context.get("tags") or {}).items()}
-        tags.update({"cmb/callback": f"{delivery.owner_client_id}/{delivery.group_key}/{delivery.event_key}"})
+        key = f"{delivery.owner_client_id}/{delivery.group_key}/{delivery.event_key}"
+        tags.update({"cmb/callback": key, LAUNCHED_BY_TAG: f"cmb callback {key}"[:MAX_TAG_VALUE]})
         try:
             self.launcher.launch(
                 job_name,

@@ -36,6 +36,7 @@ from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
 from cmb_dagster.eventqueue.handlers import Handler
 from cmb_dagster.eventqueue.models import Event, EventQueueOptions, WorkerSettings, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, describe_traceback
+from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
 from cmb_dagster.notifications import channel_name
 from cmb_dagster.workers import EngineWorker, Lease, Worker
 
@@ -243,6 +244,7 @@ class EventWorker(EngineWorker):
             "cmb/eventqueue/event_id": str(event.id),
             "cmb/eventqueue/handler": handler.name[:63],
             "cmb/eventqueue/namespace": event.namespace[:63],
+            LAUNCHED_BY_TAG: f"cmb event {event.id} ({event.namespace}/{handler.name})"[:MAX_TAG_VALUE],
         }
         self.launcher.launch(
             handler.job_name or handler.name, run_key=f"eventqueue:{event.id}", run_config=run_config, tags=tags

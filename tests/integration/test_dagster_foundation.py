@@ -1,5 +1,14 @@
 import psycopg
-from dagster import DagsterInstance, DagsterRunStatus, RunRequest, SkipReason, build_sensor_context, instance_for_test
+from dagster import (
+    DagsterEvent,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    RunRequest,
+    SkipReason,
+    build_sensor_context,
+    instance_for_test,
+)
 from dagster._core.test_utils import create_run_for_test
 
 from cmb_dagster import cmb_definitions
@@ -25,7 +34,7 @@ def test_example_definitions_load():
     assert "health_check" in {job.name for job in repo.get_all_jobs()}
 
 
-def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url):
+def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url, monkeypatch):
     calls = []
 
     def run_worker(database, duration, context):
@@ -40,13 +49,32 @@ def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url):
         )
         assert result.success and calls == [("cmb", 1.5)]
         keeper = keep_running_sensor(job)
+        monkeypatch.setenv("CMB_WORKER_RUN_SECONDS", "1800")
+        request = keeper(build_sensor_context(instance=instance))
+        assert request.run_config == {"ops": {"demo_worker_op": {"config": {"duration_seconds": 1800.0}}}}
+        started(instance, 3600)  # one run works for an hour: its successor comes shortly before it ends
+        skip = keeper(build_sensor_context(instance=instance))
+        assert isinstance(skip, SkipReason) and "its successor is launched in 35" in skip.skip_message
+    with instance_for_test() as instance:
+        started(instance, 30)  # within a minute of its end: the successor is launched now
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
-        create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.STARTED)
-        # one run works: the keeper queues a standby behind it
-        assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
-        create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.NOT_STARTED)
-        # a standby waits: nothing more to launch
+        started(instance, 3600)  # two runs work (the successor waits for the partitions): nothing more
         assert isinstance(keeper(build_sensor_context(instance=instance)), SkipReason)
+    with instance_for_test() as instance:
+        started(instance, 30)
+        create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.NOT_STARTED)
+        # a successor is starting: nothing more to launch
+        assert isinstance(keeper(build_sensor_context(instance=instance)), SkipReason)
+
+
+def started(instance, duration):
+    """A working run of demo_worker, started now, configured to work ``duration`` seconds."""
+    config = {"ops": {"demo_worker_op": {"config": {"duration_seconds": duration}}}}
+    run = create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.STARTED, run_config=config)
+    instance.report_dagster_event(
+        DagsterEvent(event_type_value=DagsterEventType.RUN_START.value, job_name="demo_worker"), run.run_id
+    )
+    return run
 
 
 def test_the_status_sensor_records_what_changed_and_what_waits(database_url):
