@@ -75,7 +75,10 @@ def callbacks() -> None:
 @click.option("--at", "at", help="When to call, ISO 8601 with a timezone (e.g. 2030-01-01T09:00:00Z).")
 @click.option("--in", "delay", type=FloatRange(0, 100 * 365.25 * DAY), help="When to call, in seconds from now.")
 @click.option("--url", "cb_url", required=True, help="http(s):// URL to POST to, or dagster://<job_name>.")
-@click.option("--context", help="JSON sent along with the call.")
+@click.option(
+    "--context",
+    help='JSON sent along with the call; for dagster://<job>: {"run_config": {...}, "tags": {"key": "value"}}.',
+)
 @click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
 @click.option(
     "--allow-host",

@@ -1,3 +1,7 @@
+import json
+import os
+import re
+import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 
@@ -21,7 +25,14 @@ from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackOptions, CallbackSettings, CallbackWorker
+from cmb_dagster.callbacks import (
+    CallbackClient,
+    CallbackOptions,
+    CallbackSettings,
+    CallbackWorker,
+    InvalidCallbackInput,
+)
+from cmb_dagster.callbacks.client import CREATE_CHUNK
 from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG
 from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.definitions import cmb_definitions
@@ -168,6 +179,62 @@ def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instan
 
 
 location = Definitions(jobs=[nightly_report])
+CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
+
+
+def stored_events(db) -> int:
+    with db.connection() as conn:
+        return conn.execute("SELECT count(*) FROM callback_events").fetchone()[0]
+
+
+@pytest.mark.parametrize(
+    ("context", "field"),
+    [
+        ({"run_config": {}, "tag": {"team": "data"}}, "context.tag"),  # a typo of tags
+        ({"run_config": {}, "tags": {"team": 7}}, "context.tags.team"),
+        ({"tags": {"dagster/solid_selection": "build_report"}}, "context.tags.dagster/solid_selection"),
+        ({"run_config": "ops: {}"}, "context.run_config"),
+    ],
+)
+def test_a_context_a_dagster_run_cannot_take_is_refused_and_nothing_is_written(db, database_url, context, field):
+    at = datetime.now(UTC) + timedelta(hours=1)
+    refused = rf"^{re.escape(field)}: "
+    row = {"owner_client_id": "a", "group_key": "g", "run_at": at, "cb_url": "dagster://nightly_report"}
+    good = {**row, "context": {"run_config": {}, "tags": {"team": "data"}}}
+    with CallbackClient(db, FAST) as buffered, CallbackClient(db, FAST, buffered=False) as direct:
+        for client in (buffered, direct):
+            with pytest.raises(InvalidCallbackInput, match=refused):
+                client.create("a", "g", "bad", at, "dagster://nightly_report", context)
+            # the bad event last, after more good ones than one insert statement takes
+            batch = [{**good, "event_key": f"good-{i}"} for i in range(CREATE_CHUNK + 1)]
+            with pytest.raises(InvalidCallbackInput, match=refused):
+                client.create_many([*batch, {**row, "event_key": "bad", "context": context}])
+        assert stored_events(db) == 0
+        direct.create("a", "g", "http", at, "http://127.0.0.1:9/cb", context)  # any JSON for an HTTP target
+        with pytest.raises(InvalidCallbackInput, match=refused):
+            direct.update("a", "g", "http", cb_url="dagster://nightly_report")  # keeping its context
+        assert direct.get("a", "g", "http").cb_url == "http://127.0.0.1:9/cb"
+    assert stored_events(db) == 1  # the HTTP event alone
+
+
+def test_the_cli_refuses_a_context_a_dagster_run_cannot_take_and_writes_nothing(db, database_url):
+    def create(key: str, context: dict) -> subprocess.CompletedProcess[str]:
+        arguments = ["callbacks", "create", "a", "g", key, "--in", "3600", "--url", "dagster://nightly_report"]
+        return subprocess.run(
+            [*CLI, *arguments, "--context", json.dumps(context)],
+            env={**os.environ, "CMB_DATABASE_URL": database_url},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    refused = create("bad", {"run_config": {}, "tag": {"team": "data"}})
+    assert refused.returncode == 1 and "context.tag: unknown key" in refused.stderr, refused.stderr
+    refused = create("bad", {"tags": {"team": ["data"]}})
+    assert refused.returncode == 1 and "context.tags.team: must be a string" in refused.stderr, refused.stderr
+    assert stored_events(db) == 0
+    created = create("good", {"run_config": {"ops": {}}, "tags": {"team": "data", "dagster/priority": "3"}})
+    assert created.returncode == 0 and stored_events(db) == 1, created.stderr
 
 
 def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, database_url):

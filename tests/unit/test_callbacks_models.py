@@ -1,10 +1,11 @@
+import re
 import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from cmb_dagster.callbacks import CallbackSettings, InvalidCallbackInput, NewCallback, RetryPolicy
-from cmb_dagster.callbacks.models import NewSchedule, check_many, validated
+from cmb_dagster.callbacks.models import DAGSTER_USER_TAGS, NewSchedule, _tag_problem, check_many, validated
 from cmb_dagster.callbacks.schedules import fire_times
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import DEFAULT_MAX_PAYLOAD_BYTES
@@ -38,6 +39,10 @@ def test_constant_and_exponential_main_retries():
         ({"cb_url": "ftp://example.com/x"}, "cb_url"),
         ({"cb_url": "http:///nohost"}, "cb_url"),
         ({"cb_url": "dagster://not a job"}, "cb_url"),
+        ({"cb_url": "dagster://my_job/op"}, "cb_url"),
+        ({"cb_url": "dagster://my_job?day=1"}, "cb_url"),
+        ({"cb_url": "dagster://my_job#op"}, "cb_url"),
+        ({"cb_url": "dagster://1job"}, "cb_url"),
         ({"event_key": "k" * 257}, "event_key"),
         ({"owner_client_id": ""}, "owner_client_id"),
         ({"group_key": "g" * 129}, "group_key"),
@@ -129,6 +134,79 @@ def test_allowlist_of_hosts_blocks_internal_addresses():
 def test_dagster_targets_take_run_config_and_tags():
     event = new(cb_url="dagster://nightly_report", context={"run_config": {"ops": {}}, "tags": {"team": "data"}})
     assert event.cb_url == "dagster://nightly_report"
+
+
+DAGSTER_URL = "dagster://nightly_report"
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        None,
+        {},
+        {"run_config": {"ops": {"build": {"config": {"day": "2030-01-01"}}}}},
+        {"tags": {"team": "data", "cmb/demo": "k-1", "a.b-c_d/e.f-g_h": "", "dagster/priority": "5"}},
+        {"run_config": {}, "tags": {"t": "x" * 1024, "note": "free text: spaces, 'quotes', ünïcode"}},
+        {"tags": {"k" * 63: "v", f"{'n' * 63}/{'k' * 63}": "v"}},
+    ],
+)
+def test_dagster_targets_take_a_context_of_run_config_and_tags(context):
+    assert new(cb_url=DAGSTER_URL, context=context).context == context
+    assert check_many([unchecked(cb_url=DAGSTER_URL, context=context)], CallbackSettings())[0].context == context
+
+
+@pytest.mark.parametrize(
+    ("context", "field", "says"),
+    [
+        ([{"run_config": {}}], "context", "must be an object with only run_config"),
+        ("run_config", "context", "must be an object with only run_config"),
+        ({"runconfig": {}}, "context.runconfig", "unknown key"),
+        ({"run_config": {}, "tags": {}, "priority": 5}, "context.priority", "unknown key"),
+        ({"a b": 1}, "context['a b']", "unknown key"),
+        ({"run_config": []}, "context.run_config", "must be an object"),
+        ({"run_config": None}, "context.run_config", "must be an object"),
+        ({"tags": ["team"]}, "context.tags", "must be an object of strings"),
+        ({"tags": None}, "context.tags", "must be an object of strings"),
+        ({"tags": {"retries": 3}}, "context.tags.retries", "must be a string, not a number"),
+        ({"tags": {"ok": True}}, "context.tags.ok", "must be a string, not a boolean"),
+        ({"tags": {"team": None}}, "context.tags.team", "must be a string, not null"),
+        ({"tags": {"team": {"name": "data"}}}, "context.tags.team", "must be a string, not an object"),
+        ({"tags": {"team": "x" * 1025}}, "context.tags.team", "1025 bytes, at most 1024 allowed"),
+        ({"tags": {"team": "é" * 513}}, "context.tags.team", "1026 bytes, at most 1024 allowed"),
+        ({"tags": {"my team": "data"}}, "context.tags['my team']", "not a Dagster tag key"),
+        ({"tags": {"": "data"}}, "context.tags['']", "not a Dagster tag key"),
+        ({"tags": {"k" * 64: "v"}}, f"context.tags.{'k' * 64}", "not a Dagster tag key"),
+        ({"tags": {"a/b/c": "v"}}, "context.tags.a/b/c", "not a Dagster tag key"),
+        ({"tags": {"dagster/step_selection": "x"}}, "context.tags.dagster/step_selection", "reserved by Dagster"),
+        ({"tags": {".dagster/hidden": "x"}}, "context.tags..dagster/hidden", "reserved by Dagster"),
+        ({"tags": {"cmb/callback": "x"}}, "context.tags.cmb/callback", "set by the callbacks engine"),
+        ({"tags": {"cmb/callback_run_key": "x"}}, "context.tags.cmb/callback_run_key", "set by the callbacks engine"),
+    ],
+)
+def test_a_context_a_dagster_run_cannot_take_is_refused_naming_the_field(context, field, says):
+    message = rf"^{re.escape(field)}: .*{re.escape(says)}"
+    with pytest.raises(InvalidCallbackInput, match=message):
+        new(cb_url=DAGSTER_URL, context=context)
+    good = unchecked(event_key="good", cb_url=DAGSTER_URL, context={"tags": {"team": "data"}})
+    with pytest.raises(InvalidCallbackInput, match=message):  # in a batch, and with a good event before it
+        check_many([good, unchecked(cb_url=DAGSTER_URL, context=context)], CallbackSettings())
+    schedule = {"owner_client_id": "o", "group_key": "g", "schedule_key": "s", "cron": "0 * * * *"}
+    with pytest.raises(InvalidCallbackInput, match=message):
+        validated(NewSchedule, {**schedule, "cb_url": DAGSTER_URL, "context": context}).check(CallbackSettings())
+    # the shape is a dagster:// target's only: an HTTP target's context is any JSON
+    assert new(context=context).context == context
+
+
+def test_the_dagster_tag_rules_are_dagsters_own():
+    from dagster._core.storage.tags import USER_EDITABLE_SYSTEM_TAGS
+    from dagster._utils.tags import is_private_system_tag_key, is_valid_tag_key
+
+    assert set(DAGSTER_USER_TAGS) == set(USER_EDITABLE_SYSTEM_TAGS)
+    keys = ["team", "a/b", "a.b-c_d", "k" * 63, "k" * 64, f"{'n' * 63}/k", f"{'n' * 64}/k", "a b", "", "a/b/c", "ü"]
+    keys += ["/k", "k/", "dagster/priority", "dagster/solid_selection", ".dagster/x", "dagster/kind/python"]
+    for key in keys:
+        dagster_takes = is_valid_tag_key(key) and not is_private_system_tag_key(key) and not key.startswith(".dagster/")
+        assert (_tag_problem(key, "v") is None) == dagster_takes, key
 
 
 def test_settings_keep_a_call_shorter_than_the_lease():
