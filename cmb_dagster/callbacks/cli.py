@@ -129,6 +129,8 @@ def list_(owner_client_id: str | None, group_key: str | None, status: str | None
     """List events by run_at."""
     with _client() as client:
         events = client.list(owner_client_id, group_key, status, limit)
+    if not events:
+        click.echo("no events")
     for e in events:
         click.echo(
             f"{e.event_id}\t{e.status.value}\t{e.run_at.isoformat()}\t{e.owner_client_id}/{e.group_key}/"

@@ -48,7 +48,10 @@ def set_value(entity: str, parameter: str, value: str, by: str | None) -> None:
 @click.argument("entity", required=False)
 def get_values(entity: str | None) -> None:
     """Show current values (of one ENTITY)."""
-    for row in CtlStore(open_database()).values(entity):
+    rows = CtlStore(open_database()).values(entity)
+    if not rows:
+        click.echo("no values")
+    for row in rows:
         click.echo(
             f"{row['entity']}/{row['parameter']} = {row['value'].isoformat()}  "
             f"(v{row['version']}, {row['updated_at']:%Y-%m-%d %H:%M:%S} by {row['updated_by']})"
@@ -62,7 +65,10 @@ def get_values(entity: str | None) -> None:
 @click.option("--backwards", is_flag=True, help="Only changes that moved a value backwards.")
 def history(entity: str | None, parameter: str | None, limit: int, backwards: bool) -> None:
     """Recorded changes, newest first."""
-    for c in CtlStore(open_database()).history(entity, parameter, limit=limit, backwards_only=backwards):
+    changes = CtlStore(open_database()).history(entity, parameter, limit=limit, backwards_only=backwards)
+    if not changes:
+        click.echo("no changes")
+    for c in changes:
         flag = "  BACKWARDS" if c.backwards else ""
         click.echo(
             f"#{c.id} {c.changed_at:%Y-%m-%d %H:%M:%S} {c.entity}/{c.parameter}: "

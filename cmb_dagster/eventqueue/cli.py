@@ -76,6 +76,9 @@ def emit(namespace: str, handler: str, value: str, module: str, modifier: str, d
 def status(as_json: bool) -> None:
     """Per handler: queued, delayed, locked, held (paused/blocked), dead-lettered, oldest queued age, rules."""
     rows = admin.status(open_database()).handlers
+    if not rows:
+        click.echo("no handlers registered", err=as_json)  # with --json, stdout stays JSON lines (none)
+        return
     if as_json:
         for row in rows:
             click.echo(json.dumps(row.model_dump()))
@@ -93,7 +96,10 @@ def status(as_json: bool) -> None:
 @events.command(name="rules")
 def list_rules() -> None:
     """Pause and block rules, with the events each holds."""
-    for r in admin.rules(open_database()):
+    rules = admin.rules(open_database())
+    if not rules:
+        click.echo("no rules")
+    for r in rules:
         click.echo(
             f"{r.rule_type:6} {r.namespace}/{r.handler}/{r.event_space}  holds {r.held}  "
             f"since {r.created_at:%Y-%m-%d %H:%M:%S}"
@@ -129,7 +135,10 @@ _rule_command("unblock", "Lift a block; the events it held run (unless also paus
 @click.option("--traceback", "with_traceback", is_flag=True, help="Print each traceback.")
 def dead(handler: str | None, limit: int, with_traceback: bool) -> None:
     """Dead-lettered events with their last error."""
-    for d in admin.dead_letters(open_database(), handler, limit):
+    letters = admin.dead_letters(open_database(), handler, limit)
+    if not letters:
+        click.echo("no dead-lettered events")
+    for d in letters:
         click.echo(
             f"{d.id} {d.namespace}/{d.handler} retries={d.retries} died {d.died_at:%Y-%m-%d %H:%M:%S}: {d.error}"
         )

@@ -112,6 +112,11 @@ def worker(
 def status(as_json: bool) -> None:
     """Queue depths, oldest due entry, parked entries and counters per stage."""
     report = admin.status(open_database())
+    if not report.stages:
+        click.echo("no stages", err=as_json)  # with --json, stdout stays JSON lines (none)
+        if not as_json:
+            click.echo(f"shards: {report.shard_count}")
+        return
     if as_json:
         for row in report.stages:
             click.echo(row.model_dump_json())
@@ -135,7 +140,10 @@ def status(as_json: bool) -> None:
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 100_000))
 def queue(stage: str | None, entity_id: str | None, problems: bool, limit: int) -> None:
     """List queue entries (earliest due first) with attempts, conflicts, crashes and the last error."""
-    for e in admin.entries(open_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit):
+    entries = admin.entries(open_database(), stage=stage, entity_id=entity_id, problems=problems, limit=limit)
+    if not entries:
+        click.echo("no entries")
+    for e in entries:
         state = "parked" if e.parked_at else ("low" if e.lane else "main")
         click.echo(
             f"{e.stage}\t{e.entity_id}\t{state}\tdue {e.due_at.isoformat()}\tattempts {e.attempts}\t"
