@@ -452,6 +452,7 @@ CREATE TABLE cmb.reactive_launches (
     finished_at timestamp with time zone,
     partition_key text,
     manual boolean DEFAULT false NOT NULL,
+    logged_at timestamp with time zone,
     CONSTRAINT reactive_launches_outcome_check CHECK ((outcome = ANY (ARRAY['success'::text, 'failure'::text])))
 );
 
@@ -502,6 +503,7 @@ CREATE TABLE cmb.reactive_tasks (
     produces jsonb DEFAULT '[]'::jsonb NOT NULL,
     partition_key text,
     crashes smallint DEFAULT 0 NOT NULL,
+    shown_at timestamp with time zone,
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
 );
 

@@ -8,7 +8,7 @@ outside Dagster. The Dagster names load Dagster on first use.
 
 from cmb_dagster._lazy import lazy_names
 from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, status
-from cmb_dagster.reactive.errors import InvalidReactiveInput, ReactiveError, SchedulerConflict
+from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady, ReactiveError, SchedulerConflict
 from cmb_dagster.reactive.models import (
     ReactiveOptions,
     ReactiveStatus,
@@ -22,6 +22,8 @@ from cmb_dagster.reactive.worker import ReactiveWorker
 
 __all__ = [
     "InvalidReactiveInput",
+    "PartitionNotReady",
+    "ReactiveEntityWarning",
     "ReactiveError",
     "ReactiveOptions",
     "ReactiveStatus",
@@ -54,6 +56,7 @@ __getattr__ = lazy_names(
         "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
         "reactive_definitions": "cmb_dagster.reactive.dagster_defs",
         "ReactiveTriggerWarning": "cmb_dagster.reactive.dagster_defs",
+        "ReactiveEntityWarning": "cmb_dagster.reactive.dagster_defs",
         "time_window_partitioner": "cmb_dagster.reactive.dagster_defs",
         "launched_values": "cmb_dagster.reactive.dagster_sensors",
         "evaluation_time": "cmb_dagster.reactive.dagster_sensors",

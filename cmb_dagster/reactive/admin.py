@@ -15,7 +15,7 @@ from cmb_dagster.ctl.store import check_values, values_from_json
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveInput
-from cmb_dagster.reactive.models import ReactiveStatus, TaskState
+from cmb_dagster.reactive.models import ReactiveStatus, SeenRun, TaskState
 
 
 @contextmanager
@@ -50,7 +50,8 @@ def forget_last_values(
 ) -> bool:
     """Forget what a task's last run saw (all, or one parameter), e.g. after a CTL value moved backwards.
 
-    The task is evaluated again on the next tick; a Delta-type trigger then fires as on a first release.
+    The task is evaluated again on the next tick (a backoff ends); a Delta-type trigger then fires as on a first
+    release.
     """
     path = list(parameter) if parameter else None
     with _connection(database) as conn:
@@ -72,7 +73,7 @@ def set_last_value(
 
     The recovery of a Delta-type trigger after its CTL value moved backwards: set the last-seen value to (or
     before) the new current value and the trigger measures new data from there. The task is evaluated again on
-    the next tick.
+    the next tick (a backoff ends).
     """
     try:
         [(key, moment)] = check_values({parameter: value}).items()
@@ -91,3 +92,11 @@ def launch_values(database: DatabaseSource, scheduler: str, run_key: str) -> dic
     with _connection(database) as conn:
         row = conn.execute(sql.LAUNCH_VALUES, {"scheduler": scheduler, "run_key": run_key}).fetchone()
     return values_from_json(row[0]) if row else {}
+
+
+def claim_launch_log(database: DatabaseSource, scheduler: str, run_key: str, run_id: str) -> SeenRun | None:
+    """What to write into the log of run ``run_id`` of launch ``run_key`` (why it runs, on which values), if
+    nobody wrote it yet; None when it was written already (or no such launch is recorded)."""
+    with _connection(database) as conn:
+        row = conn.execute(sql.CLAIM_LAUNCH_LOG, {"scheduler": scheduler, "run_key": run_key}).fetchone()
+    return None if row is None else SeenRun(row[0], run_id, run_key, values_from_json(row[1]), row[2] or "")

@@ -27,7 +27,8 @@ def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
         click.echo(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
         return
     if not states:
-        click.echo("no reactive task found")
+        scope = f" of scheduler {scheduler!r}" if scheduler else ""
+        click.echo(f"none (no reactive task{' ' + repr(task) if task else ''}{scope} found)")
     for s in states:
         gone = "" if s.defined else "  (no longer defined)"
         dirty = " (to evaluate)" if s.dirty else ""
@@ -36,11 +37,16 @@ def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
             click.echo(f"  run: {s.run_key} {s.run_id or ''} launched {s.launched_at}")
         if s.attempts:
             click.echo(f"  failed {s.attempts} time(s) in a row; retry after {s.backoff_until}")
+        elif s.status == "backoff":
+            click.echo(f"  backing off until {s.backoff_until}")
         click.echo(f"  last-seen values: {json.dumps(s.last_values) if s.last_values else 'none (first run)'}")
         if s.explanation:
-            click.echo(f"  evaluated {s.evaluated_at}:")
+            what = "waits for" if s.status == "waiting" else "evaluated"
+            click.echo(f"  {what} ({s.evaluated_at}):")
             for line in s.explanation.splitlines():
                 click.echo(f"    {line}")
+        else:
+            click.echo("  explanation: none (not evaluated yet)")
         if s.backwards_note:
             click.echo(f"  note: {s.backwards_note}")
 

@@ -1,5 +1,6 @@
 """Reactive tasks in Dagster: ``ReactiveTask`` (a job or asset selection plus a trigger) and their Definitions."""
 
+import difflib
 import re
 import warnings
 from collections import Counter
@@ -31,8 +32,8 @@ from cmb_dagster.inputs import shorten
 from cmb_dagster.jobs import Observe, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
-from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
-from cmb_dagster.reactive.errors import InvalidReactiveInput
+from cmb_dagster.reactive.dagster_sensors import launch_logging_executor, scheduler_sensor
+from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady
 from cmb_dagster.reactive.models import (
     TASK_STATUSES,
     CtlKeys,
@@ -48,6 +49,7 @@ from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import check, parameters
 
 __all__ = [
+    "ReactiveEntityWarning",
     "ReactiveOptions",
     "ReactiveTask",
     "ReactiveTriggerWarning",
@@ -221,6 +223,17 @@ def reactive_definitions(
         specs.append(task.spec_with(upstream))
         for finding in task.warnings:
             warnings.warn(f"reactive task {task.name!r}: {finding}", ReactiveTriggerWarning, stacklevel=2)
+    hints = _entity_hints(tasks, graph)
+    for task in tasks:
+        for key in sorted(parameters(task.trigger)):
+            if key in hints:
+                warnings.warn(
+                    f"reactive task {task.name!r}: trigger parameter {key[0]}/{key[1]}{hints[key]}; unless a job or "
+                    "another system sets its CTL values, the trigger never fires",
+                    ReactiveEntityWarning,
+                    stacklevel=2,
+                )
+    resource = resource or CmbResource()
     sensor = scheduler_sensor(
         sensor_name=f"{prefix}{options.sensor_name}",
         scheduler_name=options.name,
@@ -233,8 +246,8 @@ def reactive_definitions(
         partitioners=partitioners,
         launch_options={task.name: task for task in tasks},
         findings={task.name: task.warnings for task in tasks if task.warnings},
+        entity_hints=hints,
     )
-    resource = resource or CmbResource()
     observed = status_definitions(
         f"{prefix}reactive_status",
         observations(options, translator),
@@ -245,7 +258,11 @@ def reactive_definitions(
     )
     return Definitions.merge(
         Definitions(
-            jobs=list(jobs.values()), sensors=[sensor], resources={"cmb": resource, "ctl": CtlResource(cmb=resource)}
+            jobs=list(jobs.values()),
+            sensors=[sensor],
+            resources={"cmb": resource, "ctl": CtlResource(cmb=resource)},
+            # jobs without an executor of their own: a reactive run's first log entry is its launch reason
+            executor=launch_logging_executor(resource),
         ),
         observed,
     )
@@ -290,6 +307,28 @@ def _default_status(value: Any) -> DefaultSensorStatus:
 
 class ReactiveTriggerWarning(UserWarning):
     """A reactive task's trigger can fire without new data beyond what its last run saw (``check()``)."""
+
+
+class ReactiveEntityWarning(ReactiveTriggerWarning):
+    """A reactive task's trigger reads an entity that is no asset key of the code location (a typo?)."""
+
+
+def _entity_hints(tasks: Sequence[ReactiveTask], graph: Any) -> dict[ParameterKey, str]:
+    """Trigger parameters whose entity is no asset key of the location -> why, with the closest asset key (none
+    when the location has no assets: then nothing to compare with; the first tick reports parameters without a
+    CTL value)."""
+    if graph is None:
+        return {}
+    keys = sorted(key.to_user_string() for key in graph.get_all_asset_keys())
+    hints: dict[ParameterKey, str] = {}
+    for task in tasks:
+        for entity, parameter in sorted(parameters(task.trigger)):
+            if entity in keys:
+                continue
+            close = difflib.get_close_matches(entity, keys, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            hints[(entity, parameter)] = f": {entity} is not an asset key of this code location{hint}"
+    return hints
 
 
 def _target_facts(task: ReactiveTask, job: Any, graph: Any) -> tuple[PartitionsDefinition | None, list[str]]:
@@ -353,8 +392,7 @@ def time_window_partitioner(partitions_def: TimeWindowPartitionsDefinition, key:
         point = previous if previous is not None and previous < current else current - epsilon
         partition_key = partitions_def.get_partition_key_for_timestamp(point.timestamp())
         if not partitions_def.has_partition_key(partition_key):
-            where = f"{key[0]}/{key[1]} = {point.isoformat()}"
-            raise ValueError(f"partition {partition_key} of {where} does not exist (yet)")
+            raise PartitionNotReady(partition_key, f"it holds {key[0]}/{key[1]} = {point.isoformat()}")
         window = partitions_def.time_window_for_partition_key(partition_key)
         return partition_key, {**values, key: min(window.end, current)}
 

@@ -16,6 +16,7 @@ from dagster import (
     DagsterRunStatus,
     DefaultSensorStatus,
     EventRecordsFilter,
+    ExecutorDefinition,
     MetadataValue,
     RunRequest,
     RunsFilter,
@@ -23,18 +24,22 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
+    multi_or_in_process_executor,
     sensor,
 )
 
 # A launch is written to the run's event log as an engine event; Dagster exports no public constructor for one.
 from dagster._core.events import EngineEventData
 
+# The executor that writes a reactive run's launch entry before its first step wraps Dagster's default one.
+from dagster._core.executor.base import Executor
+
 from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.reactive.admin import launch_values
+from cmb_dagster.reactive.admin import claim_launch_log, launch_values
 from cmb_dagster.reactive.engine import TaskScheduler
 from cmb_dagster.reactive.errors import InvalidReactiveInput, SchedulerConflict
 from cmb_dagster.reactive.models import (
@@ -49,6 +54,7 @@ from cmb_dagster.reactive.models import (
     TaskSpec,
 )
 from cmb_dagster.resources import CmbResource
+from cmb_dagster.triggers import parameters
 
 SCHEDULER_TAG = "cmb/reactive/scheduler"
 TASK_TAG = "cmb/reactive/task"
@@ -242,15 +248,23 @@ def scheduler_sensor(
     partitioners: Mapping[str, Partitioner] | None = None,
     launch_options: Mapping[str, Any] | None = None,
     findings: Mapping[str, Sequence[str]] | None = None,
+    entity_hints: Mapping[ParameterKey, str] | None = None,
 ) -> SensorDefinition:
     """The reactive scheduler sensor for ``tasks``; ``job_names`` maps each task to the job it launches.
 
     ``launch_options`` maps a task to what gives its run config and extra tags (``run_config_for(values)``,
-    ``tags_for(values)``); ``findings`` are the tasks' ``check()`` warnings, logged on the first tick.
+    ``tags_for(values)``); ``findings`` are the tasks' ``check()`` warnings, logged on the first tick;
+    ``entity_hints`` say why a trigger parameter may be misnamed (its entity is no asset key of the location),
+    added to the tick log's line about a parameter that never had a CTL value.
     """
     engines: dict[tuple[str, str, str], TaskScheduler] = {}
     lock = threading.Lock()
     task_names = [task.name for task in tasks]
+    readers: dict[ParameterKey, list[str]] = {}  # trigger parameter -> the tasks that read it
+    for task in tasks:
+        for key in sorted(parameters(task.trigger)):
+            readers.setdefault(key, []).append(task.name)
+    unset: dict[tuple[str, str, str], set[ParameterKey]] = {}  # per engine: parameters without a CTL value yet
     has_upstream = any(task.upstream for task in tasks)
 
     def engine_for(database: Database, name: str, location: str | None) -> tuple[TaskScheduler, bool]:
@@ -284,6 +298,28 @@ def scheduler_sensor(
             partition_key=launch.partition_key,
         )
 
+    def report_unset_parameters(context: SensorEvaluationContext, engine: TaskScheduler, first: bool) -> None:
+        """Say once per change whether a trigger parameter has a CTL value: on the first tick, those that never had
+        one; later, when one of them gets one (only those are read again, one query a tick)."""
+        key = (engine.database.url, engine.database.schema, engine.name)
+        if first:
+            missing = engine.never_set(list(readers))
+            unset[key] = missing
+            for entity, parameter in sorted(missing):
+                names = ", ".join(repr(n) for n in readers[(entity, parameter)])
+                hint = (entity_hints or {}).get((entity, parameter), "")
+                context.log.warning(
+                    f"reactive task(s) {names}: trigger parameter {entity}/{parameter} has no CTL value, none was "
+                    f"ever set{hint}; the trigger waits until one is"
+                )
+            return
+        pending = unset.get(key)
+        if not pending:
+            return
+        for entity, parameter in sorted(pending - engine.never_set(sorted(pending))):
+            pending.discard((entity, parameter))
+            context.log.info(f"trigger parameter {entity}/{parameter} has a CTL value now")
+
     def warn_once(context: SensorEvaluationContext, text: str) -> None:
         if text not in warned:
             warned.add(text)
@@ -309,6 +345,7 @@ def scheduler_sensor(
             for task, lines in sorted((findings or {}).items()):
                 for line in lines:
                     context.log.warning(f"reactive task {task!r}: {line}")
+        report_unset_parameters(context, engine, first)
         fed = feed_materializations(context.instance, CtlStore(database, actor="dagster"), context.log.warning)
         if fed:
             context.log.info(f"{fed} CTL value(s) set from asset materializations")
@@ -326,8 +363,10 @@ def scheduler_sensor(
             raise
         for warning in report.warnings:
             warn_once(context, warning)
-        for seen in report.seen_runs:
-            log_launch(instance, job_names.get(seen.task), seen)
+        for seen in report.seen_runs:  # unless the run's executor wrote it before its first step
+            claimed = claim_launch_log(database, name, seen.run_key, seen.run_id)
+            if claimed is not None:
+                log_launch(instance, job_names.get(seen.task), claimed)
         for event in report.events[:MAX_LOGGED_EVENTS]:
             context.log.info(event.line())
         if len(report.events) > MAX_LOGGED_EVENTS:
@@ -357,6 +396,53 @@ def log_launch(instance: DagsterInstance, job_name: str | None, seen: SeenRun) -
                 "reason": MetadataValue.text(seen.reason),
             }
         ),
+    )
+
+
+class _LaunchLogging(Executor):
+    """Dagster's default executor, writing a reactive run's launch entry (why it runs, on which CTL values) into
+    the run's log before its first step."""
+
+    def __init__(self, inner: Executor, database: Callable[[], Database]) -> None:
+        self.inner = inner
+        self.database = database
+
+    def execute(self, plan_context: Any, execution_plan: Any) -> Iterator[Any]:
+        run = plan_context.dagster_run
+        tags = run.tags
+        if RUN_KEY_TAG in tags and SCHEDULER_TAG in tags:
+            try:
+                claimed = claim_launch_log(self.database(), tags[SCHEDULER_TAG], tags[RUN_KEY_TAG], run.run_id)
+            except Exception as exc:  # noqa: BLE001 - the run goes on; the scheduler writes the entry when it sees it
+                plan_context.log.warning(f"reactive launch entry not written before the first step: {exc}")
+                claimed = None
+            if claimed is not None:
+                log_launch(plan_context.instance, run.job_name, claimed)
+        yield from self.inner.execute(plan_context, execution_plan)
+
+    @property
+    def retries(self) -> Any:
+        return self.inner.retries
+
+    @property
+    def step_dependency_config(self) -> Any:
+        return self.inner.step_dependency_config
+
+
+def launch_logging_executor(resource: CmbResource) -> ExecutorDefinition:
+    """Dagster's default executor (``multi_or_in_process_executor``, same name and config) that first writes a
+    reactive run's launch entry into the run's log, so it comes before the first step."""
+    base = multi_or_in_process_executor
+
+    def create(init_context: Any) -> Executor:
+        return _LaunchLogging(base.executor_creation_fn(init_context), lambda: resource.database)
+
+    return ExecutorDefinition(
+        name=base.name,
+        config_schema=base.config_schema,
+        requirements=base.get_requirements,
+        executor_creation_fn=create,
+        description="Dagster's default executor; a reactive run's first log entry says why it runs.",
     )
 
 

@@ -59,7 +59,7 @@ from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import check_text, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, sanitize
 from cmb_dagster.reactive import sql
-from cmb_dagster.reactive.errors import InvalidReactiveInput, SchedulerConflict
+from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady, SchedulerConflict
 from cmb_dagster.reactive.models import (
     ABOVE_HIGHEST_PRIORITY,
     LOWEST_PRIORITY,
@@ -85,6 +85,9 @@ LEASE_KIND = "reactive.scheduler"
 MANUAL_OVERLAP = timedelta(minutes=5)  # hand-launched runs are read again this far back (recorded once each)
 PARTITION_KEY_LIMIT = 1000
 """Longest partition key a partition callable may return (it is stored with the task and its launch)."""
+REMIND_AFTER = timedelta(hours=1)
+"""A waiting task whose state did not change is shown in the tick log again after this long."""
+REMINDERS_PER_TICK = 200
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,14 @@ class _UserCall:
     @property
     def label(self) -> str:
         return f"reactive task {self.evaluation.name}"
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """A ready task whose partition does not exist yet: it waits (no attempt counted), evaluated again next tick."""
+
+    evaluation: _Evaluation
+    explanation: str
 
 
 @dataclass(frozen=True)
@@ -259,6 +270,7 @@ class TaskScheduler:
                     fresh, failures = self._evaluate_marked(conn, lease, now, deadline, report)
                     hold = self._hold(conn, in_flight, busy or {}, fresh)
                     self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, failures, report)
+                    self._remind_waiting(conn, lease, now, report)
             finally:
                 self._lease, self._report = None, None
                 if not held_by_caller:
@@ -604,6 +616,25 @@ class TaskScheduler:
             why = f"ready, waits for a slot: {in_flight}/{cap} reactive runs queued or running"
             self._note_not_launched(conn, {**params, **launchable}, "capped", why, report)
 
+    def _remind_waiting(self, conn: psycopg.Connection, lease: Lease, now: datetime, report: TickReport) -> None:
+        """Show again the waiting tasks whose explanation (what blocks them) the tick log has not shown for an hour
+        (a task whose state changes is shown on that tick)."""
+        params = {"scheduler": self.name, "now": now, "since": now - REMIND_AFTER, "limit": REMINDERS_PER_TICK}
+        with conn.transaction():
+            Leases.check(conn, lease)
+            rows = conn.execute(sql.REMIND_WAITING, params).fetchall()
+        for name, explanation, evaluated_at, _ in sorted(rows, key=lambda r: (-r[3], r[0])):
+            since = f" since {evaluated_at:%Y-%m-%d %H:%M:%S %Z}" if evaluated_at else ""
+            report.note(name, "still waiting", f"unchanged{since}: {explanation or 'not evaluated yet'}")
+
+    def never_set(self, keys: Sequence[ParameterKey]) -> set[ParameterKey]:
+        """Those of ``keys`` that have no CTL value (none was ever set)."""
+        if not keys:
+            return set()
+        with self.database.connection() as conn:
+            found = read_values(conn, sorted(set(keys)))
+        return {key for key in keys if key not in found}
+
     def _backoff(self, failures_before: int) -> timedelta:
         """How long a task waits after a failure that ``failures_before`` failures in a row preceded."""
         return timedelta(seconds=self.settings.backoff.delay(failures_before))
@@ -623,10 +654,10 @@ class TaskScheduler:
         if waiting > len(shown):
             report.note("...", action, f"{waiting - len(shown)} more ready task(s): {why}")
 
-    def _shape(self, calls: Sequence[_UserCall]) -> list[_Shaped | str | None]:
-        """Each launch as its user code shapes it, run outside any transaction: a :class:`_Shaped`, the error of
-        its user code (raised, timed out, or an unusable result), or None when the tick's time for user code
-        was spent before it started."""
+    def _shape(self, calls: Sequence[_UserCall]) -> list[_Shaped | _Wait | str | None]:
+        """Each launch as its user code shapes it, run outside any transaction: a :class:`_Shaped`, a :class:`_Wait`
+        (its partition does not exist yet), the error of its user code (raised, timed out, or an unusable result),
+        or None when the tick's time for user code was spent before it started."""
         needed = [c for c in calls if self._has_user_code(c)]
         crashed = self._count_user_code([c.evaluation.name for c in needed])
         runnable = [c for c in needed if c.evaluation.name not in crashed]
@@ -635,7 +666,7 @@ class TaskScheduler:
             [c.evaluation.name for c in runnable if id(c) in ran],
             [c.evaluation.name for c in runnable if id(c) not in ran],
         )
-        shapes: list[_Shaped | str | None] = []
+        shapes: list[_Shaped | _Wait | str | None] = []
         for c in calls:
             name = c.evaluation.name
             if not self._has_user_code(c):
@@ -716,13 +747,20 @@ class TaskScheduler:
             tags = {str(k): str(v) for k, v in (raw_tags or {}).items()}
         return key, values, run_config, tags
 
-    def _shaped(self, call: Call[_UserCall]) -> _Shaped:
-        """The launch a call of user code shaped; :class:`_LaunchError` if it raised, timed out or returned what
-        cannot be launched (a partition key or values CTL cannot store, a run config or tags that are not JSON
-        within the payload limit)."""
+    def _shaped(self, call: Call[_UserCall]) -> _Shaped | _Wait:
+        """The launch a call of user code shaped, or a :class:`_Wait` when its partition does not exist yet;
+        :class:`_LaunchError` if it raised, timed out or returned what cannot be launched (a partition key or
+        values CTL cannot store, a run config or tags that are not JSON within the payload limit)."""
         item = call.item
         try:
             key, values, run_config, tags = call.outcome
+        except PartitionNotReady as exc:
+            detail = f" ({sanitize(exc.detail)})" if exc.detail else ""
+            why = (
+                f"waiting for partition {sanitize(str(exc.partition_key))}: it does not exist yet{detail}; "
+                "evaluated again on the next ticks (no failed attempt counted)"
+            )
+            return _Wait(item.evaluation, why + "\n" + item.evaluation.explanation)
         except BaseException as exc:  # noqa: BLE001 - raised in the thread of user code (SystemExit too), or TimedOut
             raise _LaunchError(f"{item.step} raised {describe_error(exc)}") from None
         e = item.evaluation
@@ -752,13 +790,14 @@ class TaskScheduler:
         conn: psycopg.Connection,
         lease: Lease,
         params: dict[str, Any],
-        candidates: Sequence[tuple[_Evaluation, _Shaped | str | None]],
+        candidates: Sequence[tuple[_Evaluation, _Shaped | _Wait | str | None]],
         attempts_so_far: Mapping[str, int],
         report: TickReport,
     ) -> list[Launch]:
         """In one transaction, record the launches of the shaped ``candidates``; one whose user code failed backs
         off with the error (those not shaped are left as they are)."""
         shaped = [shape for _, shape in candidates if isinstance(shape, _Shaped)]
+        waits = [shape for _, shape in candidates if isinstance(shape, _Wait)]
         refused = []
         for candidate, shape in candidates:
             if isinstance(shape, str):
@@ -772,12 +811,18 @@ class TaskScheduler:
                     }
                 )
                 report.note(candidate.name, "error", why)
-        if not shaped and not refused:
+        if not shaped and not refused and not waits:
             return []
         with conn.transaction():
             Leases.check(conn, lease)
             if refused:
                 conn.execute(sql.LAUNCH_REFUSED, {**params, "rows": json.dumps(refused)})
+            if waits:
+                rows = [{"name": w.evaluation.name, "explanation": w.explanation} for w in waits]
+                shown = dict(conn.execute(sql.WAIT_FOR_PARTITION, {**params, "rows": json.dumps(rows)}).fetchall())
+                for w in waits:
+                    if shown.get(w.evaluation.name):  # its state changed: shown now (unchanged: hourly)
+                        report.note(w.evaluation.name, "waiting", w.explanation)
             return self._record_launches(conn, params, shaped, attempts_so_far) if shaped else []
 
     def _record_launches(

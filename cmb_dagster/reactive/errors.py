@@ -18,6 +18,19 @@ class SchedulerConflict(ReactiveError):
     """Another code location keeps the same scheduler name with other tasks; this one refuses to tick."""
 
 
+class PartitionNotReady(ReactiveError):
+    """Raised by a partition callable: the partition the values call for does not exist yet.
+
+    The task waits ("waiting for partition ...") and is evaluated again on the next ticks; no failed attempt is
+    counted and it does not back off.
+    """
+
+    def __init__(self, partition_key: str, detail: str = "") -> None:
+        self.partition_key = partition_key
+        self.detail = detail
+        super().__init__(f"partition {partition_key} does not exist yet" + (f" ({detail})" if detail else ""))
+
+
 _RENAMED = {"InvalidReactiveTask": "InvalidReactiveInput"}
 
 

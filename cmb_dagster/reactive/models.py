@@ -384,6 +384,7 @@ class TaskState(BaseModel):
     last_success_at: datetime | None
     produces: list[ParameterKey]
     partition_key: str | None = None
+    shown_at: datetime | None = None  # when the tick log last showed its explanation (a waiting task: hourly)
 
 
 class ReactiveStatus(BaseModel):

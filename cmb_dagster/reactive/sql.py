@@ -187,12 +187,41 @@ SAVE_EVALUATIONS = """
 WITH saved AS (
     UPDATE reactive_tasks t
     SET status = e.status, ready_values = e.ready_values, explanation = e.explanation,
-        evaluated_at = %(now)s, updated_at = %(now)s
+        evaluated_at = %(now)s, updated_at = %(now)s, shown_at = %(now)s
     FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, status text, ready_values jsonb, explanation text)
     WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
     RETURNING t.name
 )
 DELETE FROM reactive_marks m USING saved s WHERE m.scheduler = %(scheduler)s AND m.name = s.name
+"""
+
+# A ready task whose partition does not exist yet waits for it, still marked (each tick evaluates it again), with no
+# attempt counted; ``shown`` says whether its state changed (the tick log shows it then, and hourly otherwise).
+WAIT_FOR_PARTITION = """
+UPDATE reactive_tasks t
+SET status = 'waiting', ready_values = NULL, explanation = e.explanation, evaluated_at = %(now)s, updated_at = %(now)s,
+    shown_at = CASE WHEN t.status <> 'waiting' OR t.explanation IS DISTINCT FROM e.explanation THEN %(now)s
+                    ELSE t.shown_at END
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, explanation text)
+WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
+RETURNING t.name, t.shown_at = %(now)s AS shown
+"""
+
+# Waiting tasks whose explanation (what blocks them) the tick log has not shown for an hour: shown again, at most
+# ``limit`` a tick, highest priority first.
+REMIND_WAITING = """
+WITH due AS (
+    SELECT name FROM reactive_tasks
+    WHERE scheduler = %(scheduler)s AND status = 'waiting' AND defined
+      AND (shown_at IS NULL OR shown_at <= %(since)s)
+    ORDER BY priority DESC, name
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE reactive_tasks t SET shown_at = %(now)s
+FROM due
+WHERE t.scheduler = %(scheduler)s AND t.name = due.name
+RETURNING t.name, t.explanation, t.evaluated_at, t.priority
 """
 
 # A ready task whose launch could not be shaped (its partition, run config or tags raised) backs off.
@@ -287,6 +316,10 @@ FROM tasks
 RETURNING task
 """
 
+# `set-last` and `forget` end a backoff too: the next tick evaluates the task (a run in flight keeps its count).
+_CLEAR_BACKOFF = """status = CASE WHEN status = 'backoff' THEN 'waiting' ELSE status END, backoff_until = NULL,
+        attempts = CASE WHEN status = 'launched' THEN attempts ELSE 0 END"""
+
 # -- reactive scheduler: status ---------------------------------------------------------------
 
 TASK_STATUS = """
@@ -294,7 +327,7 @@ SELECT scheduler, name, status, defined,
        EXISTS (SELECT FROM reactive_marks m WHERE m.scheduler = t.scheduler AND m.name = t.name) AS dirty,
        priority, timezone, trigger, last_values, ready_values,
        run_key, run_id, launched_at, attempts, backoff_until, explanation, evaluated_at, backwards_note,
-       last_success_at, produces, partition_key
+       last_success_at, produces, partition_key, shown_at
 FROM reactive_tasks t
 WHERE (%(scheduler)s::text IS NULL OR scheduler = %(scheduler)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
@@ -304,7 +337,8 @@ ORDER BY scheduler, priority DESC, name
 FORGET_LAST_VALUES = _change_task(
     """last_values = CASE WHEN %(parameter)s::text[] IS NULL THEN '{}'::jsonb
                            ELSE last_values #- %(parameter)s::text[] END,
-        backwards_note = NULL, updated_at = now()"""
+        backwards_note = NULL, updated_at = now(), """
+    + _CLEAR_BACKOFF
 )
 
 # Move one remembered value (into the past too): the manual recovery of a Delta-type trigger.
@@ -313,7 +347,8 @@ SET_LAST_VALUE = _change_task(
             CASE WHEN last_values ? %(entity)s THEN last_values
                  ELSE last_values || jsonb_build_object(%(entity)s::text, '{}'::jsonb) END,
             ARRAY[%(entity)s::text, %(parameter)s::text], to_jsonb(%(value)s::text)),
-        backwards_note = NULL, updated_at = now()""",
+        backwards_note = NULL, updated_at = now(), """
+    + _CLEAR_BACKOFF,
     returns="last_values",
 )
 
@@ -356,4 +391,12 @@ SELECT task, run_id, ctl_values FROM recorded
 
 LAUNCH_VALUES = """
 SELECT ctl_values FROM reactive_launches WHERE scheduler = %(scheduler)s AND run_key = %(run_key)s
+"""
+
+# The launch's reason and values are written into its run's log once: whoever claims it first (the run's executor
+# before its first step, or the scheduler when it first sees the run) writes it.
+CLAIM_LAUNCH_LOG = """
+UPDATE reactive_launches SET logged_at = now()
+WHERE scheduler = %(scheduler)s AND run_key = %(run_key)s AND logged_at IS NULL
+RETURNING task, ctl_values, reason
 """
