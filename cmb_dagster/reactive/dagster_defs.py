@@ -14,6 +14,7 @@ from dagster import (
     AssetSelection,
     DefaultSensorStatus,
     Definitions,
+    ExecutorDefinition,
     JobDefinition,
     PartitionsDefinition,
     TimeWindowPartitionsDefinition,
@@ -197,13 +198,15 @@ def reactive_definitions(
     resource: CmbResource | None = None,
     translator: CmbTranslator = DEFAULT_TRANSLATOR,
     assets: Sequence[Any] = (),
+    executor: ExecutorDefinition | None = None,
 ) -> Definitions:
     """Definitions for reactive tasks: the scheduler sensor, the tasks' jobs, the ``ctl`` resource, and the status
     sensor observing the tasks (how many wait, are ready, launched or backing off) on the ``reactive/tasks`` asset.
 
     ``assets`` (the code location's assets; ``cmb_definitions`` passes them) let a task's asset selection be
     resolved: a partitioned target without ``partition=`` is refused, and the assets upstream of a target feed
-    the hold.
+    the hold. ``executor`` (the location's; default Dagster's) is the one its jobs run with, writing a reactive
+    run's launch reason before the first step.
     """
     tasks = _checked_tasks(options)
     jobs: dict[str, Any] = {}
@@ -262,7 +265,7 @@ def reactive_definitions(
             sensors=[sensor],
             resources={"cmb": resource, "ctl": CtlResource(cmb=resource)},
             # jobs without an executor of their own: a reactive run's first log entry is its launch reason
-            executor=launch_logging_executor(resource),
+            executor=launch_logging_executor(resource, executor),
         ),
         observed,
     )
@@ -314,20 +317,26 @@ class ReactiveEntityWarning(ReactiveTriggerWarning):
 
 
 def _entity_hints(tasks: Sequence[ReactiveTask], graph: Any) -> dict[ParameterKey, str]:
-    """Trigger parameters whose entity is no asset key of the location -> why, with the closest asset key (none
-    when the location has no assets: then nothing to compare with; the first tick reports parameters without a
-    CTL value)."""
+    """Trigger parameters whose entity looks like a misspelt asset key of the location -> why, naming the key.
+
+    An entity that is no asset key and close to none is left alone here (a job or another system may set its
+    CTL values); the first tick reports every parameter that never had a value."""
     if graph is None:
         return {}
     keys = sorted(key.to_user_string() for key in graph.get_all_asset_keys())
+    by_name = {key.rsplit("/", 1)[-1]: key for key in keys}  # "prices" -> "shop/prices"
     hints: dict[ParameterKey, str] = {}
     for task in tasks:
         for entity, parameter in sorted(parameters(task.trigger)):
             if entity in keys:
                 continue
-            close = difflib.get_close_matches(entity, keys, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            hints[(entity, parameter)] = f": {entity} is not an asset key of this code location{hint}"
+            close = difflib.get_close_matches(entity, keys, n=1, cutoff=0.8) or [
+                by_name[name] for name in difflib.get_close_matches(entity, list(by_name), n=1, cutoff=0.8)
+            ]
+            if close:
+                hints[(entity, parameter)] = (
+                    f": {entity} is not an asset key of this code location (did you mean {close[0]}?)"
+                )
     return hints
 
 

@@ -429,10 +429,10 @@ class _LaunchLogging(Executor):
         return self.inner.step_dependency_config
 
 
-def launch_logging_executor(resource: CmbResource) -> ExecutorDefinition:
-    """Dagster's default executor (``multi_or_in_process_executor``, same name and config) that first writes a
-    reactive run's launch entry into the run's log, so it comes before the first step."""
-    base = multi_or_in_process_executor
+def launch_logging_executor(resource: CmbResource, base: ExecutorDefinition | None = None) -> ExecutorDefinition:
+    """``base`` (default: Dagster's default executor, ``multi_or_in_process_executor``), same name and config,
+    first writing a reactive run's launch entry into the run's log, so it comes before the first step."""
+    base = base or multi_or_in_process_executor
 
     def create(init_context: Any) -> Executor:
         return _LaunchLogging(base.executor_creation_fn(init_context), lambda: resource.database)
@@ -442,7 +442,7 @@ def launch_logging_executor(resource: CmbResource) -> ExecutorDefinition:
         config_schema=base.config_schema,
         requirements=base.get_requirements,
         executor_creation_fn=create,
-        description="Dagster's default executor; a reactive run's first log entry says why it runs.",
+        description=f"{base.description or base.name}; a reactive run's first log entry says why it runs.",
     )
 
 

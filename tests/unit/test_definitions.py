@@ -119,3 +119,13 @@ def test_a_translator_chooses_the_key_and_group_of_every_asset_the_engines_add()
     assert {key: asset.group_name for key, asset in chosen.items()} == {
         key: f"monitoring_{key.path[1]}" for key in chosen
     }
+
+
+def test_the_locations_own_executor_is_kept_and_writes_the_launch_reason_first():
+    from dagster import in_process_executor
+
+    defs = cmb_definitions(
+        reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]),
+        executor=in_process_executor,
+    )
+    assert defs.executor.name == "in_process" and "first log entry says why it runs" in defs.executor.description
