@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -252,49 +253,164 @@ STOP_GRACE_S = 15  # from the stop signal to killing what is left of `cmb-dagste
 REAP_WAIT_S = 5  # then, at most, for the killed processes to be reaped
 
 
+EXAMPLES_MODULE = "cmb_dagster.examples"
+"""A workspace naming this module loads the examples, whose callbacks go to the sink of `cmb-dagster dev`."""
+DEFAULT_SINK_PORT = 8765
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of the Dagster UI.")
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535), help="Port of the Dagster UI.")
 @click.option("-w", "--workspace", default="workspace.yaml", show_default=True, type=click.Path(dir_okay=False))
 @click.option(
     "--sink-port",
-    default=8765,
-    show_default=True,
+    default=None,
     type=click.IntRange(0, 65535),
-    help="Port of the local endpoint that receives demo callbacks (0: none).",
+    help=f"Port of the local endpoint that prints the callbacks it receives (0: none). Default: "
+    f"{DEFAULT_SINK_PORT} when the workspace file names {EXAMPLES_MODULE} (the examples' callbacks go there), "
+    "else none.",
 )
-def dev(host: str, port: int, workspace: str, sink_port: int) -> None:
+@click.option(
+    "--verbose",
+    is_flag=True,
+    help="Pass on all that Dagster prints: its webserver's and daemon's INFO logs, run and sensor logs "
+    "(default: warnings and errors only).",
+)
+def dev(host: str, port: int, workspace: str, sink_port: int | None, verbose: bool) -> None:
     """Start Postgres if needed, migrate, then run the Dagster webserver and daemon.
 
-    Also serves a local callback endpoint (http://127.0.0.1:8765) that prints what it receives, for the
-    example location's callbacks. Ctrl-C (or SIGTERM) stops everything; worker runs end as successes.
+    Run it in the folder holding workspace.yaml and dagster.yaml (`cmb-dagster init` writes both), or set
+    DAGSTER_HOME to the folder holding dagster.yaml. Of Dagster's output it shows warnings and errors (--verbose:
+    all); the UI shows the rest.
+
+    For the examples' workspace (the file names cmb_dagster.examples), it also serves a local callback
+    endpoint (http://127.0.0.1:8765) that prints what it receives; --sink-port N serves it for any
+    workspace, --sink-port 0 never. Ctrl-C (or SIGTERM) stops everything; worker runs end as successes.
+    The embedded Postgres keeps running afterwards (`cmb-dagster db stop` stops it).
     """
-    settings = Settings.from_env()
-    db = Database.from_settings(settings)
-    db.ensure_ready()
     if not Path(workspace).is_file():
-        raise click.ClickException(f"no {workspace} in {Path.cwd()}; run from your project's root or pass -w")
+        raise click.ClickException(
+            f"no {workspace} in {Path.cwd()}; run from your project's folder, pass -w, or run `cmb-dagster init`"
+        )
+    if "DAGSTER_HOME" not in os.environ and not Path("dagster.yaml").is_file():
+        raise click.ClickException(
+            f"no dagster.yaml in {Path.cwd()}; run from your project's folder, set DAGSTER_HOME, "
+            "or run `cmb-dagster init`"
+        )
+    settings = Settings.from_env()
+    db = open_dagster_database(settings)
+    db.ensure_ready()
     env = {**os.environ, **dagster_env(settings, db)}
-    if "DAGSTER_HOME" not in env:
-        if not Path("dagster.yaml").is_file():
-            raise click.ClickException(
-                f"no dagster.yaml in {Path.cwd()}; run from your project's root or set DAGSTER_HOME"
-            )
-        env["DAGSTER_HOME"] = str(Path.cwd())
+    env.setdefault("DAGSTER_HOME", str(Path.cwd()))
     status = db.status()
     click.echo(
         f"cmb_dagster: Postgres {status['server_version']} at {db.display_url}, schema {db.schema} v{status['version']}"
     )
+    if sink_port is None:
+        sink_port = DEFAULT_SINK_PORT if EXAMPLES_MODULE in Path(workspace).read_text(errors="replace") else 0
     sink = _start_sink(sink_port) if sink_port else None
     click.echo(f"Dagster UI: http://{host}:{port}  (Ctrl-C stops everything)")
     sys.stdout.flush()
     dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
+    command = [dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)]
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), QUIET_DAGSTER_WARNING]))
+    if not verbose:
+        command += ["--log-level", "warning"]
+        env["PYTHONUNBUFFERED"] = "1"  # the filter passes each line on as it comes
+    _announce_when_up(host, port)
     try:
-        code = run_process_group([dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)], env)
+        code = run_process_group(command, env, keep=None if verbose else QuietFilter)
     finally:
         if sink is not None:
             sink.stop()
+        if settings.database_url is None:
+            click.echo(f"the embedded Postgres keeps running; `cmb-dagster db stop` stops it ({settings.home})")
     sys.exit(code)
+
+
+QUIET_DAGSTER_WARNING = "ignore:Function `dev_command` is superseded"
+"""`dagster dev` warns that `dg dev` supersedes it at each start; `cmb-dagster dev` is what we point to."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_QUIET_LEVELS = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - [\w.-]+ - (DEBUG|INFO) - ")
+"""A log line of a Dagster process below WARNING (run workers and sensors print theirs whatever --log-level says)."""
+_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - [\w.-]+ - [A-Z]+ - ")
+
+
+class QuietFilter:
+    """What `cmb-dagster dev` passes on of a stream of its Dagster processes (without --verbose): every line but
+
+    - Dagster's DEBUG and INFO log records (run workers and sensors print theirs whatever --log-level says;
+      the UI shows them with each run and sensor tick), their indented continuation lines included;
+    - tracebacks that end in ``KeyboardInterrupt``: processes stopping on the Ctrl-C that dev passed on to
+      them (Dagster's and cmb_dagster's alike), which is no error. Any other traceback is passed on whole.
+    """
+
+    MAX_HELD = 400  # lines of tracebacks held back at most, before they are passed on anyway
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.open = 0  # tracebacks begun in ``held`` whose exception line has not come yet
+        self.interrupts_only = True
+        self.dropping = False  # the last record was dropped: so are its continuation lines
+
+    def __call__(self, line: str) -> list[str]:
+        """The lines to pass on now, given the next ``line`` (with its end of line)."""
+        if line.startswith("Traceback (most recent call last)"):
+            self.held.append(line)
+            self.open += 1
+            self.dropping = False
+            return []
+        record = _LOG_LINE.match(_ANSI.sub("", line)) is not None
+        if self.held and not record:  # a line of a traceback (another process's log lines may come between)
+            self.held.append(line)
+            if line.strip() and not line[:1].isspace() and not line.startswith(("During handling", "The above")):
+                self.open -= 1  # the exception line ends a traceback
+                self.interrupts_only &= line.strip() == "KeyboardInterrupt"
+                if self.open <= 0:
+                    interrupted = self.interrupts_only
+                    block = self.flush()
+                    return [] if interrupted else block
+            return self.flush() if len(self.held) > self.MAX_HELD else []
+        if self.dropping and line[:1].isspace() and line.strip():
+            return []
+        self.dropping = _QUIET_LEVELS.match(_ANSI.sub("", line)) is not None
+        return [] if self.dropping else [line]
+
+    def flush(self) -> list[str]:
+        """The lines held back (at the end of the output, or when too many)."""
+        block, self.held, self.open, self.interrupts_only = self.held, [], 0, True
+        return block
+
+
+def _announce_when_up(host: str, port: int, within_s: float = 600) -> None:
+    """Say once the UI answers (Dagster's own "Serving" line is an INFO line)."""
+    import threading
+    import urllib.request
+
+    def wait() -> None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{host}:{port}/server_info", timeout=2):
+                    click.echo(f"Dagster UI is up: http://{host}:{port}")
+                    return
+            except OSError:
+                time.sleep(0.5)
+
+    threading.Thread(target=wait, name="cmb-dev-ui-up", daemon=True).start()
+
+
+def open_dagster_database(settings: Settings) -> Database:
+    """The database of ``settings``; says on stderr when it has to start the embedded server (it keeps running)."""
+    from cmb_dagster.embedded import data_dir, embedded_running
+
+    if settings.database_url is None and not embedded_running(settings.home):
+        click.echo(
+            f"cmb-dagster: starting the embedded Postgres under {data_dir(settings.home)} "
+            "(it keeps running until `cmb-dagster db stop`)",
+            err=True,
+        )
+    return Database.from_settings(settings)
 
 
 def _start_sink(port: int) -> object | None:
@@ -312,8 +428,14 @@ def _start_sink(port: int) -> object | None:
     return sink
 
 
-def run_process_group(command: list[str], env: dict[str, str]) -> int:
+def run_process_group(
+    command: list[str], env: dict[str, str], keep: Callable[[], Callable[[str], list[str]]] | None = None
+) -> int:
     """Run ``command`` in a session and process group of its own and return its exit code.
+
+    With ``keep`` (a factory of filters, one per stream), the group's stdout and stderr are read line by line
+    and what the stream's ``filter(line)`` returns is written to ours (its ``flush()``, if it has one, gives
+    what it held back at the end); without it, the group writes to ours directly.
 
     SIGINT and SIGTERM are passed on to the whole group as SIGINT (what Ctrl-C does in a terminal),
     so the webserver, the daemon, code servers and run workers all stop. When the command has exited,
@@ -336,8 +458,10 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
     # job of a non-interactive shell ignores SIGINT) would stay ignored and the group would not stop.
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    piped = subprocess.PIPE if keep is not None else None
+    proc = subprocess.Popen(command, env=env, start_new_session=True, stdout=piped, stderr=piped)
     group.append(proc.pid)
+    readers = [] if keep is None else _pass_on(proc, keep)
     code = proc.wait()
     kill_at.append(time.monotonic() + STOP_GRACE_S)
     while (members := _session_members(proc.pid)) and time.monotonic() < kill_at[0] + REAP_WAIT_S:
@@ -347,7 +471,37 @@ def run_process_group(command: list[str], env: dict[str, str]) -> int:
                 os.kill(pid, signal.SIGKILL if late else signal.SIGINT)
         interrupted.update(members)
         time.sleep(0.2)
+    for reader in readers:
+        reader.join(REAP_WAIT_S)  # a process of another session may hold the pipe open
     return code
+
+
+def _pass_on(proc: subprocess.Popen[bytes], keep: Callable[[], Callable[[str], list[str]]]) -> list[Any]:
+    """Threads writing what a filter of ``keep`` keeps of ``proc``'s stdout and stderr to ours, line by line."""
+    import threading
+
+    def read(source: Any, target: Any) -> None:
+        kept = keep()
+        with source:
+            for raw in source:
+                _write(target, kept(raw.decode(errors="replace")))
+        flush = getattr(kept, "flush", None)
+        _write(target, flush() if flush is not None else [])
+
+    readers = [
+        threading.Thread(target=read, args=(proc.stdout, sys.stdout), name="cmb-dev-stdout", daemon=True),
+        threading.Thread(target=read, args=(proc.stderr, sys.stderr), name="cmb-dev-stderr", daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    return readers
+
+
+def _write(target: Any, lines: list[str]) -> None:
+    if lines:
+        with contextlib.suppress(OSError, ValueError):  # our own output closed: the lines have nowhere to go
+            target.write("".join(lines))
+            target.flush()
 
 
 def _session_members(session: int) -> set[int]:
@@ -360,6 +514,40 @@ def _session_members(session: int) -> set[int]:
     return members
 
 
+PROJECT_FILES = ("dagster.yaml", "workspace.yaml", "definitions.py")
+"""What `cmb-dagster init` writes, from cmb_dagster/templates."""
+
+
+@main.command()
+@click.argument("folder", default=".", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite those of the files that exist.")
+def init(folder: Path, force: bool) -> None:
+    """Start a project in FOLDER (default: here): write dagster.yaml, workspace.yaml and a commented
+    definitions.py (one asset advancing a CTL value, one reactive task) to edit.
+
+    Refuses, writing nothing, when one of them exists, unless --force. Then, in FOLDER: `cmb-dagster dev`
+    runs Dagster on them, and after eval "$(cmb-dagster env)" `dagster` commands work there too.
+    """
+    from importlib.resources import files
+
+    targets = [folder / name for name in PROJECT_FILES]
+    existing = [target for target in targets if target.exists()]
+    if existing and not force:
+        names = ", ".join(str(target) for target in existing)
+        raise click.ClickException(f"{names}: already there, nothing written (--force overwrites)")
+    folder.mkdir(parents=True, exist_ok=True)
+    templates = files("cmb_dagster") / "templates"
+    for name, target in zip(PROJECT_FILES, targets, strict=True):
+        target.write_bytes((templates / name).read_bytes())
+        click.echo(f"wrote {target}" + (" (overwritten)" if target in existing else ""))
+    where = "" if folder.resolve() == Path.cwd() else f"cd {shlex.quote(str(folder))} && "
+    click.echo(f"next: {where}cmb-dagster dev  (the Dagster UI; edit definitions.py to make it yours)")
+    click.echo(
+        "Postgres: CMB_DATABASE_URL if set, else an embedded server with its data under .cmb/ "
+        "(keep .cmb/ out of version control)"
+    )
+
+
 @main.command()
 @click.option(
     "--show-secrets",
@@ -368,15 +556,22 @@ def _session_members(session: int) -> set[int]:
     "of the shell that evaluates the exports.",
 )
 def env(show_secrets: bool) -> None:
-    """Print the exports that let `dagster dev` or `dagster-daemon` run on the cmb server directly.
+    """Print the exports that let `dagster` commands (dev, job launch, asset materialize, daemon, ...) run on
+    the cmb server directly, in the current folder, which must hold dagster.yaml (`cmb-dagster init`).
 
-    Use as eval "$(cmb-dagster env)". Every value is shell-quoted. A password is not printed: the
-    exports read it from CMB_DATABASE_URL (or CMB_DAGSTER_STORAGE_URL) of the evaluating shell,
-    unless --show-secrets.
+    Use as eval "$(cmb-dagster env)". Exports DAGSTER_HOME (this folder), CMB_HOME, the Dagster storage URL
+    and, for the embedded Postgres (started if needed, said on stderr), CMB_DATABASE_URL. Every value is
+    shell-quoted. A password is not printed: the exports read it from CMB_DATABASE_URL (or
+    CMB_DAGSTER_STORAGE_URL) of the evaluating shell, unless --show-secrets.
     """
+    if not Path("dagster.yaml").is_file():
+        raise click.ClickException(
+            f"no dagster.yaml in {Path.cwd()}; run `cmb-dagster init` here first, or cd to your project's folder"
+        )
     settings = Settings.from_env()
-    db = Database.from_settings(settings)
-    for line in env_lines(dagster_env(settings, db), settings, show_secrets=show_secrets):
+    db = open_dagster_database(settings)
+    values = {"DAGSTER_HOME": str(Path.cwd()), **dagster_env(settings, db)}
+    for line in env_lines(values, settings, show_secrets=show_secrets):
         click.echo(line)
 
 

@@ -36,6 +36,13 @@ def embedded_url(home: Path) -> str:
         ) from None
 
 
+def embedded_running(home: Path) -> bool:
+    """Whether the embedded server under ``home`` runs (so :func:`embedded_url` will not start it)."""
+    _pgserver()  # imported quietly first
+    info = _postmaster_info(data_dir(home))
+    return info is not None and info.is_running()
+
+
 def stop_embedded(home: Path) -> bool:
     """Stop the embedded server under ``home``; return False when it was not running."""
     pgdata = data_dir(home)

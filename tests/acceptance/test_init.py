@@ -1,0 +1,127 @@
+"""A team that installed the package starts a project: `cmb-dagster init` in a fresh folder, then `dagster`
+commands after eval "$(cmb-dagster env)", and a quiet `cmb-dagster dev` that Ctrl-C stops without a traceback."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from test_dev_command import CLI, LOCATIONS, answers, free_port, graphql
+from test_dev_command import dev_env as dev_env  # a fixture
+from test_dev_stop import cmb_url, dagster_sessions, session_processes, with_kill
+from waiting import wait_until
+
+BIN = Path(sys.executable).parent  # where pip put `cmb-dagster` and `dagster`
+FILES = ["dagster.yaml", "workspace.yaml", "definitions.py"]
+IDLE_TICKS = 3  # reactive scheduler ticks (one each 10 s) watched after start-up: 30 s
+MAX_LINES = 15  # the whole terminal output from the start to the end of those ticks; goal: < 60 lines in 10 minutes
+NOISE = ["DEBUG", " - INFO - ", "Priority sorting", "Checking for new runs", "Traceback", "Warning:"]
+
+
+def cli(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def in_shell(command: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` in a shell of the project folder, after eval "$(cmb-dagster env)", as a user types them."""
+    script = f'eval "$(cmb-dagster env)" && {command}'
+    path = {"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"}
+    result = subprocess.run(["sh", "-c", script], cwd=cwd, env=env | path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{command}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture
+def project(tmp_path, dev_env):
+    folder = tmp_path / "new project"
+    result = cli(["init", str(folder)], dev_env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert [line.removeprefix("wrote ") for line in result.stdout.splitlines()[:3]] == [str(folder / f) for f in FILES]
+    return folder
+
+
+def test_init_refuses_to_overwrite_and_env_needs_a_project(project, dev_env, tmp_path):
+    (project / "definitions.py").write_text("# ours\n")
+    again = cli(["init"], dev_env, project)
+    assert again.returncode == 1 and (project / "definitions.py").read_text() == "# ours\n"
+    assert len(again.stderr.splitlines()) == 1 and "--force" in again.stderr, again.stderr
+    forced = cli(["init", "--force"], dev_env, project)
+    assert forced.returncode == 0 and "wrote definitions.py (overwritten)" in forced.stdout, forced.stderr
+    assert "ctl_metadata" in (project / "definitions.py").read_text()
+    elsewhere = cli(["env"], dev_env, tmp_path)
+    assert elsewhere.returncode == 1 and elsewhere.stdout == ""
+    assert elsewhere.stderr.count("\n") == 1 and "cmb-dagster init" in elsewhere.stderr, elsewhere.stderr
+
+
+def test_dagster_commands_work_in_a_project_after_eval_env(project, dev_env):
+    exports = cli(["env"], dev_env, project)
+    assert exports.returncode == 0, exports.stderr
+    assert f"export DAGSTER_HOME={project}" in exports.stdout or f"export DAGSTER_HOME='{project}'" in exports.stdout
+    embedded = "CMB_DATABASE_URL" not in dev_env
+    assert ("starting the embedded Postgres" in exports.stderr) == embedded, exports.stderr  # said on stderr only
+    assert all(line.startswith(("export ", ": ")) for line in exports.stdout.splitlines())
+
+    validated = in_shell("dagster definitions validate", dev_env, project)
+    assert "All code locations passed validation" in validated.stdout + validated.stderr
+    in_shell("dagster job launch -j load_orders", dev_env, project)  # no daemon here: the run waits in the queue
+    in_shell("dagster asset materialize -f definitions.py --select shop/orders", dev_env, project)  # in process
+    with psycopg.connect(cmb_url(dev_env)) as conn:
+        runs = conn.execute("SELECT pipeline_name, status FROM runs ORDER BY create_timestamp").fetchall()
+    assert runs == [("load_orders", "QUEUED"), ("__ASSET_JOB", "SUCCESS")]
+
+
+def scheduler_ticks(env: dict[str, str]) -> int:
+    with psycopg.connect(cmb_url(env)) as conn:
+        return conn.execute(
+            "SELECT count(*) FROM job_ticks WHERE type = 'SENSOR' AND tick_body LIKE %s",
+            ('%"job_name": "cmb_reactive_scheduler"%',),
+        ).fetchone()[0]
+
+
+def test_dev_in_a_project_is_quiet_and_ctrl_c_stops_it_without_a_traceback(project, dev_env, tmp_path):
+    port = free_port()
+    log = tmp_path / "terminal.log"
+    with log.open("wb") as terminal:  # stdout and stderr, as in a terminal
+        dev = subprocess.Popen(
+            [*CLI, "dev", "--port", str(port)],
+            cwd=project,
+            env=dev_env,
+            stdout=terminal,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
+        entries = graphql(port, LOCATIONS)["workspaceOrError"]["locationEntries"]
+        assert [(e["name"], e["locationOrLoadError"]["__typename"]) for e in entries] == [
+            ("my_pipelines", "RepositoryLocation")
+        ]
+        wait_until(lambda: "Dagster UI is up" in log.read_text(), 30, "dev to say the UI is up", interval=0.2)
+        ticks = wait_until(lambda: scheduler_ticks(dev_env), 120, "the reactive scheduler's first tick", interval=0.5)
+        wait_until(lambda: scheduler_ticks(dev_env) >= ticks + IDLE_TICKS, 90, "idle ticks", interval=0.5)
+        idle = log.read_text().splitlines()
+        assert len(idle) < MAX_LINES, "\n".join(idle)
+        assert not [line for line in idle if any(noise in line for noise in NOISE)], "\n".join(idle)
+        assert not [line for line in idle if "callback sink" in line]  # not the examples' workspace: no sink
+
+        sessions = [dev.pid, *dagster_sessions(dev.pid)]
+        os.killpg(dev.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
+        stopped_at = time.monotonic()
+        dev.wait(timeout=60)
+        wait_until(lambda: not any(session_processes(s) for s in sessions), 30, "every process to stop", interval=0.2)
+        assert time.monotonic() - stopped_at < 30
+    finally:
+        with_kill(dev.pid)
+    output = log.read_text()
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-5000:]
+    stopped = output.splitlines()[len(idle) :]
+    if "CMB_DATABASE_URL" in dev_env:
+        assert stopped == [], stopped
+    else:
+        assert stopped == [
+            f"the embedded Postgres keeps running; `cmb-dagster db stop` stops it ({dev_env['CMB_HOME']})"
+        ]
