@@ -636,11 +636,15 @@ def url() -> None:
 
 @db.command()
 def stop() -> None:
-    """Stop the embedded Postgres server (its data stays under CMB_HOME)."""
-    from cmb_dagster.embedded import stop_embedded
+    """Stop the embedded Postgres server (its data stays under CMB_HOME).
+
+    Also in a shell that ran eval "$(cmb-dagster env)", whose CMB_DATABASE_URL names the embedded server.
+    """
+    from cmb_dagster.embedded import data_dir, running_embedded_url, stop_embedded
 
     settings = Settings.from_env()
-    if settings.database_url:
+    url = settings.database_url
+    if url and url != running_embedded_url(settings.home) and f"host={data_dir(settings.home)}" not in url:
         raise click.ClickException("CMB_DATABASE_URL is set: there is no embedded server to stop")
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
 

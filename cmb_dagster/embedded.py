@@ -38,9 +38,14 @@ def embedded_url(home: Path) -> str:
 
 def embedded_running(home: Path) -> bool:
     """Whether the embedded server under ``home`` runs (so :func:`embedded_url` will not start it)."""
+    return running_embedded_url(home) is not None
+
+
+def running_embedded_url(home: Path) -> str | None:
+    """The URL of the embedded server under ``home`` if it runs (as :func:`embedded_url` gives it), else None."""
     _pgserver()  # imported quietly first
     info = _postmaster_info(data_dir(home))
-    return info is not None and info.is_running()
+    return info.get_uri() if info is not None and info.is_running() else None
 
 
 def stop_embedded(home: Path) -> bool:

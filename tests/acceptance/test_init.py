@@ -72,6 +72,8 @@ def test_dagster_commands_work_in_a_project_after_eval_env(project, dev_env):
     with psycopg.connect(cmb_url(dev_env)) as conn:
         runs = conn.execute("SELECT pipeline_name, status FROM runs ORDER BY create_timestamp").fetchall()
     assert runs == [("load_orders", "QUEUED"), ("__ASSET_JOB", "SUCCESS")]
+    if embedded:  # the shell's CMB_DATABASE_URL names the embedded server, which `db stop` stops all the same
+        assert in_shell("cmb-dagster db stop", dev_env, project).stdout == "stopped\n"
 
 
 def scheduler_ticks(env: dict[str, str]) -> int:
