@@ -9,12 +9,12 @@ from typing import Any
 import click
 
 from cmb_dagster.database import Database
-from cmb_dagster.settings import Settings
 
 
 def open_database(schema: str | None = None) -> Database:
-    """The database named by the environment (starting the embedded server if needed)."""
-    return Database.from_settings(Settings.from_env(schema_name=schema))
+    """The database named by the environment (starting the embedded server if needed), one per process: its
+    pool lives until the command exits and is closed then, never half-open by the garbage collector."""
+    return Database.shared(schema=schema)
 
 
 BIGINT_MAX = 2**63 - 1
