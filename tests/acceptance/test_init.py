@@ -76,6 +76,13 @@ def test_dagster_commands_work_in_a_project_after_eval_env(project, dev_env):
         assert in_shell("cmb-dagster db stop", dev_env, project).stdout == "stopped\n"
 
 
+def reactive_runs(env: dict[str, str]) -> list[tuple[str]]:
+    with psycopg.connect(cmb_url(env)) as conn:
+        return conn.execute(
+            "SELECT status FROM runs WHERE pipeline_name = 'cmb_reactive_orders_report' ORDER BY create_timestamp"
+        ).fetchall()
+
+
 def scheduler_ticks(env: dict[str, str]) -> int:
     with psycopg.connect(cmb_url(env)) as conn:
         return conn.execute(
@@ -109,6 +116,11 @@ def test_dev_in_a_project_is_quiet_and_ctrl_c_stops_it_without_a_traceback(proje
         assert len(idle) < MAX_LINES, "\n".join(idle)
         assert not [line for line in idle if any(noise in line for noise in NOISE)], "\n".join(idle)
         assert not [line for line in idle if "callback sink" in line]  # not the examples' workspace: no sink
+
+        # the upstream materialized by hand: the reactive scheduler launches the report by itself
+        in_shell("dagster asset materialize -f definitions.py --select shop/orders", dev_env, project)
+        wait_until(lambda: reactive_runs(dev_env) == [("SUCCESS",)], 180, "the reactive report run", interval=1)
+        idle = log.read_text().splitlines()
 
         sessions = [dev.pid, *dagster_sessions(dev.pid)]
         os.killpg(dev.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
