@@ -372,7 +372,8 @@ def scheduler_sensor(
         if len(report.events) > MAX_LOGGED_EVENTS:
             more = len(report.events) - MAX_LOGGED_EVENTS
             context.log.info(f"... {more} more; `cmb-dagster reactive status` shows every task")
-        context.log.info(report.summary())
+        if not report.idle:  # an idle tick says so in its skip reason only, not in the log every 10 s
+            context.log.info(report.summary())
         requests = [request(name, launch) for launch in report.launches]
         if requests:
             return SensorResult(run_requests=requests)

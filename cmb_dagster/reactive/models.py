@@ -337,6 +337,20 @@ class TickReport:
     def note(self, task: str, action: str, detail: str) -> None:
         self.events.append(TaskEvent(task, action, detail))
 
+    @property
+    def idle(self) -> bool:
+        """Whether the tick found nothing to do (no change read, no task evaluated, nothing to say)."""
+        return not (
+            self.busy
+            or self.changes
+            or self.evaluated
+            or self.events
+            or self.launches
+            or self.manual
+            or self.definitions_synced
+            or not self.complete
+        )
+
     def summary(self) -> str:
         """One line: what was read, evaluated, launched and skipped."""
         if self.busy:

@@ -178,3 +178,11 @@ def test_the_engine_imports_nothing_from_dagster():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_an_idle_tick_is_not_logged_but_any_work_is():
+    from cmb_dagster.reactive.models import TickReport
+
+    assert TickReport("s").idle
+    assert not TickReport("s", changes=1).idle and not TickReport("s", evaluated=2).idle
+    assert not TickReport("s", complete=False).idle and not TickReport("s", definitions_synced=True).idle
