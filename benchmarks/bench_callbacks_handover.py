@@ -139,8 +139,9 @@ def handover(db: Database, rate: int, run_seconds: float, lead: float) -> None:
         time.sleep(8)  # the first run is up (process start and code load) before events flow
         producer.start()
         time.sleep(max(0.0, launched + run_seconds - lead - time.monotonic()))
-        second = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds)))
-        second.start()  # the successor: waits for the buckets until the first run releases them
+        # the successor: waits for the buckets until the first run releases them, then works past the producer
+        second = threading.Thread(target=lambda: runs.append(run_worker(url, run_seconds + lead)))
+        second.start()
         first.join()
         ended = runs[0]["ended"]
         while not any(c.started > ended for c in list(sink.received)) and second.is_alive():
