@@ -203,6 +203,7 @@ class Worker:
         self._wake = threading.Event()
         self._held: dict[str, Lease] = {}
         self._next_renew = 0.0
+        self._leases_channel = channel_name(db, LEASES_CHANNEL)
 
     @property
     def owner(self) -> str:
@@ -233,7 +234,7 @@ class Worker:
         if self.channels:
             self.listener = Listener(
                 self.leases.db,
-                [*self.channels, channel_name(self.leases.db, LEASES_CHANNEL)],
+                [*self.channels, self._leases_channel],
                 self._notified,
                 heartbeat=self.heartbeat,
             ).start()
@@ -288,7 +289,7 @@ class Worker:
         return report
 
     def _notified(self, channel: str, payload: str | None) -> None:
-        if channel == channel_name(self.leases.db, LEASES_CHANNEL):
+        if channel == self._leases_channel:
             if payload == self.leases.kind:  # a handover: ask for the released partitions now
                 self._next_renew = 0.0
                 self.wake()

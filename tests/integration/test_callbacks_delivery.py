@@ -13,18 +13,11 @@ from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput, RetryPolicy
 from cmb_dagster.callbacks import worker as worker_module
-from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.models import Backoff
 
 FAST = CallbackSettings(
     poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
 )
-
-
-@pytest.fixture
-def sink():
-    with CallbackSink() as s:
-        yield s
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from cmb_dagster.callbacks import (
     NewCallback,
     RetryPolicy,
 )
-from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.database import Database
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.models import Backoff
@@ -34,12 +33,6 @@ from cmb_dagster.models import Backoff
 LOCAL = CallbackSettings(
     poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=2, allowed_hosts=["127.0.0.1"]
 )
-
-
-@pytest.fixture
-def sink():
-    with CallbackSink() as s:
-        yield s
 
 
 @pytest.fixture

@@ -9,31 +9,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from running import Running
+from test_callbacks_guarantees import LOCAL
+from test_callbacks_guarantees import worker as worker  # a fixture
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput
 from cmb_dagster.callbacks.delivery import HttpSender
-from cmb_dagster.callbacks.sink import CallbackSink
-from cmb_dagster.models import Backoff
-
-LOCAL = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=2, allowed_hosts=["127.0.0.1"]
-)
-
-
-@pytest.fixture
-def sink():
-    with CallbackSink() as s:
-        yield s
-
-
-@pytest.fixture
-def worker(db):
-    running = []
-    yield lambda settings=LOCAL: running.append(Running(CallbackWorker(db, settings))) or running[-1]
-    for r in running:
-        r.stop()
-
 
 # -- private addresses closed by default --------------------------------------------------------------
 

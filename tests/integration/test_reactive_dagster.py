@@ -3,14 +3,12 @@ lineage from the asset graph, warnings users see, and scheduler names owned by o
 
 import logging
 import warnings
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from click.testing import CliRunner
 from dagster import (
     AssetExecutionContext,
-    DagsterInstance,
     DagsterRunStatus,
     DailyPartitionsDefinition,
     MaterializeResult,
@@ -26,7 +24,6 @@ from dagster import (
 
 from cmb_dagster import ReactiveOptions, ReactiveTask, cmb_definitions, ctl_metadata, launched_values
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.database import Database
 from cmb_dagster.models import Backoff
 from cmb_dagster.reactive import (
     InvalidReactiveInput,
@@ -38,7 +35,6 @@ from cmb_dagster.reactive import (
 )
 from cmb_dagster.reactive.cli import reactive as reactive_cli
 from cmb_dagster.reactive.engine import TaskScheduler
-from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import ChunkDelta, Delay, Delta, param
 
 ORDERS = ("shop/orders", "loaded_until")
@@ -69,18 +65,6 @@ def plain() -> None:
 
 def utc(*args: int) -> datetime:
     return datetime(*args, tzinfo=UTC)
-
-
-@pytest.fixture
-def instance() -> Iterator[DagsterInstance]:
-    with instance_for_test() as dagster_instance:
-        yield dagster_instance
-
-
-@pytest.fixture
-def resource(db: Database) -> Iterator[CmbResource]:
-    yield CmbResource(database_url=db.url)
-    Database.shared(db.url).close()
 
 
 @pytest.fixture(autouse=True)

@@ -3,20 +3,17 @@ it changes, hourly otherwise), a trigger entity that is no asset key, a partitio
 set-last and forget end. Real Postgres, Dagster's test utilities."""
 
 import warnings
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from click.testing import CliRunner
 from dagster import (
     DagsterEventType,
-    DagsterInstance,
     DailyPartitionsDefinition,
     Definitions,
     OpExecutionContext,
     asset,
     execute_job,
-    instance_for_test,
     job,
     op,
     reconstructable,
@@ -28,7 +25,6 @@ from cmb_dagster.database import Database
 from cmb_dagster.models import Backoff
 from cmb_dagster.reactive import ReactiveEntityWarning, ReactiveTriggerWarning, status, tick_reactive_sensor
 from cmb_dagster.reactive.cli import reactive as reactive_cli
-from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Delta
 
 SALES = ("sales", "loaded_until")
@@ -64,18 +60,6 @@ _DEFS: list[Definitions] = []  # the location a reconstructable job is read from
 def location_target():
     """The ``target`` job as the code location resolves it (with the location's default executor)."""
     return _DEFS[-1].resolve_job_def("target")
-
-
-@pytest.fixture
-def instance() -> Iterator[DagsterInstance]:
-    with instance_for_test() as dagster_instance:
-        yield dagster_instance
-
-
-@pytest.fixture
-def resource(db: Database) -> Iterator[CmbResource]:
-    yield CmbResource(database_url=db.url)
-    Database.shared(db.url).close()
 
 
 def location(resource, tasks, *, assets=(), **options) -> Definitions:

@@ -4,13 +4,12 @@ affects only that task, and bad CTL input is refused before it reaches Postgres.
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 
 import psycopg
 import pytest
 from click.testing import CliRunner
-from dagster import DagsterInstance, OpExecutionContext, instance_for_test, job, op
+from dagster import OpExecutionContext, job, op
 
 from cmb_dagster import ReactiveOptions, ReactiveTask, cmb_definitions, pubsub
 from cmb_dagster.ctl import CTL_BRANCH_ID, CtlStore, InvalidCtlInput
@@ -21,7 +20,6 @@ from cmb_dagster.models import Backoff
 from cmb_dagster.reactive import InvalidReactiveInput, ReactiveTriggerWarning, status, tick_reactive_sensor
 from cmb_dagster.reactive.engine import TaskScheduler
 from cmb_dagster.reactive.models import SchedulerSettings, TaskSpec
-from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import Delta
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
@@ -234,18 +232,6 @@ def work(context: OpExecutionContext) -> None:
 @job
 def plain() -> None:
     work()
-
-
-@pytest.fixture
-def instance() -> Iterator[DagsterInstance]:
-    with instance_for_test() as dagster_instance:
-        yield dagster_instance
-
-
-@pytest.fixture
-def resource(db: Database) -> Iterator[CmbResource]:
-    yield CmbResource(database_url=db.url)
-    Database.shared(db.url).close()
 
 
 class Location:

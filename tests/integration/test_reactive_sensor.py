@@ -1,7 +1,6 @@
 """The reactive scheduler sensor against real Postgres and a temporary Dagster instance."""
 
 import json
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -16,7 +15,6 @@ from dagster import (
     RunRequest,
     asset,
     build_sensor_context,
-    instance_for_test,
     job,
     materialize,
     op,
@@ -47,18 +45,6 @@ def work(context: OpExecutionContext) -> None:
 @job
 def target() -> None:
     work()
-
-
-@pytest.fixture
-def instance() -> Iterator[DagsterInstance]:
-    with instance_for_test() as dagster_instance:
-        yield dagster_instance
-
-
-@pytest.fixture
-def resource(db: Database) -> Iterator[CmbResource]:
-    yield CmbResource(database_url=db.url)
-    Database.shared(db.url).close()
 
 
 class Harness:
