@@ -1,5 +1,6 @@
 """The Dagster shell every engine shares: bounded-time worker jobs and the sensors that keep them running, the
-launcher of queued runs, the status sensor and the observable assets that bring an engine's status into the UI."""
+launcher of queued runs, the status sensor, the observable assets and the asset checks that bring an engine's
+status into the UI."""
 
 import json
 import time
@@ -7,6 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
     AssetKey,
     AssetObservation,
     Config,
@@ -30,6 +35,7 @@ from dagster import (
     SourceAsset,
     in_process_executor,
     job,
+    multi_asset_check,
     observable_source_asset,
     op,
     sensor,
@@ -41,7 +47,9 @@ from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
 from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from pydantic import Field
 
+from cmb_dagster import health
 from cmb_dagster.database import Database
+from cmb_dagster.health import Verdict
 from cmb_dagster.models import LAUNCHED_BY_TAG
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.settings import Settings
@@ -220,16 +228,46 @@ def _launched_by(tags: Mapping[str, str]) -> dict[str, str]:
     return {"user": tags[LAUNCHED_BY_TAG]} if LAUNCHED_BY_TAG in tags else {}
 
 
-Observe = Callable[[Database], Sequence[AssetObservation]]
+Observe = Callable[[Database], Sequence[AssetObservation | Verdict]]
+"""Reads an engine's status once: an observation per asset and the verdicts of its health checks."""
+
+CheckSpecs = Mapping[AssetKey, Mapping[str, str]]
+"""The health checks of each asset: check name -> what it checks."""
 
 
-def status_sensor(name: str, observe: Observe, *, minimum_interval_seconds: int, description: str) -> SensorDefinition:
-    """The sensor that brings an engine's status into the UI as observations of its assets.
+def check_evaluation(verdict: Verdict) -> AssetCheckEvaluation:
+    """The asset check evaluation showing ``verdict`` (WARN or ERROR when it did not pass)."""
+    metadata: dict[str, Any] = {} if verdict.value is None else {"value": verdict.value}
+    if verdict.threshold is not None:
+        metadata.update(
+            {
+                f"{k}_at": v
+                for k, v in (("warn", verdict.threshold.warn_at), ("error", verdict.threshold.error_at))
+                if v is not None
+            }
+        )
+    return AssetCheckEvaluation(
+        asset_key=AssetKey(list(verdict.asset)),
+        check_name=verdict.check,
+        passed=verdict.passed,
+        severity=AssetCheckSeverity.WARN if verdict.severity == "warn" else AssetCheckSeverity.ERROR,
+        description=verdict.text,
+        metadata=metadata,
+    )
 
-    ``observe(database)`` turns the engine's ``status(db)`` into one observation per asset. An observation is
-    recorded when one of its figures changed (ages, the ``*_seconds`` entries, aside) or while an age is above
-    zero, i.e. while work waits; an idle engine records nothing.
+
+def status_sensor(
+    name: str, observe: Observe, *, minimum_interval_seconds: int, description: str, checks: CheckSpecs | None = None
+) -> SensorDefinition:
+    """The sensor that brings an engine's status into the UI as observations of its assets and evaluations of
+    their checks.
+
+    An observation is recorded when one of its figures changed (ages, the ``*_seconds`` entries, aside) or while
+    an age is above zero, i.e. while work waits; an idle engine records nothing. The verdicts are stored in
+    Postgres (:func:`cmb_dagster.health.record`, what alerts are sent from); a check's evaluation is recorded when
+    its severity changed.
     """
+    known = {(tuple(key.path), check) for key, names in (checks or {}).items() for check in names}
 
     @sensor(
         name=name,
@@ -240,7 +278,17 @@ def status_sensor(name: str, observe: Observe, *, minimum_interval_seconds: int,
     def _status(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult | SkipReason:
         previous = json.loads(context.cursor or "{}")
         latest, recorded = {}, []
-        for observation in observe(cmb.database):
+        found = observe(cmb.database)
+        verdicts = [v for v in found if isinstance(v, Verdict)]
+        changed = {(t.asset, t.check) for t in health.record(cmb.database, verdicts)}
+        for verdict in verdicts:
+            if (verdict.asset, verdict.check) not in known:
+                continue
+            key = f"{AssetKey(list(verdict.asset)).to_user_string()}#{verdict.check}"
+            latest[key] = verdict.severity
+            if (verdict.asset, verdict.check) in changed or previous.get(key) != verdict.severity:
+                recorded.append(check_evaluation(verdict))
+        for observation in (o for o in found if isinstance(o, AssetObservation)):
             key = observation.asset_key.to_user_string()
             figures = {k: v.value for k, v in observation.metadata.items()}
             latest[key] = json.dumps({k: v for k, v in figures.items() if not k.endswith("_seconds")}, sort_keys=True)
@@ -262,15 +310,19 @@ def status_definitions(
     description: str,
     group_name: str,
     assets: Mapping[AssetKey, str],
+    checks: CheckSpecs | None = None,
 ) -> Definitions:
-    """An engine's way into the UI: the :func:`status_sensor` ``name`` and an observable asset for each key of
+    """An engine's way into the UI: the :func:`status_sensor` ``name``, an observable asset for each key of
     ``assets`` (key -> the asset's description) in ``group_name``, whose Observe button records ``observe``'s
-    figures for it."""
+    figures for it, and the asset checks ``checks`` (evaluated by the sensor, or at once by executing them)."""
     return Definitions(
         sensors=[
-            status_sensor(name, observe, minimum_interval_seconds=minimum_interval_seconds, description=description)
+            status_sensor(
+                name, observe, minimum_interval_seconds=minimum_interval_seconds, description=description, checks=checks
+            )
         ],
         assets=[_observed_asset(key, group_name, text, observe) for key, text in assets.items()],
+        asset_checks=[_checks(f"{name}_checks", observe, checks)] if checks else [],
     )
 
 
@@ -279,7 +331,39 @@ def _observed_asset(key: AssetKey, group_name: str, description: str, observe: O
 
     @observable_source_asset(key=key, group_name=group_name, description=description)
     def _observed(cmb: CmbResource) -> ObserveResult:
-        found = [o for o in observe(cmb.database) if o.asset_key == key]
+        found = [o for o in observe(cmb.database) if isinstance(o, AssetObservation) and o.asset_key == key]
         return ObserveResult(metadata=found[0].metadata if found else {})
 
     return _observed
+
+
+def _checks(name: str, observe: Observe, checks: CheckSpecs) -> Any:
+    """The asset checks ``checks``, whose execution evaluates them from one ``observe``."""
+    specs = [
+        AssetCheckSpec(check, asset=key, description=text)
+        for key, names in checks.items()
+        for check, text in names.items()
+    ]
+
+    @multi_asset_check(specs=specs, name=name)
+    def _evaluate(cmb: CmbResource) -> Any:
+        verdicts = {(v.asset, v.check): v for v in observe(cmb.database) if isinstance(v, Verdict)}
+        health.record(cmb.database, list(verdicts.values()))
+        for spec in specs:
+            verdict = verdicts.get((tuple(spec.asset_key.path), spec.name))
+            if verdict is None:
+                yield AssetCheckResult(
+                    asset_key=spec.asset_key, check_name=spec.name, passed=True, description="nothing to check yet"
+                )
+                continue
+            evaluation = check_evaluation(verdict)
+            yield AssetCheckResult(
+                asset_key=spec.asset_key,
+                check_name=spec.name,
+                passed=evaluation.passed,
+                severity=evaluation.severity,
+                description=evaluation.description,
+                metadata=evaluation.metadata,
+            )
+
+    return _evaluate

@@ -1,4 +1,4 @@
-"""Every query of the foundation: the worker runtime's leases (table ``leases``)."""
+"""Every query of the foundation: the worker runtime's leases (table ``leases``) and the health checks' states."""
 
 # Renew the partitions that are ours and unexpired, take those that are free or expired (the fence grows on
 # a takeover). A renewal changes no key column, so it does not wait for our own transactions that check a
@@ -58,4 +58,32 @@ JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) AS u(partition, fence)
 WHERE l.owner = %(owner)s AND l.expires_at > now()
 ORDER BY l.partition
 FOR KEY SHARE OF l
+"""
+
+# -- Health checks (tables ``check_states``, ``check_transitions``) ---------------------------------------------
+
+# Store each check's severity; a change (a new check counts as having been ok) is recorded once as a transition.
+# ON CONFLICT re-reads a row another writer changed meanwhile, so two processes seeing the same change record it
+# once. Rows are written in key order (no deadlocks).
+RECORD_CHECK_STATES = """
+WITH changed AS (
+    INSERT INTO check_states AS s (asset, check_name, severity, previous, text)
+    SELECT i.asset, i.check_name, i.severity, 'ok', i.text
+    FROM unnest(%(assets)s::jsonb[], %(checks)s::text[], %(severities)s::text[], %(texts)s::text[])
+        AS i(asset, check_name, severity, text)
+    ORDER BY i.asset, i.check_name
+    ON CONFLICT (asset, check_name) DO UPDATE
+        SET previous = s.severity, severity = EXCLUDED.severity, text = EXCLUDED.text, changed_at = now()
+        WHERE s.severity <> EXCLUDED.severity
+    RETURNING asset, check_name, previous, severity, text
+)
+INSERT INTO check_transitions (asset, check_name, previous, severity, text)
+SELECT asset, check_name, previous, severity, text FROM changed WHERE previous <> severity
+ORDER BY asset, check_name
+RETURNING id, asset, check_name, previous, severity, text, at
+"""
+
+CHECK_TRANSITIONS = """
+SELECT id, asset, check_name, previous, severity, text, at FROM check_transitions
+WHERE id > %(after)s ORDER BY id LIMIT %(limit)s
 """

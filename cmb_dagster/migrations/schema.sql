@@ -206,6 +206,37 @@ ALTER TABLE cmb.callback_schedules ALTER COLUMN schedule_id ADD GENERATED ALWAYS
     CACHE 1
 );
 
+CREATE TABLE cmb.check_states (
+    asset jsonb NOT NULL,
+    check_name text NOT NULL,
+    severity text NOT NULL,
+    previous text NOT NULL,
+    text text NOT NULL,
+    changed_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT check_states_previous_check CHECK ((previous = ANY (ARRAY['ok'::text, 'warn'::text, 'error'::text]))),
+    CONSTRAINT check_states_severity_check CHECK ((severity = ANY (ARRAY['ok'::text, 'warn'::text, 'error'::text])))
+);
+
+CREATE TABLE cmb.check_transitions (
+    id bigint NOT NULL,
+    asset jsonb NOT NULL,
+    check_name text NOT NULL,
+    previous text NOT NULL,
+    severity text NOT NULL,
+    text text NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    alerted_at timestamp with time zone
+);
+
+CREATE SEQUENCE cmb.check_transitions_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE cmb.check_transitions_id_seq OWNED BY cmb.check_transitions.id;
+
 CREATE TABLE cmb.ctl_feeds (
     name text NOT NULL,
     "position" bigint DEFAULT 0 NOT NULL,
@@ -586,6 +617,8 @@ CREATE TABLE cmb.stage_states (
 )
 WITH (fillfactor='80');
 
+ALTER TABLE ONLY cmb.check_transitions ALTER COLUMN id SET DEFAULT nextval('cmb.check_transitions_id_seq'::regclass);
+
 ALTER TABLE ONLY cmb.ctl_history ALTER COLUMN id SET DEFAULT nextval('cmb.ctl_history_id_seq'::regclass);
 
 ALTER TABLE ONLY cmb.health_checks ALTER COLUMN id SET DEFAULT nextval('cmb.health_checks_id_seq'::regclass);
@@ -612,6 +645,12 @@ ALTER TABLE ONLY cmb.callback_schedules
 
 ALTER TABLE ONLY cmb.callback_schedules
     ADD CONSTRAINT callback_schedules_pkey PRIMARY KEY (schedule_id);
+
+ALTER TABLE ONLY cmb.check_states
+    ADD CONSTRAINT check_states_pkey PRIMARY KEY (asset, check_name);
+
+ALTER TABLE ONLY cmb.check_transitions
+    ADD CONSTRAINT check_transitions_pkey PRIMARY KEY (id);
 
 ALTER TABLE ONLY cmb.ctl_feeds
     ADD CONSTRAINT ctl_feeds_pkey PRIMARY KEY (name);
@@ -713,6 +752,8 @@ CREATE INDEX callback_events_pending ON cmb.callback_events USING btree (bucket_
 CREATE INDEX callback_events_pending_ids ON cmb.callback_events USING btree (bucket_id, event_id) WHERE (status = 'pending'::text);
 
 CREATE INDEX callback_events_schedule ON cmb.callback_events USING btree (schedule_id) WHERE (schedule_id IS NOT NULL);
+
+CREATE INDEX check_transitions_unalerted ON cmb.check_transitions USING btree (id) WHERE (alerted_at IS NULL);
 
 CREATE INDEX ctl_history_backwards ON cmb.ctl_history USING btree (id) WHERE backwards;
 
