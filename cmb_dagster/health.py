@@ -7,7 +7,7 @@ is what alerts are sent from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -113,3 +113,17 @@ def transitions(database: DatabaseSource, *, after: int = 0, limit: int = 100) -
     with Database.of(database).connection() as conn:
         rows = conn.execute(sql.CHECK_TRANSITIONS, {"after": after, "limit": limit}).fetchall()
     return [Transition(i, tuple(a), c, p, s, t, at) for i, a, c, p, s, t, at in rows]
+
+
+class Checks(Options):
+    """An engine's check limits: a :class:`Threshold` field per check, named as the check, whose description says
+    what it checks."""
+
+    @classmethod
+    def descriptions(cls) -> dict[str, str]:
+        """Check name -> what it checks."""
+        return {name: field.description or name for name, field in cls.model_fields.items()}
+
+    def judge(self, asset: Sequence[str], figures: Mapping[str, tuple[float, str]]) -> list[Verdict]:
+        """The verdicts of ``figures`` (check name -> (value, what it says)) against this engine's limits."""
+        return [judge(asset, name, value, getattr(self, name), what) for name, (value, what) in figures.items()]

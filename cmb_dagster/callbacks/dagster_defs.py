@@ -25,6 +25,7 @@ from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker, served_bucket_ids
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
+from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import (
     Observe,
     QueuedRunLauncher,
@@ -115,17 +116,19 @@ def callback_definitions(
         created = materialize_schedules(cmb.database)
         return SkipReason(f"created {created} scheduled callback events")
 
+    assets = {
+        counts_asset_key(options, index, translator): f"{COUNTS_DESCRIPTION} Buckets with id % {options.workers} "
+        f"== {index}."
+        for index in range(options.workers)
+    }
     status = status_definitions(
         f"{prefix}callbacks_status",
         observations(options, translator),
         minimum_interval_seconds=options.observe_interval_seconds,
         description=COUNTS_DESCRIPTION,
         group_name=translator.get_group_name("callbacks"),
-        assets={
-            counts_asset_key(options, index, translator): f"{COUNTS_DESCRIPTION} Buckets with id % {options.workers} "
-            f"== {index}."
-            for index in range(options.workers)
-        },
+        assets=assets,
+        checks=dict.fromkeys(assets, options.checks.descriptions()),
     )
     return Definitions.merge(
         Definitions(
@@ -145,15 +148,14 @@ COUNTS_DESCRIPTION = (
 
 
 def observations(options: CallbackOptions, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> Observe:
-    """``status(db)`` as one observation per bucket set (one per worker job)."""
+    """``status(db)`` as one observation per bucket set (one per worker job), and the verdicts of its checks."""
 
-    def observe(database: Database) -> list[AssetObservation]:
-        return [
-            AssetObservation(
-                asset_key=counts_asset_key(options, counts.bucket_set, translator),
-                metadata=counts.model_dump(exclude={"bucket_set"}),
-            )
-            for counts in status(database, bucket_sets=options.workers, totals=False).bucket_sets
-        ]
+    def observe(database: Database) -> list[AssetObservation | Verdict]:
+        found: list[AssetObservation | Verdict] = []
+        for counts in status(database, bucket_sets=options.workers, totals=False).bucket_sets:
+            key = counts_asset_key(options, counts.bucket_set, translator)
+            found.append(AssetObservation(asset_key=key, metadata=counts.model_dump(exclude={"bucket_set"})))
+            found.extend(options.checks.verdicts(key.path, counts))
+        return found
 
     return observe

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
+from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import check_text, max_payload_bytes, to_json
 from cmb_dagster.models import Backoff, Options, describe
 
@@ -684,6 +685,36 @@ class CallbacksStatus(BaseModel):
     bucket_sets: list[BucketSetCounts] = Field(default_factory=list)
 
 
+class CallbackChecks(Checks):
+    """Limits of the callbacks engine's asset checks, on each worker job's buckets."""
+
+    error = InvalidCallbackInput
+
+    overdue: Threshold = Field(
+        default=Threshold(warn_at=1_000, error_at=100_000), description="Events due and not yet called."
+    )
+    oldest_overdue_seconds: Threshold = Field(
+        default=Threshold(warn_at=60, error_at=600), description="Seconds the oldest overdue event is late."
+    )
+    failed_last_hour: Threshold = Field(
+        default=Threshold(warn_at=1, error_at=100), description="Events that failed for good in the last hour."
+    )
+
+    def verdicts(self, asset: list[str], counts: BucketSetCounts) -> list[Verdict]:
+        """The checks of one worker job's buckets."""
+        return self.judge(
+            asset,
+            {
+                "overdue": (counts.overdue, f"{counts.overdue} overdue events"),
+                "oldest_overdue_seconds": (
+                    counts.oldest_overdue_seconds,
+                    f"the oldest overdue event is {counts.oldest_overdue_seconds:.0f} s late",
+                ),
+                "failed_last_hour": (counts.failed_last_hour, f"{counts.failed_last_hour} failed in the last hour"),
+            },
+        )
+
+
 class CallbackOptions(Options):
     """What ``cmb_definitions(callbacks=...)`` adds: worker jobs with keepers, cleanup and the schedules materializer.
 
@@ -708,6 +739,7 @@ class CallbackOptions(Options):
     observe_interval_seconds: int = Field(
         default=60, ge=5, le=86400, description="How often the status sensor observes each bucket set's events."
     )
+    checks: CallbackChecks = Field(default_factory=CallbackChecks, description="Limits of the asset checks.")
 
     _cron_is_valid = field_validator("cleanup_cron")(lambda cls, v: _valid_cron(v))
 

@@ -23,6 +23,7 @@ from cmb_dagster.eventqueue import admin
 from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, EventQueueOptions, HandlerStatus
 from cmb_dagster.eventqueue.queue import emit, emit_many
 from cmb_dagster.eventqueue.worker import EventWorker
+from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import (
     QueuedRunLauncher,
     keep_running_sensor,
@@ -133,9 +134,18 @@ def eventqueue_definitions(
         for name in worker_job_names(prefix, "events_worker", options.workers)
     ]
 
-    def observe(database: Database) -> list[AssetObservation]:
+    def observe(database: Database) -> list[AssetObservation | Verdict]:
         admin.register(database, registry)  # emit refuses unknown handlers: record them before any worker ran
-        return [handler_observation(s, translator) for s in admin.status(database).handlers if s.handler in registry]
+        found: list[AssetObservation | Verdict] = []
+        for row in (s for s in admin.status(database).handlers if s.handler in registry):
+            found.append(handler_observation(row, translator))
+            found.extend(options.checks.verdicts(handler_asset_key(row.handler, translator).path, row))
+        return found
+
+    assets = {
+        handler_asset_key(name, translator): f"Event queue of handler {name!r} ({registry[name].kind})."
+        for name in registry.names
+    }
 
     status = status_definitions(
         f"{prefix}events_status",
@@ -144,10 +154,8 @@ def eventqueue_definitions(
         description="Registers the event queue's handlers and observes each one's queue (queued, delayed, locked, "
         "held by pause/block, dead-lettered, oldest queued age).",
         group_name=translator.get_group_name("eventqueue"),
-        assets={
-            handler_asset_key(name, translator): f"Event queue of handler {name!r} ({registry[name].kind})."
-            for name in registry.names
-        },
+        assets=assets,
+        checks=dict.fromkeys(assets, options.checks.descriptions()),
     )
     return Definitions.merge(
         Definitions(

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validat
 
 from cmb_dagster import inputs
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
+from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options, deprecated_iteration
 
@@ -163,6 +164,35 @@ class WorkerSettings(Options):
     lease_ttl: float = Field(default=10.0, gt=0, le=3600, description="TTL of the worker's liveness lease.")
 
 
+class EventQueueChecks(Checks):
+    """Limits of the event queue's asset checks, on each handler."""
+
+    error = InvalidEventQueueInput
+
+    oldest_queued_seconds: Threshold = Field(
+        default=Threshold(warn_at=60, error_at=600), description="Age of the oldest event due and not yet handled."
+    )
+    dead: Threshold = Field(default=Threshold(warn_at=1, error_at=100), description="Dead-lettered events.")
+    held: Threshold = Field(
+        default=Threshold(warn_at=1_000, error_at=100_000), description="Events held by a pause or block rule."
+    )
+
+    def verdicts(self, asset: list[str], row: HandlerStatus) -> list[Verdict]:
+        """The checks of one handler."""
+        rules = f" ({', '.join(row.rules)})" if row.rules else ""
+        return self.judge(
+            asset,
+            {
+                "oldest_queued_seconds": (
+                    row.oldest_queued_seconds,
+                    f"the oldest queued event waits {row.oldest_queued_seconds:.0f} s",
+                ),
+                "dead": (row.dead, f"{row.dead} dead-lettered events"),
+                "held": (row.held, f"{row.held} events held{rules}"),
+            },
+        )
+
+
 class EventQueueOptions(Options):
     """An event queue worker's handlers and settings, and what ``cmb_definitions(events=...)`` adds: worker
     jobs kept running by sensors, and per-handler observations.
@@ -179,6 +209,7 @@ class EventQueueOptions(Options):
     observe_interval_seconds: int = Field(
         default=30, ge=5, le=86400, description="How often the status sensor observes handlers."
     )
+    checks: EventQueueChecks = Field(default_factory=EventQueueChecks, description="Limits of the asset checks.")
 
     def registry(self):  # type: ignore[no-untyped-def]
         """The handlers as one ``HandlerRegistry``; there must be at least one handler."""

@@ -17,6 +17,7 @@ from cmb_dagster.isolation import describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
 from cmb_dagster.pubsub.models import ConsumerKey, DeadLetter, Event, Handler, Lag, PubSubStatus, load_handler
+from cmb_dagster.pubsub.worker import LEASE_KIND
 
 log = logging.getLogger("cmb_dagster.pubsub")
 
@@ -38,7 +39,8 @@ def consumer_lag(conn: psycopg.Connection, consumer_id: str | None = None, branc
 
 
 def _lags(conn: psycopg.Connection, consumer_id: str | None, branch_id: int | None) -> list[Lag]:
-    rows = conn.cursor(row_factory=tuple_row).execute(sql.LAG, {"consumer_id": consumer_id, "branch_id": branch_id})
+    params = {"consumer_id": consumer_id, "branch_id": branch_id, "lease_kind": LEASE_KIND}
+    rows = conn.cursor(row_factory=tuple_row).execute(sql.LAG, params)
     return [
         Lag(
             consumer_id=c,
@@ -53,8 +55,9 @@ def _lags(conn: psycopg.Connection, consumer_id: str | None, branch_id: int | No
             last_error=le,
             notice=no,
             parked=p,
+            unserved_seconds=us,
         )
-        for c, b, d, h, u, n, s, fe, a, le, no, p in rows
+        for c, b, d, h, u, n, s, fe, a, le, no, p, us in rows
     ]
 
 

@@ -32,6 +32,7 @@ from pydantic import Field
 
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
+from cmb_dagster.health import Verdict
 from cmb_dagster.inputs import BIGINT, check_int
 from cmb_dagster.jobs import keep_running_sensor, status_definitions, worker_job
 from cmb_dagster.pubsub.admin import status, trim
@@ -59,6 +60,7 @@ def lag_observation(lag: Lag, translator: CmbTranslator = DEFAULT_TRANSLATOR) ->
             "failing_event": lag.failing_event or 0,
             "failed_attempts": lag.attempts,
             "parked_events": lag.parked,
+            "unserved_seconds": round(lag.unserved_seconds, 3),
             "problem": lag.problem or "",
         },
     )
@@ -188,14 +190,13 @@ def pubsub_definitions(
         default_status=DefaultScheduleStatus.RUNNING,
     )
 
-    def observe(database: Database) -> list[AssetObservation]:
-        report = status(database)
-        return [
-            lag_observation(lag, translator)
-            for spec in specs
-            for lag in report.consumers
-            if (lag.consumer_id, lag.branch_id) == (spec.consumer_id, spec.branch_id)
-        ]
+    def observe(database: Database) -> list[AssetObservation | Verdict]:
+        wanted = {(spec.consumer_id, spec.branch_id) for spec in specs}
+        found: list[AssetObservation | Verdict] = []
+        for lag in (lag for lag in status(database).consumers if (lag.consumer_id, lag.branch_id) in wanted):
+            found.append(lag_observation(lag, translator))
+            found.extend(options.checks.verdicts(lag_asset_key(lag.consumer_id, lag.branch_id, translator).path, lag))
+        return found
 
     engine = Definitions(
         jobs=[*jobs, trim_events],
@@ -205,17 +206,19 @@ def pubsub_definitions(
     )
     if not specs:
         return engine
+    assets = {
+        lag_asset_key(s.consumer_id, s.branch_id, translator): f"Lag of pub/sub consumer {s.consumer_id!r} on "
+        f"branch {s.branch_id}."
+        for s in specs
+    }
     observed = status_definitions(
         f"{prefix}pubsub_status",
         observe,
         minimum_interval_seconds=options.observe_interval_seconds,
         description="Observes each consumer's lag (events and seconds behind, delivered, a failing or parked event).",
         group_name=translator.get_group_name("pubsub"),
-        assets={
-            lag_asset_key(s.consumer_id, s.branch_id, translator): f"Lag of pub/sub consumer {s.consumer_id!r} on "
-            f"branch {s.branch_id}."
-            for s in specs
-        },
+        assets=assets,
+        checks=dict.fromkeys(assets, options.checks.descriptions()),
     )
     return Definitions.merge(engine, observed)
 

@@ -15,6 +15,7 @@ import psycopg
 from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
+from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import BIGINT, shorten
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options
@@ -73,7 +74,8 @@ class Watermark(BaseModel):
 class Lag(BaseModel):
     """How far a consumer is behind: events committed and not yet delivered, and the oldest one's age;
     the event its handler keeps failing on (``failing_event``, ``attempts``, ``last_error``), how many
-    events it parked (``parked``, not replayed yet), and what it was told when it registered (``notice``)."""
+    events it parked (``parked``, not replayed yet), what it was told when it registered (``notice``), and how long
+    events have waited while no worker held the consumer's lease (``unserved_seconds``: nobody renews it)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -89,6 +91,7 @@ class Lag(BaseModel):
     last_error: str | None = None
     parked: int = 0
     notice: str | None = None
+    unserved_seconds: float = 0
 
     @property
     def problem(self) -> str | None:
@@ -221,6 +224,41 @@ class ConsumerSpec(ConsumerKey):
         return self.handler if isinstance(self.handler, str) else handler_path(self.handler)
 
 
+class PubSubChecks(Checks):
+    """Limits of the pub/sub asset checks, on each consumer."""
+
+    error: ClassVar[type[InvalidPubSubInput]] = InvalidPubSubInput
+
+    lag_events: Threshold = Field(
+        default=Threshold(warn_at=10_000, error_at=1_000_000), description="Events committed and not yet delivered."
+    )
+    lag_seconds: Threshold = Field(
+        default=Threshold(warn_at=60, error_at=900), description="Age of the oldest event not yet delivered."
+    )
+    unserved_seconds: Threshold = Field(
+        default=Threshold(warn_at=30, error_at=300),
+        description="Seconds events have waited while no worker renewed the consumer's lease.",
+    )
+    parked: Threshold = Field(default=Threshold(warn_at=1), description="Events parked and not replayed yet.")
+
+    def verdicts(self, asset: list[str], lag: Lag) -> list[Verdict]:
+        """The checks of one consumer."""
+        return self.judge(
+            asset,
+            {
+                "lag_events": (lag.events, f"{lag.events} events behind"),
+                "lag_seconds": (lag.seconds, f"the oldest undelivered event is {lag.seconds:.0f} s old"),
+                "unserved_seconds": (
+                    lag.unserved_seconds,
+                    f"no worker has held the consumer for {lag.unserved_seconds:.0f} s while events wait"
+                    if lag.unserved_seconds
+                    else "a worker holds the consumer, or nothing waits",
+                ),
+                "parked": (lag.parked, f"{lag.parked} parked events"),
+            },
+        )
+
+
 class PubSubOptions(Options):
     """What ``cmb_definitions(pubsub=...)`` adds: per consumer a job kept running and a lag asset; the trim schedule.
 
@@ -234,6 +272,7 @@ class PubSubOptions(Options):
     observe_interval_seconds: int = Field(
         default=60, ge=5, le=86400, description="How often the status sensor observes the consumers' lag."
     )
+    checks: PubSubChecks = Field(default_factory=PubSubChecks, description="Limits of the asset checks.")
 
     @field_validator("trim_cron")
     @classmethod

@@ -278,13 +278,21 @@ DROP_CAPTURE_FUNCTION = SQL("DROP FUNCTION IF EXISTS {cmb}.{function}()")
 
 # -- operations ---------------------------------------------------------------------------------
 
-# Per watermark: events committed now and not yet delivered, and the age of the oldest of them.
+# Per watermark: events committed now and not yet delivered, and the age of the oldest of them; how long they have
+# waited while nobody held the consumer's lease (its partition is ``consumer@branch``; a released lease expired
+# at -infinity).
 LAG = """
 SELECT w.consumer_id, w.branch_id, w.delivered, w.handler, w.updated_at, behind.events, behind.seconds,
        w.failing_event, w.attempts, w.last_error, w.notice,
        (SELECT count(*) FROM pubsub_dead_letters d
-        WHERE d.consumer_id = w.consumer_id AND d.branch_id = w.branch_id AND d.replayed_at IS NULL) AS parked
-FROM pubsub_watermarks w, pubsub_snapshot() AS now,
+        WHERE d.consumer_id = w.consumer_id AND d.branch_id = w.branch_id AND d.replayed_at IS NULL) AS parked,
+       CASE WHEN behind.events = 0 OR lease.expires_at > now() THEN 0
+            ELSE least(behind.seconds, coalesce(extract(epoch FROM now() - nullif(lease.expires_at, '-infinity')),
+                                                behind.seconds))::float8
+       END AS unserved_seconds
+FROM pubsub_watermarks w
+LEFT JOIN leases lease ON lease.kind = %(lease_kind)s AND lease.partition = w.consumer_id || '@' || w.branch_id,
+pubsub_snapshot() AS now,
 LATERAL (
     SELECT count(*) AS events,
            coalesce(extract(epoch FROM clock_timestamp() - min(e.created_at)), 0)::float8 AS seconds

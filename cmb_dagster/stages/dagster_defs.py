@@ -20,6 +20,7 @@ from dagster import (
 
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
+from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import keep_running_sensor, status_definitions, worker_job, worker_job_names
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.stages.admin import status
@@ -95,9 +96,15 @@ def stages_definitions(
             )
         )
 
-    def observe(database: Database) -> list[AssetObservation]:
+    def observe(database: Database) -> list[AssetObservation | Verdict]:
         report = status(database)  # stages without entries yet show zeros
-        return [stage_observation(report.stage(stage.name), translator) for stage in options.stages]
+        found: list[AssetObservation | Verdict] = []
+        for row in (report.stage(stage.name) for stage in options.stages):
+            found.append(stage_observation(row, translator))
+            found.extend(options.checks.verdicts(stage_asset_key(row.stage, translator).path, row))
+        return found
+
+    assets = {stage_asset_key(s.name, translator): f"Queues and counters of stage {s.name!r}." for s in options.stages}
 
     observed = status_definitions(
         f"{prefix}stages_status",
@@ -106,9 +113,8 @@ def stages_definitions(
         description="Observes each stage's queues and counters (queued, timers, oldest age, parked, failing, "
         "conflicts, processed, errors).",
         group_name=translator.get_group_name("stages"),
-        assets={
-            stage_asset_key(s.name, translator): f"Queues and counters of stage {s.name!r}." for s in options.stages
-        },
+        assets=assets,
+        checks=dict.fromkeys(assets, options.checks.descriptions()),
     )
     return Definitions.merge(
         Definitions(

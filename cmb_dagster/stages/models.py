@@ -12,6 +12,7 @@ from typing import Any
 from croniter import croniter
 from pydantic import BaseModel, Field, field_validator
 
+from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import check_text, to_json
 from cmb_dagster.models import Options, deprecated_iteration
 from cmb_dagster.stages.errors import InvalidStageInput
@@ -94,6 +95,37 @@ class SavedEntity:
     changed: bool
 
 
+CONFLICT_RATE_MINIMUM = 100
+"""Processed entries below which a stage's conflict rate is not judged (too few to say)."""
+
+
+class StageChecks(Checks):
+    """Limits of the stage scheduler's asset checks, on each stage."""
+
+    error = InvalidStageInput
+
+    queue_age_seconds: Threshold = Field(
+        default=Threshold(warn_at=60, error_at=600), description="Age of the oldest due entry of the main queue."
+    )
+    parked: Threshold = Field(default=Threshold(warn_at=1, error_at=100), description="Entries parked for good.")
+    conflict_percent: Threshold = Field(
+        default=Threshold(warn_at=20, error_at=50),
+        description=f"Conflicts per 100 processed entries (judged from {CONFLICT_RATE_MINIMUM} processed on).",
+    )
+
+    def verdicts(self, asset: list[str], row: StageStatus) -> list[Verdict]:
+        """The checks of one stage."""
+        rate = 100 * row.conflicts / row.processed if row.processed >= CONFLICT_RATE_MINIMUM else 0.0
+        return self.judge(
+            asset,
+            {
+                "queue_age_seconds": (row.oldest_seconds, f"the oldest due entry waits {row.oldest_seconds:.0f} s"),
+                "parked": (row.parked, f"{row.parked} parked entries"),
+                "conflict_percent": (rate, f"{row.conflicts} conflicts in {row.processed} processed entries"),
+            },
+        )
+
+
 class StageOptions(Options):
     """The stage scheduler of a code location: its stages and how its workers run.
 
@@ -123,6 +155,7 @@ class StageOptions(Options):
     observe_interval_seconds: int = Field(
         default=10, ge=1, le=3600, description="How often the status sensor observes the stages."
     )
+    checks: StageChecks = Field(default_factory=StageChecks, description="Limits of the asset checks.")
     rescan_cron: str | None = Field(default="0 3 * * *", description="When the background rescan runs (None: never).")
     rescan_seconds: float = Field(default=600.0, gt=0, le=86400, description="Time box of one rescan run.")
 

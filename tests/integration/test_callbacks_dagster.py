@@ -22,6 +22,7 @@ from dagster._core.code_pointer import CodePointer
 from dagster._core.origin import RepositoryPythonOrigin
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from observed import observations
 from running import Running
 from waiting import wait_until
 
@@ -243,14 +244,14 @@ def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, 
     resources = {"cmb": CmbResource(database_url=database_url)}
     with build_sensor_context(resources=resources) as context:
         first = sensor.evaluate_tick(context)
-        [observation] = first.asset_events
+        [observation] = observations(first)
         assert observation.asset_key == AssetKey(["callbacks", "events"]) and observation.metadata["pending"].value == 0
         with build_sensor_context(resources=resources, cursor=first.cursor) as again:
             assert sensor.evaluate_tick(again).skip_message == "no change"
         with CallbackClient(db, FAST) as client:
             client.create("a", "g", "later", datetime.now(UTC) + timedelta(hours=1), "http://127.0.0.1:9/cb")
         with build_sensor_context(resources=resources, cursor=first.cursor) as changed:
-            [observation] = sensor.evaluate_tick(changed).asset_events
+            [observation] = observations(sensor.evaluate_tick(changed))
         assert observation.metadata["pending"].value == 1 and observation.metadata["overdue"].value == 0
     asset = d.get_repository_def().source_assets_by_key[AssetKey(["callbacks", "events"])]
     assert asset.is_observable  # a source asset: an Observe button, no Materialize button that would fail
@@ -270,7 +271,7 @@ def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
     in_set = {s: [e for e in events if e.bucket_id % 2 == s] for s in (0, 1)}
     with build_sensor_context(resources=resources) as context:
         first = sensor.evaluate_tick(context)
-    figures = {o.asset_key: {k: v.value for k, v in o.metadata.items()} for o in first.asset_events}
+    figures = {o.asset_key: {k: v.value for k, v in o.metadata.items()} for o in observations(first)}
     assert [figures[k]["pending"] for k in keys] == [len(in_set[0]), len(in_set[1])]
     late, failed = in_set[1][0], in_set[1][1]
     with db.connection() as conn:  # one overdue event and one failed in the last hour, both in set 1
@@ -282,13 +283,13 @@ def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
         )
     with build_sensor_context(resources=resources, cursor=first.cursor) as context:
         second = sensor.evaluate_tick(context)
-    [observation] = second.asset_events  # set 0 did not change
+    [observation] = observations(second)  # set 0 did not change
     assert observation.asset_key == keys[1]
     seen = {k: v.value for k, v in observation.metadata.items()}
     assert seen["pending"] == len(in_set[1]) - 1 and seen["overdue"] == 1 and seen["failed_last_hour"] == 1
     assert 89 <= seen["oldest_overdue_seconds"] < 3600 and seen["notified_last_hour"] == seen["rejected_last_hour"] == 0
     with build_sensor_context(resources=resources, cursor=second.cursor) as context:
-        [again] = sensor.evaluate_tick(context).asset_events  # overdue: observed again, its age grows
+        [again] = observations(sensor.evaluate_tick(context))  # overdue: observed again, its age grows
     assert again.asset_key == keys[1]
 
 

@@ -10,6 +10,7 @@ from dagster import (
     instance_for_test,
 )
 from dagster._core.test_utils import create_run_for_test
+from observed import observations
 
 from cmb_dagster import cmb_definitions
 from cmb_dagster.examples.definitions import defs as example_defs
@@ -93,7 +94,7 @@ def test_the_status_sensor_records_what_changed_and_what_waits(database_url):
     def tick(cursor):
         with build_sensor_context(resources=resources, cursor=cursor) as context:
             result = sensor.evaluate_tick(context)
-        return sorted(e.asset_key.path[0] for e in result.asset_events), result.cursor or cursor
+        return sorted(e.asset_key.path[0] for e in observations(result)), result.cursor or cursor
 
     recorded, cursor = tick(None)
     assert recorded == ["a", "b"]  # the first tick records everything
@@ -137,7 +138,7 @@ def test_the_reactive_status_sensor_counts_tasks_on_the_translated_asset(databas
         with build_sensor_context(
             instance=instance, resources={"cmb": CmbResource(database_url=database_url)}
         ) as context:
-            [observation] = repo.get_sensor_def("cmb_reactive_status").evaluate_tick(context).asset_events
+            [observation] = observations(repo.get_sensor_def("cmb_reactive_status").evaluate_tick(context))
     assert observation.asset_key == AssetKey(["watch", "reactive", "tasks"])
     counts = {k: v.value for k, v in observation.metadata.items()}
     assert counts["waiting"] + counts["ready"] + counts["launched"] + counts["backoff"] == 1

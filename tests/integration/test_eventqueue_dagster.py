@@ -17,6 +17,7 @@ from dagster._core.code_pointer import CodePointer
 from dagster._core.origin import RepositoryPythonOrigin
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from observed import observations
 
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.eventqueue import (
@@ -121,7 +122,7 @@ def test_definitions_status_sensor_worker_job_and_resource(db, database_url):
 
         with build_sensor_context(instance=instance, resources={"cmb": CmbResource(database_url=database_url)}) as ctx:
             result = sensor(ctx)
-        observed = {e.asset_key.path[-1]: e.metadata for e in result.asset_events}
+        observed = {e.asset_key.path[-1]: e.metadata for e in observations(result)}
         assert set(observed) == {"note", "report", "typo"}
         assert observed["note"]["held"].value == 1 and observed["note"]["paused"].value is True
         assert observed["note"]["blocked"].value is False and observed["report"]["queued"].value == 0

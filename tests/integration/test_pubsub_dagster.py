@@ -10,6 +10,7 @@ from dagster import (
     job,
     op,
 )
+from observed import observations
 
 from cmb_dagster import PubSubOptions, cmb_definitions
 from cmb_dagster.examples import pubsub as demo
@@ -44,7 +45,7 @@ def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, datab
         )
         assert result.success
         with build_sensor_context(instance=instance, resources={"cmb": CmbResource(database_url=database_url)}) as ctx:
-            [observation] = defs.get_sensor_def("cmb_pubsub_status").evaluate_tick(ctx).asset_events
+            [observation] = observations(defs.get_sensor_def("cmb_pubsub_status").evaluate_tick(ctx))
         assert observation.asset_key == AssetKey(["pubsub", "demo_order_totals", "branch_100"])
         metadata = observation.metadata
         assert metadata["lag_events"].value == 0 and metadata["delivered"].value == 100
@@ -82,7 +83,7 @@ def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, 
             requested += [r.run_key for r in result.run_requests]
             cursor = result.cursor
         assert requested == [str(i) for i in ids]
-        assert result.asset_events[0].metadata["lag_events"].value == 0
+        assert observations(result)[0].metadata["lag_events"].value == 0
         with db.connection() as conn:
             late = publish(conn, 3, {"n": 3})
             row = conn.execute(

@@ -6,6 +6,7 @@ import threading
 import time
 
 from dagster import AssetKey, RunRequest, build_sensor_context, instance_for_test
+from observed import observations
 from pydantic import BaseModel
 from running import Running
 from stages_helpers import drain, pipeline
@@ -46,8 +47,8 @@ def test_definitions_status_sensor_observes_stages_and_keeper_requests_a_run(dat
             assert result.success
         resources = {"cmb": CmbResource(database_url=database_url)}
         with build_sensor_context(instance=instance, resources=resources) as ctx:
-            observations = defs.get_sensor_def("cmb_stages_status").evaluate_tick(ctx).asset_events
-        [metadata] = [o.metadata for o in observations if o.asset_key == AssetKey(["stages", "third"])]
+            observed = observations(defs.get_sensor_def("cmb_stages_status").evaluate_tick(ctx))
+        [metadata] = [o.metadata for o in observed if o.asset_key == AssetKey(["stages", "third"])]
         assert {"queued", "timers", "low_priority", "oldest_seconds", "parked", "conflicts"} <= set(metadata)
         keeper = defs.get_sensor_def("cmb_stages_worker_0_of_2_keeper")
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
