@@ -19,6 +19,7 @@ except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "AlertOptions",
     "CallbackOptions",
     "CmbError",
     "CmbResource",
@@ -38,6 +39,7 @@ __all__ = [
     "Stage",
     "StageOptions",
     "StageResult",
+    "Threshold",
     "__version__",
     "cmb_definitions",
     "ctl_metadata",
@@ -49,6 +51,7 @@ __all__ = [
 __getattr__ = lazy_names(
     __name__,
     {
+        "AlertOptions": "cmb_dagster.alerts",
         "CallbackOptions": "cmb_dagster.callbacks.models",
         "CmbResource": "cmb_dagster.resources",
         "CmbTranslator": "cmb_dagster.dagster_translator",
@@ -63,5 +66,6 @@ __getattr__ = lazy_names(
         "Stage": "cmb_dagster.stages",
         "StageOptions": "cmb_dagster.stages",
         "StageResult": "cmb_dagster.stages",
+        "Threshold": "cmb_dagster.health",
     },
 )

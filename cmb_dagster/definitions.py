@@ -4,11 +4,13 @@ from typing import Any
 
 from dagster import Definitions, ExecutorDefinition
 
+from cmb_dagster.alerts import AlertOptions
 from cmb_dagster.callbacks.dagster_defs import callback_definitions
 from cmb_dagster.callbacks.models import CallbackOptions
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.eventqueue.dagster_defs import eventqueue_definitions
 from cmb_dagster.eventqueue.models import EventQueueOptions
+from cmb_dagster.jobs import alerts_sensor
 from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
 from cmb_dagster.pubsub.models import PubSubOptions
 from cmb_dagster.reactive.dagster_defs import reactive_definitions
@@ -25,6 +27,7 @@ def cmb_definitions(
     callbacks: CallbackOptions | None = None,
     stages: StageOptions | None = None,
     events: EventQueueOptions | None = None,
+    alerts: AlertOptions | None = None,
     prefix: str = "cmb_",
     resource: CmbResource | None = None,
     translator: CmbTranslator = DEFAULT_TRANSLATOR,
@@ -35,7 +38,9 @@ def cmb_definitions(
     Each engine's options object documents what it adds and its defaults. ``prefix`` starts the name of
     every job, sensor and schedule cmb_dagster adds, so two code locations don't collide. ``resource``
     defaults to ``CmbResource()`` (``CMB_DATABASE_URL`` or the embedded server); ``translator`` names the assets
-    the engines add (subclass :class:`CmbTranslator` to choose their keys and groups). Your own ``jobs``,
+    the engines add (subclass :class:`CmbTranslator` to choose their keys and groups). ``alerts`` sends a message
+    to a webhook whenever an engine's asset check changes severity (the callbacks engine delivers it; its workers
+    are added with default options when ``callbacks`` is not given). Your own ``jobs``,
     ``assets``, ``schedules``, ``sensors``, ``resources`` (any ``Definitions`` argument) are merged in.
     """
     resource = resource or CmbResource()
@@ -51,6 +56,10 @@ def cmb_definitions(
         parts.append(reactive_definitions(reactive, **shell, assets=assets, executor=executor))
     if pubsub is not None:
         parts.append(pubsub_definitions(pubsub, **shell))
+    if alerts is not None:
+        callbacks = callbacks or CallbackOptions()
+        alerts.check_webhook(callbacks.settings)
+        parts.append(Definitions(sensors=[alerts_sensor(alerts, callbacks.settings, prefix=prefix)]))
     if callbacks is not None:
         parts.append(callback_definitions(callbacks, **shell))
     if stages is not None:

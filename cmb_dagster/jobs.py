@@ -48,6 +48,8 @@ from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from pydantic import Field
 
 from cmb_dagster import health
+from cmb_dagster.alerts import AlertOptions, send_alerts
+from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
 from cmb_dagster.models import LAUNCHED_BY_TAG
@@ -367,3 +369,20 @@ def _checks(name: str, observe: Observe, checks: CheckSpecs) -> Any:
             )
 
     return _evaluate
+
+
+def alerts_sensor(options: AlertOptions, settings: CallbackSettings, *, prefix: str = "cmb_") -> SensorDefinition:
+    """The sensor that sends an alert to ``options.webhook`` for each check that changed severity (through the
+    callbacks engine, whose ``settings`` decide which hosts may be called)."""
+
+    @sensor(
+        name=f"{prefix}alerts",
+        minimum_interval_seconds=options.interval_seconds,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Sends a message to the alerts webhook when a check turns red, or green again.",
+    )
+    def _alerts(context: SensorEvaluationContext, cmb: CmbResource) -> SkipReason:
+        sent = send_alerts(cmb.database, options, settings)
+        return SkipReason(f"{sent} alerts handed to the callbacks engine" if sent else "no check changed")
+
+    return _alerts

@@ -87,3 +87,11 @@ CHECK_TRANSITIONS = """
 SELECT id, asset, check_name, previous, severity, text, at FROM check_transitions
 WHERE id > %(after)s ORDER BY id LIMIT %(limit)s
 """
+
+# Transitions no alert was sent for, oldest first; ``fresh``: younger than the alerts' max age.
+UNALERTED_TRANSITIONS = """
+SELECT id, asset, check_name, previous, severity, text, at, at > now() - make_interval(secs => %(max_age)s) AS fresh
+FROM check_transitions WHERE alerted_at IS NULL ORDER BY id LIMIT %(limit)s
+"""
+
+MARK_ALERTED = "UPDATE check_transitions SET alerted_at = now() WHERE id = ANY(%(ids)s::bigint[])"

@@ -22,7 +22,9 @@ from cmb_dagster.callbacks.errors import (
     InvalidCallbackInput,
 )
 from cmb_dagster.callbacks.models import (
+    ENVELOPE,
     MAX_TTL_DAYS,
+    Body,
     CallbackEvent,
     CallbackSchedule,
     CallbackSettings,
@@ -103,8 +105,12 @@ class CallbackClient:
         cb_url: str,
         context: Any = None,
         retry: RetryPolicy | dict[str, Any] | None = None,
+        body: Body = ENVELOPE,
     ) -> int:
         """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
+
+        The request's body is the envelope (the event's keys, times, attempt and ``context``), or with
+        ``body="context"`` the context alone (a receiver with a fixed format, e.g. a chat webhook).
 
         Creating an existing key again with the same payload returns the existing id; with another
         payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a

@@ -90,6 +90,7 @@ class Delivery:
     event_key: str
     cb_url: str
     context_json: str | None  # the event's context as stored (JSON text)
+    context_only: bool  # the request's body is the context alone, not the envelope
     retry: RetryPolicy
     attempts: int
     main_retries: int
@@ -109,7 +110,9 @@ class Delivery:
         return (self.run_at, self.event_id)
 
     def body(self) -> bytes:
-        """The JSON the callback receives."""
+        """The JSON the callback receives: the envelope, or the context alone."""
+        if self.context_only:
+            return (self.context_json or "null").encode()
         text = _BODY_ENCODER.encode
         return (
             f'{{"event_id":{self.event_id},"owner_client_id":{text(self.owner_client_id)},'

@@ -484,6 +484,10 @@ def _json_type(value: Any) -> str:
 
 _DEFAULT_RETRY = RetryPolicy()
 
+ENVELOPE, CONTEXT = "envelope", "context"
+Body = Literal["envelope", "context"]
+"""What an HTTP callback's request carries: the envelope (keys, times, attempt and context) or the context alone."""
+
 
 class NewCallback(BaseModel):
     """An event to create: who owns it, its keys, when and where to call, and what to send."""
@@ -496,6 +500,7 @@ class NewCallback(BaseModel):
     run_at: AwareDatetime
     cb_url: str = Field(min_length=1, max_length=MAX_URL_LENGTH)
     context: JsonValue = None
+    body: Body = ENVELOPE
     retry: RetryPolicy = _DEFAULT_RETRY  # frozen: one shared instance
 
     def check(self, settings: CallbackSettings) -> NewCallback:
@@ -506,6 +511,8 @@ class NewCallback(BaseModel):
         check_run_at(self.run_at)
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
+        if self.body == CONTEXT and (self.context is None or urlsplit(self.cb_url).scheme == DAGSTER_SCHEME):
+            raise InvalidCallbackInput("body: 'context' sends the context as an HTTP request's body; give one")
         return self
 
 
@@ -565,6 +572,7 @@ class CallbackEvent(BaseModel):
     originally_run_at: datetime
     cb_url: str
     context: JsonValue = None
+    body: Body = ENVELOPE
     retry: RetryPolicy | dict[str, Any]  # a dict only for a stored policy outside RetryPolicy's bounds
     attempts: int
     main_retries: int

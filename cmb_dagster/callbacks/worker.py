@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
-from cmb_dagster.callbacks.models import EARLIEST_RUN_AT, CallbackSettings, RetryPolicy
+from cmb_dagster.callbacks.models import CONTEXT, EARLIEST_RUN_AT, CallbackSettings, RetryPolicy
 from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
 from cmb_dagster.isolation import sanitize
 from cmb_dagster.models import describe
@@ -382,7 +382,21 @@ class CallbackWorker(EngineWorker):
             return state.lease_deadline
 
         for row in fresh:
-            (event_id, run_at, originally, owner, group, key, url, context, retry, attempts, main_retries, due_in) = row
+            (
+                event_id,
+                run_at,
+                originally,
+                owner,
+                group,
+                key,
+                url,
+                context,
+                body,
+                retry,
+                attempts,
+                main_retries,
+                due_in,
+            ) = row
             try:
                 policy = stored_policy(retry)
             except Exception as exc:  # noqa: BLE001 - one bad stored row fails alone, the bucket goes on
@@ -399,6 +413,7 @@ class CallbackWorker(EngineWorker):
                 event_key=key,
                 cb_url=url,
                 context_json=context,
+                context_only=body == CONTEXT,
                 retry=policy or RetryPolicy(),
                 attempts=attempts,
                 main_retries=main_retries,

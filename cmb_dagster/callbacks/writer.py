@@ -20,7 +20,7 @@ from psycopg.rows import dict_row
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import CallbackConflict, CallbackTimeout
-from cmb_dagster.callbacks.models import CallbackSettings, NewCallback, RetryPolicy
+from cmb_dagster.callbacks.models import ENVELOPE, CallbackSettings, NewCallback, RetryPolicy
 from cmb_dagster.database import Database, OwnConnection
 
 log = logging.getLogger("cmb_dagster.callbacks")
@@ -271,6 +271,7 @@ def _insert_params(
             "u": e.cb_url,
             "c": e.context,
             "r": r,
+            **({} if e.body == ENVELOPE else {"b": e.body}),
         }
         for e, r in zip(events, indexes, strict=True)
     ]
@@ -318,10 +319,11 @@ def _policy_json(policy: RetryPolicy) -> str:
 
 
 def _same_event(event: NewCallback, other: NewCallback) -> bool:
-    return (event.run_at, event.cb_url, event.context, event.retry) == (
+    return (event.run_at, event.cb_url, event.context, event.body, event.retry) == (
         other.run_at,
         other.cb_url,
         other.context,
+        other.body,
         other.retry,
     )
 
@@ -331,5 +333,6 @@ def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:
         row["originally_run_at"] == event.run_at
         and row["cb_url"] == event.cb_url
         and row["context"] == event.context
+        and row["body"] == event.body
         and RetryPolicy.model_validate(row["retry"]) == event.retry
     )

@@ -505,3 +505,17 @@ def test_the_old_status_functions_are_deprecated_aliases(db):
         assert callback_counts(db) == admin.status(db).totals
     with pytest.deprecated_call(match="status"):
         assert admin.bucket_set_counts(db, 3) == admin.status(db, bucket_sets=3, totals=False).bucket_sets
+
+
+def test_a_context_only_body_is_stored_compared_and_refused_without_a_context(client, db):
+    at = later()
+    event_id = client.create("hooks", "chat", "k", at, URL, {"text": "hello"}, body="context")
+    assert client.get("hooks", "chat", "k").body == "context"
+    assert client.create("hooks", "chat", "k", at, URL, {"text": "hello"}, body="context") == event_id
+    with pytest.raises(CallbackConflict, match="hooks/chat/k"):
+        client.create("hooks", "chat", "k", at, URL, {"text": "hello"})
+    with pytest.raises(InvalidCallbackInput, match="body: 'context' sends the context"):
+        client.create("hooks", "chat", "none", at, URL, body="context")
+    with pytest.raises(InvalidCallbackInput, match="body"):
+        client.create("hooks", "chat", "other", at, URL, {"text": "x"}, body="raw")
+    assert client.get("hooks", "chat", "k").event_id == event_id and count(db) == 1

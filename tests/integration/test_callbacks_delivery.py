@@ -353,6 +353,7 @@ def test_the_gate_starts_nothing_when_one_of_its_buckets_is_no_longer_held(db, c
                 event_key=f"k{n}",
                 cb_url=event.cb_url,
                 context_json=None,
+                context_only=False,
                 retry=RetryPolicy(),
                 attempts=0,
                 main_retries=0,

@@ -4,26 +4,23 @@ and observed through the status sensors (Dagster's test utilities); every change
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from checks_helpers import FAST, StatusTicks, notes, run_worker, transitions_of
 from dagster import (
     AssetCheckSeverity,
     AssetSelection,
     Definitions,
-    build_sensor_context,
     define_asset_job,
     instance_for_test,
 )
-from observed import evaluations
 from pydantic import BaseModel
 from stages_helpers import drain
-from waiting import wait_until
 
-from cmb_dagster import cmb_definitions, health
+from cmb_dagster import InvalidInput, cmb_definitions, health
 from cmb_dagster.callbacks import CallbackClient
-from cmb_dagster.callbacks.models import CallbackOptions, CallbackSettings
+from cmb_dagster.callbacks.models import CallbackOptions
 from cmb_dagster.eventqueue import (
     EventQueueOptions,
     EventWorker,
-    HandlerRegistry,
     WorkerSettings,
     emit,
     pause,
@@ -35,54 +32,6 @@ from cmb_dagster.models import Backoff
 from cmb_dagster.pubsub import PubSubOptions
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.stages import Entity, MergePatch, Stage, StageOptions, StageResult, StageStore, StageWorker, retry
-
-FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
-)
-
-
-class StatusTicks:
-    """Ticks of one status sensor, each with the cursor the previous one left."""
-
-    def __init__(self, definitions, sensor: str, database_url: str) -> None:
-        self.sensor = definitions.get_sensor_def(sensor)
-        self.resources = {"cmb": CmbResource(database_url=database_url)}
-        self.cursor: str | None = None
-        self.seen: dict[str, object] = {}
-
-    def tick(self) -> dict[str, object]:
-        """The evaluations this tick recorded (also kept in ``seen``, the latest of each check)."""
-        with (
-            instance_for_test() as instance,
-            build_sensor_context(instance=instance, resources=self.resources, cursor=self.cursor) as context,
-        ):
-            result = self.sensor.evaluate_tick(context)
-        self.cursor = result.cursor or self.cursor
-        recorded = evaluations(result)
-        self.seen.update(recorded)
-        return recorded
-
-    def until(self, check: str, passed: bool, timeout: float = 20) -> object:
-        """Tick until ``check`` was recorded with ``passed``; return that evaluation."""
-
-        def recorded() -> object:
-            self.tick()
-            evaluation = self.seen.get(check)
-            return evaluation if evaluation is not None and evaluation.passed == passed else None
-
-        return wait_until(recorded, timeout, f"{check} recorded as {'passed' if passed else 'failed'}", interval=0.1)
-
-
-def transitions_of(db, check: str) -> list[tuple[str, str]]:
-    asset, name = check.rsplit(":", 1)
-    return [(t.previous, t.severity) for t in health.transitions(db) if ("/".join(t.asset), t.check) == (asset, name)]
-
-
-def run_worker(definitions, job_name: str, seconds: float) -> None:
-    job = definitions.get_job_def(job_name)
-    with instance_for_test() as instance:
-        config = {"ops": {f"{job_name}_op": {"config": {"duration_seconds": seconds}}}}
-        assert job.execute_in_process(instance=instance, run_config=config).success
 
 
 def test_a_consumer_nobody_serves_turns_red_and_green_once_a_worker_delivers(db, database_url):
@@ -161,14 +110,6 @@ def test_a_parked_stage_entry_turns_red_and_green_once_retried(db, database_url)
     assert store.get("bad").payload == {"fail": False, "ok": True}
 
 
-notes = HandlerRegistry()
-
-
-@notes.handler("note")
-def note(event) -> None:
-    pass
-
-
 def test_a_paused_handler_past_its_threshold_turns_red_and_green_once_unpaused(db, database_url):
     options = EventQueueOptions(
         handlers=notes, worker=WorkerSettings(sweep_interval=0.05), checks={"held": {"warn_at": 2, "error_at": 5}}
@@ -224,3 +165,12 @@ def test_two_processes_recording_the_same_change_record_it_once(db):
 )
 def test_a_threshold_judges_a_figure(limits, value, severity):
     assert Threshold(**limits).severity(value) == severity
+
+
+def test_thresholds_are_checked_where_the_options_are_made():
+    with pytest.raises(InvalidInput, match="overdue.*warn_at \\(5\\) must not be above error_at \\(1\\)"):
+        CallbackOptions(checks={"overdue": {"warn_at": 5, "error_at": 1}})
+    with pytest.raises(InvalidInput, match="lag_events.*less than or equal to 1000000000000"):
+        PubSubOptions(checks={"lag_events": {"error_at": 1e13}})
+    with pytest.raises(InvalidInput, match="held_count"):
+        EventQueueOptions(handlers=notes, checks={"held_count": {"error_at": 1}})
