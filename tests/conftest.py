@@ -36,7 +36,7 @@ def server_url() -> str:
 @pytest.fixture(scope="session")
 def template_db(server_url: str) -> str:
     """Name of a database migrated to the latest version, to copy from."""
-    digest = hashlib.sha1("".join(m.sql for m in migrations.available()).encode()).hexdigest()[:10]
+    digest = hashlib.sha1("".join(f"{m.version}:{m.sql}" for m in migrations.available()).encode()).hexdigest()[:10]
     name = f"cmb_test_template_{digest}"
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute("SELECT pg_advisory_lock(hashtext('cmb_dagster.test_template'))")
