@@ -649,6 +649,20 @@ def stop() -> None:
     click.echo("stopped" if stop_embedded(settings.home) else "the embedded server was not running")
 
 
+@main.command()
+@click.option("--failing", is_flag=True, help="Only the checks that warn or fail.")
+def checks(failing: bool) -> None:
+    """The engines' asset checks as last evaluated (by the status sensors): severity, since when, why."""
+    from cmb_dagster.health import states
+
+    found = states(open_database(), failing=failing)
+    if not found:
+        click.echo("no failing check" if failing else "no check evaluated yet (the engines' status sensors do it)")
+    for state in found:
+        since = state.since.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        click.echo(f"{state.severity.upper():<5}  {'/'.join(state.asset)} {state.check}  since {since}: {state.text}")
+
+
 for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):
     main.add_command(engine_group)
 

@@ -127,3 +127,21 @@ class Checks(Options):
     def judge(self, asset: Sequence[str], figures: Mapping[str, tuple[float, str]]) -> list[Verdict]:
         """The verdicts of ``figures`` (check name -> (value, what it says)) against this engine's limits."""
         return [judge(asset, name, value, getattr(self, name), what) for name, (value, what) in figures.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckState:
+    """A check's latest severity, since when it has it, and the line of the verdict that set it."""
+
+    asset: tuple[str, ...]
+    check: str
+    severity: Severity
+    text: str
+    since: datetime
+
+
+def states(database: DatabaseSource, *, failing: bool = False) -> list[CheckState]:
+    """Every check's state (only those not ok with ``failing``), by asset and check."""
+    with Database.of(database).connection() as conn:
+        rows = conn.execute(sql.CHECK_STATES, {"failing": failing}).fetchall()
+    return [CheckState(tuple(a), c, s, t, at) for a, c, s, t, at in rows]

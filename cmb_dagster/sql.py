@@ -95,3 +95,9 @@ FROM check_transitions WHERE alerted_at IS NULL ORDER BY id LIMIT %(limit)s
 """
 
 MARK_ALERTED = "UPDATE check_transitions SET alerted_at = now() WHERE id = ANY(%(ids)s::bigint[])"
+
+CHECK_STATES = """
+SELECT asset, check_name, severity, text, changed_at FROM check_states
+WHERE NOT %(failing)s OR severity <> 'ok'
+ORDER BY asset, check_name
+"""

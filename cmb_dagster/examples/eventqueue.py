@@ -22,7 +22,10 @@ def heartbeat(event) -> None:  # type: ignore[no-untyped-def]
 handlers.cron("heartbeat_every_5_minutes", "*/5 * * * *", handler="heartbeat", value={"from": "cron"})
 handlers.dagster_job("daily_report", job_name="eventqueue_demo_report")
 
-options = EventQueueOptions(handlers=handlers, workers=1)
+# Checks every 10 s; a single held event fails the "held" check (README: "See a check turn red").
+options = EventQueueOptions(
+    handlers=handlers, workers=1, observe_interval_seconds=10, checks={"held": {"warn_at": None, "error_at": 1}}
+)
 
 
 class OrderConfig(Config):

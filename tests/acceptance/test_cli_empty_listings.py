@@ -9,9 +9,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
+from cmb_dagster import health
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings
 from cmb_dagster.ctl.store import CtlStore
 from cmb_dagster.eventqueue import HandlerRegistry, admin
+from cmb_dagster.health import Verdict
 from cmb_dagster.stages.admin import shard_count
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
@@ -33,6 +35,8 @@ EMPTY: dict[tuple[str, ...], str] = {
     ("ctl", "get", "nobody"): "no values",
     ("ctl", "history"): "no changes",
     ("ctl", "history", "shop/orders", "loaded_until", "--backwards"): "no changes",
+    ("checks",): "no check evaluated yet (the engines' status sensors do it)",
+    ("checks", "--failing"): "no failing check",
 }
 EMPTY_JSON: dict[tuple[str, ...], str] = {
     ("events", "status", "--json"): "no handlers registered",
@@ -86,7 +90,10 @@ def test_listings_with_something_to_list_show_it_and_not_the_none_line(db, datab
     CtlStore(db, actor="tester").set("shop/orders", "loaded_until", datetime(2030, 1, 1, tzinfo=UTC))
     admin.register(db, registry)
     assert admin.pause(db, "ns", "record")
+    health.record(db, [Verdict(("stages", "price"), "parked", "error", "2 parked entries (error at 1)")])
     shown = {
+        ("checks",): ("no check evaluated yet", "ERROR  stages/price parked  since "),
+        ("checks", "--failing"): ("no failing check", ": 2 parked entries (error at 1)"),
         ("callbacks", "list"): ("no events", "shop/orders/o-1"),
         ("events", "status"): ("no handlers registered", "record"),
         ("events", "status", "--json"): ("no handlers registered", '"handler": "record"'),
