@@ -663,6 +663,45 @@ def checks(failing: bool) -> None:
         click.echo(f"{state.severity.upper():<5}  {'/'.join(state.asset)} {state.check}  since {since}: {state.text}")
 
 
+def _host(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from cmb_dagster.metrics import check_host
+
+    try:
+        return check_host(value)
+    except CmbError as exc:
+        raise click.BadParameter(str(exc).removeprefix("host: ")) from None
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, callback=_host, help="Address to listen on.")
+@click.option("--port", default=9464, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option(
+    "--bucket-sets",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 4096),
+    help="Callbacks figures per this many bucket sets (set i: buckets with id % N == i), e.g. CallbackOptions.workers.",
+)
+def metrics(host: str, port: int, bucket_sets: int) -> None:
+    """Serve the status of every engine as Prometheus metrics on http://HOST:PORT/metrics until stopped.
+
+    Each scrape reads the engines' status from the database (docs/operations.md, "Metrics", lists the
+    metrics). Ctrl-C or SIGTERM stops it.
+    """
+    from cmb_dagster.metrics import serve
+    from cmb_dagster.workers import stop_workers_on_signals
+
+    database = open_database()
+    with stop_workers_on_signals() as signalled:
+        server = serve(database, host=host, port=port, bucket_sets=bucket_sets)
+        click.echo(f"serving metrics of {database.display_url} on {server.url}", err=True)
+        try:
+            while not signalled.wait(0.5):
+                pass
+        finally:
+            server.stop()
+
+
 for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):
     main.add_command(engine_group)
 

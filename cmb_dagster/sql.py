@@ -60,6 +60,14 @@ ORDER BY l.partition
 FOR KEY SHARE OF l
 """
 
+# Every lease, for operators (read only): seconds until it expires (negative once expired; -Infinity: released).
+LIST_LEASES = """
+SELECT kind, partition, owner, fence, acquired_at,
+       extract(epoch FROM expires_at)::float8 - extract(epoch FROM clock_timestamp())::float8 AS expires_in
+FROM leases
+ORDER BY kind, partition
+"""
+
 # -- Health checks (tables ``check_states``, ``check_transitions``) ---------------------------------------------
 
 # Store each check's severity; a change (a new check counts as having been ok) is recorded once as a transition.

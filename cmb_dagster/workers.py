@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import psycopg
 
@@ -128,6 +129,25 @@ class Leases:
                 raise LeaseLost(f"{leases[0].kind} partitions {lost} are no longer held by {leases[0].owner}")
 
         return confirm
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """A lease as stored: who holds the partition and for how many more seconds (negative once expired,
+    ``-inf`` once released)."""
+
+    kind: str
+    partition: str
+    owner: str
+    fence: int
+    acquired_at: datetime
+    expires_in: float
+
+
+def list_leases(db: DatabaseSource) -> list[LeaseState]:
+    """Every lease of every kind, by kind and partition (read only: nothing is taken or renewed)."""
+    with Database.of(db).connection() as conn:
+        return [LeaseState(*row) for row in conn.execute(sql.LIST_LEASES)]
 
 
 Step = Callable[[Lease], int]

@@ -1,5 +1,5 @@
-"""Operator functions of the callbacks engine: its status (events per status, per worker job's buckets) and the
-number of buckets."""
+"""Operator functions of the callbacks engine: its status (events per status, per worker job's buckets), its
+queue depths at a bounded cost (the metrics), and the number of buckets."""
 
 from __future__ import annotations
 
@@ -35,6 +35,43 @@ def status(database: DatabaseSource, *, bucket_sets: int = 0, totals: bool = Tru
         counts = _rows(conn, sql.STATUS_COUNTS, {}, CallbackCounts)[0] if totals else None
         per_set = _rows(conn, sql.BUCKET_SET_COUNTS, {"sets": sets}, BucketSetCounts) if sets else []
     return CallbacksStatus(totals=counts, bucket_sets=per_set)
+
+
+class BucketSetDepth(BaseModel):
+    """Pending and overdue events of one bucket set and the oldest overdue one's age; ``exact``: counted, not
+    estimated (see :func:`depths`)."""
+
+    bucket_set: int
+    pending: int
+    overdue: int
+    oldest_overdue_seconds: float
+    exact: bool
+
+
+EXACT_UP_TO = 1000
+"""Pending events per bucket counted one by one at most (fewer with many buckets); a deeper bucket is estimated."""
+SAMPLE_WINDOWS = 128
+SAMPLE_WIDTH = 32
+
+
+def depths(database: DatabaseSource, *, bucket_sets: int = 1) -> list[BucketSetDepth]:
+    """Per bucket set (set i: the buckets with ``id % bucket_sets == i``): pending and overdue events and the
+    oldest overdue age, read from the pending indexes at a cost bounded per bucket.
+
+    A bucket's pending count is exact up to ``EXACT_UP_TO`` (divided among the buckets past 16), its overdue
+    count too unless all of those are overdue, the oldest overdue age always; above that, they are estimated from
+    a sample of the bucket's pending event ids (``exact`` is then false).
+    """
+    sets = validated(_BucketCount, {"count": bucket_sets}).count
+    with Database.of(database).connection() as conn:
+        buckets = max(conn.execute(sql.BUCKET_COUNT).fetchone()[0], 1)
+        params = {
+            "sets": sets,
+            "bound": max(100, min(EXACT_UP_TO, EXACT_UP_TO * 16 // buckets)),
+            "windows": max(8, min(SAMPLE_WINDOWS, SAMPLE_WINDOWS * 16 // buckets)),
+            "width": SAMPLE_WIDTH,
+        }
+        return _rows(conn, sql.BUCKET_SET_DEPTHS, params, BucketSetDepth)
 
 
 def _rows(conn: psycopg.Connection, statement: str, params: dict[str, Any], model: type[BaseModel]) -> list[Any]:

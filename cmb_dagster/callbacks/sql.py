@@ -266,6 +266,8 @@ WHERE e.event_id = ANY(%(ids)s::bigint[]) AND e.event_id = s.event_id AND e.stat
 
 BUCKET_IDS = "SELECT bucket_id FROM callback_buckets ORDER BY bucket_id"
 
+BUCKET_COUNT = "SELECT count(*) FROM callback_buckets"
+
 LOCK_BUCKETS = "LOCK TABLE callback_buckets IN SHARE ROW EXCLUSIVE MODE"
 
 ADD_BUCKETS = """
@@ -464,5 +466,69 @@ SELECT s.bucket_set, coalesce(p.pending, 0) AS pending, coalesce(p.overdue, 0) A
        coalesce(f.failed, 0) AS failed_last_hour, coalesce(f.rejected, 0) AS rejected_last_hour
 FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
 LEFT JOIN p USING (bucket_set) LEFT JOIN f USING (bucket_set)
+ORDER BY s.bucket_set
+"""
+
+# Per bucket set (bucket_id %% sets), for the metrics: pending and overdue events and the oldest overdue age, at a
+# cost bounded per bucket whatever the depth. Each bucket with pending events (a skip scan of the pending ids'
+# index, one probe per bucket) has its first %(bound)s + 1 pending events read in run_at order from the pending
+# index: up to %(bound)s, its pending count is exact, and so is its overdue count while some of those are not yet
+# due; the oldest overdue age always is. A deeper bucket is estimated from %(windows)s windows of at most
+# %(width)s consecutive ids, one at a random place in each equal slice of its pending ids' range (its lowest to
+# highest pending id), scaled to the whole range. ``exact``: no bucket of the set was estimated.
+BUCKET_SET_DEPTHS = """
+WITH RECURSIVE b(bucket_id) AS (
+    SELECT min(bucket_id) FROM callback_events WHERE status = 'pending'
+    UNION ALL
+    SELECT (SELECT min(e.bucket_id) FROM callback_events e WHERE e.status = 'pending' AND e.bucket_id > b.bucket_id)
+    FROM b WHERE b.bucket_id IS NOT NULL
+), per_bucket AS (
+    SELECT b.bucket_id, f.counted <= %(bound)s AS exact,
+           CASE WHEN f.counted <= %(bound)s THEN f.counted ELSE greatest(s.pending, f.counted) END AS pending,
+           CASE WHEN f.overdue <= %(bound)s THEN f.overdue ELSE greatest(s.overdue, f.overdue) END AS overdue,
+           f.oldest
+    FROM b
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS counted, count(*) FILTER (WHERE first.run_at < now()) AS overdue,
+               min(first.run_at) FILTER (WHERE first.run_at < now()) AS oldest
+        FROM (SELECT e.run_at FROM callback_events e
+              WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id
+                AND (e.run_at, e.event_id) >= ('-infinity', -9223372036854775808)  -- the pending index, in order
+              ORDER BY e.run_at, e.event_id LIMIT %(bound)s + 1) AS first
+    ) AS f
+    LEFT JOIN LATERAL (
+        SELECT sum(w.n) * r.slice / r.width AS pending, sum(w.overdue) * r.slice / r.width AS overdue
+        FROM (SELECT ids.lo, (ids.hi - ids.lo + 1)::float8 / %(windows)s AS slice,
+                     least(%(width)s, ceil((ids.hi - ids.lo + 1)::float8 / %(windows)s))::bigint AS width
+              FROM (SELECT (SELECT min(e.event_id) FROM callback_events e
+                            WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id) AS lo,
+                           (SELECT max(e.event_id) FROM callback_events e
+                            WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id) AS hi
+                    OFFSET 0) AS ids
+              WHERE f.counted > %(bound)s) AS r
+        CROSS JOIN generate_series(0, %(windows)s - 1) AS i
+        CROSS JOIN LATERAL (
+            SELECT r.lo + floor(i * r.slice + random() * greatest(r.slice - r.width, 0))::bigint AS start
+        ) AS at
+        CROSS JOIN LATERAL (
+            SELECT count(*) AS n, count(*) FILTER (WHERE ew.run_at < now()) AS overdue
+            FROM (SELECT e.run_at FROM callback_events e
+                  WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id
+                    AND e.event_id >= at.start AND e.event_id < at.start + r.width
+                  ORDER BY e.event_id OFFSET 0) AS ew
+        ) AS w
+        GROUP BY r.slice, r.width
+    ) AS s ON true
+    WHERE b.bucket_id IS NOT NULL
+), per_set AS (
+    SELECT bucket_id %% %(sets)s AS bucket_set, sum(pending) AS pending, sum(overdue) AS overdue,
+           min(oldest) AS oldest, bool_and(exact) AS exact
+    FROM per_bucket GROUP BY 1
+)
+SELECT s.bucket_set, round(coalesce(p.pending, 0))::bigint AS pending, round(coalesce(p.overdue, 0))::bigint AS overdue,
+       coalesce(extract(epoch FROM now() - p.oldest), 0)::float8 AS oldest_overdue_seconds,
+       coalesce(p.exact, true) AS exact
+FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
+LEFT JOIN per_set p USING (bucket_set)
 ORDER BY s.bucket_set
 """

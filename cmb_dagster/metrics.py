@@ -1,0 +1,251 @@
+"""Prometheus metrics of every engine's status, read from Postgres at each scrape (``cmb-dagster metrics``).
+
+:class:`StatusCollector` turns each engine's status (callbacks, stages, event queue, pub/sub, reactive) and the
+worker leases into metric families; an engine whose read fails is left out of that scrape and counted in
+``cmb_scrape_errors``. :func:`serve` runs prometheus_client's HTTP server with it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from cmb_dagster.callbacks import admin as callbacks_admin
+from cmb_dagster.database import Database
+from cmb_dagster.errors import ConfigError
+from cmb_dagster.eventqueue import admin as eventqueue_admin
+from cmb_dagster.pubsub import admin as pubsub_admin
+from cmb_dagster.reactive import admin as reactive_admin
+from cmb_dagster.secrets import scrub
+from cmb_dagster.stages import admin as stages_admin
+from cmb_dagster.workers import list_leases
+
+log = logging.getLogger("cmb_dagster.metrics")
+
+ENGINES = ("callbacks", "stages", "eventqueue", "pubsub", "reactive", "workers")
+"""What a scrape reads, in this order; each is read on its own, so one failing leaves the others."""
+
+DEFAULT_PORT = 9464
+DEFAULT_HOST = "127.0.0.1"
+
+# The reactive schedulers' last ticks (read here until cmb_dagster.reactive reports them).
+SCHEDULER_TICKS = """
+SELECT name, extract(epoch FROM clock_timestamp() - ticked_at)::float8 FROM reactive_schedulers ORDER BY name
+"""
+
+_HOSTNAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
+)
+
+
+def check_host(host: str) -> str:
+    """``host`` if it is an IP address or a host name, else ConfigError."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        if isinstance(host, str) and _HOSTNAME.fullmatch(host):
+            return host
+    raise ConfigError(f"host: expected an IP address or a host name, not {host!r}")
+
+
+def check_port(port: int) -> int:
+    """``port`` if it is 0 (any free port) to 65535, else ConfigError."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port: expected 1 to 65535, not {port!r}")
+    return port
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+class StatusCollector(Collector):
+    """The status of every engine as metric families, read at each :meth:`collect` (one per scrape)."""
+
+    def __init__(self, db: Database, *, bucket_sets: int = 1) -> None:
+        self.db = db
+        self.bucket_sets = bucket_sets
+        self._readers: dict[str, Callable[[], list[Metric]]] = {
+            "callbacks": self._callbacks,
+            "stages": self._stages,
+            "eventqueue": self._eventqueue,
+            "pubsub": self._pubsub,
+            "reactive": self._reactive,
+            "workers": self._workers,
+        }
+
+    def describe(self) -> list[Metric]:
+        """Nothing: registering must not read the database."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        """Each engine's families, then ``cmb_scrape_errors`` and ``cmb_scrape_duration_seconds`` per engine."""
+        errors = _gauge("cmb_scrape_errors", "1 if the engine's status could not be read in this scrape.", ["engine"])
+        seconds = _gauge("cmb_scrape_duration_seconds", "Seconds reading the engine's status took.", ["engine"])
+        for engine in ENGINES:
+            started = time.perf_counter()
+            try:
+                families = self._readers[engine]()
+            except Exception as exc:  # noqa: BLE001 - the other engines are still reported
+                reason = scrub(f"{type(exc).__name__}: {exc}", self.db.url)
+                log.warning("metrics: the %s status could not be read: %s", engine, reason)
+                families, failed = [], 1
+            else:
+                failed = 0
+            errors.add_metric([engine], failed)
+            seconds.add_metric([engine], time.perf_counter() - started)
+            yield from families
+        yield errors
+        yield seconds
+
+    def _callbacks(self) -> list[Metric]:
+        labels = ["bucket_set"]
+        pending = _gauge("cmb_callbacks_pending", "Pending callback events (estimated when exact is 0).", labels)
+        overdue = _gauge("cmb_callbacks_overdue", "Pending callback events past their run_at.", labels)
+        oldest = _gauge("cmb_callbacks_oldest_overdue_seconds", "Age of the oldest overdue event.", labels)
+        exact = _gauge("cmb_callbacks_depth_exact", "1 if pending and overdue were counted, 0 if estimated.", labels)
+        for row in callbacks_admin.depths(self.db, bucket_sets=self.bucket_sets):
+            key = [str(row.bucket_set)]
+            pending.add_metric(key, row.pending)
+            overdue.add_metric(key, row.overdue)
+            oldest.add_metric(key, row.oldest_overdue_seconds)
+            exact.add_metric(key, int(row.exact))
+        return [pending, overdue, oldest, exact]
+
+    def _stages(self) -> list[Metric]:
+        report = stages_admin.status(self.db)
+        shards = _gauge("cmb_stages_shards", "The stage scheduler's shard count.", [])
+        shards.add_metric([], report.shard_count)
+        gauges = {
+            "queued": "Main-queue entries due now.",
+            "timers": "Main-queue entries due later (timers).",
+            "low_priority": "Low-priority (rescan) queue entries.",
+            "parked": "Entries parked after their last attempt (retried by hand).",
+            "failing": "Entries with a failed attempt, not parked.",
+            "oldest_seconds": "Age of the oldest due main-queue entry.",
+        }
+        counters = {
+            "processed": "Entries processed.",
+            "changed": "Processed entries that changed their entity or state.",
+            "conflicts": "Optimistic-check conflicts.",
+            "errors": "Process calls that failed.",
+            "capped": "Entries dropped by the re-trigger cap.",
+        }
+        families: dict[str, Metric] = {
+            name: _gauge(f"cmb_stages_{name}", doc, ["stage"]) for name, doc in gauges.items()
+        } | {name: CounterMetricFamily(f"cmb_stages_{name}", doc, labels=["stage"]) for name, doc in counters.items()}
+        for row in report.stages:
+            for name, family in families.items():
+                family.add_metric([row.stage], getattr(row, name))
+        return [shards, *families.values()]
+
+    def _eventqueue(self) -> list[Metric]:
+        labels = ["handler", "kind"]
+        docs = {
+            "queued": "Events due and not claimed.",
+            "delayed": "Events delayed to a later time.",
+            "locked": "Events claimed by a worker.",
+            "held": "Events held by a pause or block rule.",
+            "dead": "Dead-lettered events.",
+            "oldest_queued_seconds": "Age of the oldest queued event.",
+        }
+        families = {name: _gauge(f"cmb_eventqueue_{name}", doc, labels) for name, doc in docs.items()}
+        rules = _gauge("cmb_eventqueue_rules", "Pause and block rules on the handler.", labels)
+        for row in eventqueue_admin.status(self.db).handlers:
+            key = [row.handler, row.kind]
+            for name, family in families.items():
+                family.add_metric(key, getattr(row, name))
+            rules.add_metric(key, len(row.rules))
+        return [*families.values(), rules]
+
+    def _pubsub(self) -> list[Metric]:
+        labels = ["consumer_id", "branch"]
+        events = _gauge("cmb_pubsub_lag_events", "Events committed and not yet delivered to the consumer.", labels)
+        seconds = _gauge("cmb_pubsub_lag_seconds", "Age of the oldest event not yet delivered.", labels)
+        parked = _gauge("cmb_pubsub_parked", "Events the consumer parked, not replayed yet.", labels)
+        failing = _gauge(
+            "cmb_pubsub_failing_attempts", "Failed attempts at the event the consumer is stuck on (0: none).", labels
+        )
+        for lag in pubsub_admin.status(self.db).consumers:
+            key = [lag.consumer_id, str(lag.branch_id)]
+            events.add_metric(key, lag.events)
+            seconds.add_metric(key, lag.seconds)
+            parked.add_metric(key, lag.parked)
+            failing.add_metric(key, lag.attempts if lag.failing_event is not None else 0)
+        return [events, seconds, parked, failing]
+
+    def _reactive(self) -> list[Metric]:
+        tasks = _gauge("cmb_reactive_tasks", "Reactive tasks per status.", ["scheduler", "state"])
+        failures = _gauge(
+            "cmb_reactive_task_failures", "Failed runs of the task in a row.", ["scheduler", "task", "state"]
+        )
+        counts: dict[tuple[str, str], int] = {}
+        for task in reactive_admin.status(self.db).tasks:
+            counts[(task.scheduler, task.status)] = counts.get((task.scheduler, task.status), 0) + 1
+            failures.add_metric([task.scheduler, task.name, task.status], task.attempts)
+        for (scheduler, state), count in sorted(counts.items()):
+            tasks.add_metric([scheduler, state], count)
+        tick = _gauge(
+            "cmb_reactive_tick_age_seconds",
+            "Seconds since the scheduler's last tick (absent: never ticked).",
+            ["scheduler"],
+        )
+        with self.db.connection() as conn:
+            for name, age in conn.execute(SCHEDULER_TICKS):
+                if age is not None:
+                    tick.add_metric([name], age)
+        return [tasks, failures, tick]
+
+    def _workers(self) -> list[Metric]:
+        labels = ["kind", "partition", "owner"]
+        expiry = _gauge(
+            "cmb_worker_lease_expires_in_seconds",
+            "Seconds until the lease expires unless renewed (negative: expired; -Inf: released).",
+            labels,
+        )
+        fence = _gauge("cmb_worker_lease_fence", "The lease's fence (grows at each change of owner).", labels)
+        for lease in list_leases(self.db):
+            key = [lease.kind, lease.partition, lease.owner]
+            expiry.add_metric(key, lease.expires_in)
+            fence.add_metric(key, lease.fence)
+        return [expiry, fence]
+
+
+@dataclass
+class MetricsServer:
+    """A running endpoint: its address and a way to stop it."""
+
+    host: str
+    port: int
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def serve(db: Database, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, bucket_sets: int = 1) -> MetricsServer:
+    """Serve the metrics of ``db`` on http://host:port/ in a background thread (port 0: any free one)."""
+    host, port = check_host(host), check_port(port)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(db, bucket_sets=bucket_sets))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(host=host, port=server.server_port, server=server, thread=thread)
