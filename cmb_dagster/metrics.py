@@ -53,8 +53,8 @@ def check_host(host: str) -> str:
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
-        if isinstance(host, str) and _HOSTNAME.fullmatch(host):
-            return host
+        if isinstance(host, str) and _HOSTNAME.fullmatch(host) and not host.rsplit(".", 1)[-1].isdigit():
+            return host  # a name whose last label is all digits would be a malformed address
     raise ConfigError(f"host: expected an IP address or a host name, not {host!r}")
 
 

@@ -258,27 +258,26 @@ FROM eventqueue_rules r ORDER BY handler, namespace, event_space, rule_type
 
 # -- status -----------------------------------------------------------------------------------------
 
+# Per registered handler, from the indexes whatever the statistics: its events by eventqueue_events_handler, its
+# dead letters by eventqueue_dead_handler.
 STATUS = """
-WITH counts AS (
-    SELECT handler,
-           count(*) FILTER (WHERE visible_at = 'infinity') AS held,
-           count(*) FILTER (WHERE visible_at < 'infinity' AND locked_at IS NULL AND delay_until <= now()) AS queued,
-           count(*) FILTER (WHERE visible_at < 'infinity' AND locked_at IS NULL AND delay_until > now()) AS delayed,
-           count(*) FILTER (WHERE visible_at < 'infinity' AND locked_at IS NOT NULL) AS locked,
-           extract(epoch FROM now() - min(enqueued_at) FILTER (
-               WHERE visible_at < 'infinity' AND locked_at IS NULL AND delay_until <= now()))::float8 AS oldest
-    FROM eventqueue_events GROUP BY handler
-), dead AS (
-    SELECT handler, count(*) AS dead FROM eventqueue_dead GROUP BY handler
-)
-SELECT h.name AS handler, h.kind, coalesce(c.queued, 0) AS queued, coalesce(c.delayed, 0) AS delayed,
-       coalesce(c.locked, 0) AS locked, coalesce(c.held, 0) AS held, coalesce(d.dead, 0) AS dead,
+SELECT h.name AS handler, h.kind, c.queued, c.delayed, c.locked, c.held, d.dead,
        coalesce(c.oldest, 0) AS oldest_queued_seconds,
        ARRAY(SELECT r.rule_type || ' ' || r.namespace || '/' || r.event_space
              FROM eventqueue_rules r WHERE r.handler = h.name ORDER BY r.id) AS rules
 FROM eventqueue_handlers h
-LEFT JOIN counts c ON c.handler = h.name
-LEFT JOIN dead d ON d.handler = h.name
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE e.visible_at = 'infinity') AS held,
+           count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until <= now())
+               AS queued,
+           count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until > now())
+               AS delayed,
+           count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NOT NULL) AS locked,
+           extract(epoch FROM now() - min(e.enqueued_at) FILTER (
+               WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until <= now()))::float8 AS oldest
+    FROM eventqueue_events e WHERE e.handler = h.name
+) AS c
+CROSS JOIN LATERAL (SELECT count(*) AS dead FROM eventqueue_dead x WHERE x.handler = h.name) AS d
 ORDER BY h.name
 """
 

@@ -763,11 +763,15 @@ CREATE INDEX ctl_history_parameter ON cmb.ctl_history USING btree (entity, param
 
 CREATE INDEX eventqueue_dead_handler ON cmb.eventqueue_dead USING btree (handler, id);
 
+CREATE INDEX eventqueue_events_handler ON cmb.eventqueue_events USING btree (handler, visible_at) INCLUDE (locked_at, delay_until, enqueued_at);
+
 CREATE INDEX eventqueue_events_held ON cmb.eventqueue_events USING btree (handler, namespace, module) WHERE (visible_at = 'infinity'::timestamp with time zone);
 
 CREATE INDEX eventqueue_events_visible ON cmb.eventqueue_events USING btree (visible_at);
 
 CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
+
+CREATE INDEX pubsub_dead_letters_parked ON cmb.pubsub_dead_letters USING btree (consumer_id, branch_id) WHERE (replayed_at IS NULL);
 
 CREATE UNIQUE INDEX reactive_launches_run_key ON cmb.reactive_launches USING btree (scheduler, run_key);
 
@@ -782,6 +786,8 @@ CREATE INDEX reactive_tasks_ready ON cmb.reactive_tasks USING btree (scheduler, 
 CREATE INDEX stage_changes_shard ON cmb.stage_changes USING btree (shard_id, changed_at);
 
 CREATE INDEX stage_queue_due ON cmb.stage_queue USING btree (shard_id, stage, lane, due_at) WHERE (parked_at IS NULL);
+
+CREATE INDEX stage_queue_failing ON cmb.stage_queue USING btree (stage) WHERE ((parked_at IS NULL) AND (attempts > 0));
 
 CREATE INDEX stage_queue_parked ON cmb.stage_queue USING btree (stage) WHERE (parked_at IS NOT NULL);
 

@@ -394,16 +394,55 @@ LIMIT %(limit)s
 
 # -- admin ---------------------------------------------------------------------------------------
 
+# Per stage, from the indexes whatever the statistics: the (shard, stage) pairs of unparked entries by a skip scan
+# of stage_queue_due (one probe per pair), each pair's entries counted from that index; parked and failing entries
+# likewise from their partial indexes (the stages that have some, then each one's count).
 QUEUE_STATUS = """
-SELECT stage,
-       count(*) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at <= now()),
-       count(*) FILTER (WHERE lane = 0 AND parked_at IS NULL AND due_at > now()),
-       count(*) FILTER (WHERE lane = 1 AND parked_at IS NULL),
-       coalesce(extract(epoch FROM now() - min(due_at) FILTER (WHERE lane = 0 AND parked_at IS NULL
-                                                                AND due_at <= now())), 0)::float8,
-       count(*) FILTER (WHERE parked_at IS NOT NULL),
-       count(*) FILTER (WHERE parked_at IS NULL AND attempts > 0)
-FROM stage_queue GROUP BY stage
+WITH RECURSIVE pairs(shard_id, stage) AS (
+    (SELECT shard_id, stage FROM stage_queue WHERE parked_at IS NULL ORDER BY shard_id, stage LIMIT 1)
+    UNION ALL
+    SELECT n.shard_id, n.stage FROM pairs p
+    CROSS JOIN LATERAL (
+        SELECT q.shard_id, q.stage FROM stage_queue q
+        WHERE q.parked_at IS NULL AND (q.shard_id, q.stage) > (p.shard_id, p.stage)
+        ORDER BY q.shard_id, q.stage LIMIT 1
+    ) AS n
+), live AS (
+    SELECT p.stage, sum(c.queued) AS queued, sum(c.timers) AS timers, sum(c.low) AS low, min(c.oldest) AS oldest
+    FROM pairs p
+    CROSS JOIN LATERAL (
+        SELECT count(*) FILTER (WHERE q.lane = 0 AND q.due_at <= now()) AS queued,
+               count(*) FILTER (WHERE q.lane = 0 AND q.due_at > now()) AS timers,
+               count(*) FILTER (WHERE q.lane = 1) AS low,
+               min(q.due_at) FILTER (WHERE q.lane = 0 AND q.due_at <= now()) AS oldest
+        FROM stage_queue q
+        WHERE q.parked_at IS NULL AND q.shard_id = p.shard_id AND q.stage = p.stage
+    ) AS c
+    GROUP BY p.stage
+), parked_stages(stage) AS (
+    (SELECT stage FROM stage_queue WHERE parked_at IS NOT NULL ORDER BY stage LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.stage FROM stage_queue q WHERE q.parked_at IS NOT NULL AND q.stage > p.stage
+            ORDER BY q.stage LIMIT 1)
+    FROM parked_stages p WHERE p.stage IS NOT NULL
+), parked AS (
+    SELECT p.stage, (SELECT count(*) FROM stage_queue q WHERE q.parked_at IS NOT NULL AND q.stage = p.stage) AS parked
+    FROM parked_stages p WHERE p.stage IS NOT NULL
+), failing_stages(stage) AS (
+    (SELECT stage FROM stage_queue WHERE parked_at IS NULL AND attempts > 0 ORDER BY stage LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.stage FROM stage_queue q WHERE q.parked_at IS NULL AND q.attempts > 0 AND q.stage > f.stage
+            ORDER BY q.stage LIMIT 1)
+    FROM failing_stages f WHERE f.stage IS NOT NULL
+), failing AS (
+    SELECT f.stage,
+           (SELECT count(*) FROM stage_queue q WHERE q.parked_at IS NULL AND q.attempts > 0 AND q.stage = f.stage)
+               AS failing
+    FROM failing_stages f WHERE f.stage IS NOT NULL
+)
+SELECT stage, coalesce(l.queued, 0)::bigint, coalesce(l.timers, 0)::bigint, coalesce(l.low, 0)::bigint,
+       coalesce(extract(epoch FROM now() - l.oldest), 0)::float8, coalesce(p.parked, 0), coalesce(f.failing, 0)
+FROM live l FULL JOIN parked p USING (stage) FULL JOIN failing f USING (stage)
 """
 
 COUNTERS = """
