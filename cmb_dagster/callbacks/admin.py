@@ -71,6 +71,7 @@ def depths(database: DatabaseSource, *, bucket_sets: int = 1) -> list[BucketSetD
             "windows": max(8, min(SAMPLE_WINDOWS, SAMPLE_WINDOWS * 16 // buckets)),
             "width": SAMPLE_WIDTH,
         }
+        conn.execute(sql.NO_JIT)  # a bounded read: compiling its plan would cost more than running it
         return _rows(conn, sql.BUCKET_SET_DEPTHS, params, BucketSetDepth)
 
 

@@ -470,23 +470,23 @@ ORDER BY s.bucket_set
 """
 
 # Per bucket set (bucket_id %% sets), for the metrics: pending and overdue events and the oldest overdue age, at a
-# cost bounded per bucket whatever the depth. Each bucket with pending events (a skip scan of the pending ids'
-# index, one probe per bucket) has its first %(bound)s + 1 pending events read in run_at order from the pending
-# index: up to %(bound)s, its pending count is exact, and so is its overdue count while some of those are not yet
-# due; the oldest overdue age always is. A deeper bucket is estimated from %(windows)s windows of at most
-# %(width)s consecutive ids, one at a random place in each equal slice of its pending ids' range (its lowest to
-# highest pending id), scaled to the whole range. ``exact``: no bucket of the set was estimated.
+# bounded cost whatever the depth. Each bucket with pending events (a skip scan of the pending ids' index, one probe
+# per bucket) has its first %(bound)s + 1 pending events read in run_at order from the pending index: up to
+# %(bound)s, its pending count is exact, and so is its overdue count while some of those are not yet due; the oldest
+# overdue age always is. Deeper buckets are estimated from one sample: %(windows)s windows of at most %(width)s
+# consecutive ids (read along the primary key, every event in them), one at a random place in each equal slice of
+# the range of their pending ids, each bucket's pending events found there scaled to the range. ``exact``: no
+# bucket of the set was estimated.
+NO_JIT = "SELECT set_config('jit', 'off', true)"
+
 BUCKET_SET_DEPTHS = """
 WITH RECURSIVE b(bucket_id) AS (
     SELECT min(bucket_id) FROM callback_events WHERE status = 'pending'
     UNION ALL
     SELECT (SELECT min(e.bucket_id) FROM callback_events e WHERE e.status = 'pending' AND e.bucket_id > b.bucket_id)
     FROM b WHERE b.bucket_id IS NOT NULL
-), per_bucket AS (
-    SELECT b.bucket_id, f.counted <= %(bound)s AS exact,
-           CASE WHEN f.counted <= %(bound)s THEN f.counted ELSE greatest(s.pending, f.counted) END AS pending,
-           CASE WHEN f.overdue <= %(bound)s THEN f.overdue ELSE greatest(s.overdue, f.overdue) END AS overdue,
-           f.oldest
+), counted AS MATERIALIZED (
+    SELECT b.bucket_id, f.counted, f.overdue, f.oldest
     FROM b
     CROSS JOIN LATERAL (
         SELECT count(*) AS counted, count(*) FILTER (WHERE first.run_at < now()) AS overdue,
@@ -496,30 +496,38 @@ WITH RECURSIVE b(bucket_id) AS (
                 AND (e.run_at, e.event_id) >= ('-infinity', -9223372036854775808)  -- the pending index, in order
               ORDER BY e.run_at, e.event_id LIMIT %(bound)s + 1) AS first
     ) AS f
-    LEFT JOIN LATERAL (
-        SELECT sum(w.n) * r.slice / r.width AS pending, sum(w.overdue) * r.slice / r.width AS overdue
-        FROM (SELECT ids.lo, (ids.hi - ids.lo + 1)::float8 / %(windows)s AS slice,
-                     least(%(width)s, ceil((ids.hi - ids.lo + 1)::float8 / %(windows)s))::bigint AS width
-              FROM (SELECT (SELECT min(e.event_id) FROM callback_events e
-                            WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id) AS lo,
-                           (SELECT max(e.event_id) FROM callback_events e
-                            WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id) AS hi
-                    OFFSET 0) AS ids
-              WHERE f.counted > %(bound)s) AS r
-        CROSS JOIN generate_series(0, %(windows)s - 1) AS i
-        CROSS JOIN LATERAL (
-            SELECT r.lo + floor(i * r.slice + random() * greatest(r.slice - r.width, 0))::bigint AS start
-        ) AS at
-        CROSS JOIN LATERAL (
-            SELECT count(*) AS n, count(*) FILTER (WHERE ew.run_at < now()) AS overdue
-            FROM (SELECT e.run_at FROM callback_events e
-                  WHERE e.status = 'pending' AND e.bucket_id = b.bucket_id
-                    AND e.event_id >= at.start AND e.event_id < at.start + r.width
-                  ORDER BY e.event_id OFFSET 0) AS ew
-        ) AS w
-        GROUP BY r.slice, r.width
-    ) AS s ON true
     WHERE b.bucket_id IS NOT NULL
+), ids AS MATERIALIZED (
+    SELECT min(ends.lo) AS lo, max(ends.hi) AS hi
+    FROM counted c
+    CROSS JOIN LATERAL (
+        SELECT min(e.event_id) AS lo, max(e.event_id) AS hi FROM callback_events e
+        WHERE e.status = 'pending' AND e.bucket_id = c.bucket_id
+    ) AS ends
+    WHERE c.counted > %(bound)s
+), windows AS MATERIALIZED (
+    SELECT ids.lo + floor(i * r.slice + random() * greatest(r.slice - r.width, 0))::bigint AS start, r.width,
+           r.slice / r.width AS scale
+    FROM ids
+    CROSS JOIN LATERAL (
+        SELECT (ids.hi - ids.lo + 1)::float8 / %(windows)s AS slice,
+               least(%(width)s, ceil((ids.hi - ids.lo + 1)::float8 / %(windows)s))::bigint AS width
+    ) AS r
+    CROSS JOIN generate_series(0, %(windows)s - 1) AS i
+    WHERE ids.lo IS NOT NULL
+), sampled AS (
+    SELECT e.bucket_id, sum(w.scale) AS pending, sum(w.scale) FILTER (WHERE e.run_at < now()) AS overdue
+    FROM windows w
+    CROSS JOIN LATERAL (
+        SELECT e.bucket_id, e.run_at FROM callback_events e
+        WHERE e.event_id >= w.start AND e.event_id < w.start + w.width AND e.status = 'pending'
+    ) AS e
+    GROUP BY e.bucket_id
+), per_bucket AS (
+    SELECT c.bucket_id, c.counted <= %(bound)s AS exact, c.oldest,
+           CASE WHEN c.counted <= %(bound)s THEN c.counted ELSE greatest(s.pending, c.counted) END AS pending,
+           CASE WHEN c.overdue <= %(bound)s THEN c.overdue ELSE greatest(s.overdue, c.overdue) END AS overdue
+    FROM counted c LEFT JOIN sampled s USING (bucket_id)
 ), per_set AS (
     SELECT bucket_id %% %(sets)s AS bucket_set, sum(pending) AS pending, sum(overdue) AS overdue,
            min(oldest) AS oldest, bool_and(exact) AS exact
