@@ -498,12 +498,11 @@ WITH RECURSIVE b(bucket_id) AS (
     ) AS f
     WHERE b.bucket_id IS NOT NULL
 ), ids AS MATERIALIZED (
-    SELECT min(ends.lo) AS lo, max(ends.hi) AS hi
+    SELECT min((SELECT min(e.event_id) FROM callback_events e WHERE e.status = 'pending' AND e.bucket_id = c.bucket_id))
+               AS lo,
+           max((SELECT max(e.event_id) FROM callback_events e WHERE e.status = 'pending' AND e.bucket_id = c.bucket_id))
+               AS hi
     FROM counted c
-    CROSS JOIN LATERAL (
-        SELECT min(e.event_id) AS lo, max(e.event_id) AS hi FROM callback_events e
-        WHERE e.status = 'pending' AND e.bucket_id = c.bucket_id
-    ) AS ends
     WHERE c.counted > %(bound)s
 ), windows AS MATERIALIZED (
     SELECT ids.lo + floor(i * r.slice + random() * greatest(r.slice - r.width, 0))::bigint AS start, r.width,
@@ -518,10 +517,12 @@ WITH RECURSIVE b(bucket_id) AS (
 ), sampled AS (
     SELECT e.bucket_id, sum(w.scale) AS pending, sum(w.scale) FILTER (WHERE e.run_at < now()) AS overdue
     FROM windows w
-    CROSS JOIN LATERAL (
-        SELECT e.bucket_id, e.run_at FROM callback_events e
-        WHERE e.event_id >= w.start AND e.event_id < w.start + w.width AND e.status = 'pending'
+    CROSS JOIN LATERAL (  -- no status here: the primary key is the one index that can serve it
+        SELECT e.bucket_id, e.run_at, e.status FROM callback_events e
+        WHERE e.event_id >= w.start AND e.event_id < w.start + w.width
+        ORDER BY e.event_id LIMIT w.width
     ) AS e
+    WHERE e.status = 'pending'
     GROUP BY e.bucket_id
 ), per_bucket AS (
     SELECT c.bucket_id, c.counted <= %(bound)s AS exact, c.oldest,
