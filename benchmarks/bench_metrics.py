@@ -1,6 +1,7 @@
 """Metrics benchmark: how fast the endpoint of ``cmb-dagster metrics`` answers with 1M pending callbacks.
 
-    .venv/bin/python benchmarks/bench_metrics.py [--pending 1000000] [--scrapes 50] [--bucket-sets 1]
+    .venv/bin/python benchmarks/bench_metrics.py [--pending 1000000] [--finished 0] [--scrapes 50] [--buckets 4]
+        [--bucket-sets 1]
 
 Loads the pending callbacks with bulk INSERTs into the engine's tables (run_at one to two hours before or after
 now: half overdue, for the whole run), serves the metrics on 127.0.0.1 and scrapes them over HTTP, ``--scrapes``
@@ -62,24 +63,34 @@ def bench_database() -> Iterator[Database]:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-def load(db: Database, pending: int) -> float:
-    """Insert ``pending`` pending callbacks in chunks; return the seconds it took."""
+def load(db: Database, pending: int, finished: int) -> float:
+    """Insert ``pending`` pending callbacks and about ``finished`` notified ones among them (ids interleaved) in
+    chunks; return the seconds it took."""
     started = time.perf_counter()
+    total = pending + finished
     with db.connection() as conn:
         buckets = conn.execute("SELECT count(*) FROM callback_buckets").fetchone()[0]
-    for first in range(1, pending + 1, CHUNK):
+    for first in range(1, total + 1, CHUNK):
         with db.connection() as conn:
             conn.execute(
                 """
-                INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
-                                             originally_run_at, cb_url, retry)
-                SELECT nextval('callback_event_ids'), i %% %(buckets)s, 'bench', 'g', i::text,
+                INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, status,
+                                             run_at, originally_run_at, cb_url, retry, finished_at)
+                SELECT nextval('callback_event_ids'), i %% %(buckets)s, 'bench', 'g', i::text, s.status,
                        now() + make_interval(secs => sign(random() - 0.5) * (3600 + random() * 3600)), now(),
-                       'https://example.com/cb',
-                       '{"stop_after_delay": 3600}'
-                FROM generate_series(%(first)s, %(last)s) AS i
+                       'https://example.com/cb', '{"stop_after_delay": 3600}',
+                       CASE WHEN s.status = 'notified' THEN now() END
+                FROM generate_series(%(first)s, %(last)s) AS i,
+                     LATERAL (SELECT CASE WHEN random() * %(total)s < %(finished)s + 0 * i THEN 'notified'
+                                          ELSE 'pending' END AS status) AS s
                 """,
-                {"buckets": buckets, "first": first, "last": min(first + CHUNK - 1, pending)},
+                {
+                    "buckets": buckets,
+                    "first": first,
+                    "last": min(first + CHUNK - 1, total),
+                    "total": total,
+                    "finished": finished,
+                },
             )
     return time.perf_counter() - started
 
@@ -142,13 +153,16 @@ def main() -> None:
     parser.add_argument("--pending", type=int, default=1_000_000)
     parser.add_argument("--scrapes", type=int, default=50)
     parser.add_argument("--bucket-sets", type=int, default=1)
+    parser.add_argument("--buckets", type=int, default=4, help="the callbacks engine's bucket count")
+    parser.add_argument("--finished", type=int, default=0, help="notified events among the pending ones (about)")
     args = parser.parse_args()
     with bench_database() as db:
-        loaded_s = load(db, args.pending)
+        admin.set_bucket_count(db, args.buckets)
+        loaded_s = load(db, args.pending, args.finished)
         with db.connection() as conn:
             server_version = conn.execute("SHOW server_version").fetchone()[0]
             autovacuum = conn.execute("SHOW autovacuum").fetchone()[0]
-            truth = conn.execute(
+            truth = conn.execute(  # about --pending when --finished is given
                 "SELECT count(*), count(*) FILTER (WHERE run_at < now()) FROM callback_events WHERE status = 'pending'"
             ).fetchone()
         endpoint = serve(db, host="127.0.0.1", port=0, bucket_sets=args.bucket_sets)
@@ -163,8 +177,10 @@ def main() -> None:
             endpoint.stop()
     transport = "unix socket" if "host=/" in db.url or urlsplit(db.url).hostname in (None, "") else "tcp"
     print(
-        f"{args.pending:,} pending callbacks loaded in {loaded_s:.1f} s; PostgreSQL {server_version} over {transport}, "
-        f"autovacuum {autovacuum}; {args.scrapes} scrapes over HTTP per state, {args.bucket_sets} bucket set(s)"
+        f"{truth[0]:,} pending callbacks ({args.finished:,} notified among them) loaded in {loaded_s:.1f} s; "
+        f"PostgreSQL {server_version} over {transport}, "
+        f"autovacuum {autovacuum}; {args.buckets} buckets; {args.scrapes} scrapes over HTTP per state, "
+        f"{args.bucket_sets} bucket set(s)"
     )
     for state, r in results.items():
         print(
@@ -178,6 +194,9 @@ def main() -> None:
             {
                 "bench": "metrics",
                 "pending": args.pending,
+                "buckets": args.buckets,
+                "finished": args.finished,
+                "bucket_sets": args.bucket_sets,
                 "scrapes": args.scrapes,
                 "server": server_version,
                 "transport": transport,

@@ -49,18 +49,19 @@ class BucketSetDepth(BaseModel):
 
 
 EXACT_UP_TO = 1000
-"""Pending events per bucket counted one by one at most (fewer with many buckets); a deeper bucket is estimated."""
+"""Pending events per bucket counted one by one at most (fewer past 16 buckets); deeper buckets are estimated."""
 SAMPLE_WINDOWS = 128
 SAMPLE_WIDTH = 32
 
 
 def depths(database: DatabaseSource, *, bucket_sets: int = 1) -> list[BucketSetDepth]:
     """Per bucket set (set i: the buckets with ``id % bucket_sets == i``): pending and overdue events and the
-    oldest overdue age, read from the pending indexes at a cost bounded per bucket.
+    oldest overdue age, read from the indexes at a cost bounded whatever the depth.
 
-    A bucket's pending count is exact up to ``EXACT_UP_TO`` (divided among the buckets past 16), its overdue
-    count too unless all of those are overdue, the oldest overdue age always; above that, they are estimated from
-    a sample of the bucket's pending event ids (``exact`` is then false).
+    A bucket's pending count is exact up to ``EXACT_UP_TO`` (divided among the buckets past 16, 100 at least), its
+    overdue count too unless all of those are overdue, the oldest overdue age always. Deeper buckets are estimated
+    from one sample of ``SAMPLE_WINDOWS`` windows of ``SAMPLE_WIDTH`` event ids spread over their pending ids
+    (``exact`` is then false).
     """
     sets = validated(_BucketCount, {"count": bucket_sets}).count
     with Database.of(database).connection() as conn:
@@ -68,7 +69,7 @@ def depths(database: DatabaseSource, *, bucket_sets: int = 1) -> list[BucketSetD
         params = {
             "sets": sets,
             "bound": max(100, min(EXACT_UP_TO, EXACT_UP_TO * 16 // buckets)),
-            "windows": max(8, min(SAMPLE_WINDOWS, SAMPLE_WINDOWS * 16 // buckets)),
+            "windows": SAMPLE_WINDOWS,
             "width": SAMPLE_WIDTH,
         }
         conn.execute(sql.NO_JIT)  # a bounded read: compiling its plan would cost more than running it
