@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from cmb_dagster.callbacks import admin as callbacks_admin
+from cmb_dagster.callbacks.models import MAX_BUCKETS
 from cmb_dagster.database import Database
 from cmb_dagster.errors import ConfigError
 from cmb_dagster.eventqueue import admin as eventqueue_admin
@@ -50,18 +51,19 @@ _HOSTNAME = re.compile(
 
 def check_host(host: str) -> str:
     """``host`` if it is an IP address or a host name, else ConfigError."""
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        if isinstance(host, str) and _HOSTNAME.fullmatch(host) and not host.rsplit(".", 1)[-1].isdigit():
-            return host  # a name whose last label is all digits would be a malformed address
+    if isinstance(host, str):
+        try:
+            return str(ipaddress.ip_address(host))
+        except ValueError:
+            if _HOSTNAME.fullmatch(host) and not host.rsplit(".", 1)[-1].isdigit():
+                return host  # a name whose last label is all digits would be a malformed address
     raise ConfigError(f"host: expected an IP address or a host name, not {host!r}")
 
 
 def check_port(port: int) -> int:
     """``port`` if it is 0 (any free port) to 65535, else ConfigError."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"port: expected 1 to 65535, not {port!r}")
+        raise ConfigError(f"port: expected 0 (any free port) to 65535, not {port!r}")
     return port
 
 
@@ -245,6 +247,8 @@ class MetricsServer:
 def serve(db: Database, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, bucket_sets: int = 1) -> MetricsServer:
     """Serve the metrics of ``db`` on http://host:port/ in a background thread (port 0: any free one)."""
     host, port = check_host(host), check_port(port)
+    if isinstance(bucket_sets, bool) or not isinstance(bucket_sets, int) or not 1 <= bucket_sets <= MAX_BUCKETS:
+        raise ConfigError(f"bucket_sets: expected 1 to {MAX_BUCKETS}, not {bucket_sets!r}")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(db, bucket_sets=bucket_sets))
     server, thread = start_http_server(port, addr=host, registry=registry)

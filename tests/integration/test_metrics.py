@@ -423,7 +423,7 @@ def test_no_secret_is_served_nor_logged(db, caplog):
     assert "leases" in caplog.text and SECRET not in caplog.text and SECRET not in text
 
 
-@pytest.mark.parametrize("host", ["", "not a host", "-x", "a" * 300, "1.2.3.4.5"])
+@pytest.mark.parametrize("host", ["", "not a host", "-x", "a" * 300, "1.2.3.4.5", 5, None])
 def test_a_bad_host_is_refused(host):
     with pytest.raises(ConfigError, match="host"):
         check_host(host)
@@ -433,6 +433,12 @@ def test_a_bad_host_is_refused(host):
 def test_a_bad_port_is_refused(db, port):
     with pytest.raises(ConfigError, match="port"):
         serve(db, port=port)
+
+
+@pytest.mark.parametrize("sets", [0, 4097, 1.5])
+def test_a_bad_bucket_set_count_is_refused(db, sets):
+    with pytest.raises(ConfigError, match="bucket_sets"):
+        serve(db, port=0, bucket_sets=sets)
 
 
 def free_port() -> int:
