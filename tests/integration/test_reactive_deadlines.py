@@ -268,3 +268,20 @@ def test_the_asset_checks_are_declared_on_the_target_assets_and_the_tasks_asset(
         ("reactive/tasks", "scheduler_ticks"),
     }
     assert AssetKey(["shop", "mart"]) in graph.get_all_asset_keys()
+
+
+def test_the_example_heartbeat_deadline_turns_red_without_a_heartbeat_and_green_after_one(db, instance, resource):
+    from cmb_dagster.examples import reactive as example
+
+    loc = Location(db, instance, resource, example.reactive_tasks)
+    loc.tick()
+    loc.sql("UPDATE reactive_tasks SET deadline_since = now() - interval '1 hour'")  # as if started an hour ago
+    red = loc.checks()[("reactive/tasks", "deadline_heartbeat_report")]
+    assert not red.passed and "demo/heartbeat/sent_at: no value yet" in red.description
+
+    loc.store.set(*example.HEARTBEAT, datetime.now(UTC))  # cmb-dagster ctl set demo/heartbeat sent_at <now>
+    loc.clock = loc.changed_at(example.HEARTBEAT) + timedelta(seconds=10)
+    [request] = loc.requests()
+    loc.execute(request)
+    loc.tick()
+    assert loc.checks()[("reactive/tasks", "deadline_heartbeat_report")].passed
