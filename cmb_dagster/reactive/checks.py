@@ -63,7 +63,7 @@ def deadline_verdicts(
             launched = f"; run {task.run_id or task.run_key} in flight" if task.status == "launched" else ""
             text = (
                 f"reactive task {task.name}: deadline ({deadline}) passed at {state.due_at} without a successful run "
-                f"since {state.since}, late by {human_duration(-state.slack)}{launched}; {blocked}"
+                f"since {state.since}, late by {state.lateness}{launched}; {blocked}"
             )
             severity, value = "error", -state.slack.total_seconds()
         else:

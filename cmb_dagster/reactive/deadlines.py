@@ -77,10 +77,16 @@ class DeadlineState:
     def text(self) -> str:
         """``'late by 1:20:00 (due 2026-11-26 09:00:00+03:00)'`` or ``'3:20:00 left (due ...)'``."""
         if self.late:
-            return f"late by {human_duration(-self.slack)} (due {self.due_at}, no successful run since {self.since})"
+            return f"late by {self.lateness} (due {self.due_at}, no successful run since {self.since})"
+        left = human_duration(_whole_seconds(self.slack))
         if self.met:
-            return f"met (a successful run since {self.since}); next due {self.due_at}, in {human_duration(self.slack)}"
-        return f"{human_duration(self.slack)} left (due {self.due_at}, for a successful run since {self.since})"
+            return f"met (a successful run since {self.since}); next due {self.due_at}, in {left}"
+        return f"{left} left (due {self.due_at}, for a successful run since {self.since})"
+
+    @property
+    def lateness(self) -> str:
+        """How late the task is, in whole seconds: ``'1:20:00'``."""
+        return human_duration(_whole_seconds(-self.slack))
 
 
 class Deadline(Options):
@@ -144,6 +150,10 @@ class Deadline(Options):
             return moment.replace(tzinfo=zone)
 
         return (aware(start + offset), aware(start)), (aware(after + offset), aware(after))  # type: ignore[operator]
+
+
+def _whole_seconds(duration: timedelta) -> timedelta:
+    return timedelta(seconds=round(duration.total_seconds()))
 
 
 def _utc(moment: datetime) -> datetime:

@@ -937,8 +937,7 @@ class TaskScheduler:
                     f"run since {state.since}: launched anyway (on_deadline='run'), though its trigger waits"
                 )
                 return _Evaluation(name, "ready", why + "\n" + explanation, dict(result.used), last, None, state.due_at)
-            if not state.met:
-                wake_at = state.due_at if wake_at is None else min(wake_at, state.due_at)
+            wake_at = state.due_at if wake_at is None else min(wake_at, state.due_at)  # met or not: the next follows it
         return _Evaluation(name, "waiting", explanation, {}, last, wake_at)
 
     def _save(self, conn: psycopg.Connection, params: dict[str, Any], evaluations: Sequence[_Evaluation]) -> None:

@@ -208,6 +208,24 @@ def test_on_deadline_run_launches_the_waiting_task_when_its_deadline_passes_and_
     assert loc.state("mart").wake_at == datetime(2026, 11, 25, 13, 30, tzinfo=UTC)
 
 
+def test_on_deadline_run_follows_the_next_deadline_after_one_met_in_advance(db, instance, resource):
+    task = ReactiveTask("mart", report, Delta(*ORDERS, "1d"), deadline="0 * * * *", on_deadline="run")
+    loc = Location(db, instance, resource, [task])
+    loc.store.set(*ORDERS, datetime(2026, 11, 25, tzinfo=UTC))
+    loc.clock = datetime(2026, 11, 25, 12, 10, tzinfo=UTC)
+    [request] = loc.requests()  # a first run: the Delta fires
+    loc.execute(request)
+    loc.clock = datetime(2026, 11, 25, 12, 20, tzinfo=UTC)
+    assert loc.requests() == []
+    assert loc.state("mart").wake_at == datetime(2026, 11, 25, 13, 0, tzinfo=UTC)  # 13:00's is met already
+    loc.clock = datetime(2026, 11, 25, 13, 0, tzinfo=UTC)
+    assert loc.requests() == []
+    assert loc.state("mart").wake_at == datetime(2026, 11, 25, 14, 0, tzinfo=UTC)
+    loc.clock = datetime(2026, 11, 25, 14, 0, tzinfo=UTC)
+    [forced] = loc.requests()
+    assert forced.tags["cmb/reactive/deadline"] == "2026-11-25T14:00:00+00:00"
+
+
 def test_reactive_status_shows_each_deadline_and_its_slack(db, instance, resource):
     tasks = [
         ReactiveTask("late", report, Delay(*PRICES, "2h"), deadline="* * * * *"),
