@@ -288,8 +288,9 @@ class TaskScheduler:
                     hold = self._hold(conn, in_flight, busy or {}, fresh)
                     self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, failures, report)
                     self._remind_waiting(conn, lease, now, report)
-                    seconds = {"scheduler": self.name, "now": now, "seconds": time.monotonic() - started}
-                    conn.execute(sql.SAVE_TICK, seconds)
+                    with conn.transaction():
+                        done = {"scheduler": self.name, "now": now, "seconds": time.monotonic() - started}
+                        conn.execute(sql.SAVE_TICK, done)
             finally:
                 self._lease, self._report = None, None
                 if not held_by_caller:
