@@ -8,13 +8,13 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from cmb_dagster.database import DatabaseSource
-from cmb_dagster.health import Threshold, Verdict, judge
+from cmb_dagster.health import Verdict
 from cmb_dagster.reactive.admin import waits_on
-from cmb_dagster.reactive.models import SchedulerState, TaskState
+from cmb_dagster.reactive.models import ReactiveChecks, SchedulerState, TaskState
 from cmb_dagster.triggers.durations import human_duration
 
-TICK_CHECK = "scheduler_ticks"
-"""The reactive tasks asset's check of the scheduler sensor's last tick."""
+TICK_CHECK = "tick_age"
+"""The reactive tasks asset's check of the scheduler sensor's last tick (a :class:`ReactiveChecks` field)."""
 
 AssetPath = tuple[str, ...]
 
@@ -24,17 +24,17 @@ def deadline_check(task: str) -> str:
     return "deadline_" + re.sub(r"[^A-Za-z0-9_]", "_", task)
 
 
-def tick_verdict(
+def tick_verdicts(
     asset: AssetPath,
     schedulers: Sequence[SchedulerState],
     now: datetime,
     interval_seconds: float,
-    threshold: Threshold,
-) -> Verdict:
+    checks: ReactiveChecks,
+) -> list[Verdict]:
     """How many sensor intervals passed since the latest tick of ``schedulers`` (none yet: it passes)."""
     ticked = [s for s in schedulers if s.ticked_at is not None]
     if not ticked:
-        return Verdict(asset, TICK_CHECK, "ok", "the reactive scheduler has not ticked yet", 0.0, threshold)
+        return checks.judge(asset, {TICK_CHECK: (0.0, "the reactive scheduler has not ticked yet")})
     latest = max(ticked, key=lambda s: s.ticked_at)  # type: ignore[arg-type, return-value]
     age = max((now - latest.ticked_at).total_seconds(), 0.0)  # type: ignore[operator]
     took = f", took {latest.tick_seconds:.2f} s" if latest.tick_seconds is not None else ""
@@ -43,7 +43,7 @@ def tick_verdict(
         f"scheduler {latest.name} last ticked {ago} ago ({latest.ticked_at}{took}): "
         f"{age / interval_seconds:.1f} intervals of {interval_seconds:g} s"
     )
-    return judge(asset, TICK_CHECK, age / interval_seconds, threshold, what)
+    return checks.judge(asset, {TICK_CHECK: (age / interval_seconds, what)})
 
 
 def deadline_verdicts(

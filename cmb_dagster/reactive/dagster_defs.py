@@ -34,7 +34,7 @@ from cmb_dagster.inputs import shorten
 from cmb_dagster.jobs import Observe, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
-from cmb_dagster.reactive.checks import TICK_CHECK, AssetPath, deadline_check, deadline_verdicts, tick_verdict
+from cmb_dagster.reactive.checks import AssetPath, deadline_check, deadline_verdicts, tick_verdicts
 from cmb_dagster.reactive.dagster_sensors import launch_logging_executor, scheduler_sensor
 from cmb_dagster.reactive.deadlines import Deadline, deadline_from
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady
@@ -327,12 +327,10 @@ def observations(
         metadata["failed_attempts"] = sum(t.attempts for t in tasks)
         ours = {t.scheduler for t in tasks} if options.name is None else {options.name}
         schedulers = [s for s in found.schedulers if s.name in ours]
-        tick = tick_verdict(
-            tuple(tasks_key.path), schedulers, now, options.minimum_interval_seconds, options.checks.tick_age
-        )
+        ticks = tick_verdicts(tuple(tasks_key.path), schedulers, now, options.minimum_interval_seconds, options.checks)
         return [
             AssetObservation(asset_key=tasks_key, metadata=metadata),
-            tick,
+            *ticks,
             *deadline_verdicts(database, [t for t in tasks if t.name in paths], paths, now),
         ]
 
@@ -343,12 +341,7 @@ def _check_specs(
     options: ReactiveOptions, translator: CmbTranslator, deadline_assets: Mapping[str, Sequence[AssetKey]]
 ) -> dict[AssetKey, dict[str, str]]:
     """The asset checks the status sensor evaluates: the scheduler's ticks, and each deadline on its assets."""
-    specs: dict[AssetKey, dict[str, str]] = {
-        tasks_asset_key(translator): {
-            TICK_CHECK: f"The reactive scheduler sensor ticked recently ({options.checks.tick_age} intervals of "
-            f"{options.minimum_interval_seconds} s without a tick)."
-        }
-    }
+    specs: dict[AssetKey, dict[str, str]] = {tasks_asset_key(translator): options.checks.descriptions()}
     deadlines = {task.name: task.deadline for task in options.tasks}
     for name, keys in sorted(deadline_assets.items()):
         check = deadline_check(name)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError, computed_field, model_validator
 
 from cmb_dagster.ctl.models import Name, ParameterKey, check_name
-from cmb_dagster.health import Threshold
+from cmb_dagster.health import Checks, Threshold
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options
 from cmb_dagster.reactive.deadlines import Deadline, DeadlineState, OnDeadline
@@ -200,18 +200,16 @@ class SchedulerSettings(_SchedulerPacing):
     )
 
 
-TICK_AGE = Threshold(warn_at=3, error_at=10)
-"""The scheduler's tick age check: warn after 3 sensor intervals without a tick, fail after 10."""
-
-
-class ReactiveChecks(Options):
-    """Limits of the reactive engine's asset checks."""
+class ReactiveChecks(Checks):
+    """Limits of the reactive tasks asset's checks (a task's deadline check has none: it fails once the deadline
+    passed)."""
 
     error: ClassVar[type[InvalidReactiveInput]] = InvalidReactiveInput
 
     tick_age: Threshold = Field(
-        default=TICK_AGE,
-        description="Time since the scheduler sensor's last tick, in its intervals (minimum_interval_seconds).",
+        default=Threshold(warn_at=3, error_at=10),
+        description="Time since the reactive scheduler sensor's last tick, in its intervals "
+        "(minimum_interval_seconds).",
     )
 
 

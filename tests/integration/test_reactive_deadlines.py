@@ -250,18 +250,18 @@ def test_the_tick_check_fails_when_the_scheduler_stopped_ticking_and_passes_agai
     loc.tick()
     [ticks] = status(db, "test").schedulers
     assert ticks.name == "test" and ticks.ticked_at is not None and 0 < ticks.tick_seconds < 60
-    assert loc.checks()[("reactive/tasks", "scheduler_ticks")].passed
+    assert loc.checks()[("reactive/tasks", "tick_age")].passed
 
     loc.sql("UPDATE reactive_schedulers SET ticked_at = now() - interval '45 seconds'")  # 4.5 intervals of 10 s
-    warned = loc.checks()[("reactive/tasks", "scheduler_ticks")]
+    warned = loc.checks()[("reactive/tasks", "tick_age")]
     assert not warned.passed and warned.severity.value == "WARN"
     loc.sql("UPDATE reactive_schedulers SET ticked_at = now() - interval '2 minutes'")
-    failed = loc.checks()[("reactive/tasks", "scheduler_ticks")]
+    failed = loc.checks()[("reactive/tasks", "tick_age")]
     assert not failed.passed and failed.severity.value == "ERROR"
     assert "scheduler test last ticked 0:02:0" in failed.description and "intervals of 10 s" in failed.description
 
     loc.tick()
-    assert loc.checks()[("reactive/tasks", "scheduler_ticks")].passed
+    assert loc.checks()[("reactive/tasks", "tick_age")].passed
 
 
 @pytest.mark.parametrize("error_at", [0.5, 1e13])
@@ -283,7 +283,7 @@ def test_the_asset_checks_are_declared_on_the_target_assets_and_the_tasks_asset(
     assert declared == {
         ("shop/mart", "deadline_mart"),
         ("reactive/tasks", "deadline_report"),
-        ("reactive/tasks", "scheduler_ticks"),
+        ("reactive/tasks", "tick_age"),
     }
     assert AssetKey(["shop", "mart"]) in graph.get_all_asset_keys()
 
