@@ -8,8 +8,8 @@
   start), so the first reactive run appears within a minute of starting the UI.
 - ``heartbeat_report`` has a deadline: a successful run every minute. It runs once ``demo/heartbeat sent_at``
   (set by hand: ``cmb-dagster ctl set demo/heartbeat sent_at <now>``) has not changed for 10 seconds, so its
-  deadline check on the ``reactive/tasks`` asset turns red a minute after the last heartbeat and green after
-  the next one.
+  deadline check on the ``reactive/tasks`` asset (evaluated every 10 s with ``options``) turns red a minute
+  after the last heartbeat and green after the next one.
 """
 
 from datetime import UTC, datetime
@@ -27,7 +27,7 @@ from dagster import (
     sensor,
 )
 
-from cmb_dagster import CmbResource, CtlResource, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster import CmbResource, CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.reactive import Deadline
 from cmb_dagster.triggers import All, ChunkDelta, Delay, Settle
 
@@ -98,6 +98,7 @@ reactive_tasks = [
     ),
     ReactiveTask("heartbeat_report", heartbeat_report, Settle(*HEARTBEAT, "10s"), deadline=Deadline(cron="* * * * *")),
 ]
+options = ReactiveOptions(tasks=reactive_tasks, observe_interval_seconds=10)  # checks evaluated every 10 s
 example_jobs = [orders_loader, prices_loader]
 example_assets = [prices]
 example_sensors = [example_loaders]

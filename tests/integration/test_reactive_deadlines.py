@@ -291,7 +291,9 @@ def test_the_asset_checks_are_declared_on_the_target_assets_and_the_tasks_asset(
 def test_the_example_heartbeat_deadline_turns_red_without_a_heartbeat_and_green_after_one(db, instance, resource):
     from cmb_dagster.examples import reactive as example
 
-    loc = Location(db, instance, resource, example.reactive_tasks)
+    loc = Location(
+        db, instance, resource, example.options.tasks, observe_interval_seconds=example.options.observe_interval_seconds
+    )
     loc.tick()
     loc.sql("UPDATE reactive_tasks SET deadline_since = now() - interval '1 hour'")  # as if started an hour ago
     red = loc.checks()[("reactive/tasks", "deadline_heartbeat_report")]
