@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
@@ -39,10 +40,6 @@ ENGINES = ("callbacks", "stages", "eventqueue", "pubsub", "reactive", "workers")
 DEFAULT_PORT = 9464
 DEFAULT_HOST = "127.0.0.1"
 
-# The reactive schedulers' last ticks (read here until cmb_dagster.reactive reports them).
-SCHEDULER_TICKS = """
-SELECT name, extract(epoch FROM clock_timestamp() - ticked_at)::float8 FROM reactive_schedulers ORDER BY name
-"""
 
 _HOSTNAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
@@ -192,7 +189,8 @@ class StatusCollector(Collector):
             "cmb_reactive_task_failures", "Failed runs of the task in a row.", ["scheduler", "task", "state"]
         )
         counts: dict[tuple[str, str], int] = {}
-        for task in reactive_admin.status(self.db).tasks:
+        report = reactive_admin.status(self.db)
+        for task in report.tasks:
             counts[(task.scheduler, task.status)] = counts.get((task.scheduler, task.status), 0) + 1
             failures.add_metric([task.scheduler, task.name, task.status], task.attempts)
         for (scheduler, state), count in sorted(counts.items()):
@@ -202,11 +200,16 @@ class StatusCollector(Collector):
             "Seconds since the scheduler's last tick (absent: never ticked).",
             ["scheduler"],
         )
-        with self.db.connection() as conn:
-            for name, age in conn.execute(SCHEDULER_TICKS):
-                if age is not None:
-                    tick.add_metric([name], age)
-        return [tasks, failures, tick]
+        duration = _gauge(
+            "cmb_reactive_tick_duration_seconds", "How long the scheduler's last tick took.", ["scheduler"]
+        )
+        now = datetime.now(UTC)
+        for scheduler in report.schedulers:
+            if scheduler.ticked_at is not None:
+                tick.add_metric([scheduler.name], max(0.0, (now - scheduler.ticked_at).total_seconds()))
+            if scheduler.tick_seconds is not None:
+                duration.add_metric([scheduler.name], scheduler.tick_seconds)
+        return [tasks, failures, tick, duration]
 
     def _workers(self) -> list[Metric]:
         labels = ["kind", "partition", "owner"]

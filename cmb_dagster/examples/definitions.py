@@ -1,6 +1,6 @@
 """The example code location: what ``cmb-dagster dev`` shows a new user."""
 
-from cmb_dagster import PubSubOptions, ReactiveOptions, cmb_definitions
+from cmb_dagster import PubSubOptions, cmb_definitions
 from cmb_dagster.examples import callbacks as callbacks_example
 from cmb_dagster.examples import eventqueue as eventqueue_example
 from cmb_dagster.examples import health, reactive
@@ -8,7 +8,7 @@ from cmb_dagster.examples import pubsub as pubsub_example
 from cmb_dagster.examples import stages as stages_example
 
 defs = cmb_definitions(
-    reactive=ReactiveOptions(tasks=reactive.reactive_tasks),
+    reactive=reactive.options,
     pubsub=PubSubOptions(consumers=[pubsub_example.consumer]),
     callbacks=callbacks_example.OPTIONS,  # opens 127.0.0.1 for the demo sink
     stages=stages_example.options,

@@ -6,6 +6,10 @@
 - ``sales_report`` runs when orders reached a new 5-minute chunk since its last run AND prices are
   at most 10 minutes old. ``example_loaders`` launches both loaders every 5 minutes (at once after a
   start), so the first reactive run appears within a minute of starting the UI.
+- ``heartbeat_report`` has a deadline: a successful run every minute. It runs once ``demo/heartbeat sent_at``
+  (set by hand: ``cmb-dagster ctl set demo/heartbeat sent_at <now>``) has not changed for 10 seconds, so its
+  deadline check on the ``reactive/tasks`` asset (evaluated every 10 s with ``options``) turns red a minute
+  after the last heartbeat and green after the next one.
 """
 
 from datetime import UTC, datetime
@@ -23,11 +27,13 @@ from dagster import (
     sensor,
 )
 
-from cmb_dagster import CmbResource, CtlResource, ReactiveTask, ctl_metadata, launched_values
-from cmb_dagster.triggers import All, ChunkDelta, Delay
+from cmb_dagster import CmbResource, CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
+from cmb_dagster.reactive import Deadline
+from cmb_dagster.triggers import All, ChunkDelta, Delay, Settle
 
 ORDERS = ("shop/orders", "loaded_until")
 PRICES = ("shop/prices", "loaded_until")
+HEARTBEAT = ("demo/heartbeat", "sent_at")
 
 
 def _loaded_until() -> datetime:
@@ -73,14 +79,26 @@ def sales_report() -> None:
     build_sales_report()
 
 
+@op(description="Reports the heartbeat the reactive scheduler launched it on.")
+def report_heartbeat(context: OpExecutionContext, cmb: CmbResource) -> None:
+    context.log.info(f"heartbeat sent at {launched_values(context.run.tags, cmb).get(HEARTBEAT)}")
+
+
+@job(description="Reactive, with a deadline: must succeed every minute; runs 10 s after each heartbeat.")
+def heartbeat_report() -> None:
+    report_heartbeat()
+
+
 reactive_tasks = [
     ReactiveTask(
         "sales_report",
         sales_report,
         All(ChunkDelta(*ORDERS, "5min"), Delay(*PRICES, "10min")),
         priority=10,
-    )
+    ),
+    ReactiveTask("heartbeat_report", heartbeat_report, Settle(*HEARTBEAT, "10s"), deadline=Deadline(cron="* * * * *")),
 ]
+options = ReactiveOptions(tasks=reactive_tasks, observe_interval_seconds=10)  # checks evaluated every 10 s
 example_jobs = [orders_loader, prices_loader]
 example_assets = [prices]
 example_sensors = [example_loaders]

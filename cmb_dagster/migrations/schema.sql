@@ -509,7 +509,8 @@ CREATE TABLE cmb.reactive_schedulers (
     synced_at timestamp with time zone DEFAULT now() NOT NULL,
     location text,
     ticked_at timestamp with time zone,
-    manual_after timestamp with time zone
+    manual_after timestamp with time zone,
+    tick_seconds double precision
 );
 
 CREATE TABLE cmb.reactive_tasks (
@@ -537,6 +538,9 @@ CREATE TABLE cmb.reactive_tasks (
     partition_key text,
     crashes smallint DEFAULT 0 NOT NULL,
     shown_at timestamp with time zone,
+    wake_at timestamp with time zone,
+    deadline jsonb,
+    deadline_since timestamp with time zone,
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
 );
 
@@ -782,6 +786,8 @@ CREATE INDEX reactive_tasks_backoff ON cmb.reactive_tasks USING btree (scheduler
 CREATE INDEX reactive_tasks_launched ON cmb.reactive_tasks USING btree (scheduler) WHERE (status = 'launched'::text);
 
 CREATE INDEX reactive_tasks_ready ON cmb.reactive_tasks USING btree (scheduler, priority DESC, name) WHERE ((status = 'ready'::text) AND defined);
+
+CREATE INDEX reactive_tasks_wake ON cmb.reactive_tasks USING btree (scheduler, wake_at) WHERE (wake_at IS NOT NULL);
 
 CREATE INDEX stage_changes_shard ON cmb.stage_changes USING btree (shard_id, changed_at);
 

@@ -8,21 +8,27 @@ outside Dagster. The Dagster names load Dagster on first use.
 
 from cmb_dagster._lazy import lazy_names
 from cmb_dagster.reactive.admin import forget_last_values, retry_task, set_last_value, status
+from cmb_dagster.reactive.deadlines import Deadline, DeadlineState
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady, ReactiveError, SchedulerConflict
 from cmb_dagster.reactive.models import (
+    ReactiveChecks,
     ReactiveOptions,
     ReactiveStatus,
     RunInfo,
     RunState,
     SchedulerSettings,
+    SchedulerState,
     TaskSpec,
     TaskState,
 )
 from cmb_dagster.reactive.worker import ReactiveWorker
 
 __all__ = [
+    "Deadline",
+    "DeadlineState",
     "InvalidReactiveInput",
     "PartitionNotReady",
+    "ReactiveChecks",
     "ReactiveEntityWarning",
     "ReactiveError",
     "ReactiveOptions",
@@ -34,6 +40,7 @@ __all__ = [
     "RunState",
     "SchedulerConflict",
     "SchedulerSettings",
+    "SchedulerState",
     "TaskSpec",
     "TaskState",
     "evaluation_time",

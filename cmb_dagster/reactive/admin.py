@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 
@@ -15,7 +15,8 @@ from cmb_dagster.ctl.store import check_values, values_from_json
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveInput
-from cmb_dagster.reactive.models import ReactiveStatus, SeenRun, TaskState
+from cmb_dagster.reactive.models import ReactiveStatus, SchedulerState, SeenRun, TaskState
+from cmb_dagster.triggers import evaluate, parameters, trigger_from_dict
 
 
 @contextmanager
@@ -30,11 +31,44 @@ def _connection(source: DatabaseSource) -> Iterator[psycopg.Connection]:
 
 
 def status(database: DatabaseSource, scheduler: str | None = None, name: str | None = None) -> ReactiveStatus:
-    """The stored state of reactive tasks (all, one scheduler's, or one task's)."""
+    """The stored state of reactive tasks (all, one scheduler's, or one task's) and of the schedulers."""
+    params = {"scheduler": scheduler, "name": name}
     with _connection(database) as conn:
-        cursor = conn.execute(sql.TASK_STATUS, {"scheduler": scheduler, "name": name})
+        cursor = conn.execute(sql.TASK_STATUS, params)
         columns = [c.name for c in cursor.description or ()]
-        return ReactiveStatus(tasks=[TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()])
+        tasks = [TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
+        schedulers = [
+            SchedulerState(name=n, location=loc, ticked_at=at, tick_seconds=seconds)
+            for n, loc, at, seconds in conn.execute(sql.SCHEDULER_TICKS, params)
+        ]
+    return ReactiveStatus(tasks=tasks, schedulers=schedulers)
+
+
+def current_values(
+    conn: psycopg.Connection, keys: Sequence[ParameterKey]
+) -> tuple[dict[ParameterKey, datetime], dict[ParameterKey, datetime]]:
+    """The current CTL values of ``keys`` and when each was set (parameters without a value are left out)."""
+    if not keys:
+        return {}, {}
+    params = {"entities": [k[0] for k in keys], "parameters": [k[1] for k in keys]}
+    rows = conn.execute(sql.CURRENT_VALUES, params).fetchall()
+    return {(e, p): value for e, p, value, _ in rows}, {(e, p): changed for e, p, _, changed in rows}
+
+
+def waits_on(database: DatabaseSource, task: TaskState, now: datetime) -> list[str]:
+    """What the task's trigger waits on at ``now``, one line per CTL trigger that does not fire (from CTL only)."""
+    trigger = trigger_from_dict(task.trigger)
+    with _connection(database) as conn:
+        current, changed = current_values(conn, sorted(parameters(trigger)))
+    result = evaluate(
+        trigger,
+        now=now,
+        current=current,
+        last=values_from_json(task.last_values),
+        timezone=task.timezone,
+        changed=changed,
+    )
+    return result.waits_on
 
 
 def task_states(database: DatabaseSource, scheduler: str | None = None, name: str | None = None) -> list[TaskState]:

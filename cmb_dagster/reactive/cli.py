@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 
 import click
 
@@ -21,18 +21,31 @@ def reactive() -> None:
 @click.argument("task", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the stored state as JSON.")
 def status(scheduler: str | None, task: str | None, as_json: bool) -> None:
-    """Show each task's status, last-seen values, run in flight and why its trigger fired or waits."""
-    states = admin.status(open_database(), scheduler, task).tasks
+    """Show each task's status, last-seen values, run in flight, deadline and why its trigger fired or waits, and
+    each scheduler's last tick."""
+    database = open_database()
+    found = admin.status(database, scheduler, task)
+    states, now = found.tasks, datetime.now(UTC)
     if as_json:
         click.echo(json.dumps([s.model_dump(mode="json") for s in states], indent=2))
         return
     if not states:
         scope = f" of scheduler {scheduler!r}" if scheduler else ""
         click.echo(f"none (no reactive task{' ' + repr(task) if task else ''}{scope} found)")
+    if task is None:
+        for ticks in found.schedulers:
+            took = f", took {ticks.tick_seconds:.2f} s" if ticks.tick_seconds is not None else ""
+            click.echo(f"scheduler {ticks.name}: last tick {ticks.ticked_at or 'never'}{took}")
     for s in states:
         gone = "" if s.defined else "  (no longer defined)"
         dirty = " (to evaluate)" if s.dirty else ""
         click.echo(f"{s.scheduler}/{s.name}: {s.status}{dirty}, priority {s.priority}{gone}")
+        deadline = s.deadline_state(now)
+        if deadline is not None:
+            click.echo(f"  deadline ({s.deadline_text()}): {'LATE, ' if deadline.late else ''}{deadline.text()}")
+            if deadline.late:
+                for line in admin.waits_on(database, s, now):
+                    click.echo(f"    {line}")
         if s.run_key:
             click.echo(f"  run: {s.run_key} {s.run_id or ''} launched {s.launched_at}")
         if s.attempts:

@@ -5,8 +5,8 @@ import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
 
 from dagster import (
     AssetKey,
@@ -29,11 +29,14 @@ from cmb_dagster.ctl.dagster_resources import CtlResource
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
+from cmb_dagster.health import Verdict
 from cmb_dagster.inputs import shorten
 from cmb_dagster.jobs import Observe, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
+from cmb_dagster.reactive.checks import AssetPath, deadline_check, deadline_verdicts, tick_verdicts
 from cmb_dagster.reactive.dagster_sensors import launch_logging_executor, scheduler_sensor
+from cmb_dagster.reactive.deadlines import Deadline, deadline_from
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady
 from cmb_dagster.reactive.models import (
     TASK_STATUSES,
@@ -100,6 +103,14 @@ class ReactiveTask(BaseModel):
     tags: Mapping[str, str] | Callable[..., Mapping[str, str]] | None = Field(
         default=None, description="Extra run tags, or a callable(values) -> tags (cmb/reactive/* tags win)."
     )
+    deadline: Deadline | None = Field(
+        default=None,
+        description="By when the task must have run successfully: a Deadline, or a cron expression in its time "
+        "zone; when it passes without one, the deadline check of its target assets fails.",
+    )
+    on_deadline: Literal["alert", "run"] = Field(
+        default="alert", description="'run': a passed deadline also launches the task anyway, tagged."
+    )
 
     def __init__(
         self,
@@ -113,7 +124,13 @@ class ReactiveTask(BaseModel):
         partition: tuple[str, str] | Callable[..., str] | None = None,
         run_config: Mapping[str, Any] | Callable[..., Mapping[str, Any]] | None = None,
         tags: Mapping[str, str] | Callable[..., Mapping[str, str]] | None = None,
+        deadline: Deadline | str | Mapping[str, Any] | None = None,
+        on_deadline: str = "alert",
     ) -> None:
+        try:
+            deadline = deadline_from(dict(deadline) if isinstance(deadline, Mapping) else deadline)
+        except InvalidReactiveInput as exc:
+            raise InvalidReactiveInput(f"reactive task {name!r}: deadline: {exc}") from None
         try:
             super().__init__(
                 name=name,
@@ -125,6 +142,8 @@ class ReactiveTask(BaseModel):
                 partition=tuple(partition) if isinstance(partition, list) else partition,
                 run_config=run_config,
                 tags=tags,
+                deadline=deadline,
+                on_deadline=on_deadline,
             )
         except ValidationError as exc:
             raise InvalidReactiveInput(f"reactive task {name!r}: {describe(exc)}") from None
@@ -138,6 +157,8 @@ class ReactiveTask(BaseModel):
                 f"partition {self.partition[0]}/{self.partition[1]} is not read by the trigger; "
                 f"it reads {', '.join(f'{e}/{p}' for e, p in sorted(parameters(self.trigger)))}"
             )
+        if self.on_deadline == "run" and self.deadline is None:
+            raise ValueError("on_deadline: 'run' needs a deadline")
         return self
 
     def run_config_for(self, values: Values) -> Mapping[str, Any] | None:
@@ -169,6 +190,8 @@ class ReactiveTask(BaseModel):
             timezone=self.timezone,
             produces=self.produces,
             upstream=tuple(sorted(upstream)),
+            deadline=self.deadline,
+            on_deadline=self.on_deadline,
         )
 
     def selection(self) -> AssetSelection | None:
@@ -213,13 +236,16 @@ def reactive_definitions(
     job_names: dict[str, str] = {}
     graph = Definitions(assets=list(assets)).resolve_asset_graph() if assets else None
     specs, partitioners = [], {}
+    checked: dict[str, list[AssetKey]] = {}  # task with a deadline -> the assets its deadline check is on
     for task in tasks:
         job = task.job(prefix)
         if job.name in jobs and jobs[job.name] is not job:
             raise InvalidReactiveInput(f"reactive task {task.name!r}: another job is named {job.name!r}")
         jobs.setdefault(job.name, job)
         job_names[task.name] = job.name
-        partitions_def, upstream = _target_facts(task, job, graph)
+        partitions_def, upstream, targets = _target_facts(task, job, graph)
+        if task.deadline is not None:
+            checked[task.name] = targets or [tasks_asset_key(translator)]
         partitioner = _partitioner(task, partitions_def)
         if partitioner is not None:
             partitioners[task.name] = partitioner
@@ -253,11 +279,13 @@ def reactive_definitions(
     )
     observed = status_definitions(
         f"{prefix}reactive_status",
-        observations(options, translator),
+        observations(options, translator, checked),
         minimum_interval_seconds=options.observe_interval_seconds,
-        description="Observes how many reactive tasks wait, are ready, launched or back off.",
+        description="Observes how many reactive tasks wait, are ready, launched or back off, the scheduler's last "
+        "tick and the tasks' deadlines.",
         group_name=translator.get_group_name("reactive"),
         assets={tasks_asset_key(translator): "Reactive tasks of this code location by status."},
+        checks=_check_specs(options, translator, checked),
     )
     return Definitions.merge(
         Definitions(
@@ -276,18 +304,55 @@ def tasks_asset_key(translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
     return translator.get_asset_key("reactive", ["tasks"])
 
 
-def observations(options: ReactiveOptions, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> Observe:
-    """``status(db)`` of this code location's tasks as one observation: tasks per status, attempts of failing ones."""
+def observations(
+    options: ReactiveOptions,
+    translator: CmbTranslator = DEFAULT_TRANSLATOR,
+    deadline_assets: Mapping[str, Sequence[AssetKey]] | None = None,
+) -> Observe:
+    """``status(db)`` of this code location's tasks as one observation (tasks per status, attempts of failing ones)
+    and the verdicts of their checks: the scheduler's tick age on the reactive tasks asset, and each task's
+    deadline on the assets ``deadline_assets`` gives it."""
     names = {task.name for task in options.tasks}
+    tasks_key = tasks_asset_key(translator)
+    paths: dict[str, list[AssetPath]] = {
+        name: [tuple(key.path) for key in keys] for name, keys in (deadline_assets or {}).items()
+    }
 
-    def observe(database: Database) -> list[AssetObservation]:
-        tasks = [t for t in status(database, options.name).tasks if t.defined and t.name in names]
+    def observe(database: Database) -> list[AssetObservation | Verdict]:
+        now = datetime.now(UTC)
+        found = status(database, options.name)
+        tasks = [t for t in found.tasks if t.defined and t.name in names]
         counts = Counter(t.status for t in tasks)
-        metadata = {state: counts.get(state, 0) for state in TASK_STATUSES}
+        metadata: dict[str, Any] = {state: counts.get(state, 0) for state in TASK_STATUSES}
         metadata["failed_attempts"] = sum(t.attempts for t in tasks)
-        return [AssetObservation(asset_key=tasks_asset_key(translator), metadata=metadata)]
+        ours = {t.scheduler for t in tasks} if options.name is None else {options.name}
+        schedulers = [s for s in found.schedulers if s.name in ours]
+        ticks = tick_verdicts(tuple(tasks_key.path), schedulers, now, options.minimum_interval_seconds, options.checks)
+        return [
+            AssetObservation(asset_key=tasks_key, metadata=metadata),
+            *ticks,
+            *deadline_verdicts(database, [t for t in tasks if t.name in paths], paths, now),
+        ]
 
     return observe
+
+
+def _check_specs(
+    options: ReactiveOptions, translator: CmbTranslator, deadline_assets: Mapping[str, Sequence[AssetKey]]
+) -> dict[AssetKey, dict[str, str]]:
+    """The asset checks the status sensor evaluates: the scheduler's ticks, and each deadline on its assets."""
+    specs: dict[AssetKey, dict[str, str]] = {tasks_asset_key(translator): options.checks.descriptions()}
+    deadlines = {task.name: task.deadline for task in options.tasks}
+    for name, keys in sorted(deadline_assets.items()):
+        check = deadline_check(name)
+        for key in keys:
+            if check in specs.setdefault(key, {}):
+                raise InvalidReactiveInput(
+                    f"reactive task {name!r}: its deadline check {check!r} on {key.to_user_string()} is also "
+                    "another task's (task names differing only in . and -): rename one"
+                )
+            specs[key][check] = f"Reactive task {name} ran successfully by its deadline ({deadlines[name]})."
+    return specs
 
 
 def _checked_tasks(options: ReactiveOptions) -> list[ReactiveTask]:
@@ -340,12 +405,14 @@ def _entity_hints(tasks: Sequence[ReactiveTask], graph: Any) -> dict[ParameterKe
     return hints
 
 
-def _target_facts(task: ReactiveTask, job: Any, graph: Any) -> tuple[PartitionsDefinition | None, list[str]]:
-    """The partitions of the task's target, and the asset keys upstream of it (as entity strings)."""
+def _target_facts(
+    task: ReactiveTask, job: Any, graph: Any
+) -> tuple[PartitionsDefinition | None, list[str], list[AssetKey]]:
+    """The partitions of the task's target, the asset keys upstream of it (as entity strings), and its assets."""
     partitions_def = getattr(job, "partitions_def", None)
     selection = task.selection()
     if graph is None or selection is None:
-        return partitions_def, []
+        return partitions_def, [], []
     try:
         keys = selection.resolve(graph)
         ancestors = AssetSelection.assets(*keys).upstream().resolve(graph) - keys
@@ -355,7 +422,11 @@ def _target_facts(task: ReactiveTask, job: Any, graph: Any) -> tuple[PartitionsD
         node_partitions = graph.get(key).partitions_def
         if node_partitions is not None:
             partitions_def = partitions_def or node_partitions
-    return partitions_def, sorted(key.to_user_string() for key in ancestors)
+    return (
+        partitions_def,
+        sorted(key.to_user_string() for key in ancestors),
+        sorted(keys, key=lambda k: k.to_user_string()),
+    )
 
 
 def _partitioner(task: ReactiveTask, partitions_def: PartitionsDefinition | None) -> Partitioner | None:

@@ -60,6 +60,7 @@ SCHEDULER_TAG = "cmb/reactive/scheduler"
 TASK_TAG = "cmb/reactive/task"
 RUN_KEY_TAG = "cmb/reactive/run_key"
 ATTEMPT_TAG = "cmb/reactive/attempt"
+DEADLINE_TAG = "cmb/reactive/deadline"  # a run launched because its deadline passed (on_deadline='run'): which one
 VALUES_TAG = "cmb/reactive/values"  # optional on a run launched by hand: the values it records on success
 
 MATERIALIZATION_FEED = "dagster.asset_materializations"
@@ -95,13 +96,17 @@ def evaluation_time(moment: datetime | None) -> Iterator[None]:
 
 
 def run_tags(scheduler: str, launch: Launch) -> dict[str, str]:
-    """Tags of a reactive run: which scheduler, task and attempt (its values and reason are in its first log entry)."""
-    return {
+    """Tags of a reactive run: which scheduler, task and attempt, and the passed deadline it was launched for (its
+    values and reason are in its first log entry)."""
+    tags = {
         SCHEDULER_TAG: scheduler,
         TASK_TAG: launch.task,
         RUN_KEY_TAG: launch.run_key,
         ATTEMPT_TAG: str(launch.attempt),
     }
+    if launch.deadline is not None:
+        tags[DEADLINE_TAG] = launch.deadline.isoformat()
+    return tags
 
 
 def launched_values(

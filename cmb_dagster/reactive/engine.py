@@ -24,8 +24,10 @@ time-boxed and resumable:
    their values as the task's last-seen values, like a reactive run (the manual recovery of a task whose trigger
    compares with the time or another parameter).
 
-Time alone never turns a trigger from false to true (Delay-type conditions only decay), so tasks whose
-inputs did not change need no evaluation: there is no periodic full scan.
+Time alone turns a trigger from false to true only through a ``Settle`` whose quiet time ends (Delay-type
+conditions only decay), and a passed deadline launches a task with ``on_deadline='run'``: an evaluation stores
+when that can happen (``wake_at``) and the tick marks the tasks whose time came. Tasks whose inputs did not
+change and whose wake time did not come need no evaluation: there is no periodic full scan.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.ctl.store import (
     CTL_BRANCH_ID,
     check_values,
-    read_values,
     values_as_of,
     values_from_json,
     values_to_json,
@@ -59,6 +60,7 @@ from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import check_text, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, sanitize
 from cmb_dagster.reactive import sql
+from cmb_dagster.reactive.admin import current_values
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady, SchedulerConflict
 from cmb_dagster.reactive.models import (
     ABOVE_HIGHEST_PRIORITY,
@@ -111,6 +113,19 @@ class _Evaluation:
     explanation: str
     values: dict[ParameterKey, datetime]
     last: dict[ParameterKey, datetime]
+    wake_at: datetime | None = None  # waiting: when time alone can make it ready
+    deadline: datetime | None = None  # ready: the passed deadline it launches for (on_deadline='run')
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    """A task's stored state that its evaluation reads."""
+
+    name: str
+    last: dict | None
+    backwards_note: str | None
+    last_success_at: datetime | None
+    deadline_since: datetime | None
 
 
 @dataclass(eq=False)
@@ -205,7 +220,9 @@ class TaskScheduler:
             for entity in sorted(set(task.upstream)):
                 self.downstream[entity].append(task.name)
         self.definitions_hash = hashlib.sha256(
-            json.dumps(sorted((t.name, t.trigger_hash, t.priority, t.produces) for t in tasks)).encode()
+            json.dumps(
+                sorted((t.name, t.trigger_hash, t.priority, t.produces, t.deadline_json) for t in tasks)
+            ).encode()
         ).hexdigest()[:16]
         self.leases = Leases(database, LEASE_KIND, owner, ttl=self.settings.tick_seconds + 10)
 
@@ -271,6 +288,9 @@ class TaskScheduler:
                     hold = self._hold(conn, in_flight, busy or {}, fresh)
                     self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, failures, report)
                     self._remind_waiting(conn, lease, now, report)
+                    with conn.transaction():
+                        done = {"scheduler": self.name, "now": now, "seconds": time.monotonic() - started}
+                        conn.execute(sql.SAVE_TICK, done)
             finally:
                 self._lease, self._report = None, None
                 if not held_by_caller:
@@ -287,9 +307,8 @@ class TaskScheduler:
             if row is not None:
                 self._refuse_a_foreign_name(*row, now)
             if row is not None and row[0] == self.definitions_hash:
-                heartbeat_due = row[2] is None or row[2] < now - self.settings.takeover_after / 10
-                if self.location is not None and (row[1] != self.location or heartbeat_due):
-                    conn.execute(sql.TOUCH_SCHEDULER, params)
+                if self.location is not None and row[1] != self.location:
+                    conn.execute(sql.MOVE_SCHEDULER, params)
                 return
             Leases.check(conn, lease)
             if row is None:
@@ -314,6 +333,7 @@ class TaskScheduler:
                     "priorities": [t.priority for t in specs],
                     "timezones": [t.timezone for t in specs],
                     "produces": [json.dumps(t.produces) for t in specs],
+                    "deadlines": [t.deadline_json for t in specs],
                 },
             )
             conn.execute(sql.UNDEFINE_MISSING_TASKS, {**params, "names": [t.name for t in specs]})
@@ -433,6 +453,7 @@ class TaskScheduler:
                 ]
                 conn.execute(sql.FINISH_RUNS, {**params, "rows": json.dumps(rows)})
             conn.execute(sql.END_BACKOFFS, params)
+            conn.execute(sql.WAKE_TASKS, params)
         self._relaunch(lost, report)
         done = {f[0] for f in finished}
         return {row[0]: sorted_keys(row[7]) for row in launched if row[0] not in done}
@@ -533,7 +554,7 @@ class TaskScheduler:
         for start in range(0, len(marked), size):
             with conn.transaction():
                 rows = conn.execute(sql.TASKS_TO_EVALUATE, {**params, "names": marked[start : start + size]}).fetchall()
-                evaluations = self._evaluate(conn, [(r[0], r[1], r[2]) for r in rows], now)
+                evaluations = self._evaluate(conn, [_Stored(r[0], r[1], r[2], r[5], r[6]) for r in rows], now)
                 Leases.check(conn, lease)
                 # ready tasks stay marked: the launch step launches or saves them (a crash meanwhile re-evaluates them)
                 self._save(conn, params, [e for e in evaluations if e.status != "ready"])
@@ -579,7 +600,7 @@ class TaskScheduler:
                     break
                 candidates = [(r[4], r[0]) for r in rows] + [(self.tasks[e.name].priority, e.name) for e in pending]
                 names = {name for _, name in sorted(candidates, key=lambda c: (-c[0], c[1]))[:limit]}
-                stale = [(r[0], r[1], r[2]) for r in rows if r[0] in names]
+                stale = [_Stored(r[0], r[1], r[2], r[5], r[6]) for r in rows if r[0] in names]
                 attempts_so_far = {**failures, **{r[0]: r[3] for r in rows}}
                 evaluations = self._evaluate(conn, stale, now) if stale else []
                 ready = [e for e in pending if e.name in names] + [e for e in evaluations if e.status == "ready"]
@@ -632,7 +653,7 @@ class TaskScheduler:
         if not keys:
             return set()
         with self.database.connection() as conn:
-            found = read_values(conn, sorted(set(keys)))
+            found, _ = current_values(conn, sorted(set(keys)))
         return {key for key in keys if key not in found}
 
     def _backoff(self, failures_before: int) -> timedelta:
@@ -859,6 +880,7 @@ class TaskScheduler:
                     partition_key=s.partition_key,
                     run_config=s.run_config,
                     tags=s.tags,
+                    deadline=e.deadline,
                 )
             )
         columns = {
@@ -875,45 +897,49 @@ class TaskScheduler:
 
     # -- evaluation ---------------------------------------------------------------------------
 
-    def _evaluate(
-        self, conn: psycopg.Connection, rows: Sequence[tuple[str, dict | None, str | None]], now: datetime
-    ) -> list[_Evaluation]:
-        keys = sorted({key for name, _, _ in rows for key in self.reads.get(name, ())})
-        current = read_values(conn, keys) if keys else {}
-        return [self._evaluate_one(name, values_from_json(last), note, current, now) for name, last, note in rows]
+    def _evaluate(self, conn: psycopg.Connection, rows: Sequence[_Stored], now: datetime) -> list[_Evaluation]:
+        keys = sorted({key for row in rows for key in self.reads.get(row.name, ())})
+        current, changed = current_values(conn, keys)
+        return [self._evaluate_one(row, current, changed, now) for row in rows]
 
     def _evaluate_one(
         self,
-        name: str,
-        last: dict[ParameterKey, datetime],
-        backwards_note: str | None,
+        row: _Stored,
         current: Mapping[ParameterKey, datetime],
+        changed: Mapping[ParameterKey, datetime],
         now: datetime,
     ) -> _Evaluation:
+        name, last = row.name, values_from_json(row.last)
         spec = self.tasks.get(name)
         if spec is None:
             why = "not defined in this process's code (another version synced it)"
             return _Evaluation(name, "error", why, {}, last)
         try:
-            result = evaluate(spec.trigger, now=now, current=current, last=last, timezone=spec.timezone)
+            result = evaluate(
+                spec.trigger, now=now, current=current, last=last, timezone=spec.timezone, changed=changed
+            )
             explanation = result.explanation
         except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
             error = describe_error(exc)
             log.warning("reactive task %s: evaluating %r raised %s", name, spec.trigger, error)
             return _Evaluation(name, "error", f"evaluating the trigger raised {error}", {}, last)
-        if backwards_note:
-            explanation += f"\nnote: {backwards_note}"
-        if not result.fired:
-            return _Evaluation(name, "waiting", explanation, {}, last)
-        if all(last.get(key) == value for key, value in result.used.items()):
-            return _Evaluation(
-                name,
-                "waiting",
-                explanation + "\nbut its last successful run already saw exactly these values: waiting for a change",
-                {},
-                last,
-            )
-        return _Evaluation(name, "ready", explanation, dict(result.used), last)
+        if row.backwards_note:
+            explanation += f"\nnote: {row.backwards_note}"
+        if result.fired and any(last.get(key) != value for key, value in result.used.items()):
+            return _Evaluation(name, "ready", explanation, dict(result.used), last)
+        if result.fired:
+            explanation += "\nbut its last successful run already saw exactly these values: waiting for a change"
+        wake_at = result.wake_at
+        if spec.deadline is not None and spec.on_deadline == "run" and row.deadline_since is not None:
+            state = spec.deadline.state(now, spec.timezone, row.last_success_at, row.deadline_since)
+            if state.late:
+                why = (
+                    f"deadline {spec.deadline.describe(spec.timezone)} passed at {state.due_at} without a successful "
+                    f"run since {state.since}: launched anyway (on_deadline='run'), though its trigger waits"
+                )
+                return _Evaluation(name, "ready", why + "\n" + explanation, dict(result.used), last, None, state.due_at)
+            wake_at = state.due_at if wake_at is None else min(wake_at, state.due_at)  # met or not: the next follows it
+        return _Evaluation(name, "waiting", explanation, {}, last, wake_at)
 
     def _save(self, conn: psycopg.Connection, params: dict[str, Any], evaluations: Sequence[_Evaluation]) -> None:
         if not evaluations:
@@ -924,6 +950,7 @@ class TaskScheduler:
                 "status": e.status,
                 "ready_values": values_to_json(e.values) if e.values else None,
                 "explanation": e.explanation,
+                "wake_at": e.wake_at.isoformat() if e.wake_at else None,
             }
             for e in evaluations
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import warnings
 from collections import Counter, defaultdict
@@ -15,8 +16,10 @@ from typing import Annotated, Any, ClassVar
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError, computed_field, model_validator
 
 from cmb_dagster.ctl.models import Name, ParameterKey, check_name
+from cmb_dagster.health import Checks, Threshold
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options
+from cmb_dagster.reactive.deadlines import Deadline, DeadlineState, OnDeadline
 from cmb_dagster.reactive.errors import InvalidReactiveInput
 from cmb_dagster.triggers import Trigger, parameters
 from cmb_dagster.triggers.chunks import get_zone
@@ -58,7 +61,8 @@ TimeZone = Annotated[str, AfterValidator(_known_zone)]
 
 
 class TaskSpec(Options):
-    """What the engine needs to know of a reactive task: name, trigger, priority, time zone, CTL it writes."""
+    """What the engine needs to know of a reactive task: name, trigger, priority, time zone, CTL it writes, and
+    its deadline."""
 
     error: ClassVar[type[InvalidReactiveInput]] = InvalidReactiveInput
 
@@ -72,10 +76,27 @@ class TaskSpec(Options):
         description="Entities (asset keys) upstream of the task's target: while a run materializing one is queued "
         "or running and this task waits, lower-priority tasks are held.",
     )
+    deadline: Deadline | None = Field(default=None, description="By when the task must have run successfully.")
+    on_deadline: OnDeadline = Field(
+        default="alert", description="'run': a passed deadline also launches the task anyway (its run is tagged)."
+    )
+
+    @model_validator(mode="after")
+    def _on_deadline_needs_one(self) -> TaskSpec:
+        if self.on_deadline == "run" and self.deadline is None:
+            raise ValueError("on_deadline: 'run' needs a deadline")
+        return self
 
     @property
     def trigger_json(self) -> str:
         return self.trigger.model_dump_json()
+
+    @property
+    def deadline_json(self) -> str | None:
+        """The deadline and what it does, as stored with the task (None: no deadline)."""
+        if self.deadline is None:
+            return None
+        return json.dumps({**self.deadline.model_dump(mode="json", exclude_none=True), "on_deadline": self.on_deadline})
 
     @property
     def trigger_hash(self) -> str:
@@ -179,6 +200,19 @@ class SchedulerSettings(_SchedulerPacing):
     )
 
 
+class ReactiveChecks(Checks):
+    """Limits of the reactive tasks asset's checks (a task's deadline check has none: it fails once the deadline
+    passed)."""
+
+    error: ClassVar[type[InvalidReactiveInput]] = InvalidReactiveInput
+
+    tick_age: Threshold = Field(
+        default=Threshold(warn_at=3, error_at=10),
+        description="Time since the reactive scheduler sensor's last tick, in its intervals "
+        "(minimum_interval_seconds).",
+    )
+
+
 class ReactiveOptions(_SchedulerPacing):
     """What ``cmb_definitions(reactive=...)`` adds: the tasks of a code location and how their scheduler paces itself.
 
@@ -204,7 +238,13 @@ class ReactiveOptions(_SchedulerPacing):
     default_status: Any = Field(default=None, description="The sensor's DefaultSensorStatus (default: RUNNING).")
     sensor_name: str = Field(default="reactive_scheduler", description="The sensor's name after the prefix.")
     observe_interval_seconds: int = Field(
-        default=60, ge=5, le=86400, description="How often the status sensor counts the tasks by status."
+        default=60,
+        ge=5,
+        le=86400,
+        description="How often the status sensor counts the tasks by status and evaluates their checks.",
+    )
+    checks: ReactiveChecks = Field(
+        default_factory=lambda: ReactiveChecks(), description="Limits of the reactive tasks asset's checks."
     )
 
     @model_validator(mode="after")
@@ -288,6 +328,7 @@ class Launch:
     partition_key: str | None = None
     run_config: Mapping[str, Any] | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
+    deadline: datetime | None = None  # the passed deadline this run was launched for (on_deadline='run')
 
 
 Launcher = Callable[[Sequence[Launch]], None]
@@ -399,12 +440,41 @@ class TaskState(BaseModel):
     produces: list[ParameterKey]
     partition_key: str | None = None
     shown_at: datetime | None = None  # when the tick log last showed its explanation (a waiting task: hourly)
+    wake_at: datetime | None = None  # when time alone can make it launch (a Settle, a deadline that runs it)
+    deadline: dict[str, Any] | None = None  # its Deadline's fields and on_deadline
+    deadline_since: datetime | None = None  # when the deadline was defined: earlier deadlines are not enforced
+
+    def deadline_state(self, now: datetime) -> DeadlineState | None:
+        """Where the task stands against its deadline at ``now`` (None: it has none)."""
+        if self.deadline is None or self.deadline_since is None:
+            return None
+        fields = {k: v for k, v in self.deadline.items() if k != "on_deadline"}
+        return Deadline(**fields).state(now, self.timezone, self.last_success_at, self.deadline_since)
+
+    def deadline_text(self) -> str:
+        """``'cron 0 9 * * * in UTC'`` (and ``', runs the task when passed'``), or '' without a deadline."""
+        if self.deadline is None:
+            return ""
+        fields = {k: v for k, v in self.deadline.items() if k != "on_deadline"}
+        runs = ", runs the task when passed" if self.deadline.get("on_deadline") == "run" else ""
+        return Deadline(**fields).describe(self.timezone) + runs
+
+
+class SchedulerState(BaseModel):
+    """A reactive scheduler's last tick: when it started (``ticked_at``) and how long it took."""
+
+    name: str
+    location: str | None
+    ticked_at: datetime | None
+    tick_seconds: float | None
 
 
 class ReactiveStatus(BaseModel):
-    """The stored state of reactive tasks (``cmb-dagster reactive status``), and how many are in each status."""
+    """The stored state of reactive tasks (``cmb-dagster reactive status``), and how many are in each status;
+    ``schedulers``: each scheduler's last tick."""
 
     tasks: list[TaskState]
+    schedulers: list[SchedulerState] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -23,9 +23,29 @@ SET definitions_hash = EXCLUDED.definitions_hash, synced_at = now(),
     location = coalesce(EXCLUDED.location, reactive_schedulers.location), ticked_at = EXCLUDED.ticked_at
 """
 
-# The owner's heartbeat (at most about once a minute): another location may take the name over when it stops.
-TOUCH_SCHEDULER = """
-UPDATE reactive_schedulers SET location = %(location)s, ticked_at = %(now)s WHERE name = %(scheduler)s
+# The code location that syncs the scheduler's tasks.
+MOVE_SCHEDULER = """
+UPDATE reactive_schedulers SET location = %(location)s WHERE name = %(scheduler)s
+"""
+
+# Every tick of the owner: when it started and how long it took (another location may take the name over when it
+# stops; the reactive tasks asset's check says when it stopped).
+SAVE_TICK = """
+UPDATE reactive_schedulers SET ticked_at = %(now)s, tick_seconds = %(seconds)s WHERE name = %(scheduler)s
+"""
+
+# The schedulers' last ticks, for their health check and metrics.
+SCHEDULER_TICKS = """
+SELECT name, location, ticked_at, tick_seconds FROM reactive_schedulers
+WHERE %(scheduler)s::text IS NULL OR name = %(scheduler)s
+ORDER BY name
+"""
+
+# The current values of CTL parameters and when each was set (constant time per parameter: the primary key).
+CURRENT_VALUES = """
+SELECT v.entity, v.parameter, v.value, v.updated_at
+FROM ctl_values v
+JOIN unnest(%(entities)s::text[], %(parameters)s::text[]) AS k(entity, parameter) USING (entity, parameter)
 """
 
 # Other schedulers of this schema that remember task state (a renamed code location leaves its state behind).
@@ -35,22 +55,25 @@ WHERE scheduler <> %(scheduler)s AND last_values <> '{}'::jsonb
 GROUP BY scheduler ORDER BY scheduler LIMIT 5
 """
 
-# A task that is new, whose trigger changed, or that comes back, is marked for evaluation (both parts of the
-# statement see the tasks as they were before it); a new priority or ``produces`` alone is saved without marking it.
+# A task that is new, whose trigger or deadline changed, or that comes back, is marked for evaluation (both parts
+# of the statement see the tasks as they were before it); a new priority or ``produces`` alone is saved without
+# marking it. A deadline counts from when it was defined as it is (``deadline_since``).
 UPSERT_TASKS = """
 WITH d AS (
     SELECT * FROM unnest(%(names)s::text[], %(triggers)s::jsonb[], %(hashes)s::text[], %(priorities)s::int[],
-                         %(timezones)s::text[], %(produces)s::jsonb[])
-         AS d(name, trigger, trigger_hash, priority, timezone, produces)
+                         %(timezones)s::text[], %(produces)s::jsonb[], %(deadlines)s::jsonb[])
+         AS d(name, trigger, trigger_hash, priority, timezone, produces, deadline)
 ), marked AS (
     INSERT INTO reactive_marks (scheduler, name)
     SELECT %(scheduler)s, d.name
     FROM d LEFT JOIN reactive_tasks t ON t.scheduler = %(scheduler)s AND t.name = d.name
-    WHERE t.name IS NULL OR t.trigger_hash <> d.trigger_hash OR NOT t.defined
+    WHERE t.name IS NULL OR t.trigger_hash <> d.trigger_hash OR NOT t.defined OR t.deadline IS DISTINCT FROM d.deadline
     ON CONFLICT DO NOTHING
 )
-INSERT INTO reactive_tasks AS t (scheduler, name, trigger, trigger_hash, priority, timezone, produces)
-SELECT %(scheduler)s, d.name, d.trigger, d.trigger_hash, d.priority, d.timezone, d.produces
+INSERT INTO reactive_tasks AS t (scheduler, name, trigger, trigger_hash, priority, timezone, produces, deadline,
+                                 deadline_since)
+SELECT %(scheduler)s, d.name, d.trigger, d.trigger_hash, d.priority, d.timezone, d.produces, d.deadline,
+       CASE WHEN d.deadline IS NULL THEN NULL ELSE %(now)s::timestamptz END
 FROM d
 ORDER BY d.name
 ON CONFLICT (scheduler, name) DO UPDATE
@@ -59,10 +82,13 @@ ON CONFLICT (scheduler, name) DO UPDATE
         priority = EXCLUDED.priority,
         timezone = EXCLUDED.timezone,
         produces = EXCLUDED.produces,
+        deadline = EXCLUDED.deadline,
+        deadline_since = CASE WHEN t.deadline IS NOT DISTINCT FROM EXCLUDED.deadline THEN t.deadline_since
+                              ELSE EXCLUDED.deadline_since END,
         defined = true,
         updated_at = now()
     WHERE t.trigger_hash <> EXCLUDED.trigger_hash OR t.priority <> EXCLUDED.priority OR NOT t.defined
-       OR t.produces <> EXCLUDED.produces
+       OR t.produces <> EXCLUDED.produces OR t.deadline IS DISTINCT FROM EXCLUDED.deadline
 """
 
 UNDEFINE_MISSING_TASKS = """
@@ -139,6 +165,17 @@ WITH ended AS (
 INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM ended ON CONFLICT DO NOTHING
 """
 
+# Tasks whose wake time came (time alone can make them launch now) are marked for evaluation (index
+# reactive_tasks_wake: the cost follows the tasks woken, not the tasks defined).
+WAKE_TASKS = """
+WITH woken AS (
+    UPDATE reactive_tasks SET wake_at = NULL
+    WHERE scheduler = %(scheduler)s AND wake_at IS NOT NULL AND wake_at <= %(now)s
+    RETURNING name
+)
+INSERT INTO reactive_marks (scheduler, name) SELECT %(scheduler)s, name FROM woken ON CONFLICT DO NOTHING
+"""
+
 # -- reactive scheduler: evaluation and launch -------------------------------------------------
 
 # The marked tasks to evaluate, highest priority first (read once per tick, then evaluated in batches).
@@ -151,7 +188,7 @@ ORDER BY t.priority DESC, t.name
 
 # One batch of marked tasks, in the order given; a ready task stays marked until the launch step.
 TASKS_TO_EVALUATE = """
-SELECT t.name, t.last_values, t.backwards_note, t.priority, t.attempts
+SELECT t.name, t.last_values, t.backwards_note, t.priority, t.attempts, t.last_success_at, t.deadline_since
 FROM unnest(%(names)b::text[]) WITH ORDINALITY AS n(name, position)
 JOIN reactive_tasks t ON t.scheduler = %(scheduler)s AND t.name = n.name
 WHERE t.defined AND t.status NOT IN ('launched', 'backoff')
@@ -160,7 +197,7 @@ ORDER BY n.position
 
 # Ready tasks with a priority in [min_priority, max_priority): a hold launches none below a bound.
 READY_TASKS = """
-SELECT name, last_values, backwards_note, attempts, priority
+SELECT name, last_values, backwards_note, attempts, priority, last_success_at, deadline_since
 FROM reactive_tasks
 WHERE scheduler = %(scheduler)s AND status = 'ready' AND defined
   AND priority >= %(min_priority)s::bigint AND priority < %(max_priority)s::bigint
@@ -186,9 +223,10 @@ LIMIT 1
 SAVE_EVALUATIONS = """
 WITH saved AS (
     UPDATE reactive_tasks t
-    SET status = e.status, ready_values = e.ready_values, explanation = e.explanation,
+    SET status = e.status, ready_values = e.ready_values, explanation = e.explanation, wake_at = e.wake_at,
         evaluated_at = %(now)s, updated_at = %(now)s, shown_at = %(now)s
-    FROM jsonb_to_recordset(%(rows)s::jsonb) AS e(name text, status text, ready_values jsonb, explanation text)
+    FROM jsonb_to_recordset(%(rows)s::jsonb)
+         AS e(name text, status text, ready_values jsonb, explanation text, wake_at timestamptz)
     WHERE t.scheduler = %(scheduler)s AND t.name = e.name AND t.status NOT IN ('launched', 'backoff')
     RETURNING t.name
 )
@@ -301,7 +339,7 @@ WITH launched AS (
 ), tasks AS (
     UPDATE reactive_tasks t
     SET status = 'launched', run_key = l.run_key, run_id = NULL, launched_at = %(now)s, ready_values = l.ctl_values,
-        explanation = l.reason, evaluated_at = %(now)s, updated_at = %(now)s,
+        explanation = l.reason, evaluated_at = %(now)s, updated_at = %(now)s, wake_at = NULL,
         partition_key = l.partition_key
     FROM launched l
     WHERE t.scheduler = %(scheduler)s AND t.name = l.name AND t.status NOT IN ('launched', 'backoff')
@@ -327,7 +365,7 @@ SELECT scheduler, name, status, defined,
        EXISTS (SELECT FROM reactive_marks m WHERE m.scheduler = t.scheduler AND m.name = t.name) AS dirty,
        priority, timezone, trigger, last_values, ready_values,
        run_key, run_id, launched_at, attempts, backoff_until, explanation, evaluated_at, backwards_note,
-       last_success_at, produces, partition_key, shown_at
+       last_success_at, produces, partition_key, shown_at, wake_at, deadline, deadline_since
 FROM reactive_tasks t
 WHERE (%(scheduler)s::text IS NULL OR scheduler = %(scheduler)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)

@@ -2,8 +2,9 @@
 
 CTL triggers compare a parameter's current value with the last run's value (``Delta``,
 ``ChunkDelta``), with the current time (``Delay``, ``ChunkDelay``) or with another parameter
-(``RefDelay``, ``ChunkRefDelay``); ``All`` and ``Any`` combine them. ``evaluate`` decides and
-explains; ``param(...)`` builds triggers readably. Pure Python: no Dagster, no database.
+(``RefDelay``, ``ChunkRefDelay``), or wait until a parameter stopped changing (``Settle``); ``All`` and
+``Any`` combine them. ``evaluate`` decides and explains; ``param(...)`` builds triggers readably. Pure Python:
+no Dagster, no database.
 """
 
 from cmb_dagster.triggers.checks import check, parameters, uses_last
@@ -20,6 +21,7 @@ from cmb_dagster.triggers.models import (
     Delta,
     ParameterKey,
     RefDelay,
+    Settle,
     Trigger,
     trigger_from_dict,
     trigger_from_json,
@@ -37,6 +39,7 @@ __all__ = [
     "Param",
     "ParameterKey",
     "RefDelay",
+    "Settle",
     "Trigger",
     "TriggerResult",
     "all_of",

@@ -32,14 +32,15 @@ def parameters(trigger: Trigger) -> set[ParameterKey]:
 
 
 def uses_last(trigger: Trigger) -> bool:
-    """Whether the trigger reads the values seen by the task's last run (contains a Delta or ChunkDelta)."""
+    """Whether the trigger reads the values seen by the task's last run (contains a Delta, ChunkDelta or Settle)."""
     return any(ctl.reads_last for ctl in _ctl_triggers(trigger))
 
 
 def check(trigger: Trigger) -> list[str]:
     """Advice on triggers that can fire without new data beyond what the last run saw.
 
-    Every way the trigger can fire should involve a Delta-type trigger (Delta or ChunkDelta):
+    Every way the trigger can fire should involve a Delta-type trigger (Delta, ChunkDelta, or Settle, which fires
+    only on a value other than the last run's):
     a single CTL trigger must be one, ``All`` needs at least one, ``Any`` needs all children to be.
     Otherwise the task runs again after each run as soon as any value it reads changes while the
     condition holds (the engine never reruns it on exactly the values its last run saw).
@@ -51,14 +52,14 @@ def check(trigger: Trigger) -> list[str]:
     if isinstance(trigger, CtlTriggerBase):
         if trigger.reads_last:
             return []
-        return [f"{trigger!r}: {again}; use Delta or ChunkDelta, or combine it with one in All(...)"]
+        return [f"{trigger!r}: {again}; use Delta, ChunkDelta or Settle, or combine it with one in All(...)"]
     if isinstance(trigger, All):
         if uses_last(trigger):
             return []
-        return [f"{trigger!r}: none of its triggers is Delta-type: {again}; add a Delta or ChunkDelta"]
+        return [f"{trigger!r}: none of its triggers is Delta-type: {again}; add a Delta, ChunkDelta or Settle"]
     return [
         f"{trigger!r}: child {child!r} is not Delta-type and can fire alone: {again}; "
-        "make every child of Any a Delta or ChunkDelta"
+        "make every child of Any a Delta, ChunkDelta or Settle"
         for child in trigger.triggers
         if not child.reads_last
     ]

@@ -24,11 +24,14 @@ _SUB_DAY_EXAMPLES = "5min, 10min, 15min, 20min, 30min, hour, 2h, 3h, 4h, 6h, 8h,
 
 @dataclass(frozen=True, slots=True)
 class ChunkScale:
-    """A parsed chunk scale: its canonical name, how to index a local time and how to label a chunk."""
+    """A parsed chunk scale: its canonical name, how to index a local time and how to label a chunk; ``start_of``
+    gives the wall-clock start of the chunk holding a local time and ``after`` the start of the next chunk."""
 
     name: str
     index_of: Callable[[datetime], int]
     label_of: Callable[[datetime], str]
+    start_of: Callable[[datetime], datetime]
+    after: Callable[[datetime], datetime]
 
 
 def _minutes_scale(name: str, minutes: int) -> ChunkScale:
@@ -41,7 +44,24 @@ def _minutes_scale(name: str, minutes: int) -> ChunkScale:
         start = (local.hour * 60 + local.minute) // minutes * minutes
         return f"{_day_label(local)} {start // 60:02d}:{start % 60:02d}"
 
-    return ChunkScale(name, index_of, label_of)
+    def start_of(local: datetime) -> datetime:
+        start = (local.hour * 60 + local.minute) // minutes * minutes
+        return _midnight(local) + timedelta(minutes=start)
+
+    return ChunkScale(name, index_of, label_of, start_of, lambda start: start + timedelta(minutes=minutes))
+
+
+def _midnight(local: datetime) -> datetime:
+    return local.replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def _months_later(start: datetime, months: int) -> datetime:
+    index = start.year * 12 + start.month - 1 + months
+    return start.replace(year=index // 12, month=index % 12 + 1)
+
+
+def _first_month_of(local: datetime, months: int) -> datetime:
+    return _midnight(local).replace(day=1, month=(local.month - 1) // months * months + 1)
 
 
 def _day_label(local: datetime) -> str:
@@ -54,18 +74,36 @@ def _week_label(local: datetime) -> str:
 
 
 _CALENDAR: dict[str, ChunkScale] = {
-    "day": ChunkScale("day", datetime.toordinal, _day_label),
+    "day": ChunkScale("day", datetime.toordinal, _day_label, _midnight, lambda start: start + timedelta(days=1)),
     # 0001-01-01 (ordinal 1) is a Monday, so this counts ISO weeks.
-    "week": ChunkScale("week", lambda local: (local.toordinal() - 1) // 7, _week_label),
+    "week": ChunkScale(
+        "week",
+        lambda local: (local.toordinal() - 1) // 7,
+        _week_label,
+        lambda local: _midnight(local) - timedelta(days=local.weekday()),
+        lambda start: start + timedelta(weeks=1),
+    ),
     "month": ChunkScale(
-        "month", lambda local: local.year * 12 + local.month - 1, lambda local: f"{local.year:04d}-{local.month:02d}"
+        "month",
+        lambda local: local.year * 12 + local.month - 1,
+        lambda local: f"{local.year:04d}-{local.month:02d}",
+        lambda local: _first_month_of(local, 1),
+        lambda start: _months_later(start, 1),
     ),
     "quarter": ChunkScale(
         "quarter",
         lambda local: local.year * 4 + (local.month - 1) // 3,
         lambda local: f"{local.year}-Q{(local.month - 1) // 3 + 1}",
+        lambda local: _first_month_of(local, 3),
+        lambda start: _months_later(start, 3),
     ),
-    "year": ChunkScale("year", lambda local: local.year, lambda local: f"{local.year}"),
+    "year": ChunkScale(
+        "year",
+        lambda local: local.year,
+        lambda local: f"{local.year}",
+        lambda local: _first_month_of(local, 12),
+        lambda start: _months_later(start, 12),
+    ),
 }
 
 

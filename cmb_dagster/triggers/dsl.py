@@ -19,6 +19,7 @@ from cmb_dagster.triggers.models import (
     Delay,
     Delta,
     RefDelay,
+    Settle,
     combine,
 )
 
@@ -77,6 +78,14 @@ class Param:
         ChunkDelay('sales', 'loaded_until', 'day', timezone='Europe/Moscow')
         """
         return ChunkDelay(self.entity, self.parameter, scale, timezone=timezone)
+
+    def settled_for(self, quiet: timedelta | str) -> Settle:
+        """Fires once the parameter has not changed for ``quiet`` and holds a value the last run did not see.
+
+        >>> param("shop/prices", "loaded_until").settled_for("15min")
+        Settle('shop/prices', 'loaded_until', '15min')
+        """
+        return Settle(self.entity, self.parameter, quiet)
 
     def behind(
         self,

@@ -20,6 +20,7 @@ from cmb_dagster.triggers.models import (
     Delta,
     ParameterKey,
     RefDelay,
+    Settle,
     Trigger,
     display_key,
 )
@@ -35,7 +36,9 @@ class TriggerResult:
     ``used`` maps ``(entity, parameter)`` to the current values the trigger read; on a
     successful run they become the task's last-seen values. ``children`` holds the results
     of an aggregate's triggers. ``explanation`` is rendered by ``render`` on access, so
-    evaluation itself builds no text.
+    evaluation itself builds no text; ``brief`` renders what a CTL trigger's value is against its
+    limit, in a few words. ``wake_at``: when a result that did not fire can fire on the same values
+    with time alone (a ``Settle`` whose quiet time has not passed yet); None: only a change of a value can.
     """
 
     trigger: Trigger
@@ -43,24 +46,45 @@ class TriggerResult:
     used: dict[ParameterKey, datetime]
     render: Callable[[], str] = field(repr=False, compare=False)
     children: tuple[TriggerResult, ...] = ()
+    wake_at: datetime | None = None
+    brief: Callable[[], str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def explanation(self) -> str:
         """Which condition was checked, on which values, and by how much it held or missed."""
         return self.render()
 
+    @property
+    def waits_on(self) -> list[str]:
+        """One line per CTL trigger that did not fire: its label, the value it waits on and its limit,
+        e.g. ``'Delay(shop/prices/loaded_until, 2h) waits on shop/prices/loaded_until = ..., 11:00:00 behind,
+        allowed 2:00:00'``."""
+        results = self.children if self.children else (self,)
+        return [r.render_brief() for r in results if not r.fired]
+
+    def render_brief(self) -> str:
+        """``'<label> waits on <value against its limit>'`` (a CTL trigger), or the explanation."""
+        if self.brief is None:
+            return self.explanation
+        return self.brief()
+
 
 class _Inputs:
     """Evaluation inputs; CTL values are checked only when a trigger reads them."""
 
-    __slots__ = ("current", "last", "now", "now_utc", "timezone")
+    __slots__ = ("changed", "current", "last", "now", "now_utc", "timezone")
 
-    def __init__(self, now: datetime, current: CtlValues, last: CtlValues, timezone: str) -> None:
+    def __init__(self, now: datetime, current: CtlValues, last: CtlValues, timezone: str, changed: CtlValues) -> None:
         self.now = now
         self.now_utc = _utc(_require_aware(now, "now"))
         self.current = current
         self.last = last
         self.timezone = timezone
+        self.changed = changed
+
+    def changed_of(self, key: ParameterKey) -> datetime | None:
+        value = self.changed.get(key)
+        return None if value is None else _require_aware(value, f"changed[{key!r}]")
 
     def current_of(self, key: ParameterKey) -> datetime | None:
         value = self.current.get(key)
@@ -91,19 +115,21 @@ def evaluate(
     current: CtlValues,
     last: CtlValues,
     timezone: str | None = None,
+    changed: CtlValues | None = None,
 ) -> TriggerResult:
     """Decide whether ``trigger`` fires at ``now`` and explain why.
 
     ``current`` and ``last`` map ``(entity, parameter)`` to aware datetimes (a missing key is
     a missing value); ``timezone`` is the task's IANA zone for chunk triggers without their
-    own (default UTC).
+    own (default UTC); ``changed`` maps a parameter to when its current value was set (CTL's
+    ``updated_at``), which ``Settle`` reads.
     """
     if timezone is not None:
         try:
             get_zone(timezone)
         except ValueError as error:
             raise ValueError(f"timezone: {error}") from None
-    return _evaluate(trigger, _Inputs(now, current, last, timezone or "UTC"))
+    return _evaluate(trigger, _Inputs(now, current, last, timezone or "UTC", changed or {}))
 
 
 def _evaluate(trigger: Trigger, inputs: _Inputs) -> TriggerResult:
@@ -135,6 +161,8 @@ def _label(trigger: CtlTriggerBase, task_timezone: str) -> str:
         watched += f", {trigger.scale} in {trigger.timezone or task_timezone}, {trigger.min_delta or 1}"
     elif isinstance(trigger, ChunkDelay | ChunkRefDelay):
         watched += f", {trigger.scale} in {trigger.timezone or task_timezone}, {trigger.max_delay or 0}"
+    elif isinstance(trigger, Settle):
+        watched += f", {compact_duration(trigger.quiet)}"
     else:
         watched += f", {compact_duration(trigger.min_delta if isinstance(trigger, Delta) else trigger.max_delay)}"
     label = f"{trigger.kind}({watched})"
@@ -153,6 +181,7 @@ def _waiting_to_appear(trigger: CtlTriggerBase, task_timezone: str, key: Paramet
             f"{_label(trigger, task_timezone)} waits: {display_key(key)} has no current value yet "
             "(waiting for it to appear)"
         ),
+        brief=lambda: f"{_label(trigger, task_timezone)} waits on {display_key(key)}: no value yet",
     )
 
 
@@ -218,7 +247,13 @@ def _delta(trigger: Delta, inputs: _Inputs) -> TriggerResult:
         short_by = human_duration(trigger.min_delta - difference)
         return f"{compared} < {minimum} (short by {short_by}){_moved_back(difference < _NO_TIME)}"
 
-    return TriggerResult(trigger, fired, {key: current}, render)
+    def brief() -> str:
+        return (
+            f"{_label(trigger, task_timezone)} waits on {display_key(key)} = {current}, "
+            f"{human_duration(difference)} past the last run's {last}, needs {human_duration(trigger.min_delta)}"
+        )
+
+    return TriggerResult(trigger, fired, {key: current}, render, brief=brief)
 
 
 def _delay(trigger: Delay, inputs: _Inputs) -> TriggerResult:
@@ -232,6 +267,10 @@ def _delay(trigger: Delay, inputs: _Inputs) -> TriggerResult:
         lag <= trigger.max_delay,
         {key: current},
         lambda: _lag_text(_label(trigger, task_timezone), f"now − current = {now} − {current}", lag, trigger.max_delay),
+        brief=lambda: (
+            f"{_label(trigger, task_timezone)} waits on {display_key(key)} = {current}, "
+            f"{human_duration(lag)} behind now, allowed {human_duration(trigger.max_delay)}"
+        ),
     )
 
 
@@ -247,6 +286,11 @@ def _ref_delay(trigger: RefDelay, inputs: _Inputs) -> TriggerResult:
         used,
         lambda: _lag_text(
             _label(trigger, task_timezone), f"reference − current = {reference} − {current}", lag, trigger.max_delay
+        ),
+        brief=lambda: (
+            f"{_label(trigger, task_timezone)} waits on {display_key(trigger.key)} = {current}, "
+            f"{human_duration(lag)} behind {display_key(trigger.ref_key)} = {reference}, "
+            f"allowed {human_duration(trigger.max_delay)}"
         ),
     )
 
@@ -286,7 +330,14 @@ def _chunk_delta(trigger: ChunkDelta, inputs: _Inputs) -> TriggerResult:
             return f"{shown} >= {needed}"
         return f"{shown} < {needed} (short by {_chunks(needed - advanced)}){_moved_back(advanced < 0)}"
 
-    return TriggerResult(trigger, fired, {key: current}, render)
+    def brief() -> str:
+        return (
+            f"{_label(trigger, task_timezone)} waits on {display_key(key)} = {current} (chunk "
+            f"{scale.label_of(current_local)}), {_chunks(advanced)} past the last run's chunk "
+            f"{scale.label_of(last_local)}, needs {needed}"
+        )
+
+    return TriggerResult(trigger, fired, {key: current}, render, brief=brief)
 
 
 def _chunk_delay(trigger: ChunkDelay, inputs: _Inputs) -> TriggerResult:
@@ -309,6 +360,11 @@ def _chunk_delay(trigger: ChunkDelay, inputs: _Inputs) -> TriggerResult:
             f"now {now} in chunk {scale.label_of(now_local)}",
             lag,
             allowed,
+        ),
+        brief=lambda: (
+            f"{_label(trigger, task_timezone)} waits on {display_key(key)} = {current} (chunk "
+            f"{scale.label_of(current_local)}), {_chunks(lag)} behind now's chunk {scale.label_of(now_local)}, "
+            f"allowed {allowed}"
         ),
     )
 
@@ -334,6 +390,11 @@ def _chunk_ref_delay(trigger: ChunkRefDelay, inputs: _Inputs) -> TriggerResult:
             lag,
             allowed,
         ),
+        brief=lambda: (
+            f"{_label(trigger, task_timezone)} waits on {display_key(trigger.key)} = {current} (chunk "
+            f"{scale.label_of(current_local)}), {_chunks(lag)} behind {display_key(trigger.ref_key)}'s chunk "
+            f"{scale.label_of(reference_local)}, allowed {allowed}"
+        ),
     )
 
 
@@ -343,7 +404,62 @@ def _chunk_lag_text(label: str, shown: str, lag: int, allowed: int) -> str:
     return f"{label} waits: {shown}: {_chunks(lag)} behind > {allowed} (over by {_chunks(lag - allowed)})"
 
 
-def _aggregate(trigger: AggregateBase, inputs: _Inputs, fired_when: Callable[[int, int], bool]) -> TriggerResult:
+def _settle(trigger: Settle, inputs: _Inputs) -> TriggerResult:
+    key, task_timezone, now = trigger.key, inputs.timezone, inputs.now
+    current = inputs.current_of(key)
+    if current is None:
+        return _waiting_to_appear(trigger, task_timezone, key, {})
+    changed = inputs.changed_of(key)
+    label = _label(trigger, task_timezone)
+    if changed is None:
+        return TriggerResult(
+            trigger,
+            False,
+            {key: current},
+            lambda: f"{label} waits: the time {display_key(key)} last changed is unknown (not given to evaluate)",
+            brief=lambda: f"{label} waits on {display_key(key)} = {current}: the time of its last change is unknown",
+        )
+    quiet_for = inputs.now_utc - _utc(changed)
+    settled = quiet_for >= trigger.quiet
+    last = inputs.last_of(key)
+    new = last is None or _utc(last) != _utc(current)
+    fired = settled and new
+    shown = (
+        f"{display_key(key)} = {current} has not changed for {human_duration(quiet_for)} (since {changed}, now {now})"
+    )
+    if last is None:
+        compared = "no last value (first run, or the parameter is new to the trigger)"
+    elif new:
+        compared = f"it differs from the last run's {last}"
+    else:
+        compared = "it is the value the last run saw: waiting for a new value"
+
+    def render() -> str:
+        if fired:
+            return f"{label} fires: {shown} >= {human_duration(trigger.quiet)}, and {compared}"
+        if not settled:
+            to_go = human_duration(trigger.quiet - quiet_for)
+            return f"{label} waits: {shown}, needs {human_duration(trigger.quiet)} ({to_go} to go); {compared}"
+        return f"{label} waits: {shown} >= {human_duration(trigger.quiet)}, but {compared}"
+
+    def brief() -> str:
+        if not new:
+            return f"{label} waits on {display_key(key)} = {current}, the value the last run saw"
+        return (
+            f"{label} waits on {display_key(key)} = {current}, unchanged for {human_duration(quiet_for)}, "
+            f"needs {human_duration(trigger.quiet)}"
+        )
+
+    wake_at = _utc(changed) + trigger.quiet if new and not settled else None
+    return TriggerResult(trigger, fired, {key: current}, render, wake_at=wake_at, brief=brief)
+
+
+def _aggregate(
+    trigger: AggregateBase,
+    inputs: _Inputs,
+    fired_when: Callable[[int, int], bool],
+    wake: Callable[[tuple[TriggerResult, ...]], datetime | None],
+) -> TriggerResult:
     children = tuple([_evaluate(child, inputs) for child in trigger.triggers])
     used: dict[ParameterKey, datetime] = {}
     fired_count = 0
@@ -357,15 +473,27 @@ def _aggregate(trigger: AggregateBase, inputs: _Inputs, fired_when: Callable[[in
         header = f"{trigger.kind} {verdict}: {fired_count} of {len(children)} triggers fired"
         return "\n".join([header, *(f"  - {child.explanation}" for child in children)])
 
-    return TriggerResult(trigger, fired, used, render, children)
+    return TriggerResult(trigger, fired, used, render, children, None if fired else wake(children))
+
+
+def _all_wake_at(children: tuple[TriggerResult, ...]) -> datetime | None:
+    """Every child must fire: the latest wake of the children that did not (None if one only a change fixes)."""
+    wakes = [child.wake_at for child in children if not child.fired]
+    return None if not wakes or None in wakes else max(wakes)  # type: ignore[type-var]
+
+
+def _any_wake_at(children: tuple[TriggerResult, ...]) -> datetime | None:
+    """One child firing is enough: the earliest wake of the children that did not fire."""
+    wakes = [child.wake_at for child in children if not child.fired and child.wake_at is not None]
+    return min(wakes) if wakes else None
 
 
 def _all(trigger: All, inputs: _Inputs) -> TriggerResult:
-    return _aggregate(trigger, inputs, lambda fired, total: fired == total)
+    return _aggregate(trigger, inputs, lambda fired, total: fired == total, _all_wake_at)
 
 
 def _any(trigger: Any, inputs: _Inputs) -> TriggerResult:
-    return _aggregate(trigger, inputs, lambda fired, total: fired > 0)
+    return _aggregate(trigger, inputs, lambda fired, total: fired > 0, _any_wake_at)
 
 
 _EVALUATORS: dict[type, Callable[[Trigger, _Inputs], TriggerResult]] = {
@@ -375,6 +503,7 @@ _EVALUATORS: dict[type, Callable[[Trigger, _Inputs], TriggerResult]] = {
     ChunkDelta: _chunk_delta,
     ChunkDelay: _chunk_delay,
     ChunkRefDelay: _chunk_ref_delay,
+    Settle: _settle,
     All: _all,
     Any: _any,
 }

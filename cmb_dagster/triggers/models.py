@@ -1,4 +1,4 @@
-"""Trigger models: CTL triggers (Delta, Delay, RefDelay and their chunk versions) and aggregates (All, Any).
+"""Trigger models: CTL triggers (Delta, Delay, RefDelay, their chunk versions, Settle) and aggregates (All, Any).
 
 Triggers are frozen pydantic models with a ``kind`` discriminator, so they compare,
 hash and round-trip through JSON. Arguments are checked when a trigger is defined.
@@ -340,8 +340,31 @@ class ChunkRefDelay(CtlTriggerBase):
         return (self.ref_entity, self.ref_parameter)
 
 
-CTL_TRIGGER_TYPES = (Delta, Delay, RefDelay, ChunkDelta, ChunkDelay, ChunkRefDelay)
-CtlTrigger = Annotated[Delta | Delay | RefDelay | ChunkDelta | ChunkDelay | ChunkRefDelay, Field(discriminator="kind")]
+class Settle(CtlTriggerBase):
+    """Fires when the parameter has not changed for ``quiet`` and differs from the last run's value (no last
+    value: it fires): e.g. an upstream stopped loading for 15 minutes.
+
+    The time of the last change is CTL's (``ctl_values.updated_at``).
+
+    >>> Settle("shop/prices", "loaded_until", "15min")
+    Settle('shop/prices', 'loaded_until', '15min')
+    """
+
+    reads_last: ClassVar[bool] = True
+    positional: ClassVar[tuple[str, ...]] = ("entity", "parameter", "quiet")
+    kind: Literal["Settle"] = "Settle"
+    entity: Name
+    parameter: Name
+    quiet: Duration
+
+    def __init__(self, entity: str, parameter: str, quiet: timedelta | str, **data: object) -> None:
+        super().__init__(entity=entity, parameter=parameter, quiet=quiet, **data)
+
+
+CTL_TRIGGER_TYPES = (Delta, Delay, RefDelay, ChunkDelta, ChunkDelay, ChunkRefDelay, Settle)
+CtlTrigger = Annotated[
+    Delta | Delay | RefDelay | ChunkDelta | ChunkDelay | ChunkRefDelay | Settle, Field(discriminator="kind")
+]
 """Any CTL trigger; usable as a pydantic field type."""
 
 _AGGREGATE_KINDS = ("All", "Any")
@@ -362,7 +385,7 @@ def _ctl_children(value: object, info: ValidationInfo) -> tuple[object, ...]:
                 "and cannot be nested"
             )
         if not isinstance(child, Mapping | CtlTriggerBase):
-            raise ValueError(f"{aggregate} takes CTL triggers (Delta, Delay, RefDelay, Chunk*), got {child!r}")
+            raise ValueError(f"{aggregate} takes CTL triggers (Delta, Delay, RefDelay, Chunk*, Settle), got {child!r}")
     return children
 
 
@@ -406,7 +429,7 @@ class Any(AggregateBase):
 
 
 Trigger = Annotated[
-    Delta | Delay | RefDelay | ChunkDelta | ChunkDelay | ChunkRefDelay | All | Any,
+    Delta | Delay | RefDelay | ChunkDelta | ChunkDelay | ChunkRefDelay | Settle | All | Any,
     Field(discriminator="kind"),
 ]
 """Any trigger, CTL or aggregate; usable as a pydantic field type."""

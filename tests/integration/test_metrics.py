@@ -188,6 +188,8 @@ def test_a_scrape_reports_what_each_engine_status_says(db, served):
     for state, count in reactive.counts.items():
         assert value(samples, "cmb_reactive_tasks", scheduler="w", state=state) == count
     assert 0 <= value(samples, "cmb_reactive_tick_age_seconds", scheduler="w") < 60
+    [scheduler] = reactive.schedulers
+    assert value(samples, "cmb_reactive_tick_duration_seconds", scheduler="w") == scheduler.tick_seconds
 
     lease = value(samples, "cmb_worker_lease_expires_in_seconds", kind="metrics.test", partition="p1", owner="holder")
     assert 0 < lease <= 60
