@@ -9,6 +9,7 @@ from typing import Any
 
 from dagster import (
     AssetCheckEvaluation,
+    AssetCheckExecutionContext,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
@@ -347,11 +348,11 @@ def _checks(name: str, observe: Observe, checks: CheckSpecs) -> Any:
         for check, text in names.items()
     ]
 
-    @multi_asset_check(specs=specs, name=name)
-    def _evaluate(cmb: CmbResource) -> Any:
+    @multi_asset_check(specs=specs, name=name, can_subset=True)  # a job of a checked asset selects its checks
+    def _evaluate(context: AssetCheckExecutionContext, cmb: CmbResource) -> Any:
         verdicts = {(v.asset, v.check): v for v in observe(cmb.database) if isinstance(v, Verdict)}
         health.record(cmb.database, list(verdicts.values()))
-        for spec in specs:
+        for spec in (s for s in specs if s.key in context.selected_asset_check_keys):
             verdict = verdicts.get((tuple(spec.asset_key.path), spec.name))
             if verdict is None:
                 yield AssetCheckResult(

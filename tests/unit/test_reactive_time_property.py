@@ -1,7 +1,8 @@
-"""The scheduler evaluates a task only when one of its inputs changes, never because time passed.
+"""The scheduler evaluates a task when one of its inputs changes, and because time passed only at the wake time its
+last evaluation gave (a Settle's quiet time ending, a deadline).
 
-That is sound only if, with CTL values fixed, the passing of time never turns a trigger from false
-to true (Delay-type conditions only decay). Checked here over many random triggers and values.
+That is sound only if, with CTL values fixed, the passing of time never turns a trigger without a wake time from
+false to true (Delay-type conditions only decay). Checked here over many random triggers and values.
 """
 
 import dataclasses
