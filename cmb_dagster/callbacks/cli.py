@@ -81,6 +81,13 @@ def callbacks() -> None:
 )
 @click.option("--retry", help='Retry policy as JSON, e.g. {"backoff": "exponential", "delay": 10}.')
 @click.option(
+    "--body",
+    type=click.Choice(["envelope", "context"]),
+    default="envelope",
+    show_default=True,
+    help="What the request carries: the envelope (keys, times, attempt, context), or the context alone.",
+)
+@click.option(
     "--allow-host",
     "allow_hosts",
     multiple=True,
@@ -95,6 +102,7 @@ def create(
     cb_url: str,
     context: str | None,
     retry: str | None,
+    body: str,
     allow_hosts: tuple[str, ...],
 ) -> None:
     """Schedule a callback; print its event id."""
@@ -107,6 +115,7 @@ def create(
             cb_url,
             _json(context, "context"),
             _json(retry, "retry"),
+            body=body,  # type: ignore[arg-type]
         )
     click.echo(event_id)
 

@@ -177,6 +177,7 @@ def test_cli_creates_shows_lists_cancels_and_deletes(database_url):
         (["--at", "2030-01-01T09:00:00", "--url", "http://x.example"], "run_at: '2030-01-01T09:00:00' has no timezone"),
         (["--in", "60", "--url", "gopher://x.example"], "cb_url:"),
         (["--in", "60", "--url", "http://x.example", "--context", "{oops"], "context: not valid JSON"),
+        (["--in", "60", "--url", "http://x.example", "--body", "context"], "body: 'context' sends the context"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_writes_nothing(database_url, args, message):
