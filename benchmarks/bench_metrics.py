@@ -19,9 +19,6 @@ import platform
 import sys
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -31,36 +28,13 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench_callbacks import bench_database  # noqa: E402
+
 from cmb_dagster.callbacks import admin  # noqa: E402
 from cmb_dagster.database import Database  # noqa: E402
 from cmb_dagster.metrics import serve  # noqa: E402
-from cmb_dagster.settings import Settings  # noqa: E402
 
 CHUNK = 100_000
-
-
-def server_url() -> str:
-    from cmb_dagster.embedded import embedded_url
-
-    settings = Settings.from_env()
-    return settings.database_url or embedded_url(settings.home)
-
-
-@contextmanager
-def bench_database() -> Iterator[Database]:
-    """A database of its own on the benchmark's server, migrated, dropped on the way out."""
-    server = server_url()
-    name = f"cmb_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    db = Database(urlsplit(server)._replace(path=f"/{name}").geturl())
-    try:
-        db.ensure_ready()
-        yield db
-    finally:
-        db.close()
-        with psycopg.connect(server, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def load(db: Database, pending: int, finished: int) -> float:
@@ -80,7 +54,7 @@ def load(db: Database, pending: int, finished: int) -> float:
                        now() + make_interval(secs => sign(random() - 0.5) * (3600 + random() * 3600)), now(),
                        'https://example.com/cb', '{"stop_after_delay": 3600}',
                        CASE WHEN s.status = 'notified' THEN now() END
-                FROM generate_series(%(first)s, %(last)s) AS i,
+                FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS i,
                      LATERAL (SELECT CASE WHEN random() * %(total)s < %(finished)s + 0 * i THEN 'notified'
                                           ELSE 'pending' END AS status) AS s
                 """,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg_pool import ConnectionPool
+from runs import RunStorage
 from stages_helpers import Step, drain, pipeline
 from waiting import wait_until
 
@@ -33,9 +34,8 @@ from cmb_dagster.eventqueue import admin as eventqueue_admin
 from cmb_dagster.metrics import ENGINES, MetricsServer, StatusCollector, check_host, serve
 from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, publish
 from cmb_dagster.pubsub import admin as pubsub_admin
-from cmb_dagster.reactive import ReactiveWorker, RunInfo, RunState, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive import ReactiveWorker, SchedulerSettings, TaskSpec
 from cmb_dagster.reactive import admin as reactive_admin
-from cmb_dagster.reactive.models import Launch
 from cmb_dagster.stages import StageStore, StageWorker
 from cmb_dagster.stages import admin as stages_admin
 from cmb_dagster.triggers import Delta
@@ -89,20 +89,6 @@ def served(db: Database) -> Iterator[MetricsServer]:
 # -- what the engines write ---------------------------------------------------------------------------------------
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
-
-
-class RunStorage:
-    """Runs requested through it exist at once and have succeeded."""
-
-    def __init__(self) -> None:
-        self.requested: list[Launch] = []
-
-    def launch(self, launches: Sequence[Launch]) -> None:
-        self.requested.extend(launches)
-
-    def lookup(self, scheduler: str, run_keys: Sequence[str]) -> dict[str, RunInfo]:
-        known = {launch.run_key for launch in self.requested}
-        return {key: RunInfo(f"run-{key}", RunState.SUCCESS) for key in run_keys if key in known}
 
 
 class Failing(Step):

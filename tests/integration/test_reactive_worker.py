@@ -7,11 +7,12 @@ from datetime import UTC, datetime
 import pytest
 from click.testing import CliRunner
 from running import Running
+from runs import RunStorage
 from waiting import wait_until
 
 from cmb_dagster.ctl import CtlStore
 from cmb_dagster.database import Database
-from cmb_dagster.reactive import ReactiveWorker, RunInfo, RunState, SchedulerSettings, TaskSpec, status, task_states
+from cmb_dagster.reactive import ReactiveWorker, SchedulerSettings, TaskSpec, status, task_states
 from cmb_dagster.reactive.cli import reactive as reactive_cli
 from cmb_dagster.reactive.engine import LEASE_KIND
 from cmb_dagster.reactive.models import Launch
@@ -20,20 +21,6 @@ from cmb_dagster.triggers import Delta
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
 KEY = ("sales", "loaded_until")
 SPECS = [TaskSpec(name="mart", trigger=Delta(*KEY, "1h")), TaskSpec(name="other", trigger=Delta("prices", "p", "1h"))]
-
-
-class RunStorage:
-    """A stand-in run storage: every run requested through it exists at once and has succeeded."""
-
-    def __init__(self) -> None:
-        self.requested: list[Launch] = []
-
-    def launch(self, launches: Sequence[Launch]) -> None:
-        self.requested.extend(launches)
-
-    def lookup(self, scheduler: str, run_keys: Sequence[str]) -> dict[str, RunInfo]:
-        known = {launch.run_key for launch in self.requested}
-        return {key: RunInfo(f"run-{key}", RunState.SUCCESS) for key in run_keys if key in known}
 
 
 def worker(db: Database, runs: RunStorage, **kwargs) -> ReactiveWorker:
