@@ -109,3 +109,106 @@ SELECT asset, check_name, severity, text, changed_at FROM check_states
 WHERE NOT %(failing)s OR severity <> 'ok'
 ORDER BY asset, check_name
 """
+
+# -- flow control (cmb_dagster/flow.py) ---------------------------------------------------------------
+
+# SQL expressions the engines' claims share. FLOW_AVAILABLE: bucket b's tokens now, refilled at limits l's
+# rate up to its burst. FLOW_SLOT_FREE: slot s holds nothing live.
+FLOW_AVAILABLE = "least(l.burst, b.tokens + l.rate * extract(epoch FROM clock_timestamp() - b.refilled_at))"
+FLOW_SLOT_FREE = "s.expires_at <= now()"
+
+# Each scope's limits as registered (upsert), and the scopes given without limits forgotten.
+FLOW_REGISTER = """
+WITH given AS (
+    SELECT * FROM unnest(%(scopes)s::text[], %(rates)s::float8[], %(bursts)s::float8[], %(concurrency)s::int[])
+        AS g(scope, rate, burst, concurrency)
+), forgotten AS (
+    DELETE FROM flow_limits f USING given g
+    WHERE f.scope = g.scope AND g.rate IS NULL AND g.concurrency IS NULL
+)
+INSERT INTO flow_limits AS f (scope, rate, burst, concurrency)
+SELECT scope, rate, burst, concurrency FROM given WHERE rate IS NOT NULL OR concurrency IS NOT NULL
+ON CONFLICT (scope) DO UPDATE SET rate = EXCLUDED.rate, burst = EXCLUDED.burst, concurrency = EXCLUDED.concurrency,
+                                  updated_at = now()
+WHERE (f.rate, f.burst, f.concurrency) IS DISTINCT FROM (EXCLUDED.rate, EXCLUDED.burst, EXCLUDED.concurrency)
+"""
+
+# The bucket and slot rows of (scope, key) pairs, made full and free where missing.
+FLOW_ENSURE = """
+WITH pairs AS (
+    SELECT DISTINCT p.scope, p.key, l.rate, l.burst, l.concurrency
+    FROM unnest(%(scopes)s::text[], %(keys)s::text[]) AS p(scope, key) JOIN flow_limits l ON l.scope = p.scope
+), buckets AS (
+    INSERT INTO flow_buckets (scope, key, tokens)
+    SELECT scope, key, burst FROM pairs WHERE rate IS NOT NULL
+    ON CONFLICT DO NOTHING
+)
+INSERT INTO flow_slots (scope, key, slot)
+SELECT scope, key, slot FROM pairs, generate_series(0, coalesce(concurrency, 0) - 1) AS slot
+ON CONFLICT DO NOTHING
+"""
+
+# Up to %(want)s grants for (scope, key): a free slot each (under a concurrency limit) and a token each (under a
+# rate limit), given to %(items)s in order; returns the grants, the slots given and, when nothing was granted
+# for want of tokens, the seconds until the next token.
+FLOW_TAKE = f"""
+WITH l AS MATERIALIZED (
+    SELECT rate, burst, concurrency FROM flow_limits WHERE scope = %(scope)s
+), free AS MATERIALIZED (
+    SELECT s.slot FROM flow_slots s, l
+    WHERE s.scope = %(scope)s AND s.key = %(key)s AND s.slot < l.concurrency AND {FLOW_SLOT_FREE}
+    ORDER BY s.slot LIMIT %(want)s
+    FOR UPDATE OF s SKIP LOCKED
+), can AS (
+    SELECT CASE WHEN l.concurrency IS NULL THEN %(want)s ELSE (SELECT count(*) FROM free) END AS n FROM l
+), now_ AS (
+    SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail, l.rate
+    FROM flow_buckets b, l WHERE b.scope = %(scope)s AND b.key = %(key)s
+    FOR UPDATE OF b
+), bucket AS (
+    UPDATE flow_buckets b
+    SET tokens = now_.avail - least(floor(greatest(now_.avail, 0)), (SELECT n FROM can)), refilled_at = clock_timestamp()
+    FROM now_ WHERE b.scope = now_.scope AND b.key = now_.key
+    RETURNING least(floor(greatest(now_.avail, 0)), (SELECT n FROM can))::int AS took,
+              greatest((1 - now_.avail) / now_.rate, 0) AS wait
+), granted AS (
+    SELECT CASE WHEN l.rate IS NULL THEN (SELECT n FROM can) ELSE coalesce((SELECT took FROM bucket), 0) END AS n
+    FROM l
+), slots AS (
+    UPDATE flow_slots s
+    SET item = u.item, taken_at = now(), expires_at = now() + make_interval(secs => %(ttl)s)
+    FROM (SELECT slot, row_number() OVER (ORDER BY slot) AS r FROM free) f
+    JOIN unnest(%(items)s::text[]) WITH ORDINALITY AS u(item, r) USING (r)
+    WHERE s.scope = %(scope)s AND s.key = %(key)s AND s.slot = f.slot AND f.r <= (SELECT n FROM granted)
+    RETURNING s.slot, f.r
+)
+SELECT coalesce((SELECT n FROM granted), 0)::int, ARRAY(SELECT slot FROM slots ORDER BY r),
+       CASE WHEN coalesce((SELECT n FROM granted), 0) = 0 THEN (SELECT wait FROM bucket) END
+"""
+
+# The slots %(slots)s of (scope, key) held for %(items)s last another %(ttl)s seconds.
+FLOW_RENEW = """
+UPDATE flow_slots s SET expires_at = now() + make_interval(secs => %(ttl)s)
+FROM unnest(%(slots)s::int[], %(items)s::text[]) AS u(slot, item)
+WHERE s.scope = %(scope)s AND s.key = %(key)s AND s.slot = u.slot AND s.item = u.item AND s.expires_at > now()
+"""
+
+# The slots %(slots)s of (scope, key) that %(items)s hold, freed.
+FLOW_RELEASE = """
+UPDATE flow_slots s SET item = NULL, taken_at = NULL, expires_at = '-infinity'
+FROM unnest(%(slots)s::int[], %(items)s::text[]) AS u(slot, item)
+WHERE s.scope = %(scope)s AND s.key = %(key)s AND s.slot = u.slot AND s.item = u.item
+"""
+
+# Per key of the scopes given (those that have a bucket or slots): the limits, the tokens now, the slots in use.
+FLOW_USAGE = f"""
+SELECT k.scope, k.key, l.rate, l.burst, l.concurrency,
+       (SELECT {FLOW_AVAILABLE} FROM flow_buckets b WHERE b.scope = k.scope AND b.key = k.key) AS tokens,
+       (SELECT count(*) FROM flow_slots s WHERE s.scope = k.scope AND s.key = k.key AND s.slot < l.concurrency
+          AND NOT {FLOW_SLOT_FREE})::int AS in_flight
+FROM (SELECT scope, key FROM flow_buckets WHERE scope = ANY(%(scopes)s)
+      UNION SELECT scope, key FROM flow_slots WHERE scope = ANY(%(scopes)s)) AS k
+JOIN flow_limits l ON l.scope = k.scope
+ORDER BY k.scope, k.key
+LIMIT %(limit)s
+"""

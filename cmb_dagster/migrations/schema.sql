@@ -367,6 +367,35 @@ CREATE TABLE cmb.eventqueue_workers (
     seen_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
+CREATE TABLE cmb.flow_buckets (
+    scope text NOT NULL,
+    key text NOT NULL,
+    tokens double precision NOT NULL,
+    refilled_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+);
+
+CREATE TABLE cmb.flow_limits (
+    scope text NOT NULL,
+    rate double precision,
+    burst double precision,
+    concurrency integer,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT flow_limits_burst_check CHECK ((burst >= (1)::double precision)),
+    CONSTRAINT flow_limits_check CHECK (((rate IS NULL) = (burst IS NULL))),
+    CONSTRAINT flow_limits_concurrency_check CHECK ((concurrency > 0)),
+    CONSTRAINT flow_limits_rate_check CHECK ((rate > (0)::double precision))
+);
+
+CREATE TABLE cmb.flow_slots (
+    scope text NOT NULL,
+    key text NOT NULL,
+    slot integer NOT NULL,
+    item text,
+    taken_at timestamp with time zone,
+    expires_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    CONSTRAINT flow_slots_slot_check CHECK ((slot >= 0))
+);
+
 CREATE TABLE cmb.health_checks (
     id bigint NOT NULL,
     checked_at timestamp with time zone DEFAULT now() NOT NULL,
@@ -687,6 +716,15 @@ ALTER TABLE ONLY cmb.eventqueue_rules
 
 ALTER TABLE ONLY cmb.eventqueue_workers
     ADD CONSTRAINT eventqueue_workers_pkey PRIMARY KEY (owner);
+
+ALTER TABLE ONLY cmb.flow_buckets
+    ADD CONSTRAINT flow_buckets_pkey PRIMARY KEY (scope, key);
+
+ALTER TABLE ONLY cmb.flow_limits
+    ADD CONSTRAINT flow_limits_pkey PRIMARY KEY (scope);
+
+ALTER TABLE ONLY cmb.flow_slots
+    ADD CONSTRAINT flow_slots_pkey PRIMARY KEY (scope, key, slot);
 
 ALTER TABLE ONLY cmb.health_checks
     ADD CONSTRAINT health_checks_pkey PRIMARY KEY (id);

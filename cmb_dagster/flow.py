@@ -1,0 +1,160 @@
+"""Flow control shared by the engines: a token bucket and concurrency slots per key, held in Postgres so that the
+limits hold across every worker and process.
+
+A *scope* is what an engine limits (an event queue handler, a stage, a callback destination); its *keys* come
+from the work (an account, a tenant, a host). :func:`register` records each scope's :class:`FlowLimits`;
+:func:`take` grants work items a token and a slot of their key; the commit that finishes an item frees its slot
+(:func:`release`), and the slot of a holder that died frees itself when its time-to-live passes (a holder renews
+it with :func:`renew` while it works). The event queue's claim uses the same tables and SQL expressions in its
+one statement (``cmb_dagster.sql.FLOW_AVAILABLE``, ``FLOW_SLOT_FREE``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from pydantic import Field, model_validator
+
+from cmb_dagster import sql
+from cmb_dagster.models import Options
+
+MAX_KEY_LENGTH = 500
+"""Longest key kept: a longer one is cut to this length."""
+MAX_CONCURRENCY = 10_000
+_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d*(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class RateLimit(Options):
+    """At most ``rate`` starts per ``per`` seconds for each key, with bursts of up to ``burst`` (default ``rate``).
+
+    Also written ``"10/s"``, ``"600/m"``, ``"5/2s"``."""
+
+    rate: float = Field(gt=0, le=1_000_000, description="Starts allowed per period.")
+    per: float = Field(default=1.0, gt=0, le=86_400, description="The period in seconds.")
+    burst: int | None = Field(
+        default=None, ge=1, le=1_000_000, description="Starts allowed at once after a quiet time (default: rate)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        match = _RATE.match(value)
+        if match is None:
+            raise ValueError(f"{value!r} is not a rate such as '10/s', '600/m' or '5/2s'")
+        count, amount, unit = match.groups()
+        return {"rate": float(count), "per": float(amount or 1) * _UNIT[unit]}
+
+    @property
+    def per_second(self) -> float:
+        """Tokens added per second."""
+        return self.rate / self.per
+
+    @property
+    def capacity(self) -> float:
+        """The bucket's size: the starts allowed at once."""
+        return float(self.burst if self.burst is not None else max(1, math.floor(self.rate)))
+
+
+class FlowLimits(Options):
+    """The limits of one scope, applied to each of its keys: a rate limit and a concurrency limit (either may be
+    None: no limit)."""
+
+    rate_limit: RateLimit | None = Field(default=None, description="Starts per period per key.")
+    concurrency: int | None = Field(
+        default=None, ge=1, le=MAX_CONCURRENCY, description="Items in flight per key across all workers."
+    )
+
+    @property
+    def limited(self) -> bool:
+        return self.rate_limit is not None or self.concurrency is not None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What :func:`take` granted: the first ``count`` items may start, holding ``slots`` (one per item, in order,
+    under a concurrency limit); ``retry_after``: seconds until the next token when nothing was granted for want
+    of one."""
+
+    count: int
+    slots: list[int]
+    retry_after: float | None
+
+
+@dataclass(frozen=True)
+class KeyUse:
+    """One key's limits and their use now."""
+
+    scope: str
+    key: str
+    rate_per_second: float | None
+    burst: float | None
+    concurrency: int | None
+    tokens: float | None
+    in_flight: int
+
+
+def register(conn: psycopg.Connection, limits: Mapping[str, FlowLimits | None]) -> None:
+    """Record each scope's limits (None or no limit: the scope is not limited)."""
+    if not limits:
+        return
+    scopes = list(limits)
+    given = [limits[s] or FlowLimits() for s in scopes]
+    conn.execute(
+        sql.FLOW_REGISTER,
+        {
+            "scopes": scopes,
+            "rates": [g.rate_limit.per_second if g.rate_limit else None for g in given],
+            "bursts": [g.rate_limit.capacity if g.rate_limit else None for g in given],
+            "concurrency": [g.concurrency for g in given],
+        },
+    )
+
+
+def ensure(conn: psycopg.Connection, pairs: Iterable[tuple[str, str]]) -> None:
+    """Make the bucket and slot rows of limited (scope, key) pairs (a full bucket, free slots) where missing."""
+    pairs = sorted(set(pairs))  # in one order, so two workers making the same rows never deadlock
+    if pairs:
+        conn.execute(sql.FLOW_ENSURE, {"scopes": [p[0] for p in pairs], "keys": [p[1] for p in pairs]})
+
+
+def take(conn: psycopg.Connection, scope: str, key: str, items: Sequence[str], *, ttl: float) -> Grant:
+    """Grant up to ``len(items)`` of (scope, key)'s items a token and a slot each, the slots held ``ttl`` seconds
+    unless renewed; run it in the transaction that records the items' start."""
+    if not items:
+        return Grant(0, [], None)
+    key = key[:MAX_KEY_LENGTH]
+    ensure(conn, [(scope, key)])
+    count, slots, wait = conn.execute(
+        sql.FLOW_TAKE, {"scope": scope, "key": key, "want": len(items), "items": list(items), "ttl": ttl}
+    ).fetchone()
+    return Grant(count, list(slots), wait)
+
+
+def renew(conn: psycopg.Connection, scope: str, key: str, held: Mapping[str, int], *, ttl: float) -> None:
+    """The slots ``held`` ({item: slot}) of (scope, key) last another ``ttl`` seconds."""
+    if held:
+        params = {"scope": scope, "key": key[:MAX_KEY_LENGTH], "items": list(held), "slots": list(held.values())}
+        conn.execute(sql.FLOW_RENEW, {**params, "ttl": ttl})
+
+
+def release(conn: psycopg.Connection, scope: str, key: str, held: Mapping[str, int]) -> None:
+    """Free the slots ``held`` ({item: slot}) of (scope, key); run it in the transaction that finishes the items."""
+    if held:
+        conn.execute(
+            sql.FLOW_RELEASE,
+            {"scope": scope, "key": key[:MAX_KEY_LENGTH], "items": list(held), "slots": list(held.values())},
+        )
+
+
+def usage(conn: psycopg.Connection, scopes: Sequence[str], *, limit: int = 1000) -> list[KeyUse]:
+    """The keys of ``scopes`` with a bucket or slots, their limits and use now (at most ``limit`` keys)."""
+    rows = conn.execute(sql.FLOW_USAGE, {"scopes": list(scopes), "limit": limit}).fetchall()
+    return [KeyUse(*row) for row in rows]
