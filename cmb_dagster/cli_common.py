@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from cmb_dagster.database import Database
+from cmb_dagster.flow import KeyUse
 
 
 def open_database(schema: str | None = None) -> Database:
@@ -34,3 +35,31 @@ class FloatRange(click.FloatRange):
 DURATION = FloatRange(0, 366 * DAY, min_open=True)  # seconds a worker or a time box runs
 BRANCH = click.IntRange(-BIGINT_MAX - 1, BIGINT_MAX)  # a pub/sub branch id (bigint)
 ROW_ID = click.IntRange(1, BIGINT_MAX)  # an id drawn from a sequence
+
+
+def describe_limits(rate_per_second: float | None, burst: float | None, concurrency: int | None) -> str:
+    """A scope's limits in words: ``20/s (burst 20), 2 in flight`` or ``no limits``."""
+    parts = []
+    if rate_per_second:
+        parts.append(f"{rate_per_second:g}/s (burst {burst:g})")
+    if concurrency:
+        parts.append(f"{concurrency} in flight")
+    return ", ".join(parts) or "no limits"
+
+
+def key_use(use: KeyUse) -> dict[str, Any]:
+    """One key's use as JSON: key, tokens now, items in flight."""
+    return {"key": use.key, "tokens": use.tokens, "in_flight": use.in_flight}
+
+
+def echo_key_use(keys: list[KeyUse]) -> None:
+    """Print each key's tokens now and items in flight under its limits."""
+    if not keys:
+        click.echo("  no key has used its limits yet")
+        return
+    click.echo(f"  {'key':30} {'tokens':>9} {'in flight':>9}")
+    for k in keys:
+        tokens = "-" if k.tokens is None else f"{k.tokens:.1f}"
+        in_flight = f"{k.in_flight}/{k.concurrency}" if k.concurrency else "-"
+        key = k.key or "''"
+        click.echo(f"  {key:30} {tokens:>9} {in_flight:>9}")

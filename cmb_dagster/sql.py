@@ -167,7 +167,8 @@ WITH l AS MATERIALIZED (
     FOR UPDATE OF b
 ), bucket AS (
     UPDATE flow_buckets b
-    SET tokens = now_.avail - least(floor(greatest(now_.avail, 0)), (SELECT n FROM can)), refilled_at = clock_timestamp()
+    SET tokens = now_.avail - least(floor(greatest(now_.avail, 0)), (SELECT n FROM can)),
+        refilled_at = clock_timestamp()
     FROM now_ WHERE b.scope = now_.scope AND b.key = now_.key
     RETURNING least(floor(greatest(now_.avail, 0)), (SELECT n FROM can))::int AS took,
               greatest((1 - now_.avail) / now_.rate, 0) AS wait

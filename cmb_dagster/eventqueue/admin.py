@@ -9,10 +9,11 @@ from collections.abc import Iterable
 import psycopg
 from psycopg.rows import class_row
 
+from cmb_dagster import flow
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.eventqueue import sql
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput, NotDead, UnknownHandler
-from cmb_dagster.eventqueue.handlers import HandlerRegistry
+from cmb_dagster.eventqueue.handlers import HandlerRegistry, scope
 from cmb_dagster.eventqueue.models import DEFAULT_MODULE, DeadEvent, EventQueueStatus, HandlerStatus, Rule, check_name
 from cmb_dagster.eventqueue.worker import WORKER_KIND
 from cmb_dagster.inputs import check_seconds
@@ -120,9 +121,12 @@ def rules(db: DatabaseSource) -> list[Rule]:
 
 
 def status(db: DatabaseSource) -> EventQueueStatus:
-    """Per registered handler: queued, delayed, locked, held, dead-lettered, oldest queued age, rules."""
+    """Per registered handler: queued, delayed, locked, held, dead-lettered, oldest queued age, rules, key path and
+    limits; and per limited key, its tokens and events in flight."""
     with Database.of(db).connection() as conn, conn.cursor(row_factory=class_row(HandlerStatus)) as cursor:
-        return EventQueueStatus(handlers=cursor.execute(sql.STATUS).fetchall())
+        handlers = cursor.execute(sql.STATUS).fetchall()
+        keys = flow.usage(conn, [scope(h.handler) for h in handlers if h.rate_per_second or h.concurrency])
+        return EventQueueStatus(handlers=handlers, keys=keys)
 
 
 def dead_letters(db: DatabaseSource, handler: str | None = None, limit: int = 100) -> list[DeadEvent]:

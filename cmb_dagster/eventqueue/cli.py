@@ -8,10 +8,26 @@ from typing import Any
 
 import click
 
-from cmb_dagster.cli_common import DAY, DURATION, ROW_ID, FloatRange, open_database
+from cmb_dagster.cli_common import (
+    DAY,
+    DURATION,
+    ROW_ID,
+    FloatRange,
+    describe_limits,
+    echo_key_use,
+    key_use,
+    open_database,
+)
 from cmb_dagster.eventqueue import admin
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
-from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, EventQueueOptions, WorkerSettings
+from cmb_dagster.eventqueue.handlers import scope
+from cmb_dagster.eventqueue.models import (
+    DEFAULT_MODIFIER,
+    DEFAULT_MODULE,
+    MAX_PRIORITY,
+    EventQueueOptions,
+    WorkerSettings,
+)
 from cmb_dagster.eventqueue.queue import emit as emit_event
 from cmb_dagster.eventqueue.worker import EventWorker
 from cmb_dagster.workers import stop_workers_on_signals
@@ -61,27 +77,41 @@ def register(handlers_ref: str) -> None:
 @click.option("--module", default=DEFAULT_MODULE, show_default=True, help="Event space.")
 @click.option("--modifier", default=DEFAULT_MODIFIER, show_default=True)
 @click.option("--delay", type=FloatRange(0, 100 * 365.25 * DAY), default=None, help="Seconds before the event may run.")
-def emit(namespace: str, handler: str, value: str, module: str, modifier: str, delay: float | None) -> None:
+@click.option(
+    "--priority",
+    type=click.IntRange(-MAX_PRIORITY, MAX_PRIORITY),
+    default=0,
+    show_default=True,
+    help="Higher runs first among the events ready.",
+)
+def emit(
+    namespace: str, handler: str, value: str, module: str, modifier: str, delay: float | None, priority: int
+) -> None:
     """Emit VALUE (JSON) to HANDLER in NAMESPACE; prints the event id."""
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
         raise InvalidEventQueueInput(f"value: not valid JSON ({exc.msg})") from None
-    event_id = emit_event(namespace, handler, parsed, module=module, modifier=modifier, delay=delay, db=open_database())
+    event_id = emit_event(
+        namespace, handler, parsed, module=module, modifier=modifier, delay=delay, priority=priority, db=open_database()
+    )
     click.echo(event_id)
 
 
 @events.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per handler.")
 def status(as_json: bool) -> None:
-    """Per handler: queued, delayed, locked, held (paused/blocked), dead-lettered, oldest queued age, rules."""
-    rows = admin.status(open_database()).handlers
+    """Per handler: queued, delayed, locked, held (paused/blocked), dead-lettered, oldest queued age, rules; then
+    each limited handler's key path and limits, and each of its keys' tokens and events in flight."""
+    now = admin.status(open_database())
+    rows = now.handlers
     if not rows:
         click.echo("no handlers registered", err=as_json)  # with --json, stdout stays JSON lines (none)
         return
+    keys = {r.handler: [k for k in now.keys if k.scope == scope(r.handler)] for r in rows}
     if as_json:
         for row in rows:
-            click.echo(json.dumps(row.model_dump()))
+            click.echo(json.dumps({**row.model_dump(), "keys": [key_use(k) for k in keys[row.handler]]}))
         return
     click.echo(
         f"{'handler':24} {'queued':>7} {'delayed':>7} {'locked':>7} {'held':>7} {'dead':>7} {'oldest':>8}  rules"
@@ -91,6 +121,12 @@ def status(as_json: bool) -> None:
             f"{r.handler:24} {r.queued:7} {r.delayed:7} {r.locked:7} {r.held:7} {r.dead:7} "
             f"{r.oldest_queued_seconds:7.1f}s  {', '.join(r.rules) or '-'}"
         )
+    for r in rows:
+        if r.key or r.rate_per_second or r.concurrency:
+            click.echo(
+                f"\n{r.handler}: key {r.key or '-'}, {describe_limits(r.rate_per_second, r.burst, r.concurrency)}"
+            )
+            echo_key_use(keys[r.handler])
 
 
 @events.command(name="rules")

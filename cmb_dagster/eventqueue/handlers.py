@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 from croniter import croniter
 
+from cmb_dagster import flow
 from cmb_dagster.eventqueue import sql
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
 from cmb_dagster.eventqueue.models import (
@@ -22,7 +23,12 @@ from cmb_dagster.eventqueue.models import (
     to_json,
 )
 
-HandlerFn = Callable[[Event], Any]
+HandlerFn = Callable[[Event], Any] | Callable[[list[Event]], Any]  # a debounced handler takes a list
+
+
+def scope(handler: str) -> str:
+    """The flow-control scope of a handler's keys."""
+    return sql.SCOPE_PREFIX + handler
 
 
 @dataclass(frozen=True)
@@ -179,5 +185,10 @@ class HandlerRegistry:
                 "backoff_first": [h.config.backoff.first for h in items],
                 "backoff_max": [h.config.backoff.max for h in items],
                 "max_crashes": [h.config.max_crashes for h in items],
+                "key_paths": [h.config.key or "" for h in items],
+                "debounce": [h.config.debounce for h in items],
+                "max_wait": [h.config.max_wait for h in items],
+                "max_batch": [h.config.max_batch for h in items],
             },
         )
+        flow.register(conn, {scope(h.name): h.config.limits for h in items})

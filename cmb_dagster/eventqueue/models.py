@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
 from cmb_dagster import inputs
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
+from cmb_dagster.flow import FlowLimits, KeyUse, RateLimit
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options, deprecated_iteration
@@ -22,6 +23,11 @@ DEFAULT_MODULE = "worker"  # the event space of events emitted by code
 CRON_MODULE = "cron"  # the event space of events emitted by cron handlers
 DEFAULT_MODIFIER = "_"
 MAX_NAME_LENGTH = 200
+MAX_PRIORITY = 1000
+MAX_BATCH_BYTES = 64 * 1024 * 1024
+"""Largest debounced batch (its events' JSON as stored); an event that would pass it begins a new batch."""
+KEY_FIELDS = ("value", "namespace", "module", "modifier")
+"""What a handler's key path may start with; only ``value`` may go on (``value.account.id``)."""
 RETRY_BACKOFF = Backoff(first=1.0, factor=2, max=300.0)
 """How long a failed event waits before its next attempt, unless its handler says otherwise."""
 
@@ -38,6 +44,8 @@ class Event:
     value: Any
     retries: int
     enqueued_at: datetime
+    priority: int
+    key: str  # under the handler's key path ('' without one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +70,7 @@ class Rule:
 
 
 class HandlerStatus(BaseModel):
-    """What a handler has in the queue (``held``: parked by a pause or block rule)."""
+    """What a handler has in the queue (``held``: parked by a pause or block rule), and its key path and limits."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -75,15 +83,21 @@ class HandlerStatus(BaseModel):
     dead: int
     oldest_queued_seconds: float
     rules: list[str]
+    key: str | None = None
+    rate_per_second: float | None = None
+    burst: float | None = None
+    concurrency: int | None = None
 
 
 class EventQueueStatus(BaseModel):
-    """The queue of every registered handler (ordered by name), and the totals over them."""
+    """The queue of every registered handler (ordered by name), the totals over them, and the use of each limited
+    key (``keys``)."""
 
     model_config = ConfigDict(frozen=True)
     COUNTS: ClassVar[tuple[str, ...]] = ("queued", "delayed", "locked", "held", "dead")
 
     handlers: list[HandlerStatus]
+    keys: list[KeyUse] = []
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -130,6 +144,59 @@ class HandlerConfig(Options):
     backoff: Backoff = Field(
         default=RETRY_BACKOFF, description="Delay before each retry: 1 s, doubled each retry, at most 300 s by default."
     )
+    key: str | None = Field(
+        default=None,
+        max_length=MAX_NAME_LENGTH,
+        description="Where each event's key is read: 'value.account' (a path into the value), 'namespace', 'module' "
+        "or 'modifier'. Limits apply per key, and keys take turns. Read when the event is emitted, by whichever "
+        "process emits it, so it is a path rather than a function.",
+    )
+    rate_limit: RateLimit | None = Field(
+        default=None, description="Starts per period per key across all workers: RateLimit(rate=10) or '10/s'."
+    )
+    concurrency: int | None = Field(
+        default=None, ge=1, le=10_000, description="Events of one key in flight at once across all workers."
+    )
+    debounce: float | None = Field(
+        default=None,
+        gt=0,
+        le=86400,
+        description="Seconds of quiet after which the events of one key that came meanwhile make one call, which "
+        "receives them all in order (the handler takes a list of events).",
+    )
+    max_wait: float | None = Field(
+        default=None, gt=0, le=86400, description="Seconds after a batch's first event when it is called anyway."
+    )
+    max_batch: int = Field(default=1000, ge=1, le=100_000, description="Events in one debounced call at most.")
+
+    @field_validator("key")
+    @classmethod
+    def _key_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = value.split(".")
+        if parts[0] not in KEY_FIELDS or "" in parts or (len(parts) > 1 and parts[0] != "value") or len(parts) > 16:
+            raise ValueError(
+                f"{value!r} is not a key path: 'value', 'value.<field>[.<field>...]', 'namespace', 'module' or "
+                "'modifier'"
+            )
+        return value
+
+    @field_validator("debounce", "max_wait", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        return value.total_seconds() if isinstance(value, timedelta) else value
+
+    @model_validator(mode="after")
+    def _debounce_given(self) -> HandlerConfig:
+        if self.max_wait is not None and self.debounce is None:
+            raise ValueError("max_wait: applies to a debounced handler only (give debounce too)")
+        return self
+
+    @property
+    def limits(self) -> FlowLimits:
+        """The flow limits of the handler's keys."""
+        return FlowLimits(rate_limit=self.rate_limit, concurrency=self.concurrency)
 
     @model_validator(mode="before")
     @classmethod
@@ -232,6 +299,11 @@ def check_name(field: str, value: object) -> str:
 def to_json(value: object, field: str = "value") -> str:
     """``value`` as JSON text within the payload limit, or InvalidEventQueueInput naming ``field``."""
     return inputs.to_json(value, field, error=InvalidEventQueueInput)
+
+
+def check_priority(value: object, field: str = "priority") -> int:
+    """``value`` as a priority (higher first), or InvalidEventQueueInput naming ``field``."""
+    return inputs.check_int(value, field, low=-MAX_PRIORITY, high=MAX_PRIORITY, error=InvalidEventQueueInput)
 
 
 def delay_seconds(delay: float | timedelta | None) -> float:

@@ -11,9 +11,17 @@ import psycopg
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.eventqueue import sql
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput, UnknownHandler
-from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, check_name, delay_seconds, to_json
+from cmb_dagster.eventqueue.models import (
+    DEFAULT_MODIFIER,
+    DEFAULT_MODULE,
+    MAX_BATCH_BYTES,
+    check_name,
+    check_priority,
+    delay_seconds,
+    to_json,
+)
 
-_FIELDS = {"namespace", "handler", "value", "module", "modifier", "delay"}
+_FIELDS = {"namespace", "handler", "value", "module", "modifier", "delay", "priority"}
 
 
 def emit(
@@ -24,6 +32,7 @@ def emit(
     module: str = DEFAULT_MODULE,
     modifier: str = DEFAULT_MODIFIER,
     delay: float | timedelta | None = None,
+    priority: int = 0,
     conn: psycopg.Connection | None = None,
     db: DatabaseSource | None = None,
 ) -> int:
@@ -32,7 +41,8 @@ def emit(
     With ``conn`` the event is part of that connection's transaction (it exists only if that commits;
     the connection's search_path must start with the cmb schema, as a :class:`Database`'s connections do);
     otherwise it commits at once on ``db`` (default: the database of the environment). ``delay`` (seconds
-    or a timedelta) holds it back; an unknown handler raises :class:`UnknownHandler` and writes nothing.
+    or a timedelta) holds it back; ``priority`` (-1000..1000) puts it before the events of lower priorities
+    ready at the same time. An unknown handler raises :class:`UnknownHandler` and writes nothing.
     """
     event = {
         "namespace": namespace,
@@ -41,6 +51,7 @@ def emit(
         "module": module,
         "modifier": modifier,
         "delay": delay,
+        "priority": priority,
     }
     return _emit([event], conn, db, prefixed=False)[0]
 
@@ -59,7 +70,7 @@ def _emit(
     events: Iterable[Mapping[str, Any]], conn: psycopg.Connection | None, db: DatabaseSource | None, *, prefixed: bool
 ) -> list[int]:
     columns: dict[str, list[Any]] = {
-        k: [] for k in ("namespaces", "modules", "handlers", "modifiers", "values", "delays")
+        k: [] for k in ("namespaces", "modules", "handlers", "modifiers", "values", "delays", "priorities")
     }
     for index, event in enumerate(events):
         where = f"events[{index}]." if prefixed else ""
@@ -75,10 +86,15 @@ def _emit(
         columns["modifiers"].append(check_name(f"{where}modifier", event.get("modifier", DEFAULT_MODIFIER)))
         columns["values"].append(to_json(event["value"], f"{where}value"))
         columns["delays"].append(delay_seconds(event.get("delay")))
+        columns["priorities"].append(check_priority(event.get("priority", 0), f"{where}priority"))
     if not columns["namespaces"]:
         return []
     handlers = set(columns["handlers"])
-    params = {**columns, "payload": next(iter(handlers)) if len(handlers) == 1 else ""}
+    params = {
+        **columns,
+        "payload": next(iter(handlers)) if len(handlers) == 1 else "",
+        "max_batch_bytes": MAX_BATCH_BYTES,
+    }
     if conn is not None:
         return _insert(conn, params)
     database = Database.of(db) if db is not None else Database.shared()

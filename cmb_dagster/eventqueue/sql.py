@@ -1,37 +1,129 @@
 """Every query of the event queue engine.
 
-The hot path is three statements: EMIT (one insert for any number of events, plus one NOTIFY),
-CLAIM_DUE (a batch claimed in one statement) and DELETE_DONE (the events a batch finished, sent as they
-finish, before their locks can lapse). CLAIM_DUE walks the index on
-``visible_at`` in order and stops after ``limit`` rows, so it needs no planner statistics. Its handler
-filter is written ``array_position(...) IS NOT NULL`` on purpose: without statistics the planner takes
-``handler = ANY(...)`` to keep 0.5% of the rows and then prefers reading every due row and sorting them;
-an IS NOT NULL test is estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
+The hot path is three statements: EMIT (one insert for any number of events, plus one NOTIFY), CLAIM_DUE (a
+batch claimed in one statement) and DELETE_DONE (the events a batch finished, sent as they finish, before their
+locks can lapse). An event is *ready* (``turn`` set) or *waiting* (delayed, retried later, claimed, held). EMIT
+makes an event due now ready at once; each claim first stages the waiting events that came due (index
+eventqueue_events_waiting), then walks the ready ones in (priority, turn) order on index eventqueue_events_ready
+and stops after ``limit`` rows, so neither needs planner statistics. A turn is the event's place in a round-robin
+over its handler's keys: after the events of its key already ready, no earlier than the head of its priority.
+Keys whose rate or concurrency limit is reached are passed over, and of the rows read, each limited key gets as
+many as its tokens and free slots allow (cmb_dagster/flow.py: the same tables and expressions). The handler filter
+is written ``array_position(...) IS NOT NULL`` on purpose: without statistics the planner takes ``handler =
+ANY(...)`` to keep 0.5% of the rows and prefers reading every ready row and sorting them; an IS NOT NULL test is
+estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
 """
+
+from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE
+
+# The flow-control scope of handler %(handler)s's events.
+SCOPE_PREFIX = "eventqueue/"
+
+# The key of an event (columns of ``e``) under its handler's key path (``h``), cut to the flow module's bound.
+_FLOW_KEY = """left(coalesce(CASE h.key_path[1] WHEN 'value' THEN e.value #>> h.key_path[2:]
+                                       WHEN 'namespace' THEN e.namespace WHEN 'module' THEN e.module
+                                       WHEN 'modifier' THEN e.modifier END, ''), 500)"""
+
+
+def _turns(rows: str) -> str:
+    """CTEs giving each row of ``rows`` (id or n, handler, flow_key, priority, place) its turn: ``turns``."""
+    return f"""heads AS (
+    SELECT g.handler, g.flow_key, g.priority, greatest(
+        coalesce((SELECT x.turn + 1 FROM eventqueue_events x
+                  WHERE x.handler = g.handler AND x.flow_key = g.flow_key AND x.priority = g.priority
+                    AND x.turn IS NOT NULL
+                  ORDER BY x.turn DESC LIMIT 1), 0),
+        coalesce((SELECT x.turn FROM eventqueue_events x WHERE x.priority = g.priority AND x.turn IS NOT NULL
+                  ORDER BY x.priority DESC, x.turn LIMIT 1), 0)) AS first
+    FROM (SELECT DISTINCT handler, flow_key, priority FROM {rows}) AS g
+), turns AS (
+    SELECT r.*, hd.first - 1 + row_number() OVER (PARTITION BY r.handler, r.flow_key, r.priority ORDER BY r.place)
+           AS turn
+    FROM {rows} r JOIN heads hd USING (handler, flow_key, priority)
+)"""
+
+
+# Frees the concurrency slots the events of ``rows`` (id, handler, flow_key, flow_slot) hold.
+def _free_slots(rows: str) -> str:
+    return f"""UPDATE flow_slots s SET item = NULL, taken_at = NULL, expires_at = '-infinity'
+    FROM {rows} d
+    WHERE d.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || d.handler AND s.key = d.flow_key
+      AND s.slot = d.flow_slot AND s.item = d.id::text
+    RETURNING d.handler"""
+
 
 # -- emit -------------------------------------------------------------------------------------------
 
-# Nothing is inserted when any handler is unknown (the first unknown one is returned instead).
-EMIT = """
+# Nothing is inserted when any handler is unknown (the first unknown one is returned instead). Each event gets
+# its id first (in the order given); events of a debounced handler join their key's open batch or begin one.
+EMIT = f"""
 WITH v AS (
-    SELECT * FROM unnest(%(namespaces)s::text[], %(modules)s::text[], %(handlers)s::text[],
-                         %(modifiers)s::text[], %(values)s::jsonb[], %(delays)s::float8[])
-           WITH ORDINALITY AS v(namespace, module, handler, modifier, value, delay, n)
+    SELECT v.*, nextval(pg_get_serial_sequence('eventqueue_events', 'id')) AS id
+    FROM unnest(%(namespaces)s::text[], %(modules)s::text[], %(handlers)s::text[], %(modifiers)s::text[],
+                %(values)s::jsonb[], %(delays)s::float8[], %(priorities)s::int[])
+         WITH ORDINALITY AS v(namespace, module, handler, modifier, value, delay, priority, n)
+    WHERE NOT EXISTS (SELECT 1 FROM unnest(%(handlers)s::text[]) AS u(handler)
+                      WHERE NOT EXISTS (SELECT 1 FROM eventqueue_handlers h WHERE h.name = u.handler))
 ), unknown AS (
-    SELECT v.handler FROM v WHERE NOT EXISTS (SELECT 1 FROM eventqueue_handlers h WHERE h.name = v.handler) LIMIT 1
-), inserted AS (
-    INSERT INTO eventqueue_events (namespace, module, handler, modifier, value, delay_until, visible_at)
-    SELECT v.namespace, v.module, v.handler, v.modifier, v.value,
-           now() + make_interval(secs => v.delay), now() + make_interval(secs => v.delay)
-    FROM v
-    WHERE NOT EXISTS (SELECT 1 FROM unknown)
-    ORDER BY v.n
-    RETURNING id
+    SELECT u.handler FROM unnest(%(handlers)s::text[]) AS u(handler)
+    WHERE NOT EXISTS (SELECT 1 FROM eventqueue_handlers h WHERE h.name = u.handler) LIMIT 1
+), keyed AS (
+    SELECT e.*, {_FLOW_KEY} AS flow_key, e.n AS place, h.debounce_seconds, h.max_wait_seconds, h.max_batch
+    FROM v e JOIN eventqueue_handlers h ON h.name = e.handler
+), ready AS (
+    SELECT * FROM keyed WHERE delay = 0 AND debounce_seconds IS NULL
+), {_turns("ready")}, inserted AS (
+    INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, delay_until, visible_at, flow_key,
+                                   priority, turn)
+    SELECT k.id, k.namespace, k.module, k.handler, k.modifier, k.value,
+           now() + make_interval(secs => k.delay), now() + make_interval(secs => k.delay), k.flow_key, k.priority,
+           t.turn
+    FROM keyed k LEFT JOIN turns t ON t.n = k.n
+    WHERE k.debounce_seconds IS NULL
+    ORDER BY k.n
+), chunked AS (
+    SELECT k.*, (row_number() OVER (PARTITION BY handler, flow_key ORDER BY n) - 1) / max_batch AS chunk
+    FROM keyed k WHERE debounce_seconds IS NOT NULL
+), groups AS (
+    SELECT handler, flow_key, chunk, min(debounce_seconds) AS debounce, min(max_wait_seconds) AS max_wait,
+           min(max_batch) AS max_batch, count(*) AS n, min(n) AS first,
+           jsonb_agg(jsonb_build_object('id', id, 'namespace', namespace, 'module', module, 'modifier', modifier,
+                                        'value', value, 'enqueued_at', now()) ORDER BY n) AS batch
+    FROM chunked
+    GROUP BY handler, flow_key, chunk
+), open AS (
+    SELECT g.handler, g.flow_key, o.id, g.batch, g.n,
+           CASE WHEN g.max_wait IS NULL THEN now() + make_interval(secs => g.debounce)
+                ELSE least(now() + make_interval(secs => g.debounce),
+                           o.enqueued_at + make_interval(secs => g.max_wait)) END AS due
+    FROM groups g CROSS JOIN LATERAL (
+        SELECT e.id, e.enqueued_at FROM eventqueue_events e
+        WHERE e.handler = g.handler AND e.flow_key = g.flow_key AND e.batch_count IS NOT NULL
+          AND e.locked_at IS NULL AND e.retries = 0 AND e.crashes = 0 AND e.visible_at < 'infinity'
+          AND e.batch_count + g.n <= g.max_batch
+          AND pg_column_size(e.value) + pg_column_size(g.batch) <= %(max_batch_bytes)s
+        ORDER BY e.id DESC LIMIT 1
+        FOR UPDATE OF e
+    ) AS o
+    WHERE g.chunk = 0
+), appended AS (
+    UPDATE eventqueue_events e
+    SET value = e.value || o.batch, batch_count = e.batch_count + o.n, visible_at = o.due, delay_until = o.due,
+        turn = CASE WHEN o.due > now() THEN NULL ELSE e.turn END
+    FROM open o
+    WHERE e.id = o.id
+    RETURNING e.handler, e.flow_key
+), begun AS (
+    INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, delay_until, visible_at, flow_key,
+                                   priority, batch_count)
+    SELECT k.id, k.namespace, k.module, k.handler, k.modifier, g.batch, d.due, d.due, k.flow_key, k.priority, g.n
+    FROM groups g JOIN keyed k ON k.n = g.first,
+         LATERAL (SELECT now() + make_interval(secs => least(g.debounce, coalesce(g.max_wait, g.debounce))) AS due) d
+    WHERE g.chunk > 0 OR NOT EXISTS (SELECT 1 FROM appended a WHERE a.handler = g.handler AND a.flow_key = g.flow_key)
 )
 SELECT (SELECT handler FROM unknown),
-       (SELECT array_agg(id ORDER BY id) FROM inserted),
-       CASE WHEN EXISTS (SELECT 1 FROM inserted)
-            THEN pg_notify(current_schema() || '.eventqueue', %(payload)s) END
+       (SELECT array_agg(id ORDER BY n) FROM v),
+       CASE WHEN EXISTS (SELECT 1 FROM v) THEN pg_notify(current_schema() || '.eventqueue', %(payload)s) END
 """
 
 # -- dequeue ----------------------------------------------------------------------------------------
@@ -42,81 +134,179 @@ _RULE = """
  ORDER BY r.rule_type LIMIT 1 FOR KEY SHARE)  -- 'block' before 'pause'
 """
 
+# The flow limits of the claim's candidates (``offered``: id, scope, flow_key, priority, turn, decision, take):
+# of each limited key's candidates in order, as many as its tokens and free slots allow are granted (taking
+# them), the others are 'throttled'. ``candidates`` adds the slot granted; 'flow_missing' names the limited keys
+# whose bucket or slots do not exist yet (the worker makes them).
+_ADMIT = f"""
+limits AS MATERIALIZED (
+    SELECT l.scope, l.rate, l.burst, l.concurrency FROM flow_limits l
+    WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
+), ranked AS (
+    SELECT o.id, o.scope, o.flow_key,
+           row_number() OVER (PARTITION BY o.scope, o.flow_key ORDER BY o.priority DESC, o.turn, o.id) AS r
+    FROM offered o WHERE o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits)
+), wanted AS (
+    SELECT r.scope, r.flow_key AS key, count(*) AS n, l.rate, l.concurrency
+    FROM ranked r JOIN limits l USING (scope) GROUP BY r.scope, r.flow_key, l.rate, l.concurrency
+), free AS MATERIALIZED (
+    SELECT f.scope, f.key, f.slot, row_number() OVER (PARTITION BY f.scope, f.key ORDER BY f.slot) AS r
+    FROM (SELECT s.scope, s.key, s.slot FROM flow_slots s
+          JOIN wanted w ON w.scope = s.scope AND w.key = s.key
+          WHERE s.slot < w.concurrency AND {FLOW_SLOT_FREE}
+          FOR UPDATE OF s SKIP LOCKED) AS f
+), can AS (
+    SELECT w.scope, w.key, w.rate,
+           CASE WHEN w.concurrency IS NULL THEN w.n
+                ELSE least(w.n, (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key)) END AS n,
+           (w.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = w.scope AND b.key = w.key))
+           OR (w.concurrency IS NOT NULL
+               AND NOT EXISTS (SELECT 1 FROM flow_slots s WHERE s.scope = w.scope AND s.key = w.key)) AS missing
+    FROM wanted w
+), bucket_now AS (
+    SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail
+    FROM flow_buckets b JOIN can c ON c.scope = b.scope AND c.key = b.key JOIN limits l ON l.scope = b.scope
+    WHERE c.rate IS NOT NULL
+    ORDER BY b.scope, b.key  -- locked in one order: two claims never deadlock
+    FOR UPDATE OF b
+), tokens AS (
+    UPDATE flow_buckets b SET tokens = n.avail - n.took, refilled_at = clock_timestamp()
+    FROM (SELECT bn.scope, bn.key, bn.avail, least(floor(greatest(bn.avail, 0)), c.n) AS took
+          FROM bucket_now bn JOIN can c ON c.scope = bn.scope AND c.key = bn.key) AS n
+    WHERE b.scope = n.scope AND b.key = n.key
+    RETURNING b.scope, b.key, n.took
+), granted AS (
+    SELECT c.scope, c.key, CASE WHEN c.rate IS NULL THEN c.n ELSE coalesce(t.took, 0) END AS n
+    FROM can c LEFT JOIN tokens t ON t.scope = c.scope AND t.key = c.key
+), admitted AS (
+    SELECT r.id, f.slot
+    FROM ranked r JOIN granted g ON g.scope = r.scope AND g.key = r.flow_key AND r.r <= g.n
+    LEFT JOIN free f ON f.scope = r.scope AND f.key = r.flow_key AND f.r = r.r
+), slots_taken AS (
+    UPDATE flow_slots s SET item = a.id::text, taken_at = now(),
+                            expires_at = now() + make_interval(secs => h.lock_expiry_seconds)
+    FROM admitted a JOIN offered o ON o.id = a.id JOIN eventqueue_handlers h ON h.name = o.handler
+    WHERE a.slot IS NOT NULL AND s.scope = o.scope AND s.key = o.flow_key AND s.slot = a.slot
+), candidates AS (
+    SELECT o.id, o.seen_locked_at, o.take, a.slot AS flow_slot,
+           CASE WHEN o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits) AND a.id IS NULL
+                THEN 'throttled' ELSE o.decision END AS decision
+    FROM offered o LEFT JOIN admitted a ON a.id = o.id
+)"""
+
 # What a claim does with its candidates: held ones are parked (visible_at = 'infinity'); one that has
 # already begun max_crashes runs that never ended goes to the dead letters; the others are claimed
 # (compare-and-set on locked_at), their crashes counted up before any handler runs. Each claim also
 # returns the newest rule it read ('rules' row): a worker acknowledges that rule once no event claimed
 # before it is still to start.
-_APPLY = """
-rules AS MATERIALIZED (
+_APPLY = f"""
+{_ADMIT}, rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
 ), held AS (
-    UPDATE eventqueue_events e SET visible_at = 'infinity'
+    UPDATE eventqueue_events e SET visible_at = 'infinity', turn = NULL
     FROM candidates c WHERE e.id = c.id AND c.decision IN ('pause', 'block')
     RETURNING e.id, c.decision
 ), crashed AS (
     DELETE FROM eventqueue_events e
     USING candidates c, eventqueue_handlers h
     WHERE e.id = c.id AND c.decision = 'claim' AND h.name = e.handler AND e.crashes >= h.max_crashes
-    RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.crashes
+    RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.crashes,
+              e.priority, e.batch_count
 ), dead AS (
     INSERT INTO eventqueue_dead
-        (id, namespace, module, handler, modifier, value, retries, enqueued_at, error, traceback)
-    SELECT id, namespace, module, handler, modifier, value, retries, enqueued_at,
+        (id, namespace, module, handler, modifier, value, retries, enqueued_at, priority, batch_count, error, traceback)
+    SELECT id, namespace, module, handler, modifier, value, retries, enqueued_at, priority, batch_count,
            format('%%s runs in a row ended with the death of their worker (a crash, kill -9 or OOM)', crashes), ''
     FROM crashed
     RETURNING id
 ), claimed AS (
     UPDATE eventqueue_events e
-    SET locked_at = now(), visible_at = now() + make_interval(secs => h.lock_expiry_seconds), crashes = e.crashes + 1
+    SET locked_at = now(), visible_at = now() + make_interval(secs => h.lock_expiry_seconds), crashes = e.crashes + 1,
+        turn = NULL, flow_slot = c.flow_slot
     FROM candidates c, eventqueue_handlers h
     WHERE e.id = c.id AND c.decision = 'claim' AND c.take AND h.name = e.handler AND e.crashes < h.max_crashes
       AND e.locked_at IS NOT DISTINCT FROM c.seen_locked_at        -- compare-and-set on locked_at
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at,
-              e.locked_at, c.seen_locked_at
+              e.locked_at, c.seen_locked_at, e.priority, e.flow_key, e.batch_count
 )
-SELECT 'claim', id, namespace, module, handler, modifier, value, retries, enqueued_at, locked_at, seen_locked_at
+SELECT 'claim', id, namespace, module, handler, modifier, value, retries, enqueued_at, locked_at, seen_locked_at,
+       priority, flow_key, batch_count
 FROM claimed
 UNION ALL
-SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM held
+SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM held
 UNION ALL
-SELECT 'crashed', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM dead
+SELECT 'crashed', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM dead
 UNION ALL
-SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM candidates
+SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM candidates
 WHERE decision NOT IN ('claim', 'pause', 'block')
 UNION ALL
-SELECT 'lock_claim_failed', c.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM candidates c
+SELECT 'lock_claim_failed', c.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM candidates c
 WHERE c.decision = 'claim' AND c.take AND NOT EXISTS (SELECT 1 FROM claimed WHERE claimed.id = c.id)
   AND NOT EXISTS (SELECT 1 FROM crashed WHERE crashed.id = c.id)
 UNION ALL
-SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM rules
+SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM rules
+UNION ALL
+SELECT 'flow_missing', NULL, scope, key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM can WHERE missing
 """
 
-# The worker's batch: due (or lock-expired) events of its handlers, oldest visibility first. Held rows
-# are skipped, not waited for. Events under a rule are parked (visible_at = 'infinity'), the rule row
-# share-locked so an unpause waits for this transaction and then finds them parked. An event whose earlier
-# run never ended (crashes > 0) is claimed alone: the batch is then that one event.
+# The worker's batch. First the waiting events of its handlers that came due are staged (they are offered
+# from the next claim on; 'staged' returns how many). Then the ready events of its handlers whose key is not
+# at a limit, in (priority, turn) order: held rows are skipped, not waited for. Events under a rule are parked
+# (visible_at = 'infinity'), the rule row share-locked so an unpause waits for this transaction and then finds
+# them parked. An event whose earlier run never ended (crashes > 0) is claimed alone: the batch is then that
+# one event. 'flow_wait' returns the seconds until a key at its rate limit has a token again.
 CLAIM_DUE = f"""
-WITH due AS (
-    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.visible_at, coalesce({_RULE}, 'claim') AS decision
+WITH came_due AS (
+    SELECT e.id, e.handler, e.flow_key, e.priority, e.visible_at AS place
     FROM eventqueue_events e
-    WHERE e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+    WHERE e.turn IS NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
     ORDER BY e.visible_at
+    LIMIT %(stage_limit)s
+    FOR UPDATE OF e SKIP LOCKED
+), {_turns("came_due")}, staged AS (
+    UPDATE eventqueue_events e SET turn = t.turn FROM turns t WHERE e.id = t.id
+    RETURNING e.id
+), at_limit AS MATERIALIZED (
+    SELECT b.scope, b.key, (1 - {FLOW_AVAILABLE}) / l.rate AS wait
+    FROM flow_buckets b JOIN flow_limits l ON l.scope = b.scope
+    WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
+      AND {FLOW_AVAILABLE} < 1
+    UNION ALL
+    SELECT s.scope, s.key, NULL
+    FROM flow_slots s JOIN flow_limits l ON l.scope = s.scope
+    WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
+      AND s.slot < l.concurrency
+    GROUP BY s.scope, s.key HAVING bool_and(NOT {FLOW_SLOT_FREE})
+), due AS (
+    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
+           '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
+    FROM eventqueue_events e
+    WHERE e.turn IS NOT NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM at_limit a WHERE a.scope = '{SCOPE_PREFIX}' || e.handler AND a.key = e.flow_key)
+    ORDER BY e.priority DESC, e.turn, e.id
     LIMIT %(limit)s
     FOR UPDATE OF e SKIP LOCKED
 ), suspect AS (
-    SELECT id FROM due WHERE decision = 'claim' AND crashes > 0 ORDER BY visible_at LIMIT 1
-), candidates AS (
+    SELECT id FROM due WHERE decision = 'claim' AND crashes > 0 ORDER BY priority DESC, turn, id LIMIT 1
+), offered AS (
     SELECT due.*, NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect) AS take
     FROM due
     WHERE decision <> 'claim' OR NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect)
 ), {_APPLY}
+UNION ALL
+SELECT 'staged', count(*), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM staged
+UNION ALL
+SELECT 'flow_wait', NULL, NULL, NULL, NULL, NULL, to_jsonb(min(wait)), NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM at_limit HAVING count(*) > 0
 """
 
 # The flowchart for named events (a notification that names them): each row says which edge it took.
 CLAIM_IDS = f"""
-WITH candidates AS (
-    SELECT e.id, e.locked_at AS seen_locked_at, true AS take,
+WITH offered AS (
+    SELECT e.id, e.locked_at AS seen_locked_at, true AS take, e.priority, e.turn, e.handler, e.flow_key,
+           '{SCOPE_PREFIX}' || e.handler AS scope,
            coalesce({_RULE},
                     CASE WHEN e.delay_until > now() THEN 'delay_not_yet'
                          WHEN e.locked_at IS NOT NULL AND e.visible_at > now() THEN 'is_locked'
@@ -129,20 +319,35 @@ WITH candidates AS (
 
 EXISTING_IDS = "SELECT id FROM eventqueue_events WHERE id = ANY(%(ids)s::bigint[])"
 
-# Seconds until the next event of these handlers becomes visible (for the worker's sleep).
+# Seconds until the next waiting event of these handlers comes due (for the worker's sleep; 0: one is due).
 NEXT_VISIBLE = """
-SELECT extract(epoch FROM visible_at - now())::float8 FROM eventqueue_events
-WHERE array_position(%(handlers)s::text[], handler) IS NOT NULL AND visible_at > now() AND visible_at < 'infinity'
+SELECT greatest(extract(epoch FROM visible_at - now())::float8, 0) FROM eventqueue_events
+WHERE turn IS NULL AND array_position(%(handlers)s::text[], handler) IS NOT NULL AND visible_at < 'infinity'
 ORDER BY visible_at LIMIT 1
 """
 
-DELETE_DONE = "DELETE FROM eventqueue_events WHERE id = ANY(%(ids)s::bigint[])"
+# The finished events go, and the slots they held are free (workers waiting for one are told).
+DELETE_DONE = f"""
+WITH done AS (
+    DELETE FROM eventqueue_events WHERE id = ANY(%(ids)s::bigint[]) RETURNING id, handler, flow_key, flow_slot
+), freed AS (
+    {_free_slots("done")}
+)
+SELECT pg_notify(current_schema() || '.eventqueue', handler) FROM (SELECT DISTINCT handler FROM freed) AS f
+"""
 
 # The worker still runs these events (or has them to start, or to delete): their locks last another expiry.
-EXTEND_LOCKS = """
-UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => h.lock_expiry_seconds)
-FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at), eventqueue_handlers h
-WHERE e.id = u.id AND e.locked_at = u.locked_at AND h.name = e.handler
+EXTEND_LOCKS = f"""
+WITH extended AS (
+    UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => h.lock_expiry_seconds)
+    FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at), eventqueue_handlers h
+    WHERE e.id = u.id AND e.locked_at = u.locked_at AND h.name = e.handler
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot, h.lock_expiry_seconds
+)
+UPDATE flow_slots s SET expires_at = now() + make_interval(secs => x.lock_expiry_seconds)
+FROM extended x
+WHERE x.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || x.handler AND s.key = x.flow_key
+  AND s.slot = x.flow_slot AND s.item = x.id::text
 """
 
 # After a rule changed: of the claimed events not started yet, those a rule now holds are parked and their
@@ -150,12 +355,19 @@ WHERE e.id = u.id AND e.locked_at = u.locked_at AND h.name = e.handler
 RECHECK_RULES = f"""
 WITH rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
+), parked AS (
+    SELECT e.id, e.handler, e.flow_key, e.flow_slot
+    FROM eventqueue_events e JOIN unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at)
+         ON e.id = u.id AND e.locked_at = u.locked_at
+    WHERE {_RULE} IS NOT NULL
+    FOR UPDATE OF e
 ), held AS (
     UPDATE eventqueue_events e
-    SET visible_at = 'infinity', locked_at = NULL, crashes = greatest(e.crashes - 1, 0)
-    FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at)
-    WHERE e.id = u.id AND e.locked_at = u.locked_at AND {_RULE} IS NOT NULL
+    SET visible_at = 'infinity', locked_at = NULL, crashes = greatest(e.crashes - 1, 0), flow_slot = NULL
+    FROM parked p WHERE e.id = p.id
     RETURNING e.id
+), freed AS (
+    {_free_slots("parked")}
 ), ack AS (
     INSERT INTO eventqueue_workers AS w (owner, rules_seen) SELECT %(owner)s, newest FROM rules
     ON CONFLICT (owner) DO UPDATE SET rules_seen = greatest(w.rules_seen, EXCLUDED.rules_seen), seen_at = now()
@@ -177,22 +389,36 @@ WHERE l.kind = %(kind)s AND l.expires_at > now() AND coalesce(w.rules_seen, 0) <
 ORDER BY l.partition
 """
 
-# RetryAllowed: increment, delay with backoff; only while the lock is still ours.
-RETRY = """
-UPDATE eventqueue_events
-SET retries = retries + 1, locked_at = NULL, last_error = %(error)s, crashes = 0,
-    delay_until = now() + make_interval(secs => %(delay)s), visible_at = now() + make_interval(secs => %(delay)s)
-WHERE id = %(id)s AND locked_at = %(locked_at)s
+# RetryAllowed: increment, delay with backoff; only while the lock is still ours. Its slot is free.
+RETRY = f"""
+WITH retried AS (
+    UPDATE eventqueue_events e
+    SET retries = retries + 1, locked_at = NULL, last_error = %(error)s, crashes = 0, flow_slot = NULL,
+        delay_until = now() + make_interval(secs => %(delay)s), visible_at = now() + make_interval(secs => %(delay)s)
+    FROM (SELECT id, flow_slot FROM eventqueue_events WHERE id = %(id)s AND locked_at = %(locked_at)s FOR UPDATE)
+         AS old
+    WHERE e.id = old.id
+    RETURNING e.id, e.handler, e.flow_key, old.flow_slot
+), freed AS (
+    {_free_slots("retried")}
+)
+SELECT id FROM retried
 """
 
-# RetryTooMany: into the dead-letter table with the last error and traceback.
-KILL = """
+# RetryTooMany: into the dead-letter table with the last error and traceback. Its slot is free.
+KILL = f"""
 WITH moved AS (
     DELETE FROM eventqueue_events WHERE id = %(id)s AND locked_at = %(locked_at)s
-    RETURNING id, namespace, module, handler, modifier, value, retries, enqueued_at
+    RETURNING id, namespace, module, handler, modifier, value, retries, enqueued_at, priority, flow_key, flow_slot,
+              batch_count
+), freed AS (
+    {_free_slots("moved")}
 )
-INSERT INTO eventqueue_dead (id, namespace, module, handler, modifier, value, retries, enqueued_at, error, traceback)
-SELECT id, namespace, module, handler, modifier, value, retries, enqueued_at, %(error)s, %(traceback)s FROM moved
+INSERT INTO eventqueue_dead
+    (id, namespace, module, handler, modifier, value, retries, enqueued_at, priority, batch_count, error, traceback)
+SELECT id, namespace, module, handler, modifier, value, retries, enqueued_at, priority, batch_count, %(error)s,
+       %(traceback)s
+FROM moved
 RETURNING id
 """
 
@@ -200,13 +426,18 @@ RETURNING id
 
 REGISTER_HANDLERS = """
 INSERT INTO eventqueue_handlers AS h (name, kind, lock_expiry_seconds, max_retries, retry_delay_seconds,
-                                      max_retry_delay_seconds, max_crashes)
-SELECT * FROM unnest(%(names)s::text[], %(kinds)s::text[], %(lock_expiry)s::float8[], %(max_retries)s::int[],
-                     %(backoff_first)s::float8[], %(backoff_max)s::float8[], %(max_crashes)s::int[])
+                                      max_retry_delay_seconds, max_crashes, key_path, debounce_seconds,
+                                      max_wait_seconds, max_batch)
+SELECT n, k, le, mr, bf, bm, mc, CASE WHEN kp = '' THEN NULL ELSE string_to_array(kp, '.') END, db, mw, mb
+FROM unnest(%(names)s::text[], %(kinds)s::text[], %(lock_expiry)s::float8[], %(max_retries)s::int[],
+            %(backoff_first)s::float8[], %(backoff_max)s::float8[], %(max_crashes)s::int[], %(key_paths)s::text[],
+            %(debounce)s::float8[], %(max_wait)s::float8[], %(max_batch)s::int[])
+     AS u(n, k, le, mr, bf, bm, mc, kp, db, mw, mb)
 ON CONFLICT (name) DO UPDATE SET
     kind = EXCLUDED.kind, lock_expiry_seconds = EXCLUDED.lock_expiry_seconds, max_retries = EXCLUDED.max_retries,
     retry_delay_seconds = EXCLUDED.retry_delay_seconds, max_retry_delay_seconds = EXCLUDED.max_retry_delay_seconds,
-    max_crashes = EXCLUDED.max_crashes, registered_at = now()
+    max_crashes = EXCLUDED.max_crashes, key_path = EXCLUDED.key_path, debounce_seconds = EXCLUDED.debounce_seconds,
+    max_wait_seconds = EXCLUDED.max_wait_seconds, max_batch = EXCLUDED.max_batch, registered_at = now()
 """
 
 HANDLER_EXISTS = "SELECT 1 FROM eventqueue_handlers WHERE name = %(handler)s"
@@ -260,12 +491,14 @@ FROM eventqueue_rules r ORDER BY handler, namespace, event_space, rule_type
 
 # Per registered handler, from the indexes whatever the statistics: its events by eventqueue_events_handler, its
 # dead letters by eventqueue_dead_handler.
-STATUS = """
+STATUS = f"""
 SELECT h.name AS handler, h.kind, c.queued, c.delayed, c.locked, c.held, d.dead,
        coalesce(c.oldest, 0) AS oldest_queued_seconds,
        ARRAY(SELECT r.rule_type || ' ' || r.namespace || '/' || r.event_space
-             FROM eventqueue_rules r WHERE r.handler = h.name ORDER BY r.id) AS rules
+             FROM eventqueue_rules r WHERE r.handler = h.name ORDER BY r.id) AS rules,
+       array_to_string(h.key_path, '.') AS key, l.rate AS rate_per_second, l.burst, l.concurrency
 FROM eventqueue_handlers h
+LEFT JOIN flow_limits l ON l.scope = '{SCOPE_PREFIX}' || h.name
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE e.visible_at = 'infinity') AS held,
            count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until <= now())
@@ -283,24 +516,28 @@ ORDER BY h.name
 
 # -- dead letters -----------------------------------------------------------------------------------
 
-LIST_DEAD = """
-SELECT id, namespace, module, handler, modifier, value, retries, enqueued_at, died_at, error, traceback
-FROM eventqueue_dead
-WHERE (%(handler)s::text IS NULL OR handler = %(handler)s)
-ORDER BY id LIMIT %(limit)s
+LIST_DEAD = f"""
+SELECT e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.priority,
+       {_FLOW_KEY}, e.died_at, e.error, e.traceback
+FROM eventqueue_dead e LEFT JOIN eventqueue_handlers h ON h.name = e.handler
+WHERE (%(handler)s::text IS NULL OR e.handler = %(handler)s)
+ORDER BY e.id LIMIT %(limit)s
 """
 
 LOCK_DEAD_IDS = "SELECT id FROM eventqueue_dead WHERE id = ANY(%(ids)s::bigint[]) FOR UPDATE"
 
-REPLAY = """
+REPLAY = f"""
 WITH moved AS (
     DELETE FROM eventqueue_dead
     WHERE (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
       AND (%(handler)s::text IS NULL OR handler = %(handler)s)
-    RETURNING id, namespace, module, handler, modifier, value, enqueued_at
+    RETURNING id, namespace, module, handler, modifier, value, enqueued_at, priority, batch_count
 ), inserted AS (
-    INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, enqueued_at)
-    SELECT id, namespace, module, handler, modifier, value, enqueued_at FROM moved
+    INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, enqueued_at, priority, flow_key,
+                                   batch_count)
+    SELECT e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.enqueued_at, e.priority, {_FLOW_KEY},
+           e.batch_count
+    FROM moved e JOIN eventqueue_handlers h ON h.name = e.handler
     RETURNING id
 )
 SELECT (SELECT array_agg(id ORDER BY id) FROM inserted),
@@ -312,15 +549,20 @@ SELECT (SELECT array_agg(id ORDER BY id) FROM inserted),
 DB_NOW = "SELECT now()"
 
 # One fire per (cron, fire_time) across all workers: the event is inserted only with its record.
-CRON_FIRE = """
+CRON_FIRE = f"""
 WITH record AS (
     INSERT INTO eventqueue_cron_records (cron, fire_time, event_id)
     VALUES (%(cron)s, %(fire_time)s, nextval(pg_get_serial_sequence('eventqueue_events', 'id')))
     ON CONFLICT DO NOTHING
     RETURNING event_id
+), e AS (
+    SELECT event_id AS id, %(namespace)s::text AS namespace, %(module)s::text AS module,
+           %(handler)s::text AS handler, %(modifier)s::text AS modifier, %(value)s::jsonb AS value
+    FROM record
 ), inserted AS (
-    INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value)
-    SELECT event_id, %(namespace)s, %(module)s, %(handler)s, %(modifier)s, %(value)s::jsonb FROM record
+    INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, flow_key)
+    SELECT e.id, e.namespace, e.module, e.handler, e.modifier, e.value, {_FLOW_KEY}
+    FROM e JOIN eventqueue_handlers h ON h.name = e.handler
     RETURNING id
 )
 SELECT id, pg_notify(current_schema() || '.eventqueue', %(handler)s) FROM inserted

@@ -30,6 +30,7 @@ from zoneinfo import ZoneInfo
 import psycopg
 from croniter import croniter
 
+from cmb_dagster import flow
 from cmb_dagster.database import DatabaseSource, OwnConnection
 from cmb_dagster.eventqueue import sql
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
@@ -64,6 +65,7 @@ class Edge(StrEnum):
     RETRY_TOO_MANY = "retry_too_many"  # RetryCheck -> dead-letter table
     RETRY_CHECK_FAILED = "retry_check_failed"  # RetryCheck -> Queue: stays locked until the lock expires
     CRASHED_TOO_OFTEN = "crashed_too_often"  # LockClaim -> dead-letter table: its runs killed their worker
+    THROTTLED = "throttled"  # LimitCheck -> Queue: its key is at its rate or concurrency limit
 
 
 _HELD = {
@@ -73,7 +75,9 @@ _HELD = {
     "is_locked": Edge.IS_LOCKED,
     "lock_claim_failed": Edge.LOCK_CLAIM_FAILED,
     "crashed": Edge.CRASHED_TOO_OFTEN,
+    "throttled": Edge.THROTTLED,
 }
+STAGE_LIMIT = 10_000  # waiting events a claim makes ready at most
 
 
 class Launcher(Protocol):
@@ -95,6 +99,7 @@ class Claimed:
     locked_at: datetime
     expired: bool  # the claim took over an expired lock
     renewed_at: float  # time.monotonic() of the claim or of the last renewal of its lock
+    batch: list[Event]  # the events of a debounced batch, in order (else the event itself)
 
     @property
     def label(self) -> str:
@@ -135,6 +140,8 @@ class EventWorker(EngineWorker):
         self._done: list[Claimed] = []  # finished, not deleted yet
         self._rules_changed = threading.Event()
         self._acknowledged = 0  # the newest rule this worker applies to every event it starts
+        self._staged = 0  # events the last claim made ready (claimable from the next one)
+        self._flow_wait: float | None = None  # seconds until a key at its rate limit has a token again
         self._tick = min(1.0, min(h.config.lock_expiry for h in self.registry.handlers.values()) / 4)
 
     # -- connection -------------------------------------------------------------------------------
@@ -167,12 +174,18 @@ class EventWorker(EngineWorker):
     # -- the flowchart ----------------------------------------------------------------------------
 
     def run_once(self) -> int:
-        """Claim one batch of due events and process it; return how many events it claimed or held."""
+        """Claim one batch of due events and process it; return how many events it claimed or held (and made ready
+        for the next batch)."""
         with self._lock:
             self._settle_set_aside()
-            claimed, edges = self._claim(sql.CLAIM_DUE, {"handlers": self.names, "limit": self.settings.batch_size})
+            params = {"handlers": self.names, "limit": self.settings.batch_size, "stage_limit": STAGE_LIMIT}
+            claimed, edges = self._claim(sql.CLAIM_DUE, params)
+            if self._staged and len(edges) < self.settings.batch_size:  # those that came due are ready now
+                rest = {**params, "limit": self.settings.batch_size - len(edges)}
+                more, more_edges = self._claim(sql.CLAIM_DUE, rest)
+                claimed, edges = claimed + more, {**edges, **more_edges}
             self._process(claimed, edges)
-            return len(edges)
+            return len(edges) + self._staged
 
     def dequeue(self, ids: Iterable[int]) -> dict[int, list[Edge]]:
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
@@ -188,18 +201,35 @@ class EventWorker(EngineWorker):
             return edges
 
     def _claim(self, query: str, params: Mapping[str, Any]) -> tuple[list[Claimed], dict[int, list[Edge]]]:
-        """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took."""
+        """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took. Keys
+        whose flow-control rows do not exist yet get them, and the claim runs again."""
         self._apply_new_rules()
         rows = self._execute(query, params)
+        missing = [(row[2], row[3]) for row in rows if row[0] == "flow_missing"]
+        if missing:
+            conn = self._connection()
+            with conn.transaction():
+                flow.ensure(conn, missing)
+            rows = self._execute(query, params)
         now = time.monotonic()
         claimed = []
         edges: dict[int, list[Edge]] = {}
-        for decision, event_id, namespace, module, handler, modifier, value, retries, enqueued, locked, seen in rows:
+        self._staged, self._flow_wait = 0, None
+        for row in rows:
+            decision, event_id, namespace, module, handler, modifier, value, retries, enqueued, locked, seen = row[:11]
             if decision == "rules":
                 self._acknowledge(event_id)
+            elif decision == "staged":
+                self._staged = event_id
+            elif decision == "flow_wait":
+                self._flow_wait = value or 0.0  # 0: keys wait for a slot only
+            elif decision == "flow_missing":
+                continue
             elif decision == "claim":
-                event = Event(event_id, namespace, module, handler, modifier, value, retries, enqueued)
-                item = Claimed(event, self.registry.handlers[handler], locked, seen is not None, now)
+                priority, key, batch_count = row[11:]
+                event = Event(event_id, namespace, module, handler, modifier, value, retries, enqueued, priority, key)
+                batch = _members(event) if batch_count is not None else [event]
+                item = Claimed(event, self.registry.handlers[handler], locked, seen is not None, now, batch)
                 claimed.append(item)
                 self._held[event_id] = item
                 edges[event_id] = [Edge.LOCK_EXPIRED if seen is not None else Edge.LOCK_NONE]
@@ -232,7 +262,7 @@ class EventWorker(EngineWorker):
             raise _ClaimLapsed()
         handler, event = item.handler, item.event
         if handler.fn is not None:
-            handler.fn(event)
+            handler.fn(item.batch if handler.config.debounce is not None else event)  # type: ignore[arg-type]
             return
         if self.launcher is None:
             raise RuntimeError(
@@ -429,6 +459,8 @@ class EventWorker(EngineWorker):
         """Seconds until the next delayed event or lock expiry, at most the sweep interval (shorter while
         calls set aside run, or events are held: their locks are renewed on the way)."""
         sleep = self.settings.sweep_interval
+        if self._flow_wait is not None:  # a key at its limit: a token comes, a slot frees (or its holder dies)
+            sleep = min(sleep, max(MIN_SLEEP, self._flow_wait or self._tick))
         if self.registry.crons:
             sleep = min(sleep, max(MIN_SLEEP, self._next_cron - time.monotonic()))
         if self._held:
@@ -468,6 +500,25 @@ class EventWorker(EngineWorker):
             )
         finally:
             self.close()
+
+
+def _members(batch: Event) -> list[Event]:
+    """The events a debounced batch holds, in the order they were emitted."""
+    return [
+        Event(
+            m["id"],
+            m["namespace"],
+            m["module"],
+            batch.handler,
+            m["modifier"],
+            m["value"],
+            batch.retries,
+            datetime.fromisoformat(m["enqueued_at"]),
+            batch.priority,
+            batch.key,
+        )
+        for m in batch.value
+    ]
 
 
 def _options(options: Any, settings: WorkerSettings | None) -> EventQueueOptions:

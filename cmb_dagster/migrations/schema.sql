@@ -295,7 +295,9 @@ CREATE TABLE cmb.eventqueue_dead (
     enqueued_at timestamp with time zone NOT NULL,
     died_at timestamp with time zone DEFAULT now() NOT NULL,
     error text NOT NULL,
-    traceback text NOT NULL
+    traceback text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    batch_count integer
 );
 
 CREATE TABLE cmb.eventqueue_events (
@@ -311,7 +313,12 @@ CREATE TABLE cmb.eventqueue_events (
     locked_at timestamp with time zone,
     visible_at timestamp with time zone DEFAULT now() NOT NULL,
     last_error text,
-    crashes smallint DEFAULT 0 NOT NULL
+    crashes smallint DEFAULT 0 NOT NULL,
+    flow_key text DEFAULT ''::text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
+    turn bigint,
+    flow_slot integer,
+    batch_count integer
 )
 WITH (fillfactor='80');
 
@@ -333,11 +340,18 @@ CREATE TABLE cmb.eventqueue_handlers (
     max_retry_delay_seconds double precision NOT NULL,
     registered_at timestamp with time zone DEFAULT now() NOT NULL,
     max_crashes integer DEFAULT 3 NOT NULL,
+    key_path text[],
+    debounce_seconds double precision,
+    max_wait_seconds double precision,
+    max_batch integer,
+    CONSTRAINT eventqueue_handlers_debounce_seconds_check CHECK ((debounce_seconds > (0)::double precision)),
     CONSTRAINT eventqueue_handlers_kind_check CHECK ((kind = ANY (ARRAY['python'::text, 'dagster_job'::text]))),
     CONSTRAINT eventqueue_handlers_lock_expiry_seconds_check CHECK ((lock_expiry_seconds > (0)::double precision)),
+    CONSTRAINT eventqueue_handlers_max_batch_check CHECK ((max_batch > 0)),
     CONSTRAINT eventqueue_handlers_max_crashes_check CHECK ((max_crashes >= 1)),
     CONSTRAINT eventqueue_handlers_max_retries_check CHECK ((max_retries >= 0)),
     CONSTRAINT eventqueue_handlers_max_retry_delay_seconds_check CHECK ((max_retry_delay_seconds >= (0)::double precision)),
+    CONSTRAINT eventqueue_handlers_max_wait_seconds_check CHECK ((max_wait_seconds > (0)::double precision)),
     CONSTRAINT eventqueue_handlers_name_check CHECK ((name <> ''::text)),
     CONSTRAINT eventqueue_handlers_retry_delay_seconds_check CHECK ((retry_delay_seconds >= (0)::double precision))
 );
@@ -809,7 +823,13 @@ CREATE INDEX eventqueue_events_handler ON cmb.eventqueue_events USING btree (han
 
 CREATE INDEX eventqueue_events_held ON cmb.eventqueue_events USING btree (handler, namespace, module) WHERE (visible_at = 'infinity'::timestamp with time zone);
 
-CREATE INDEX eventqueue_events_visible ON cmb.eventqueue_events USING btree (visible_at);
+CREATE INDEX eventqueue_events_key_turn ON cmb.eventqueue_events USING btree (handler, flow_key, turn) WHERE (turn IS NOT NULL);
+
+CREATE INDEX eventqueue_events_open_batch ON cmb.eventqueue_events USING btree (handler, flow_key, id) WHERE ((batch_count IS NOT NULL) AND (locked_at IS NULL));
+
+CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (priority DESC, turn, id) WHERE (turn IS NOT NULL);
+
+CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (visible_at) WHERE (turn IS NULL);
 
 CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
 

@@ -37,3 +37,37 @@ def mixed(event) -> None:
         os.kill(os.getpid(), 9)  # as a segfaulting library or the OOM killer would
     os.write(_out(), f"{event.id} {time.time():.6f}\n".encode())
     time.sleep(event.value.get("sleep", 0))
+
+
+def _runs_table():
+    """A connection of this process recording runs in ``public.eq_runs`` (the flow tests make the table)."""
+    global _runs
+    if _runs is None:
+        import psycopg
+
+        _runs = psycopg.connect(os.environ["CMB_DATABASE_URL"], autocommit=True)
+    return _runs
+
+
+_runs = None
+
+
+def _recorded(event) -> None:
+    """Records the run's start and end in ``eq_runs`` (time on the server), sleeping ``EQ_SLEEP`` seconds between."""
+    conn = _runs_table()
+    run_id = conn.execute(
+        "INSERT INTO public.eq_runs (event_id, key, pid) VALUES (%s, %s, %s) RETURNING id",
+        (event.id, event.key, os.getpid()),
+    ).fetchone()[0]
+    time.sleep(float(os.environ.get("EQ_SLEEP", "0")))
+    conn.execute("UPDATE public.eq_runs SET ended_at = clock_timestamp() WHERE id = %s", (run_id,))
+
+
+registry.add(
+    "two_per_tenant",
+    _recorded,
+    key="value.tenant",
+    concurrency=2,
+    lock_expiry=float(os.environ.get("EQ_LOCK_EXPIRY", "300")),
+)
+registry.add("twenty_a_second", _recorded, key="value.tenant", rate_limit="20/s")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from plans import rows_read
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg_pool import ConnectionPool
 from runs import RunStorage
@@ -329,14 +330,6 @@ def whole_scans(plan: dict, parent: str = "") -> list[str]:
     for child in plan.get("Plans", ()):
         found += whole_scans(child, kind)
     return found
-
-
-def rows_read(plan: dict, table: str) -> float:
-    """Rows the executed plan read from ``table``, over every loop."""
-    read = 0.0
-    if plan.get("Relation Name") == table:
-        read += (plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)) * plan["Actual Loops"]
-    return read + sum(rows_read(child, table) for child in plan.get("Plans", ()))
 
 
 @pytest.mark.parametrize("statistics", [False, True], ids=["without-statistics", "analyzed"])

@@ -1,0 +1,142 @@
+"""Flow control of the event queue across worker processes: a concurrency limit per key that a kill -9 does not
+leak, and a rate limit per key, both held across workers."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from waiting import wait_until
+
+from cmb_dagster.eventqueue import emit_many, register
+
+HERE = Path(__file__).parent
+CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
+WORKER = [*CLI, "events", "worker", "--handlers", "eventqueue_handlers:registry", "--sweep-interval", "0.5"]
+
+
+@pytest.fixture(autouse=True)
+def handlers_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))
+
+
+@pytest.fixture
+def runs_table(db):
+    with db.connection() as conn:
+        conn.execute(
+            "CREATE TABLE public.eq_runs (id bigserial PRIMARY KEY, event_id bigint, key text, pid int,"
+            " started_at timestamptz NOT NULL DEFAULT clock_timestamp(), ended_at timestamptz)"
+        )
+
+
+def start_workers(database_url: str, n: int, **extra: str) -> list[subprocess.Popen]:
+    env = {
+        **os.environ,
+        "CMB_DATABASE_URL": database_url,
+        "EQ_OUT": "/nonexistent",
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
+    return [subprocess.Popen(WORKER, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def emit(db, handler: str, tenants: list[str]) -> None:
+    import eventqueue_handlers
+
+    register(db, eventqueue_handlers.registry)
+    emit_many([{"namespace": "ns", "handler": handler, "value": {"tenant": t}} for t in tenants], db=db)
+
+
+def left(db) -> int:
+    with db.connection() as conn:
+        return conn.execute("SELECT count(*) FROM eventqueue_events").fetchone()[0]
+
+
+def runs(db) -> list[tuple]:
+    """(event id, key, pid, started, ended) of every run, in start order (epoch seconds; ended None: running)."""
+    with db.connection() as conn:
+        return conn.execute(
+            "SELECT event_id, key, pid, extract(epoch FROM started_at)::float8, extract(epoch FROM ended_at)::float8"
+            " FROM public.eq_runs ORDER BY started_at"
+        ).fetchall()
+
+
+def most_in_flight(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals (start, end) open at one instant."""
+    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def db_now(db) -> float:
+    with db.connection() as conn:
+        return conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
+
+
+def test_a_concurrency_limit_holds_across_workers_and_a_killed_holders_slot_returns_after_its_ttl(
+    db, database_url, runs_table
+):
+    ttl = 3.0
+    emit(db, "two_per_tenant", ["a"] * 40 + ["b"] * 10)
+    procs = start_workers(database_url, 4, EQ_SLEEP="0.2", EQ_LOCK_EXPIRY=str(ttl))
+    try:
+        running = wait_until(
+            lambda: [r for r in runs(db) if r[1] == "a" and r[4] is None and len(runs(db)) >= 10],
+            timeout=60,
+            what="a worker running an event of tenant a",
+            interval=0.01,
+        )
+        victim = next(p for p in procs if p.pid == running[0][2])
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        killed_at = db_now(db)
+        wait_until(lambda: left(db) == 0, timeout=120, what="every event processed", interval=0.2)
+    finally:
+        stop(procs)
+    done = runs(db)
+    for key in ("a", "b"):
+        intervals = [(s, killed_at if e is None else e) for _, k, _, s, e in done if k == key]
+        assert most_in_flight(intervals) <= 2, key
+    assert most_in_flight([(s, e or killed_at) for _, k, _, s, e in done if k == "a"]) == 2  # the limit is used
+    # the killed run's slot stays taken until its ttl: tenant a runs one at a time meanwhile, then two again
+    alive = [(s, e) for _, k, pid, s, e in done if k == "a" and pid != victim.pid]
+    meanwhile = [(max(s, killed_at), min(e, killed_at + ttl - 0.5)) for s, e in alive if e > killed_at]
+    assert most_in_flight([i for i in meanwhile if i[0] < i[1]]) <= 1
+    assert most_in_flight([(s, e) for s, e in alive if s > killed_at + ttl]) == 2 or left(db) == 0
+    killed_event = running[0][0]
+    assert len([r for r in done if r[0] == killed_event]) == 2  # it ran again after its lock expired
+
+
+def test_a_rate_limit_holds_across_workers_and_drains_at_the_rate(db, database_url, runs_table):
+    rate, burst, events = 20, 20, 200
+    emit(db, "twenty_a_second", ["a"] * events + ["b"] * 20)
+    procs = start_workers(database_url, 3)
+    try:
+        wait_until(lambda: left(db) == 0, timeout=120, what="every event processed", interval=0.2)
+    finally:
+        stop(procs)
+    starts = sorted(s for _, k, _, s, _ in runs(db) if k == "a")
+    assert len(starts) == events
+    for i, first in enumerate(starts):  # no 1-second window holds more than rate + burst starts
+        assert sum(1 for s in starts[i:] if s < first + 1.0) <= rate + burst
+    ideal = (events - burst) / rate
+    took = starts[-1] - starts[0]
+    assert ideal - 0.1 <= took <= ideal * 1.1, f"drained in {took:.2f} s, ideal {ideal:.2f} s"
+    b_starts = sorted(s for _, k, _, s, _ in runs(db) if k == "b")
+    assert b_starts[-1] - b_starts[0] < 2.0  # another key has its own bucket: its 20 went at once
