@@ -639,12 +639,6 @@ CREATE TABLE cmb.stage_queue (
 )
 WITH (fillfactor='70');
 
-CREATE TABLE cmb.stage_rate_limits (
-    stage text NOT NULL,
-    tokens double precision NOT NULL,
-    refilled_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
-);
-
 CREATE TABLE cmb.stage_settings (
     singleton boolean DEFAULT true NOT NULL,
     shard_count integer DEFAULT 8 NOT NULL,
@@ -787,9 +781,6 @@ ALTER TABLE ONLY cmb.stage_entities
 
 ALTER TABLE ONLY cmb.stage_queue
     ADD CONSTRAINT stage_queue_pkey PRIMARY KEY (entity_id, stage);
-
-ALTER TABLE ONLY cmb.stage_rate_limits
-    ADD CONSTRAINT stage_rate_limits_pkey PRIMARY KEY (stage);
 
 ALTER TABLE ONLY cmb.stage_settings
     ADD CONSTRAINT stage_settings_pkey PRIMARY KEY (singleton);

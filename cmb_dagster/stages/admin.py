@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import psycopg
+
+from cmb_dagster import flow
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.stages import sql
 from cmb_dagster.stages.errors import InvalidStageInput
-from cmb_dagster.stages.models import MAX_SHARDS, QueueEntry, StagesStatus, StageStatus, check_entity_id
+from cmb_dagster.stages.models import (
+    MAX_SHARDS,
+    QueueEntry,
+    StageKeyUse,
+    StageLimits,
+    StagesStatus,
+    StageStatus,
+    check_entity_id,
+)
 
 
 def status(source: DatabaseSource) -> StagesStatus:
-    """The shard count and, per stage: queue depths, oldest due entry's age, parked and failing entries, counters."""
+    """The shard count and, per stage: queue depths, oldest due entry's age, parked and failing entries, counters,
+    and a limited stage's limits with their use per key."""
     rows: dict[str, StageStatus] = {}
     with Database.of(source).connection() as conn:
         for stage, queued, timers, low, oldest, parked, failing in conn.execute(sql.QUEUE_STATUS):
@@ -32,8 +44,35 @@ def status(source: DatabaseSource) -> StagesStatus:
                     "capped": capped,
                 }
             )
+        for stage, limits in _limits(conn).items():
+            rows[stage] = rows.get(stage, StageStatus(stage=stage)).model_copy(update={"limits": limits})
         count = conn.execute(sql.SETTINGS).fetchone()[0]
     return StagesStatus(shard_count=count, stages=[rows[name] for name in sorted(rows)])
+
+
+def _limits(conn: psycopg.Connection) -> dict[str, StageLimits]:
+    """Each limited stage's limits and their use per key (at most 1000 keys in all)."""
+    found: dict[str, StageLimits] = {}
+    scopes = conn.execute(sql.FLOW_SCOPES).fetchall()
+    for scope, rate, burst, concurrency in scopes:
+        stage, _, kind = scope.removeprefix("stages/").partition("/")
+        limits = found.setdefault(stage, StageLimits())
+        if kind == "parallel":
+            limits.max_parallelism = concurrency
+        else:
+            limits.rate_per_second, limits.burst = rate, burst
+    keys: dict[tuple[str, str], StageKeyUse] = {}
+    for use in flow.usage(conn, [row[0] for row in scopes]):
+        stage, _, kind = use.scope.removeprefix("stages/").partition("/")
+        row = keys.get((stage, use.key))
+        if row is None:
+            row = keys[(stage, use.key)] = StageKeyUse(key=use.key)
+            found[stage].keys.append(row)
+        if kind == "parallel":
+            row.batches = use.in_flight
+        else:
+            row.tokens = use.tokens
+    return found
 
 
 def entries(

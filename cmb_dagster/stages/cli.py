@@ -110,7 +110,8 @@ def worker(
 @stages.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per stage.")
 def status(as_json: bool) -> None:
-    """Queue depths, oldest due entry, parked entries and counters per stage."""
+    """Queue depths, oldest due entry, parked entries and counters per stage; a limited stage's limits and
+    their use per key."""
     report = admin.status(open_database())
     if not report.stages:
         click.echo("no stages", err=as_json)  # with --json, stdout stays JSON lines (none)
@@ -130,7 +131,22 @@ def status(as_json: bool) -> None:
             f"{r.stage:20} {r.queued:8} {r.timers:8} {r.low_priority:8} {r.oldest_seconds:9.1f} {r.parked:7} "
             f"{r.failing:7} {r.processed:10} {r.conflicts:9} {r.errors:7} {r.capped:7}"
         )
+    limited = [r for r in report.stages if r.limits is not None]
+    if limited:
+        click.echo(f"\n{'stage':20} {'key':20} {'rate/s':>8} {'burst':>6} {'tokens':>8} {'parallel':>8} {'batches':>7}")
+    for r in limited:
+        lim = r.limits
+        for use in lim.keys or [None]:  # type: ignore[union-attr]
+            click.echo(
+                f"{r.stage:20} {shorten(use.key) if use else '-':20} {_figure(lim.rate_per_second):>8} "  # type: ignore[union-attr]
+                f"{_figure(lim.burst):>6} {_figure(use.tokens if use else None):>8} "  # type: ignore[union-attr]
+                f"{_figure(lim.max_parallelism):>8} {use.batches if use else 0:7}"  # type: ignore[union-attr]
+            )
     click.echo(f"shards: {report.shard_count}")
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, int) else f"{value:.1f}"
 
 
 @stages.command()

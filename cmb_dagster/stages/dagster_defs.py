@@ -37,7 +37,7 @@ def stage_asset_key(stage: str, translator: CmbTranslator = DEFAULT_TRANSLATOR) 
 
 def stage_observation(row: StageStatus, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetObservation:
     """An observation of one stage's queues and counters."""
-    metadata = row.model_dump(exclude={"stage"})
+    metadata = row.model_dump(exclude={"stage", "limits"})
     metadata["oldest_seconds"] = round(metadata["oldest_seconds"], 3)
     return AssetObservation(asset_key=stage_asset_key(row.stage, translator), metadata=metadata)
 

@@ -2,24 +2,29 @@
 
 A batch of stages S1..Sn over the shards a worker holds:
 
-1. takes a max-parallelism slot of each S that has one (an advisory lock of the worker's session);
+1. takes, for each S without a key, a batch slot (``max_parallelism``) and tokens (``rate_limit``, one per
+   entry claimed) from :mod:`cmb_dagster.flow`: an S that gets none waits;
 2. **claims** due entries in one statement, committed before any stage runs: the worker's leases and the
    shard count are checked in it; each (shard, stage)'s due entries, the low-priority lane only where the
    main one has nothing due, one entry per entity (one stage works on an entity at a time), up to
    ``batch_size`` entries and about ``max_batch_bytes`` of payload; each entry's ``crashes`` goes up by one
    (see :mod:`cmb_dagster.isolation`: an entry whose earlier run never ended is claimed alone, and parked
    after the stage's ``max_crashes``), and each entity is loaded with its version and every stage's state;
+   for each S with a key, the entries of each key take that key's batch slot and tokens; those that get
+   none are released at once and kept out of this worker's claims until their key may go again;
 3. **runs** ``S.process`` for each, and asks the other stages ``should_process`` about a changed entity,
    in a thread of user code with no transaction open: a call still running after about a second is set
    aside (the others go on; its result commits in a later batch), one past the stage's ``timeout`` fails;
-   entries not started after ``batch_seconds`` are released;
+   entries not started after ``batch_seconds`` are released. The calls of a stage with ``max_parallelism``
+   run one after another, none set aside, while the batch renews its slots;
 4. **commits** in one transaction: the leases (key-share-locked until commit) and the shard count again;
    the entities locked (``FOR NO KEY UPDATE``) and their versions compared: the entity version and S's
    state version must be those loaded. Each entity is checked on its own: a conflicted entity keeps its
    entry (counted) and is loaded again, the others commit their entity (version + 1), state, timer (or
    deleted entry), the offers of the other stages, the post-save publication and the counters. A commit
    refused for the data of one entry is split until that entry is alone; it then fails like a ``process``
-   that raised, and the others commit.
+   that raised, and the others commit. Then the batch frees its slots (a dead worker's free themselves when
+   their time-to-live, the lease TTL, passes).
 
 A ``process`` that raises, returns something invalid or times out leaves the entity unchanged; its entry
 is retried after the stage's ``backoff`` and parked after ``max_attempts``.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -37,18 +43,24 @@ from typing import Any, Literal
 
 import psycopg
 
+from cmb_dagster import flow
 from cmb_dagster.database import Database, OwnConnection
+from cmb_dagster.flow import FlowLimits
 from cmb_dagster.inputs import max_payload_bytes, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, split_until_alone
 from cmb_dagster.stages import sql
 from cmb_dagster.stages.errors import InvalidStageResult, ShardCountChanged
 from cmb_dagster.stages.models import Entity, MergePatch, StageResult, changed_fields, merge_patch
-from cmb_dagster.stages.stage import Stage, check_stages, due_of
+from cmb_dagster.stages.stage import Stage, check_stages, due_of, parallel_scope, rate_scope
 from cmb_dagster.workers import Lease, Leases
 
 log = logging.getLogger("cmb_dagster.stages")
 
 MAIN, LOW = 0, 1
+SLOT_RETRY = 0.05
+"""Seconds before a stage (or key) whose batch slots were all taken asks again."""
+HELD_BACK_MAX = 20_000
+"""Entities of one stage a worker keeps out of its claims while their key waits for tokens or a slot."""
 MAX_BATCH_BYTES = 16 * 1024 * 1024
 """Payload bytes a batch loads at most (one entity bigger than that is loaded alone)."""
 
@@ -69,6 +81,7 @@ class BatchReport:
     capped: int = 0
     offered: int = 0
     set_aside: int = 0
+    held_back: int = 0  # claimed entries released at once: their key had no tokens or batch slot
     blocked_until: float | None = None  # monotonic time a rate limit / parallelism lets the stage go again
 
 
@@ -140,6 +153,20 @@ class _Computed:
     capped: list[str]
 
 
+@dataclass
+class _Held:
+    """The flow slots a batch holds: {(scope, key): {item: slot}}, and when they were last renewed."""
+
+    slots: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    renewed: float = field(default_factory=time.monotonic)
+
+    def give_back(self, conn: psycopg.Connection, scope: str, key: str) -> None:
+        """Free the slot of (scope, key) taken in this transaction, if any."""
+        items = self.slots.pop((scope, key[: flow.MAX_KEY_LENGTH]), None)
+        if items:
+            flow.release(conn, scope, key, items)
+
+
 def _within_limits(rows: list[tuple[Any, ...]], limits: dict[str, int]) -> list[tuple[Any, ...]]:
     """At most ``limits[stage]`` rows of each stage (the rest stay queued)."""
     taken: dict[str, int] = {}
@@ -167,6 +194,7 @@ class Engine:
         idle_timeout: float = 30.0,
         max_batch_bytes: int = MAX_BATCH_BYTES,
         owner: str | None = None,
+        slot_ttl: float = 10.0,
     ) -> None:
         self.db = db
         self.stages = check_stages(stages)
@@ -187,7 +215,13 @@ class Engine:
         self.user_code = UserCode(f"stages:{owner or 'engine'}")
         # should_process on the change path and in the rescan: every answer is needed before the commit
         self._asking = UserCode(f"stages:{owner or 'engine'}:asking", set_aside_after=None)
+        # a stage with max_parallelism calls process one entity after another, none set aside
+        self._in_turn = UserCode(f"stages:{owner or 'engine'}:in-turn", set_aside_after=None)
         self._busy: dict[str, _Claimed] = {}  # entity id -> its entry whose call is set aside
+        self.slot_ttl = slot_ttl
+        self._batch_item = f"{owner or 'engine'}:{uuid.uuid4().hex[:12]}"
+        self._held_back: dict[str, dict[str, float]] = {}  # stage -> entity id -> monotonic time it may go
+        self._registered = False
 
     def close(self) -> None:
         """Release the entries of calls still set aside (their results are dropped; they run again) and
@@ -219,24 +253,14 @@ class Engine:
         shards = list(shards)
         if not shards:
             return report
-        limits: dict[str, int] = {}
-        for name in names:
-            stage = self.stages[name]
-            limit = self.batch_size
-            if stage.rate_limit is not None:
-                limit, wait = self._take_tokens(stage, limit)
-                if limit == 0:
-                    report.blocked_until = time.monotonic() + wait
-                    continue
-            limits[name] = limit
-        slots = self._take_slots(limits)
+        self.register_limits()
+        held = _Held()
         try:
-            for name in [n for n in limits if self.stages[n].max_parallelism is not None and n not in slots]:
-                report.blocked_until = time.monotonic() + 0.05
-                del limits[name]
+            limits = self._take_for_stages(names, held, report)
             if not limits:
                 return report
             claimed, parked = self._claim(shards, limits, leases, shard_count)
+            claimed, failed = self._take_for_keys(claimed, held, report)
             report.taken = len(claimed)
             counts = _Counts()
             for stage_name, entity_id, _attempts, crashes in parked:
@@ -248,11 +272,12 @@ class Engine:
                     entity_id,
                     crashes,
                 )
-            outcomes = self._run(claimed, on_wait)
-            report.set_aside = len(claimed) - len(outcomes)
+            outcomes = failed + self._run(claimed, self._renewing(held, on_wait))
+            report.set_aside = len(claimed) - len(outcomes) + len(failed)
+            self._renew(held)
             self._commit(outcomes, shards[0], leases, shard_count, counts)
         finally:
-            self._free_slots(slots)
+            self._release(held)
         _report_counts(report, counts, outcomes)
         return report
 
@@ -292,7 +317,7 @@ class Engine:
                     "max_crashes": [self.stages[n].max_crashes for n in limits],
                     "limit": self.batch_size,
                     "max_bytes": self.max_batch_bytes,
-                    "busy": list(self._busy),
+                    "busy": list(self._busy) + self._held_back_ids(limits),
                     "shard_count": shard_count,
                     **_lease_params(leases),
                 },
@@ -308,7 +333,7 @@ class Engine:
             entity = None if version is None else Entity(entity_id, version, payload)
             claimed.append(_Claimed(entity, self.stages[stage_name], attempts, states or {}, set(ready or ())))
         over = _within_limits([("", c.entity_id, c.stage.name) for c in claimed], limits)
-        if len(over) < len(claimed):  # more than a rate limit allows: the rest is released at once
+        if len(over) < len(claimed):  # more than the tokens taken: the rest is released at once
             keep = {(r[1], r[2]) for r in over}
             extra = [c for c in claimed if (c.entity_id, c.stage.name) not in keep]
             for stage_name, ids in _by_stage(extra).items():
@@ -320,11 +345,12 @@ class Engine:
         """Run the claimed entries' stages; the outcomes of those that ended or were never started."""
         gone = [_Outcome(c, c.entity_id, "gone") for c in claimed if c.entity is None]
         runnable = [c for c in claimed if c.entity is not None]
-        calls = self.user_code.run(
+        code = self._in_turn if any(c.stage.max_parallelism is not None for c in runnable) else self.user_code
+        calls = code.run(
             runnable, self._compute, lambda c: c.stage.timeout, on_wait=on_wait, stop_starting_after=self.batch_seconds
         )
         ended = {id(call.item) for call in calls}
-        aside = {id(call.item) for call in self.user_code.set_aside}
+        aside = {id(call.item) for call in code.set_aside}
         for c in runnable:
             if id(c) in aside:
                 self._busy[c.entity_id] = c
@@ -683,40 +709,153 @@ class Engine:
 
     # -- limits, counters ----------------------------------------------------------------------
 
-    def _take_tokens(self, stage: Stage, want: int) -> tuple[int, float]:
-        rate = float(stage.rate_limit)  # type: ignore[arg-type]
-        burst = max(1.0, rate)
+    def register_limits(self) -> None:
+        """Record the stages' rate limits and max parallelism with :func:`cmb_dagster.flow.register` (once)."""
+        if self._registered:
+            return
+        limits: dict[str, FlowLimits | None] = {}
+        for stage in self.stages.values():
+            limits.update(stage.flow_limits())
+        with self._own.get().transaction():
+            flow.register(self._own.get(), limits)
+        self._registered = True
+
+    def _take_for_stages(self, names: list[str], held: _Held, report: BatchReport) -> dict[str, int]:
+        """The entries each stage may claim: a stage without a key takes its batch slot and its tokens first
+        (none: it waits, ``report.blocked_until``); a stage with a key takes them per key after the claim."""
+        limits: dict[str, int] = {}
         conn = self._own.get()
         with conn.transaction():
-            conn.execute(sql.RATE_ROW, {"stage": stage.name, "burst": burst})
-            taken, available = conn.execute(
-                sql.TAKE_TOKENS, {"stage": stage.name, "burst": burst, "rate": rate, "want": want}
-            ).fetchone()
-        wait = 0.0 if taken else max(0.01, (1.0 - float(available)) / rate)
-        return int(taken), wait
+            for name in sorted(names):  # one lock order for every worker
+                stage, limit = self.stages[name], self.batch_size
+                if stage.key is not None:
+                    limits[name] = limit
+                    continue
+                if stage.max_parallelism is not None and not self._take_slot(conn, name, "", held):
+                    report.blocked_until = time.monotonic() + SLOT_RETRY
+                    continue
+                if stage.rate_limit is not None:
+                    grant = flow.take(conn, rate_scope(name), "", [str(i) for i in range(limit)], ttl=self.slot_ttl)
+                    if grant.count == 0:
+                        held.give_back(conn, parallel_scope(name), "")
+                        report.blocked_until = time.monotonic() + max(0.01, grant.retry_after or 0.0)
+                        continue
+                    limit = grant.count
+                limits[name] = limit
+        return limits
 
-    def _take_slots(self, limits: dict[str, int]) -> dict[str, int]:
-        """A max-parallelism slot of each limited stage that has one free: {stage: slot}."""
-        slots = {}
-        for name in [n for n in limits if self.stages[n].max_parallelism is not None]:
-            row = (
-                self._own.get()
-                .execute(sql.TAKE_SLOT, {"slots": self.stages[name].max_parallelism, "key": self._slot_key(name)})
-                .fetchone()
-            )
-            if row is not None:
-                slots[name] = row[0]
-        return slots
-
-    def _free_slots(self, slots: dict[str, int]) -> None:
-        for name, slot in slots.items():
+    def _take_for_keys(
+        self, claimed: list[_Claimed], held: _Held, report: BatchReport
+    ) -> tuple[list[_Claimed], list[_Outcome]]:
+        """The claimed entries of stages with a key that got their key's batch slot and tokens; the others are
+        released at once and held back from the next claims until their key may go again. Returns the entries
+        to run and the failures of entries whose key raised."""
+        by_key: dict[tuple[str, str], list[_Claimed]] = {}
+        kept: list[_Claimed] = []  # entries of stages without a key (or of gone entities)
+        failed: list[_Outcome] = []
+        for c in claimed:
+            if c.stage.key is None or c.entity is None:
+                kept.append(c)
+                continue
             try:
-                self._own.get().execute(sql.FREE_SLOT, {"key": self._slot_key(name), "slot": slot})
-            except psycopg.Error:  # a lost session has freed its locks with it
-                self._own.close()
+                key = c.stage.key_of(c.entity)[: flow.MAX_KEY_LENGTH]
+            except Exception as exc:  # noqa: BLE001 - a key function that raises fails its entry
+                failed.append(_Outcome(c, c.entity_id, "failed", error=f"key: {describe_error(exc)}"))
+                continue
+            by_key.setdefault((c.stage.name, key), []).append(c)
+        if not by_key:
+            return kept, failed
+        granted: set[int] = set()
+        waits: dict[str, list[tuple[list[str], float]]] = {}
+        conn = self._own.get()
+        now = time.monotonic()
+        with conn.transaction():
+            for (name, key), entries in sorted(by_key.items(), key=lambda item: item[0]):
+                stage = self.stages[name]
+                count, wait = len(entries), 0.0
+                if stage.max_parallelism is not None and not self._take_slot(conn, name, key, held):
+                    count, wait = 0, SLOT_RETRY
+                rate = stage.rate()
+                if count and rate is not None:
+                    grant = flow.take(conn, rate_scope(name), key, [c.entity_id for c in entries], ttl=self.slot_ttl)
+                    count = grant.count
+                    wait = grant.retry_after if count == 0 and grant.retry_after else 1.0 / rate.per_second
+                    if count == 0:
+                        held.give_back(conn, parallel_scope(name), key)
+                granted.update(id(c) for c in entries[:count])
+                if count < len(entries):
+                    waits.setdefault(name, []).append(([c.entity_id for c in entries[count:]], now + max(wait, 0.01)))
+            for name, held_back in waits.items():
+                conn.execute(sql.RELEASE, {"stage": name, "ids": [i for ids, _ in held_back for i in ids]})
+        for name, held_back in waits.items():
+            memory = self._held_back.setdefault(name, {})
+            for ids, until in held_back:
+                for entity_id in ids[: max(0, HELD_BACK_MAX - len(memory))]:
+                    memory[entity_id] = until
+            report.held_back += sum(len(ids) for ids, _ in held_back)
+        granted.update(id(c) for c in kept)
+        if not granted and not failed and waits:
+            report.blocked_until = min(until for held_back in waits.values() for _, until in held_back)
+        return [c for c in claimed if id(c) in granted], failed
 
-    def _slot_key(self, stage: str) -> str:
-        return f"{self.db.schema}:stages.parallel:{stage}"
+    def _take_slot(self, conn: psycopg.Connection, stage: str, key: str, held: _Held) -> bool:
+        """One of the batch slots of (stage, key), held by this batch; False when none is free."""
+        scope = parallel_scope(stage)
+        grant = flow.take(conn, scope, key, [self._batch_item], ttl=self.slot_ttl)
+        if grant.count:
+            held.slots[(scope, key[: flow.MAX_KEY_LENGTH])] = {self._batch_item: grant.slots[0]}
+        return bool(grant.count)
+
+    def _held_back_ids(self, limits: dict[str, int]) -> list[str]:
+        """Entities of the stages in ``limits`` held back until their key may go again."""
+        now = time.monotonic()
+        ids: list[str] = []
+        for name in limits:
+            memory = self._held_back.get(name)
+            if memory:
+                for entity_id in [e for e, until in memory.items() if until <= now]:
+                    del memory[entity_id]
+                ids.extend(memory)
+        return ids
+
+    def _renewing(self, held: _Held, on_wait: Callable[[], None] | None) -> Callable[[], None] | None:
+        """``on_wait``, and the batch's slots renewed while its calls run."""
+        if not held.slots:
+            return on_wait
+
+        def wait() -> None:
+            if on_wait is not None:
+                on_wait()
+            self._renew(held)
+
+        return wait
+
+    def _renew(self, held: _Held) -> None:
+        """Renew the batch's slots once a third of their time-to-live has passed since they were last renewed."""
+        if not held.slots or time.monotonic() < held.renewed + self.slot_ttl / 3:
+            return
+        conn = self._own.get()
+        try:
+            with conn.transaction():
+                for (scope, key), items in held.slots.items():
+                    flow.renew(conn, scope, key, items, ttl=self.slot_ttl)
+        except psycopg.Error as exc:
+            log.warning("stages: could not renew %d batch slots (%s)", len(held.slots), exc)
+            return
+        held.renewed = time.monotonic()
+
+    def _release(self, held: _Held) -> None:
+        """Free the batch's slots (once its commit is done)."""
+        if not held.slots:
+            return
+        conn = self._own.get()
+        try:
+            with conn.transaction():
+                for (scope, key), items in sorted(held.slots.items()):
+                    flow.release(conn, scope, key, items)
+        except psycopg.Error as exc:  # they free themselves when their time-to-live passes
+            log.warning("stages: could not free %d batch slots (%s)", len(held.slots), exc)
+        held.slots.clear()
 
     def _count(self, conn: psycopg.Connection, shard: int, counts: _Counts) -> None:
         if not counts.by_stage:

@@ -180,8 +180,25 @@ class StageOptions(Options):
         return value
 
 
+class StageKeyUse(BaseModel):
+    """One key's use of a stage's limits now ("" for a stage without a key function)."""
+
+    key: str
+    tokens: float | None = None  # left in its bucket (rate_limit)
+    batches: int = 0  # batch slots held (max_parallelism)
+
+
+class StageLimits(BaseModel):
+    """A stage's limits as its workers registered them, applied to each key, and their use per key."""
+
+    rate_per_second: float | None = None
+    burst: float | None = None
+    max_parallelism: int | None = None
+    keys: list[StageKeyUse] = Field(default_factory=list)
+
+
 class StageStatus(BaseModel):
-    """One stage's queues and counters."""
+    """One stage's queues, counters and limits."""
 
     stage: str
     queued: int = 0  # main queue, due now
@@ -195,6 +212,7 @@ class StageStatus(BaseModel):
     conflicts: int = 0
     errors: int = 0
     capped: int = 0
+    limits: StageLimits | None = None  # None: no rate limit or max parallelism
 
 
 class StagesStatus(BaseModel):
@@ -256,6 +274,8 @@ __all__ = [
     "MergePatch",
     "QueueEntry",
     "SavedEntity",
+    "StageKeyUse",
+    "StageLimits",
     "StageOptions",
     "StageResult",
     "StageStatus",

@@ -122,31 +122,6 @@ SELECT shard_count, results_branch, set_config('cmb.stages_writer', 'engine', tr
 FROM stage_settings FOR KEY SHARE
 """
 
-# One of max_parallelism slots of a stage, held by the worker's session until its batch pass ends (or the
-# session dies); the key names the schema, so two deployments in one database never share a slot.
-TAKE_SLOT = """
-SELECT slot FROM generate_series(0, %(slots)s - 1) AS slot
-WHERE pg_try_advisory_lock(hashtext(%(key)s), slot)
-LIMIT 1
-"""
-FREE_SLOT = "SELECT pg_advisory_unlock(hashtext(%(key)s), %(slot)s)"
-
-# Token bucket of a rate-limited stage: take up to %(want)s whole tokens.
-RATE_ROW = """
-INSERT INTO stage_rate_limits (stage, tokens) VALUES (%(stage)s, %(burst)s) ON CONFLICT (stage) DO NOTHING
-"""
-TAKE_TOKENS = """
-WITH now_ AS (
-    SELECT stage,
-           least(%(burst)s::float8, tokens + %(rate)s * extract(epoch FROM clock_timestamp() - refilled_at)) AS avail
-    FROM stage_rate_limits WHERE stage = %(stage)s FOR UPDATE
-)
-UPDATE stage_rate_limits r
-SET tokens = now_.avail - least(floor(greatest(now_.avail, 0)), %(want)s), refilled_at = clock_timestamp()
-FROM now_ WHERE r.stage = now_.stage
-RETURNING least(floor(greatest(now_.avail, 0)), %(want)s)::int, now_.avail
-"""
-
 # The queue's peek and the loading, over several shards and stages, as one claim committed before
 # any stage runs: each (shard, stage)'s due entries (the low-priority lane only where the main one has nothing
 # due), except entities whose call is still running (%(busy)s); of those, one entry per entity (one stage at a
@@ -444,6 +419,9 @@ SELECT stage, coalesce(l.queued, 0)::bigint, coalesce(l.timers, 0)::bigint, coal
        coalesce(extract(epoch FROM now() - l.oldest), 0)::float8, coalesce(p.parked, 0), coalesce(f.failing, 0)
 FROM live l FULL JOIN parked p USING (stage) FULL JOIN failing f USING (stage)
 """
+
+# The flow scopes the stage workers registered (cmb_dagster.flow): stages/<stage> and stages/<stage>/parallel.
+FLOW_SCOPES = "SELECT scope, rate, burst, concurrency FROM flow_limits WHERE starts_with(scope, 'stages/')"
 
 COUNTERS = """
 SELECT stage, sum(processed)::bigint, sum(changed)::bigint, sum(conflicts)::bigint, sum(errors)::bigint,

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from cmb_dagster.errors import InvalidInput
+from cmb_dagster.flow import FlowLimits, RateLimit
 from cmb_dagster.inputs import shorten
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
-from cmb_dagster.models import Backoff
+from cmb_dagster.models import Backoff, describe
 from cmb_dagster.stages.errors import InvalidStageInput, InvalidStageResult, UnknownStage
 from cmb_dagster.stages.models import STAGE_NAME_PATTERN, Entity, StageResult, Timer
 
@@ -35,9 +36,13 @@ class Stage:
     Class attributes (override in a subclass, or pass to the constructor):
     ``fields`` (payload keys the stage cares about: changes elsewhere do not ask it; None: all),
     ``max_attempts`` (failed calls before the entry is parked), ``backoff`` (the wait before an entry
-    whose call failed runs again: 1 s, doubling, at most 300 s), ``rate_limit`` (process calls per second
-    across all workers),
-    ``max_parallelism`` (concurrent process batches across all workers), ``max_triggers`` per
+    whose call failed runs again: 1 s, doubling, at most 300 s), ``rate_limit`` (process calls across all
+    workers: calls per second, a :class:`~cmb_dagster.flow.RateLimit` or text such as ``"600/m"``),
+    ``max_parallelism`` (batches running the stage at once across all workers; a batch calls ``process`` one
+    entity after another and sets none of its calls aside, so it is also the most calls running at once),
+    ``key`` (a function of the entity, e.g. ``lambda entity: entity.payload["tenant"]``: ``rate_limit`` and
+    ``max_parallelism`` then hold per key, each key with its own tokens and batches; it must be fast, and an
+    entry whose key raises fails like a ``process`` that raised), ``max_triggers`` per
     ``trigger_window`` seconds (re-trigger cap; later triggers wait for the next window), ``timeout``
     (seconds a ``process`` call may run before it fails; after about a second it is set aside and the
     other entities go on), ``max_crashes`` (runs on one entity that ended with the death of their
@@ -49,8 +54,9 @@ class Stage:
     fields: ClassVar[tuple[str, ...] | None] = None
     max_attempts: int = 5
     backoff: Backoff = Backoff(first=1.0, factor=2, max=300.0)
-    rate_limit: float | None = None
+    rate_limit: float | str | RateLimit | None = None
     max_parallelism: int | None = None
+    key: Any = None  # Callable[[Entity], str] | None
     max_triggers: int | None = None
     trigger_window: float = 60.0
     max_conflicts: int = 20  # in a row, before the entry backs off a second (counted and logged)
@@ -86,6 +92,29 @@ class Stage:
         return f"<Stage {self.name}>"
 
     # -- engine helpers ------------------------------------------------------------------------
+
+    def rate(self) -> RateLimit | None:
+        """``rate_limit`` as a :class:`~cmb_dagster.flow.RateLimit` (a number: calls per second)."""
+        if self.rate_limit is None or isinstance(self.rate_limit, RateLimit):
+            return self.rate_limit
+        if isinstance(self.rate_limit, str):
+            return RateLimit.model_validate(self.rate_limit)
+        return RateLimit(rate=self.rate_limit)
+
+    def flow_limits(self) -> dict[str, FlowLimits | None]:
+        """The stage's scopes of :mod:`cmb_dagster.flow` and their limits (None: not limited)."""
+        rate, parallel = self.rate(), self.max_parallelism
+        return {
+            rate_scope(self.name): FlowLimits(rate_limit=rate) if rate is not None else None,
+            parallel_scope(self.name): FlowLimits(concurrency=parallel) if parallel is not None else None,
+        }
+
+    def key_of(self, entity: Entity) -> str:
+        """The flow-control key of ``entity`` ("" without a key function)."""
+        if self.key is None:
+            return ""
+        value = self.key(entity)
+        return value if isinstance(value, str) else str(value)
 
     def load_state(self, raw: Any) -> BaseModel:
         """The stored JSON as the stage's state model (defaults when none is stored)."""
@@ -136,10 +165,19 @@ def check_stages(stages: Sequence[Any]) -> dict[str, Stage]:
             raise InvalidStageInput(f"{where}.backoff: must be a Backoff, not {type(stage.backoff).__name__}")
         for setting, low, high in _BOUNDS:
             value = getattr(stage, setting)
+            if setting == "rate_limit" and isinstance(value, str | RateLimit):
+                continue
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high
             ):
                 raise InvalidStageInput(f"{where}.{setting}: {shorten(value)} is outside {low:g}..{high:g}")
+        if isinstance(stage.rate_limit, str | RateLimit):
+            try:
+                stage.rate()
+            except ValidationError as exc:
+                raise InvalidStageInput(f"{where}.rate_limit: {describe(exc)}") from None
+        if stage.key is not None and not callable(stage.key):
+            raise InvalidStageInput(f"{where}.key: must be a function of the entity, not {type(stage.key).__name__}")
         if stage.fields is not None and not all(isinstance(f, str) for f in stage.fields):
             raise InvalidStageInput(f"{where}.fields: must be payload key names")
         by_name[stage.name] = stage
@@ -156,6 +194,16 @@ _BOUNDS = (  # (setting, lowest, highest) of every number a stage sets
     ("timeout", 0.001, 86400),
     ("max_crashes", 1, 1000),
 )
+
+
+def rate_scope(stage: str) -> str:
+    """The flow scope of a stage's rate limit: one token per ``process`` call."""
+    return f"stages/{stage}"
+
+
+def parallel_scope(stage: str) -> str:
+    """The flow scope of a stage's max parallelism: one slot per batch."""
+    return f"stages/{stage}/parallel"
 
 
 def stage_named(stages: dict[str, Stage], name: str) -> Stage:
@@ -181,4 +229,4 @@ def due_of(value: Any, now: datetime, what: str) -> datetime | None:
     raise InvalidStageResult(f"{what}: must be a bool, timedelta or aware datetime, not {type(value).__name__}")
 
 
-__all__ = ["NoState", "Stage", "check_stages", "due_of", "stage_named"]
+__all__ = ["NoState", "Stage", "check_stages", "due_of", "parallel_scope", "rate_scope", "stage_named"]

@@ -4,7 +4,8 @@ Its main loop holds the shards, ``shard:<id>/<count>`` each (the count is part o
 gives new leases), and serves them together: a step asks the database what is due in all of them (one
 query), runs the change path, then batches over all shards and all stages due (a stage with a rate limit or
 max parallelism in batches of its own), each stage's low-priority queue only where its main one has nothing
-due. Idle, it sleeps until the next timer (a wake-up timer), a NOTIFY from a writer, or ``idle_sleep``.
+due. Idle, it sleeps until the next timer (a wake-up timer), a NOTIFY from a writer, or ``idle_sleep``. It
+registers the stages' limits with :mod:`cmb_dagster.flow` when it starts.
 
 Worker 0 has a second loop, in a thread of its own, for the pub/sub consumers: ``capture`` (puts writes
 that bypass the API on the change path) and ``after_commit:<stage>`` per stage with an after-commit
@@ -72,6 +73,7 @@ class StageWorker(EngineWorker):
             publish=options.publish,
             idle_timeout=max(10.0, 3 * options.lease_ttl),
             owner=self.owner,
+            slot_ttl=options.lease_ttl,
         )
         self.stages = self.engine.stages
         self._main: Worker | None = None
@@ -85,11 +87,13 @@ class StageWorker(EngineWorker):
     # -- running -------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Apply the options' shard count, install the capture, build the pub/sub consumers."""
+        """Apply the options' shard count, register the stages' limits, install the capture, build the pub/sub
+        consumers."""
         if self.options.shard_count is not None:
             previous = set_shard_count(self.db, self.options.shard_count)
             if previous != self.options.shard_count:
                 log.info("stages: shard count %d -> %d", previous, self.options.shard_count)
+        self.engine.register_limits()
         ensure_capture(self.db)
         with self.db.connection() as conn:
             _, capture_branch, results_branch = conn.execute(sql.SETTINGS).fetchone()
@@ -226,7 +230,7 @@ class StageWorker(EngineWorker):
                     self._blocked[name] = report.blocked_until
                 self._wake_at(report.blocked_until)
                 break
-            if report.taken == 0:
+            if report.taken == 0 and not report.held_back:
                 break
         return handled
 

@@ -355,13 +355,13 @@ def test_should_process_raising_enqueues_anyway_and_fields_filter(db):
 class Capped(Stage):
     """Flips a counter forever with its partner: a combinatorial explosion of triggers."""
 
-    def __init__(self, name: str, key: str) -> None:
+    def __init__(self, name: str, counter: str) -> None:
         super().__init__(max_triggers=2, trigger_window=30)
         self.name = name  # type: ignore[misc]
-        self.key = key
+        self.counter = counter
 
     def process(self, entity: Entity, state: BaseModel) -> StageResult:
-        return StageResult(update=MergePatch({self.key: entity.payload.get(self.key, 0) + 1}))
+        return StageResult(update=MergePatch({self.counter: entity.payload.get(self.counter, 0) + 1}))
 
 
 def test_retrigger_cap_defers_and_counts(db, caplog):
