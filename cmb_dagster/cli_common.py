@@ -37,16 +37,6 @@ BRANCH = click.IntRange(-BIGINT_MAX - 1, BIGINT_MAX)  # a pub/sub branch id (big
 ROW_ID = click.IntRange(1, BIGINT_MAX)  # an id drawn from a sequence
 
 
-def describe_limits(rate_per_second: float | None, burst: float | None, concurrency: int | None) -> str:
-    """A scope's limits in words: ``20/s (burst 20), 2 in flight`` or ``no limits``."""
-    parts = []
-    if rate_per_second:
-        parts.append(f"{rate_per_second:g}/s (burst {burst:g})")
-    if concurrency:
-        parts.append(f"{concurrency} in flight")
-    return ", ".join(parts) or "no limits"
-
-
 def key_use(use: KeyUse) -> dict[str, Any]:
     """One key's use as JSON: key, tokens now, items in flight."""
     return {"key": use.key, "tokens": use.tokens, "in_flight": use.in_flight}

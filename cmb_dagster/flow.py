@@ -101,6 +101,16 @@ class KeyUse:
     in_flight: int
 
 
+def describe_limits(rate_per_second: float | None, burst: float | None, concurrency: int | None) -> str:
+    """A scope's limits in words: ``20/s (burst 20), 2 in flight`` or ``no limits``."""
+    parts = []
+    if rate_per_second:
+        parts.append(f"{rate_per_second:g}/s (burst {burst:g})")
+    if concurrency:
+        parts.append(f"{concurrency} in flight")
+    return ", ".join(parts) or "no limits"
+
+
 def register(conn: psycopg.Connection, limits: Mapping[str, FlowLimits | None]) -> None:
     """Record each scope's limits (None or no limit: the scope is not limited)."""
     if not limits:

@@ -13,7 +13,6 @@ from cmb_dagster.cli_common import (
     DURATION,
     ROW_ID,
     FloatRange,
-    describe_limits,
     echo_key_use,
     key_use,
     open_database,
@@ -30,6 +29,7 @@ from cmb_dagster.eventqueue.models import (
 )
 from cmb_dagster.eventqueue.queue import emit as emit_event
 from cmb_dagster.eventqueue.worker import EventWorker
+from cmb_dagster.flow import describe_limits
 from cmb_dagster.workers import stop_workers_on_signals
 
 HANDLERS_HELP = "Handlers to serve: 'module:attribute' naming a HandlerRegistry (or a list of handlers)."

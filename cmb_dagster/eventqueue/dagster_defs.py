@@ -9,7 +9,7 @@ asset page) and ``paused`` / ``blocked`` / ``rules``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
@@ -20,9 +20,11 @@ from dagster import AssetKey, AssetObservation, ConfigurableResource, Definition
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.eventqueue import admin
+from cmb_dagster.eventqueue.handlers import scope
 from cmb_dagster.eventqueue.models import DEFAULT_MODIFIER, DEFAULT_MODULE, EventQueueOptions, HandlerStatus
 from cmb_dagster.eventqueue.queue import emit, emit_many
 from cmb_dagster.eventqueue.worker import EventWorker
+from cmb_dagster.flow import KeyUse, describe_limits
 from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import (
     QueuedRunLauncher,
@@ -89,11 +91,25 @@ def handler_asset_key(handler: str, translator: CmbTranslator = DEFAULT_TRANSLAT
     return translator.get_asset_key("eventqueue", [re.sub(r"[^A-Za-z0-9_]", "_", handler)])
 
 
-def handler_observation(s: HandlerStatus, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetObservation:
-    """An observation of a handler's queue on its asset."""
+def handler_observation(
+    s: HandlerStatus, translator: CmbTranslator = DEFAULT_TRANSLATOR, keys: Sequence[KeyUse] = ()
+) -> AssetObservation:
+    """An observation of a handler's queue on its asset, with its limits and their use over its ``keys`` (events
+    in flight, keys at their concurrency limit; tokens change all the time, so they are left to the CLI)."""
+    limits = (
+        {
+            "key": s.key or "-",
+            "limits": describe_limits(s.rate_per_second, s.burst, s.concurrency),
+            "in_flight": sum(k.in_flight for k in keys),
+            "keys_at_limit": sum(1 for k in keys if k.concurrency and k.in_flight >= k.concurrency),
+        }
+        if s.key or s.rate_per_second or s.concurrency
+        else {}
+    )
     return AssetObservation(
         asset_key=handler_asset_key(s.handler, translator),
         metadata={
+            **limits,
             "queued": s.queued,
             "delayed": s.delayed,
             "locked": s.locked,
@@ -137,8 +153,10 @@ def eventqueue_definitions(
     def observe(database: Database) -> list[AssetObservation | Verdict]:
         admin.register(database, registry)  # emit refuses unknown handlers: record them before any worker ran
         found: list[AssetObservation | Verdict] = []
-        for row in (s for s in admin.status(database).handlers if s.handler in registry):
-            found.append(handler_observation(row, translator))
+        now = admin.status(database)
+        for row in (s for s in now.handlers if s.handler in registry):
+            keys = [k for k in now.keys if k.scope == scope(row.handler)]
+            found.append(handler_observation(row, translator, keys))
             found.extend(options.checks.verdicts(handler_asset_key(row.handler, translator).path, row))
         return found
 

@@ -71,3 +71,16 @@ registry.add(
     lock_expiry=float(os.environ.get("EQ_LOCK_EXPIRY", "300")),
 )
 registry.add("twenty_a_second", _recorded, key="value.tenant", rate_limit="20/s")
+
+
+@registry.handler("digest", key="value.user", debounce=0.3, lock_expiry=float(os.environ.get("EQ_LOCK_EXPIRY", "300")))
+def digest(events) -> None:
+    """Records one run per call (the first event's id, the ids as the key), sleeping ``EQ_SLEEP`` seconds."""
+    conn = _runs_table()
+    ids = ",".join(str(e.id) for e in events)
+    run_id = conn.execute(
+        "INSERT INTO public.eq_runs (event_id, key, pid) VALUES (%s, %s, %s) RETURNING id",
+        (events[0].id, ids, os.getpid()),
+    ).fetchone()[0]
+    time.sleep(float(os.environ.get("EQ_SLEEP", "0")))
+    conn.execute("UPDATE public.eq_runs SET ended_at = clock_timestamp() WHERE id = %s", (run_id,))

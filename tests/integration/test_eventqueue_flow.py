@@ -186,3 +186,20 @@ def test_debounce_settings_are_checked():
         HandlerRegistry().add("h", print, max_wait=5)
     with pytest.raises(InvalidEventQueueInput, match="debounce"):
         HandlerRegistry().add("h", print, debounce=-1)
+
+
+def test_the_handlers_asset_shows_its_limits_and_their_use(db, worker, seen):
+    from cmb_dagster.eventqueue.dagster_defs import handler_observation
+
+    emit_many([{"namespace": "ns", "handler": "limited", "value": {"tenant": t}} for t in "ab"], db=db)
+    worker.run_once()
+    with db.connection() as conn:  # an event of key a in flight
+        conn.execute("UPDATE flow_slots SET item = '1', expires_at = now() + interval '1 minute' WHERE key = 'a'")
+    now = status(db)
+    limited = next(h for h in now.handlers if h.handler == "limited")
+    metadata = handler_observation(limited, keys=now.keys).metadata
+    assert metadata["key"].value == "value.tenant"
+    assert metadata["limits"].value == "1000/s (burst 1000), 1 in flight"
+    assert (metadata["in_flight"].value, metadata["keys_at_limit"].value) == (1, 1)
+    plain = next(h for h in now.handlers if h.handler == "plain")
+    assert "limits" not in handler_observation(plain).metadata

@@ -140,3 +140,25 @@ def test_a_rate_limit_holds_across_workers_and_drains_at_the_rate(db, database_u
     assert ideal - 0.1 <= took <= ideal * 1.1, f"drained in {took:.2f} s, ideal {ideal:.2f} s"
     b_starts = sorted(s for _, k, _, s, _ in runs(db) if k == "b")
     assert b_starts[-1] - b_starts[0] < 2.0  # another key has its own bucket: its 20 went at once
+
+
+def test_a_debounced_batch_survives_a_kill_9_and_completes_once_as_a_whole(db, database_url, runs_table):
+    import eventqueue_handlers
+
+    register(db, eventqueue_handlers.registry)
+    ids = emit_many(
+        [{"namespace": "ns", "handler": "digest", "value": {"user": "u", "n": n}} for n in range(100)], db=db
+    )
+    procs = start_workers(database_url, 1, EQ_SLEEP="30", EQ_LOCK_EXPIRY="2")
+    try:
+        wait_until(lambda: runs(db), timeout=60, what="the batch called", interval=0.05)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+        procs += start_workers(database_url, 1, EQ_SLEEP="0", EQ_LOCK_EXPIRY="2")
+        wait_until(lambda: left(db) == 0, timeout=60, what="the batch done", interval=0.2)
+    finally:
+        stop(procs)
+    calls = runs(db)
+    assert len(calls) == 2  # the killed call, and once more after its lock expired
+    assert {c[1] for c in calls} == {",".join(map(str, ids))}  # each time the whole batch, in order
+    assert calls[1][4] is not None
