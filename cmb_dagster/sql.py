@@ -117,6 +117,13 @@ ORDER BY asset, check_name
 FLOW_AVAILABLE = "least(l.burst, b.tokens + l.rate * extract(epoch FROM clock_timestamp() - b.refilled_at))"
 FLOW_SLOT_FREE = "s.expires_at <= now()"
 
+
+def flow_empty_until(left: str) -> str:
+    """SQL: when a bucket with ``left`` tokens (an expression) at its scope's rate ``l.rate`` has one again."""
+    return f"""CASE WHEN {left} < 1 THEN clock_timestamp() + make_interval(secs => (1 - {left}) / l.rate)
+                     ELSE '-infinity' END"""
+
+
 # Each scope's limits as registered (upsert), and the scopes given without limits forgotten.
 FLOW_REGISTER = """
 WITH given AS (
@@ -168,8 +175,9 @@ WITH l AS MATERIALIZED (
 ), bucket AS (
     UPDATE flow_buckets b
     SET tokens = now_.avail - least(floor(greatest(now_.avail, 0)), (SELECT n FROM can)),
-        refilled_at = clock_timestamp()
-    FROM now_ WHERE b.scope = now_.scope AND b.key = now_.key
+        refilled_at = clock_timestamp(),
+        empty_until = {flow_empty_until("(now_.avail - least(floor(greatest(now_.avail, 0)), (SELECT n FROM can)))")}
+    FROM now_, l WHERE b.scope = now_.scope AND b.key = now_.key
     RETURNING least(floor(greatest(now_.avail, 0)), (SELECT n FROM can))::int AS took,
               greatest((1 - now_.avail) / now_.rate, 0) AS wait
 ), granted AS (

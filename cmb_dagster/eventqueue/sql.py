@@ -14,7 +14,7 @@ ANY(...)`` to keep 0.5% of the rows and prefers reading every ready row and sort
 estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
 """
 
-from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE
+from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
 
 # The flow-control scope of handler %(handler)s's events.
 SCOPE_PREFIX = "eventqueue/"
@@ -150,11 +150,14 @@ limits AS MATERIALIZED (
     SELECT r.scope, r.flow_key AS key, count(*) AS n, l.rate, l.concurrency
     FROM ranked r JOIN limits l USING (scope) GROUP BY r.scope, r.flow_key, l.rate, l.concurrency
 ), free AS MATERIALIZED (
-    SELECT f.scope, f.key, f.slot, row_number() OVER (PARTITION BY f.scope, f.key ORDER BY f.slot) AS r
-    FROM (SELECT s.scope, s.key, s.slot FROM flow_slots s
-          JOIN wanted w ON w.scope = s.scope AND w.key = s.key
-          WHERE s.slot < w.concurrency AND {FLOW_SLOT_FREE}
-          FOR UPDATE OF s SKIP LOCKED) AS f
+    SELECT w.scope, w.key, f.slot, row_number() OVER (PARTITION BY w.scope, w.key ORDER BY f.slot) AS r
+    FROM wanted w CROSS JOIN LATERAL (
+        SELECT s.slot FROM flow_slots s
+        WHERE s.scope = w.scope AND s.key = w.key AND s.slot < w.concurrency AND {FLOW_SLOT_FREE}
+        ORDER BY s.slot LIMIT w.n
+        FOR UPDATE OF s SKIP LOCKED
+    ) AS f
+    WHERE w.concurrency IS NOT NULL
 ), can AS (
     SELECT w.scope, w.key, w.rate,
            CASE WHEN w.concurrency IS NULL THEN w.n
@@ -170,9 +173,12 @@ limits AS MATERIALIZED (
     ORDER BY b.scope, b.key  -- locked in one order: two claims never deadlock
     FOR UPDATE OF b
 ), tokens AS (
-    UPDATE flow_buckets b SET tokens = n.avail - n.took, refilled_at = clock_timestamp()
+    UPDATE flow_buckets b
+    SET tokens = n.avail - n.took, refilled_at = clock_timestamp(),
+        empty_until = {flow_empty_until("(n.avail - n.took)")}
     FROM (SELECT bn.scope, bn.key, bn.avail, least(floor(greatest(bn.avail, 0)), c.n) AS took
           FROM bucket_now bn JOIN can c ON c.scope = bn.scope AND c.key = bn.key) AS n
+    JOIN limits l ON l.scope = n.scope
     WHERE b.scope = n.scope AND b.key = n.key
     RETURNING b.scope, b.key, n.took
 ), granted AS (
@@ -269,16 +275,16 @@ WITH came_due AS (
     UPDATE eventqueue_events e SET turn = t.turn FROM turns t WHERE e.id = t.id
     RETURNING e.id
 ), at_limit AS MATERIALIZED (
-    SELECT b.scope, b.key, (1 - {FLOW_AVAILABLE}) / l.rate AS wait
-    FROM flow_buckets b JOIN flow_limits l ON l.scope = b.scope
-    WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
-      AND {FLOW_AVAILABLE} < 1
+    SELECT b.scope, b.key, extract(epoch FROM b.empty_until - clock_timestamp())::float8 AS wait
+    FROM flow_buckets b
+    WHERE b.empty_until > clock_timestamp()
+      AND b.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
     UNION ALL
     SELECT s.scope, s.key, NULL
     FROM flow_slots s JOIN flow_limits l ON l.scope = s.scope
-    WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
-      AND s.slot < l.concurrency
-    GROUP BY s.scope, s.key HAVING bool_and(NOT {FLOW_SLOT_FREE})
+    WHERE s.item IS NOT NULL AND NOT {FLOW_SLOT_FREE} AND s.slot < l.concurrency
+      AND s.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
+    GROUP BY s.scope, s.key, l.concurrency HAVING count(*) >= l.concurrency
 ), due AS (
     SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
            '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision

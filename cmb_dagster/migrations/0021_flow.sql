@@ -1,7 +1,8 @@
 -- Flow control shared by the engines (cmb_dagster/flow.py): limits per scope (an event queue handler, a stage,
 -- a callback destination), and per key within a scope a token bucket and concurrency slots.
 -- * flow_limits: what an engine registered for a scope; rate in tokens per second, burst the bucket's size.
--- * flow_buckets: a key's tokens as of refilled_at (refilled at the scope's rate up to its burst when read).
+-- * flow_buckets: a key's tokens as of refilled_at (refilled at the scope's rate up to its burst when read);
+--   empty_until: when a bucket left below one token has one again (a claim passes over the keys still empty).
 -- * flow_slots: slot 0..concurrency-1 of a key; a slot is in use while expires_at is in the future. The commit
 --   that finishes the item frees it; a dead holder's slot frees itself when expires_at passes.
 CREATE TABLE flow_limits (
@@ -18,8 +19,10 @@ CREATE TABLE flow_buckets (
     key         text        NOT NULL,
     tokens      float8      NOT NULL,
     refilled_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    empty_until timestamptz NOT NULL DEFAULT '-infinity',
     PRIMARY KEY (scope, key)
 );
+CREATE INDEX flow_buckets_empty ON flow_buckets (empty_until);
 
 CREATE TABLE flow_slots (
     scope      text        NOT NULL,
@@ -30,3 +33,4 @@ CREATE TABLE flow_slots (
     expires_at timestamptz NOT NULL DEFAULT '-infinity',
     PRIMARY KEY (scope, key, slot)
 );
+CREATE INDEX flow_slots_taken ON flow_slots (scope, key) WHERE item IS NOT NULL;

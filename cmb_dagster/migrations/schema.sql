@@ -385,7 +385,8 @@ CREATE TABLE cmb.flow_buckets (
     scope text NOT NULL,
     key text NOT NULL,
     tokens double precision NOT NULL,
-    refilled_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL
+    refilled_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
+    empty_until timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL
 );
 
 CREATE TABLE cmb.flow_limits (
@@ -821,6 +822,10 @@ CREATE INDEX eventqueue_events_open_batch ON cmb.eventqueue_events USING btree (
 CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (priority DESC, turn, id) WHERE (turn IS NOT NULL);
 
 CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (visible_at) WHERE (turn IS NULL);
+
+CREATE INDEX flow_buckets_empty ON cmb.flow_buckets USING btree (empty_until);
+
+CREATE INDEX flow_slots_taken ON cmb.flow_slots USING btree (scope, key) WHERE (item IS NOT NULL);
 
 CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
 
