@@ -129,7 +129,8 @@ def register(conn: psycopg.Connection, limits: Mapping[str, FlowLimits | None]) 
 
 
 def ensure(conn: psycopg.Connection, pairs: Iterable[tuple[str, str]]) -> None:
-    """Make the bucket and slot rows of limited (scope, key) pairs (a full bucket, free slots) where missing."""
+    """Make the bucket of limited (scope, key) pairs (full) where missing, and more slot rows (free) up to the
+    concurrency limit: 64 at first, then twice as many each time."""
     pairs = sorted(set(pairs))  # in one order, so two workers making the same rows never deadlock
     if pairs:
         conn.execute(sql.FLOW_ENSURE, {"scopes": [p[0] for p in pairs], "keys": [p[1] for p in pairs]})
@@ -140,11 +141,14 @@ def take(conn: psycopg.Connection, scope: str, key: str, items: Sequence[str], *
     unless renewed; run it in the transaction that records the items' start."""
     if not items:
         return Grant(0, [], None)
-    key = key[:MAX_KEY_LENGTH]
-    ensure(conn, [(scope, key)])
-    count, slots, wait = conn.execute(
-        sql.FLOW_TAKE, {"scope": scope, "key": key, "want": len(items), "items": list(items), "ttl": ttl}
-    ).fetchone()
+    params = {"scope": scope, "key": key[:MAX_KEY_LENGTH], "want": len(items), "items": list(items), "ttl": ttl}
+    count, slots, wait, missing = conn.execute(sql.FLOW_TAKE, params).fetchone()
+    if missing and count < len(items):
+        ensure(conn, [(scope, params["key"])])
+        more, more_slots, wait, _ = conn.execute(
+            sql.FLOW_TAKE, {**params, "want": len(items) - count, "items": list(items[count:])}
+        ).fetchone()
+        count, slots = count + more, [*slots, *more_slots]
     return Grant(count, list(slots), wait)
 
 

@@ -140,7 +140,8 @@ ON CONFLICT (scope) DO UPDATE SET rate = EXCLUDED.rate, burst = EXCLUDED.burst, 
 WHERE (f.rate, f.burst, f.concurrency) IS DISTINCT FROM (EXCLUDED.rate, EXCLUDED.burst, EXCLUDED.concurrency)
 """
 
-# The bucket and slot rows of (scope, key) pairs, made full and free where missing.
+# The bucket of (scope, key) pairs, made full where missing; and more free slots where all are taken: slot rows
+# are made as they are needed (64 at first, then twice as many), up to the scope's concurrency.
 FLOW_ENSURE = """
 WITH pairs AS (
     SELECT DISTINCT p.scope, p.key, l.rate, l.burst, l.concurrency
@@ -149,15 +150,20 @@ WITH pairs AS (
     INSERT INTO flow_buckets (scope, key, tokens)
     SELECT scope, key, burst FROM pairs WHERE rate IS NOT NULL
     ON CONFLICT DO NOTHING
+), made AS (
+    SELECT p.*, coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = p.scope AND s.key = p.key
+                          ORDER BY s.slot DESC LIMIT 1), 0) AS n
+    FROM pairs p WHERE p.concurrency IS NOT NULL
 )
 INSERT INTO flow_slots (scope, key, slot)
-SELECT scope, key, slot FROM pairs, generate_series(0, coalesce(concurrency, 0) - 1) AS slot
+SELECT scope, key, slot FROM made, generate_series(n, least(concurrency, greatest(64, 2 * n)) - 1) AS slot
 ON CONFLICT DO NOTHING
 """
 
 # Up to %(want)s grants for (scope, key): a free slot each (under a concurrency limit) and a token each (under a
-# rate limit), given to %(items)s in order; returns the grants, the slots given and, when nothing was granted
-# for want of tokens, the seconds until the next token.
+# rate limit), given to %(items)s in order; returns the grants, the slots given, when nothing was granted for
+# want of tokens the seconds until the next token, and whether the key lacks its bucket or slot rows (FLOW_ENSURE
+# makes them, then the take runs again).
 FLOW_TAKE = f"""
 WITH l AS MATERIALIZED (
     SELECT rate, burst, concurrency FROM flow_limits WHERE scope = %(scope)s
@@ -192,7 +198,12 @@ WITH l AS MATERIALIZED (
     RETURNING s.slot, f.r
 )
 SELECT coalesce((SELECT n FROM granted), 0)::int, ARRAY(SELECT slot FROM slots ORDER BY r),
-       CASE WHEN coalesce((SELECT n FROM granted), 0) = 0 THEN (SELECT wait FROM bucket) END
+       CASE WHEN coalesce((SELECT n FROM granted), 0) = 0 THEN (SELECT wait FROM bucket) END,
+       (SELECT (l.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM now_))
+               OR (l.concurrency IS NOT NULL AND (SELECT count(*) FROM free) < %(want)s
+                   AND coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = %(scope)s AND s.key = %(key)s
+                                 ORDER BY s.slot DESC LIMIT 1), 0) < l.concurrency)
+        FROM l)
 """
 
 # The slots %(slots)s of (scope, key) held for %(items)s last another %(ttl)s seconds.

@@ -164,7 +164,9 @@ limits AS MATERIALIZED (
                 ELSE least(w.n, (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key)) END AS n,
            (w.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = w.scope AND b.key = w.key))
            OR (w.concurrency IS NOT NULL
-               AND NOT EXISTS (SELECT 1 FROM flow_slots s WHERE s.scope = w.scope AND s.key = w.key)) AS missing
+               AND (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key) < w.n
+               AND coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = w.scope AND s.key = w.key
+                             ORDER BY s.slot DESC LIMIT 1), 0) < w.concurrency) AS missing
     FROM wanted w
 ), bucket_now AS (
     SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail
@@ -205,8 +207,18 @@ limits AS MATERIALIZED (
 # (compare-and-set on locked_at), their crashes counted up before any handler runs. Each claim also
 # returns the newest rule it read ('rules' row): a worker acknowledges that rule once no event claimed
 # before it is still to start.
-_APPLY = f"""
-{_ADMIT}, rules AS MATERIALIZED (
+_UNLIMITED = """
+candidates AS (SELECT o.id, o.seen_locked_at, o.take, NULL::int AS flow_slot, o.decision FROM offered o)"""
+
+
+def _apply(limited: bool) -> str:
+    """The end of a claim: its candidates (admitted by the flow limits when ``limited``), applied."""
+    missing = """
+UNION ALL
+SELECT 'flow_missing', NULL, scope, key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM can WHERE missing"""
+    return f"""
+{_ADMIT if limited else _UNLIMITED}, rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
 ), held AS (
     UPDATE eventqueue_events e SET visible_at = 'infinity', turn = NULL
@@ -251,19 +263,21 @@ FROM candidates c
 WHERE c.decision = 'claim' AND c.take AND NOT EXISTS (SELECT 1 FROM claimed WHERE claimed.id = c.id)
   AND NOT EXISTS (SELECT 1 FROM crashed WHERE crashed.id = c.id)
 UNION ALL
-SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM rules
-UNION ALL
-SELECT 'flow_missing', NULL, scope, key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM can WHERE missing
+SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM rules{missing if limited else ""}
 """
+
 
 # The worker's batch. First the waiting events of its handlers that came due are staged (they are offered
 # from the next claim on; 'staged' returns how many). Then the ready events of its handlers whose key is not
 # at a limit, in (priority, turn) order: held rows are skipped, not waited for. Events under a rule are parked
 # (visible_at = 'infinity'), the rule row share-locked so an unpause waits for this transaction and then finds
 # them parked. An event whose earlier run never ended (crashes > 0) is claimed alone: the batch is then that
-# one event. 'flow_wait' returns the seconds until a key at its rate limit has a token again.
-CLAIM_DUE = f"""
+# one event. 'flow_wait' returns the seconds until a key at its rate limit has a token again. A worker whose
+# handlers have no rate or concurrency limit runs the claim without the flow-control parts (``limited`` False).
+def claim_due(limited: bool) -> str:
+    """The claim of a batch, with the flow limits applied when ``limited``."""
+    return f"""
 WITH came_due AS (
     SELECT e.id, e.handler, e.flow_key, e.priority, e.visible_at AS place
     FROM eventqueue_events e
@@ -274,7 +288,31 @@ WITH came_due AS (
 ), {_turns("came_due")}, staged AS (
     UPDATE eventqueue_events e SET turn = t.turn FROM turns t WHERE e.id = t.id
     RETURNING e.id
-), at_limit AS MATERIALIZED (
+){_AT_LIMIT if limited else ""}, due AS (
+    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
+           '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
+    FROM eventqueue_events e
+    WHERE e.turn IS NOT NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+      {_NOT_AT_LIMIT if limited else ""}
+    ORDER BY e.priority DESC, e.turn, e.id
+    LIMIT %(limit)s
+    FOR UPDATE OF e SKIP LOCKED
+), suspect AS (
+    SELECT id FROM due WHERE decision = 'claim' AND crashes > 0 ORDER BY priority DESC, turn, id LIMIT 1
+), offered AS (
+    SELECT due.*, NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect) AS take
+    FROM due
+    WHERE decision <> 'claim' OR NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect)
+), {_apply(limited)}
+UNION ALL
+SELECT 'staged', count(*), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM staged{_FLOW_WAIT if limited else ""}
+"""
+
+
+# Keys at their rate limit (an empty bucket) or concurrency limit (every slot taken), through the indexes on
+# the few buckets empty now and on the slots taken.
+_AT_LIMIT = f""", at_limit AS MATERIALIZED (
     SELECT b.scope, b.key, extract(epoch FROM b.empty_until - clock_timestamp())::float8 AS wait
     FROM flow_buckets b
     WHERE b.empty_until > clock_timestamp()
@@ -285,31 +323,19 @@ WITH came_due AS (
     WHERE s.item IS NOT NULL AND NOT {FLOW_SLOT_FREE} AND s.slot < l.concurrency
       AND s.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
     GROUP BY s.scope, s.key, l.concurrency HAVING count(*) >= l.concurrency
-), due AS (
-    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
-           '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
-    FROM eventqueue_events e
-    WHERE e.turn IS NOT NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
-      AND NOT EXISTS (SELECT 1 FROM at_limit a WHERE a.scope = '{SCOPE_PREFIX}' || e.handler AND a.key = e.flow_key)
-    ORDER BY e.priority DESC, e.turn, e.id
-    LIMIT %(limit)s
-    FOR UPDATE OF e SKIP LOCKED
-), suspect AS (
-    SELECT id FROM due WHERE decision = 'claim' AND crashes > 0 ORDER BY priority DESC, turn, id LIMIT 1
-), offered AS (
-    SELECT due.*, NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect) AS take
-    FROM due
-    WHERE decision <> 'claim' OR NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect)
-), {_APPLY}
-UNION ALL
-SELECT 'staged', count(*), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM staged
+)"""
+_NOT_AT_LIMIT = f"""AND NOT EXISTS (SELECT 1 FROM at_limit a
+                      WHERE a.scope = '{SCOPE_PREFIX}' || e.handler AND a.key = e.flow_key)"""
+_FLOW_WAIT = """
 UNION ALL
 SELECT 'flow_wait', NULL, NULL, NULL, NULL, NULL, to_jsonb(min(wait)), NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM at_limit HAVING count(*) > 0
-"""
+FROM at_limit HAVING count(*) > 0"""
+
 
 # The flowchart for named events (a notification that names them): each row says which edge it took.
-CLAIM_IDS = f"""
+def claim_ids(limited: bool) -> str:
+    """The claim of named events, with the flow limits applied when ``limited``."""
+    return f"""
 WITH offered AS (
     SELECT e.id, e.locked_at AS seen_locked_at, true AS take, e.priority, e.turn, e.handler, e.flow_key,
            '{SCOPE_PREFIX}' || e.handler AS scope,
@@ -320,8 +346,12 @@ WITH offered AS (
     FROM eventqueue_events e
     WHERE e.id = ANY(%(ids)s::bigint[]) AND e.handler = ANY(%(handlers)s::text[])
     FOR UPDATE OF e SKIP LOCKED
-), {_APPLY}
+), {_apply(limited)}
 """
+
+
+CLAIM_DUE = {limited: claim_due(limited) for limited in (False, True)}
+CLAIM_IDS = {limited: claim_ids(limited) for limited in (False, True)}
 
 EXISTING_IDS = "SELECT id FROM eventqueue_events WHERE id = ANY(%(ids)s::bigint[])"
 

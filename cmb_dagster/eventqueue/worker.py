@@ -130,6 +130,7 @@ class EventWorker(EngineWorker):
         self.settings = self.options.worker
         self.launcher = launcher
         self.names = self.registry.names
+        self.limited = any(h.config.limits.limited for h in self.registry.handlers.values())
         self._own = OwnConnection(self.db, custom_plans=True)  # plans from the actual parameters and table sizes
         self._registered = False
         self._next_cron = 0.0
@@ -179,10 +180,10 @@ class EventWorker(EngineWorker):
         with self._lock:
             self._settle_set_aside()
             params = {"handlers": self.names, "limit": self.settings.batch_size, "stage_limit": STAGE_LIMIT}
-            claimed, edges = self._claim(sql.CLAIM_DUE, params)
+            claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
             if self._staged and len(edges) < self.settings.batch_size:  # those that came due are ready now
                 rest = {**params, "limit": self.settings.batch_size - len(edges)}
-                more, more_edges = self._claim(sql.CLAIM_DUE, rest)
+                more, more_edges = self._claim(sql.CLAIM_DUE[self.limited], rest)
                 claimed, edges = claimed + more, {**edges, **more_edges}
             self._process(claimed, edges)
             return len(edges) + self._staged
@@ -191,7 +192,7 @@ class EventWorker(EngineWorker):
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
         with self._lock:
             ids = list(ids)
-            claimed, edges = self._claim(sql.CLAIM_IDS, {"ids": ids, "handlers": self.names})
+            claimed, edges = self._claim(sql.CLAIM_IDS[self.limited], {"ids": ids, "handlers": self.names})
             missing = [i for i in ids if i not in edges]
             if missing:  # skipped by SKIP LOCKED (someone holds the row) or gone (done)
                 present = {r[0] for r in self._execute(sql.EXISTING_IDS, {"ids": missing})}

@@ -99,3 +99,18 @@ def test_usage_reports_tokens_and_slots_in_use(db: Database) -> None:
 def test_bad_limits_name_the_field(given: dict, field: str) -> None:
     with pytest.raises(InvalidInput, match=field):
         FlowLimits(**given)
+
+
+def test_slot_rows_are_made_as_they_are_needed_up_to_the_limit(db: Database) -> None:
+    _register(db, s=FlowLimits(concurrency=200))
+    with db.connect(autocommit=True) as conn:
+
+        def rows() -> int:
+            return conn.execute("SELECT count(*) FROM flow_slots").fetchone()[0]
+
+        assert flow.take(conn, "s", "a", ["0"], ttl=60).count == 1
+        assert rows() == 64
+        assert flow.take(conn, "s", "a", [str(i) for i in range(1, 101)], ttl=60).count == 100
+        assert rows() == 128
+        assert flow.take(conn, "s", "a", [str(i) for i in range(101, 301)], ttl=60).count == 99
+        assert rows() == 200
