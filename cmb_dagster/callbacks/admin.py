@@ -1,5 +1,5 @@
-"""Operator functions of the callbacks engine: its status (events per status, per worker job's buckets), its
-queue depths at a bounded cost (the metrics), and the number of buckets."""
+"""Operator functions of the callbacks engine: its status (events per status, per worker job's buckets, limits
+per key), its queue depths at a bounded cost (the metrics), and the number of buckets."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ from typing import Any
 import psycopg
 from pydantic import BaseModel, Field
 
+from cmb_dagster import flow
 from cmb_dagster.callbacks import sql
-from cmb_dagster.callbacks.models import MAX_BUCKETS, BucketSetCounts, CallbackCounts, CallbacksStatus, validated
+from cmb_dagster.callbacks.models import (
+    MAX_BUCKETS,
+    BucketSetCounts,
+    CallbackCounts,
+    CallbacksStatus,
+    LimitUse,
+    validated,
+)
 from cmb_dagster.callbacks.worker import move_stranded_events
 from cmb_dagster.database import Database, DatabaseSource
 
@@ -23,18 +31,42 @@ class _StatusRequest(BaseModel):
     bucket_sets: int = Field(ge=0, le=MAX_BUCKETS)
 
 
-def status(database: DatabaseSource, *, bucket_sets: int = 0, totals: bool = True) -> CallbacksStatus:
+def status(
+    database: DatabaseSource, *, bucket_sets: int = 0, totals: bool = True, limits: bool = True
+) -> CallbacksStatus:
     """What the engine reports.
 
     ``totals``: events per status over every bucket, overdue pending events and the age of the oldest one (one
     scan of the events). ``bucket_sets``: for each of that many sets of buckets (set i: the buckets with
     ``id % bucket_sets == i``, one worker job's), the figures its observations plot (read from the indexes).
+    ``limits``: each key of the limits the workers registered (destination hosts, owners, groups; at most
+    ``LIMIT_KEYS_SHOWN``), its limits and the calls in flight.
     """
     sets = validated(_StatusRequest, {"bucket_sets": bucket_sets}).bucket_sets
     with Database.of(database).connection() as conn:
         counts = _rows(conn, sql.STATUS_COUNTS, {}, CallbackCounts)[0] if totals else None
         per_set = _rows(conn, sql.BUCKET_SET_COUNTS, {"sets": sets}, BucketSetCounts) if sets else []
-    return CallbacksStatus(totals=counts, bucket_sets=per_set)
+        uses = _limit_uses(conn) if limits else []
+    return CallbacksStatus(totals=counts, bucket_sets=per_set, limits=uses)
+
+
+LIMIT_KEYS_SHOWN = 1000
+
+
+def _limit_uses(conn: psycopg.Connection) -> list[LimitUse]:
+    scopes = [row[0] for row in conn.execute(sql.FLOW_SCOPES)]
+    return [
+        LimitUse(
+            scope=use.scope,
+            key=use.key,
+            concurrency=use.concurrency,
+            in_flight=use.in_flight,
+            rate_per_second=use.rate_per_second,
+            burst=use.burst,
+            tokens=use.tokens,
+        )
+        for use in flow.usage(conn, scopes, limit=LIMIT_KEYS_SHOWN)
+    ]
 
 
 class BucketSetDepth(BaseModel):

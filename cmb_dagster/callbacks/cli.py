@@ -13,10 +13,11 @@ import click
 from cmb_dagster.callbacks.admin import status as engine_status
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
-from cmb_dagster.callbacks.models import MAX_BUCKETS, MAX_TTL_DAYS, CallbackSettings
+from cmb_dagster.callbacks.models import MAX_BUCKETS, MAX_PRIORITY, MAX_TTL_DAYS, CallbackSettings
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
 from cmb_dagster.cli_common import DAY, DURATION, FloatRange, open_database
+from cmb_dagster.flow import MAX_CONCURRENCY, FlowLimits
 from cmb_dagster.workers import stop_workers_on_signals
 
 KEYS = [click.argument("owner_client_id"), click.argument("group_key"), click.argument("event_key")]
@@ -93,6 +94,13 @@ def callbacks() -> None:
     multiple=True,
     help="Open a target for this create (as on the worker; the worker must open it too).",
 )
+@click.option(
+    "--priority",
+    type=int,
+    default=0,
+    show_default=True,
+    help=f"Among callbacks due, higher is called first ({-MAX_PRIORITY} to {MAX_PRIORITY}).",
+)
 def create(
     owner_client_id: str,
     group_key: str,
@@ -104,6 +112,7 @@ def create(
     retry: str | None,
     body: str,
     allow_hosts: tuple[str, ...],
+    priority: int,
 ) -> None:
     """Schedule a callback; print its event id."""
     with _client(allow_hosts) as client:
@@ -116,6 +125,7 @@ def create(
             _json(context, "context"),
             _json(retry, "retry"),
             body=body,  # type: ignore[arg-type]
+            priority=priority,
         )
     click.echo(event_id)
 
@@ -199,6 +209,11 @@ def buckets(count: int) -> None:
 )
 @click.option("--duration", type=DURATION, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
 @click.option("--concurrency", type=click.IntRange(1, 10_000), help="Parallel calls.")
+@click.option(
+    "--per-host-concurrency",
+    type=click.IntRange(0, MAX_CONCURRENCY),
+    help="Calls in flight to one host across all workers (0: no limit; default 16).",
+)
 @click.option("--timeout", type=FloatRange(0.1, 3600), help="Seconds one call may take.")
 @click.option("--poll-interval", type=FloatRange(0.01, 3600), help="Seconds between polls of a bucket.")
 @click.option(
@@ -222,6 +237,7 @@ def worker(
     bucket_list: str | None,
     duration: float | None,
     concurrency: int | None,
+    per_host_concurrency: int | None,
     timeout: float | None,
     poll_interval: float | None,
     lease_ttl: float | None,
@@ -236,6 +252,7 @@ def worker(
         "poll_interval": poll_interval,
         "lease_ttl": lease_ttl,
         "allowed_hosts": [h for value in allow_hosts for h in value.split(",")] or None,
+        "per_host": None if per_host_concurrency is None else FlowLimits(concurrency=per_host_concurrency or None),
     }
     settings = CallbackSettings(**{k: v for k, v in overrides.items() if v is not None})
     db = open_database()
@@ -264,12 +281,19 @@ def worker(
 
 @callbacks.command()
 def status() -> None:
-    """Events per status, and how late the overdue pending ones are."""
-    counts = engine_status(open_database()).totals
+    """Events per status, how late the overdue pending ones are, and the limits per key with the calls in flight."""
+    report = engine_status(open_database())
+    counts = report.totals
+    assert counts is not None
     click.echo(
         f"pending {counts.pending} (overdue {counts.overdue}, oldest {counts.oldest_overdue_seconds:.1f}s late), "
         f"notified {counts.notified}, failed {counts.failed}, rejected {counts.rejected}, cancelled {counts.cancelled}"
     )
+    for use in report.limits:
+        limits = [f"{use.in_flight}/{use.concurrency} in flight" if use.concurrency else f"{use.in_flight} in flight"]
+        if use.rate_per_second is not None:
+            limits.append(f"{use.rate_per_second:g}/s (burst {use.burst:g}, {use.tokens or 0:.1f} tokens now)")
+        click.echo(f"{use.scope} {use.key or '-'}: {', '.join(limits)}")
 
 
 @callbacks.command()

@@ -106,11 +106,13 @@ class CallbackClient:
         context: Any = None,
         retry: RetryPolicy | dict[str, Any] | None = None,
         body: Body = ENVELOPE,
+        priority: int = 0,
     ) -> int:
         """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
 
         The request's body is the envelope (the event's keys, times, attempt and ``context``), or with
-        ``body="context"`` the context alone (a receiver with a fixed format, e.g. a chat webhook).
+        ``body="context"`` the context alone (a receiver with a fixed format, e.g. a chat webhook). Among
+        callbacks due, those of higher ``priority`` (-1000 to 1000) are called first, within the limits.
 
         Creating an existing key again with the same payload returns the existing id; with another
         payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a

@@ -7,9 +7,10 @@ and a cap on the response bytes read. It connects only to addresses the settings
 address actually connected to (after name resolution).
 
 Up to ``concurrency`` calls run at once on one event loop thread. A dispatcher on that loop takes due
-deliveries in due order, as many as there are free call slots, and passes them through the worker's *gate*
-first: one transaction that re-checks, under row locks, that each event is still pending in the version polled
-(cancel, update and delete wait for that lock) and counts the call in ``attempts``. Only what the gate let
+deliveries, highest priority first, as many as there are free call slots, and passes them through the worker's
+*gate* first: one transaction that takes the slots of the limits their destinations need (those it cannot get
+wait in the pool, not counted), re-checks, under row locks, that each event is still pending in the version
+polled (cancel, update and delete wait for that lock) and counts the call in ``attempts``. Only what the gate let
 through is called; every fast retry passes the gate again. So once cancel, update or delete has returned, no
 call of the old version starts.
 """
@@ -53,16 +54,26 @@ GONE = "gone"  # not called: cancelled, updated or deleted since it was polled (
 MAX_HEADER_BYTES = 16 * 1024
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"))
 INTERNAL_ERROR_DELAY = 5.0  # seconds: at least this long before an event that hit one of our bugs is retried
+SLOT_RECHECK = 0.05  # seconds: calls waiting for slots other workers hold ask again after this
+PARKED_RECHECK = 1.0  # seconds: calls waiting for slots in use here ask again after this at the latest
+FlowKey = tuple[str, str]  # (scope, key) of the limits a call is under (cmb_dagster.flow)
 
 
 class Gate(Protocol):
     """Lets due deliveries through to their calls (the worker provides it, on the pool's event loop).
 
-    In one transaction it counts those still to be called and passes them to ``start`` before that
-    transaction commits; it returns those that are gone. The rest are not due yet by the database's clock.
+    In one transaction it takes the slots of their limits, counts those still to be called and passes them to
+    ``start`` before that transaction commits; it returns those that are gone, those waiting for a slot or a
+    token, and the seconds after which to ask again for those (None: when a slot frees here). The rest are not
+    due yet by the database's clock.
     """
 
-    async def __call__(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]: ...
+    async def __call__(
+        self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]
+    ) -> tuple[list[Delivery], list[Delivery], float | None]: ...
+
+    def free(self, delivery: Delivery) -> None:
+        """``delivery`` holds no slot any more (its call ended, or it was not called)."""
 
     async def close(self) -> None: ...
 
@@ -97,6 +108,9 @@ class Delivery:
     due: float  # time.monotonic() at which run_at arrives, by the database's clock
     lease_deadline: Callable[[], float]  # monotonic time after which this worker may no longer hold the bucket
     on_done: Callable[[Delivery], None]
+    priority: int = 0
+    flow: FlowKey | None = None  # the limits the call is under (None: none)
+    slot: int | None = None  # the slot of those limits it holds while called
     outcome: str | None = None
     tries: int = 0
     error: str | None = None
@@ -349,6 +363,12 @@ def _target(url: str) -> tuple[str, str, int, bytes] | str:
     return parts.scheme, host, port, head
 
 
+def target_host(url: str) -> str | None:
+    """The host an HTTP(S) callback URL calls (None: another URL, e.g. ``dagster://``)."""
+    target = _target(url)
+    return None if isinstance(target, str) else target[1]
+
+
 class _StaleConnection(Exception):
     """A kept-alive connection the server had closed: retry on a new one."""
 
@@ -367,12 +387,15 @@ def _general(exc: BaseException) -> str:
 
 
 class DeliveryPool:
-    """Calls due deliveries, let through the worker's gate in due order, from one event loop, with fast retries.
+    """Calls due deliveries, let through the worker's gate, from one event loop, with fast retries.
 
     On the event loop, a dispatcher waits for the earliest due delivery and for free call slots
     (``concurrency``), passes as many due deliveries as there are free slots through the gate (one
-    transaction) and starts the calls of those let through; while the gate waits for the database, the
-    calls go on. A fast retry goes back to the heap and through the gate again.
+    transaction), highest priority first, then earliest due, and starts the calls of those let through; while
+    the gate waits for the database, the calls go on. Those waiting for a slot or a token of their limits are
+    parked until a call under the same limits ends here, or until the time the gate gave (``SLOT_RECHECK`` for
+    slots held elsewhere, the next token, ``PARKED_RECHECK`` at the latest). A fast retry goes back to the heap
+    and through the gate again.
     """
 
     def __init__(
@@ -391,7 +414,11 @@ class DeliveryPool:
         # launches run one at a time (a run key is looked up, then its run created), on a thread of their own:
         # one that hangs holds no thread of the loop's executor, which resolves the names of HTTP targets
         self._launches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cmb-callback-launch")
-        self._heap: list[tuple[float, int, Delivery]] = []
+        self._heap: list[tuple[float, int, Delivery]] = []  # by due time
+        self._ready: list[tuple[int, float, int, Delivery]] = []  # due: by priority, then due time
+        self._parked: dict[FlowKey, list[tuple[int, float, int, Delivery]]] = {}  # waiting for a slot or a token
+        self._parked_count = 0
+        self._recheck_at = math.inf  # when the parked deliveries ask the gate again
         self._cond = threading.Condition()  # guards the heap and the counters; close() waits on it
         self._idle = settings.concurrency
         self._gating = 0
@@ -417,8 +444,10 @@ class DeliveryPool:
     def abandon_waiting(self) -> None:
         """Give every delivery not started yet back as abandoned (the worker is stopping)."""
         with self._cond:
-            waiting, self._heap = self._heap, []
-        for _, _, delivery in waiting:
+            waiting = [entry[-1] for entry in (*self._heap, *self._ready)]
+            waiting += [entry[-1] for parked in self._parked.values() for entry in parked]
+            self._heap, self._ready, self._parked, self._parked_count = [], [], {}, 0
+        for delivery in waiting:
             self._give_back(delivery)
 
     def _give_back(self, delivery: Delivery) -> None:
@@ -433,7 +462,7 @@ class DeliveryPool:
     def busy(self) -> int:
         """Deliveries waiting, being gated or being called."""
         with self._cond:
-            return len(self._heap) + self._gating + self._running
+            return len(self._heap) + len(self._ready) + self._parked_count + self._gating + self._running
 
     def close(self, timeout: float = 30.0) -> None:
         """Abandon waiting deliveries, let the gate and running calls end, stop the event loop."""
@@ -459,15 +488,23 @@ class DeliveryPool:
                 if self._closed:
                     return
                 now = time.monotonic()
+                if now >= self._recheck_at:
+                    self._recheck_at = math.inf
+                    for key in list(self._parked):
+                        self._unpark(key)
+                while self._heap and self._heap[0][0] <= now:
+                    _, seq, delivery = heapq.heappop(self._heap)
+                    heapq.heappush(self._ready, (-delivery.priority, delivery.due, seq, delivery))
                 due: list[Delivery] = []
-                while self._heap and self._heap[0][0] <= now and len(due) < self._idle:
-                    due.append(heapq.heappop(self._heap)[2])
+                while self._ready and len(due) < self._idle:
+                    due.append(heapq.heappop(self._ready)[3])
                 self._gating += len(due)
                 self._idle -= len(due)
                 if not due:  # asleep until the earliest is due, or a slot frees (a call's end wakes it)
                     self._wake.clear()
                     self._wake_at = -math.inf if self._idle == 0 else self._heap[0][0] if self._heap else math.inf
-                    timeout = self._wake_at - now if self._wake_at < math.inf and self._idle else None
+                    wake_at = min(self._wake_at, self._recheck_at)
+                    timeout = wake_at - now if wake_at < math.inf and self._idle else None
             if not due:
                 try:
                     async with asyncio.timeout(timeout):
@@ -477,23 +514,50 @@ class DeliveryPool:
                 with self._cond:
                     self._wake_at = -math.inf
                 continue
-            started, later = await self._pass_gate(due)
+            started, later, waiting, wait = await self._pass_gate(due)
             with self._cond:
                 self._gating -= len(due)
                 self._idle += len(due) - started
                 for delivery in later:  # not due yet by the database's clock (clocks drift a little)
                     delivery.due = time.monotonic() + 0.005
                     heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
+                for delivery in waiting:
+                    parked = self._parked.setdefault(delivery.flow, [])  # type: ignore[arg-type]
+                    heapq.heappush(parked, (-delivery.priority, delivery.due, delivery._seq, delivery))
+                self._parked_count += len(waiting)
+                if waiting:
+                    recheck = PARKED_RECHECK if wait is None else max(wait, 0.001)
+                    self._recheck_at = min(self._recheck_at, time.monotonic() + recheck)
                 if self._closed:
                     self._cond.notify_all()
+
+    def _unpark(self, key: FlowKey | None, count: float = math.inf) -> None:
+        """The first ``count`` deliveries waiting for a slot of ``key``, ready again (under ``_cond``)."""
+        parked = self._parked.get(key)  # type: ignore[arg-type]
+        while parked and count > 0:
+            heapq.heappush(self._ready, heapq.heappop(parked))
+            self._parked_count -= 1
+            count -= 1
+        if not parked:
+            self._parked.pop(key, None)  # type: ignore[arg-type]
+
+    def _free_slot(self, delivery: Delivery) -> None:
+        """``delivery``'s slot back to the worker; the deliveries waiting for one of its key ready again."""
+        if delivery.slot is None or self.gate is None:
+            return
+        self.gate.free(delivery)
+        delivery.slot = None
+        with self._cond:
+            self._unpark(delivery.flow, 1)
 
     def _start(self, go: list[Delivery]) -> None:
         with self._cond:
             self._running += len(go)
         self._begin(go)
 
-    async def _pass_gate(self, due: list[Delivery]) -> tuple[int, list[Delivery]]:
-        """Start what the gate lets through; return (how many started, those not due yet).
+    async def _pass_gate(self, due: list[Delivery]) -> tuple[int, list[Delivery], list[Delivery], float | None]:
+        """Start what the gate lets through; return how many started, those not due yet, those waiting for a slot
+        or a token, and the seconds after which to ask again for those (None: when a slot frees here).
 
         The others are finished here: gone, or given back.
         """
@@ -505,10 +569,10 @@ class DeliveryPool:
             else:
                 ready.append(delivery)
         if not ready:
-            return 0, []
+            return 0, [], [], None
         if self.gate is None:
             self._start(ready)
-            return len(ready), []
+            return len(ready), [], [], None
         started: list[Delivery] = []
 
         def start(go: list[Delivery]) -> None:
@@ -516,18 +580,23 @@ class DeliveryPool:
             self._start(go)
 
         try:
-            gone = await self.gate(ready, start)
+            gone, waiting, wait = await self.gate(ready, start)
         except Exception as exc:  # noqa: BLE001 - the database or the lease is gone: give the others back
             log.warning("callback gate failed (%s); calls given back", type(exc).__name__)
             begun = {id(d) for d in started}
             for delivery in ready:
                 if id(delivery) not in begun:
+                    self._free_slot(delivery)
                     self._give_back(delivery)
-            return len(started), []
+            return len(started), [], [], None
         for delivery in gone:
+            self._free_slot(delivery)
             self._finish(delivery, GONE, None)
-        settled = {id(d) for d in started} | {id(d) for d in gone}
-        return len(started), [d for d in ready if id(d) not in settled]
+        settled = {id(d) for d in (*started, *gone, *waiting)}
+        later = [d for d in ready if id(d) not in settled]
+        for delivery in later:
+            self._free_slot(delivery)
+        return len(started), later, waiting, wait
 
     # -- the calls, on the event loop thread --------------------------------------------------------
 
@@ -589,6 +658,7 @@ class DeliveryPool:
             delivery.retry_delay = delay
             self._finish(delivery, RETRY, f"internal error: {type(exc).__name__}")
         finally:
+            self._free_slot(delivery)
             with self._cond:
                 self._running -= 1
                 self._idle += 1
@@ -632,6 +702,7 @@ class DeliveryPool:
     def _finish(self, delivery: Delivery, outcome: str, error: str | None) -> None:
         """Record ``outcome`` and hand ``delivery`` back; ``error`` may quote the target or the launcher, so it
         is sanitised before it is stored or logged."""
+        self._free_slot(delivery)  # before the outcome is handed back: the write of the outcome releases it
         delivery.outcome = outcome
         delivery.error = None if error is None else sanitize(error)
         delivery.finished = time.monotonic()

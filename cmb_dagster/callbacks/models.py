@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
+from cmb_dagster.flow import FlowLimits
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import check_text, max_payload_bytes, to_json
 from cmb_dagster.models import Backoff, Options, describe
@@ -50,6 +51,11 @@ LATEST_RUN_AT = datetime(9000, 1, 1, tzinfo=UTC)  # far inside what Python and P
 MAX_BUCKETS = 4096  # each bucket is a row, a lease and a poll per poll_interval
 MAX_TTL_DAYS = 36500  # finished events are kept at most this long
 MAX_CONTEXT_BYTES = 16 * 1024 * 1024  # a context travels in the body of every call of its event
+MAX_PRIORITY = 1000
+MAX_OWNER_LIMITS = 1000  # entries of CallbackSettings.per_owner: each is a scope registered by every worker
+HOST_SCOPE = "callbacks/host"
+OWNER_SCOPE = "callbacks/owner/"  # + owner, or + owner/group
+DEFAULT_PER_HOST = FlowLimits(concurrency=16)
 ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
 ANY_PUBLIC_HOST = "*"
 # Names refused unless listed by name: they point at this machine or at a cloud metadata service.
@@ -214,7 +220,22 @@ class CallbackSettings(Options):
         f"{MAX_FAST_RETRY_PAUSE:g} s: they wait in the worker's memory).",
     )
     lease_ttl: float = Field(
-        default=15.0, gt=1, le=3600, description="A dead worker's buckets are taken over after this."
+        default=15.0,
+        gt=1,
+        le=3600,
+        description="A dead worker's buckets are taken over, and its slots of the limits freed, after this.",
+    )
+    per_host: FlowLimits | None = Field(
+        default=DEFAULT_PER_HOST,
+        description="Limits of the calls to each destination host across all workers (None: no limit).",
+    )
+    per_owner: dict[str, FlowLimits] = Field(
+        default_factory=dict,
+        max_length=MAX_OWNER_LIMITS,
+        description=(
+            "Limits replacing per_host for the callbacks of an owner ('owner', all its groups together) or of one "
+            "of its groups ('owner/group', split at the first '/'); the most specific entry applies."
+        ),
     )
 
     @model_validator(mode="before")
@@ -263,6 +284,29 @@ class CallbackSettings(Options):
                 "timeout + poll_interval must stay under 2/3 of lease_ttl, so a call ends before its lease can lapse"
             )
         return self
+
+    @field_validator("per_owner")
+    @classmethod
+    def _owner_keys(cls, value: dict[str, FlowLimits]) -> dict[str, FlowLimits]:
+        for name in value:
+            owner, _, group = name.partition("/")
+            if not 0 < len(owner) <= MAX_OWNER_LENGTH or len(group) > MAX_GROUP_LENGTH or name.endswith("/"):
+                raise ValueError(f"{name[:300]!r} is not 'owner' or 'owner/group'")
+        return value
+
+    def flow_scopes(self) -> dict[str, FlowLimits | None]:
+        """The scopes of the callbacks' limits and their limits, as workers register them."""
+        return {HOST_SCOPE: self.per_host, **{OWNER_SCOPE + name: limits for name, limits in self.per_owner.items()}}
+
+    def flow_key(self, owner: str, group: str, host: str | None) -> tuple[str, str] | None:
+        """The (scope, key) limiting a callback of ``owner``/``group`` to ``host`` (None: none limits it)."""
+        for name in (f"{owner}/{group}", owner):
+            limits = self.per_owner.get(name)
+            if limits is not None:
+                return (OWNER_SCOPE + name, "") if limits.limited else None
+        if host is None or self.per_host is None or not self.per_host.limited:
+            return None
+        return HOST_SCOPE, host
 
     @property
     def wake_within(self) -> float:
@@ -502,6 +546,7 @@ class NewCallback(BaseModel):
     context: JsonValue = None
     body: Body = ENVELOPE
     retry: RetryPolicy = _DEFAULT_RETRY  # frozen: one shared instance
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
@@ -578,6 +623,7 @@ class CallbackEvent(BaseModel):
     main_retries: int
     last_error: str | None
     schedule_id: int | None
+    priority: int = 0
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
@@ -685,12 +731,25 @@ class BucketSetCounts(BaseModel):
     rejected_last_hour: int
 
 
+class LimitUse(BaseModel):
+    """One key of the callbacks' limits (a destination host, an owner or a group): its limits and their use now."""
+
+    scope: str
+    key: str
+    concurrency: int | None
+    in_flight: int
+    rate_per_second: float | None
+    burst: float | None
+    tokens: float | None
+
+
 class CallbacksStatus(BaseModel):
     """What the callbacks engine reports (:func:`cmb_dagster.callbacks.admin.status`): events per status over every
-    bucket, and the figures of each worker job's buckets when asked for."""
+    bucket, the figures of each worker job's buckets when asked for, and the limits per key with their use."""
 
     totals: CallbackCounts | None = None
     bucket_sets: list[BucketSetCounts] = Field(default_factory=list)
+    limits: list[LimitUse] = Field(default_factory=list)
 
 
 class CallbackChecks(Checks):

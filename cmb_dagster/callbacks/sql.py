@@ -1,8 +1,11 @@
 """Every SQL statement of the callbacks engine (tables: migrations/0004_callbacks.sql)."""
 
+from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE
+
 EVENT_COLUMNS = """
     event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
-    context, body, retry, attempts, main_retries, last_error, schedule_id, created_at, updated_at, finished_at
+    context, body, retry, attempts, main_retries, last_error, schedule_id, priority, created_at, updated_at,
+    finished_at
 """
 
 # -- creating events ------------------------------------------------------------------------------
@@ -21,21 +24,22 @@ LOCK_EVENT_IDS_EXCLUSIVE = """SELECT pg_advisory_xact_lock(hashtextextended(curr
     0))"""
 
 # The rows come as one JSON array of objects (parsed by Postgres in one pass, far cheaper to send than one
-# array per column); "r" indexes the batch's distinct retry policies, each parsed once; "b" (the body) is there
-# only when it is not the envelope. Each insert also
+# array per column); "r" indexes the batch's distinct retry policies, each parsed once; "b" (the body) and "p"
+# (the priority) are there only when not the default. Each insert also
 # sends a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of the earliest
 # run_at>") to the workers of buckets that got an event due before their next poll would see it. The table
 # stays the truth.
 _INSERT_ROWS = f"""
 WITH ins AS (
     INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
-                                      run_at, originally_run_at, cb_url, context, body, retry, schedule_id)
+                                      run_at, originally_run_at, cb_url, context, body, retry, schedule_id, priority)
     SELECT nextval('callback_event_ids'),
            (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
-           n.o, n.g, n.k, n.t, n.t, n.u, n.c, coalesce(n.b, 'envelope'), b.policies -> n.r, %(schedule_id)s::bigint
+           n.o, n.g, n.k, n.t, n.t, n.u, n.c, coalesce(n.b, 'envelope'), b.policies -> n.r, %(schedule_id)s::bigint,
+           coalesce(n.p, 0)
     FROM ROWS FROM (json_to_recordset(%(rows)s::json)
-                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, b text, r int))
-         WITH ORDINALITY AS n(o, g, k, t, u, c, b, r, ord)
+                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, b text, r int, p smallint))
+         WITH ORDINALITY AS n(o, g, k, t, u, c, b, r, p, ord)
     CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
                 FROM callback_buckets) AS b  -- before any id is drawn
     ORDER BY n.ord  -- ids are drawn in the batch's order
@@ -127,7 +131,7 @@ ORDER BY change_id
 
 POLL_COLUMNS = """
     event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context::text, body,
-    retry::text, attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in
+    retry::text, attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in, priority
 """
 
 # The highest event id drawn so far, then (read after it) the transactions holding LOCK_EVENT_IDS: once
@@ -167,6 +171,30 @@ SELECT {POLL_COLUMNS} FROM (
 ) AS e
 WHERE run_at <= %(run_at)s
 ORDER BY event_id
+LIMIT %(limit)s
+"""
+
+# Query 0: events above priority 0 already due, highest first, past those this worker holds (%(held)s), read
+# ahead of the due backlog of queries 1 and 2 (which read them again later only if they are still pending, and
+# the worker keeps one delivery per id). By the index callback_events_urgent whatever the statistics: one probe
+# per priority level present (a skip scan, highest first), then that level's due events in run_at order; events
+# not yet due cost nothing.
+POLL_URGENT = f"""
+WITH RECURSIVE p(level) AS (
+    SELECT max(priority) FROM callback_events WHERE bucket_id = %(bucket)s AND status = 'pending' AND priority > 0
+    UNION ALL
+    SELECT (SELECT max(e.priority) FROM callback_events e
+            WHERE e.bucket_id = %(bucket)s AND e.status = 'pending' AND e.priority > 0 AND e.priority < p.level)
+    FROM p WHERE p.level IS NOT NULL
+)
+SELECT {POLL_COLUMNS} FROM p CROSS JOIN LATERAL (
+    SELECT * FROM callback_events e
+    WHERE e.bucket_id = %(bucket)s AND e.status = 'pending' AND e.priority > 0 AND e.priority = p.level
+      AND e.run_at <= now() AND e.event_id <> ALL(%(held)s::bigint[])
+    ORDER BY e.run_at, e.event_id
+    LIMIT %(limit)s
+) AS e
+WHERE p.level IS NOT NULL
 LIMIT %(limit)s
 """
 
@@ -540,4 +568,78 @@ SELECT s.bucket_set, round(coalesce(p.pending, 0))::bigint AS pending, round(coa
 FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
 LEFT JOIN per_set p USING (bucket_set)
 ORDER BY s.bucket_set
+"""
+
+# -- limits per destination (flow control, cmb_dagster/flow.py's tables) ----------------------------
+
+# The scopes of the callbacks' limits registered so far.
+FLOW_SCOPES = "SELECT scope FROM flow_limits WHERE scope LIKE 'callbacks/%%' ORDER BY scope"
+
+# flow.take for several keys in one statement (the gate's). Per (scope, key): %(items)s calls want to start,
+# %(want)s of them need a slot from here (the others have one the worker holds already). Free slots are taken
+# (skipping those locked by another taker) for at most as many calls as the key's tokens allow, given to the
+# holder %(holder)s (item: holder || slot) for %(ttl)s seconds. Buckets are locked in (scope, key) order, so
+# takers never deadlock. Returns, per key of a registered scope: the calls granted, the slots taken, and, when
+# none was granted for want of tokens, the seconds until the next one.
+FLOW_TAKE_MANY = f"""
+WITH l AS MATERIALIZED (
+    SELECT w.scope, w.key, w.want, w.items, f.rate, f.burst, f.concurrency
+    FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(want)s::int[], %(items)s::int[]) AS w(scope, key, want, items)
+    JOIN flow_limits f ON f.scope = w.scope
+), free AS MATERIALIZED (
+    SELECT f.scope, f.key, f.slot, row_number() OVER (PARTITION BY f.scope, f.key ORDER BY f.slot) AS r
+    FROM l CROSS JOIN LATERAL (
+        SELECT s.scope, s.key, s.slot FROM flow_slots s
+        WHERE s.scope = l.scope AND s.key = l.key AND s.slot < l.concurrency AND {FLOW_SLOT_FREE}
+        ORDER BY s.slot LIMIT l.want
+        FOR UPDATE OF s SKIP LOCKED
+    ) AS f
+), can AS MATERIALIZED (
+    SELECT l.*, CASE WHEN l.concurrency IS NULL THEN l.items
+                     ELSE l.items - l.want + (SELECT count(*) FROM free f WHERE f.scope = l.scope AND f.key = l.key)
+                END AS n
+    FROM l
+), now_ AS MATERIALIZED (
+    SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail, l.rate, l.n
+    FROM flow_buckets b JOIN can l ON b.scope = l.scope AND b.key = l.key
+    WHERE l.rate IS NOT NULL
+    ORDER BY b.scope, b.key
+    FOR UPDATE OF b
+), bucket AS (
+    UPDATE flow_buckets b
+    SET tokens = t.avail - least(floor(greatest(t.avail, 0)), t.n), refilled_at = clock_timestamp()
+    FROM now_ t WHERE b.scope = t.scope AND b.key = t.key
+), granted AS MATERIALIZED (
+    SELECT c.scope, c.key, c.items - c.want AS held,
+           CASE WHEN c.rate IS NULL THEN c.n ELSE coalesce(least(floor(greatest(t.avail, 0)), t.n), 0) END::int AS n,
+           CASE WHEN c.rate IS NOT NULL AND coalesce(floor(greatest(t.avail, 0)), 0) < 1
+                THEN greatest((1 - t.avail) / t.rate, 0) END AS wait
+    FROM can c LEFT JOIN now_ t ON t.scope = c.scope AND t.key = c.key
+), slots AS (
+    UPDATE flow_slots s
+    SET item = %(holder)s || s.slot, taken_at = now(), expires_at = now() + make_interval(secs => %(ttl)s)
+    FROM free f JOIN granted g ON g.scope = f.scope AND g.key = f.key
+    WHERE s.scope = f.scope AND s.key = f.key AND s.slot = f.slot AND f.r <= g.n - g.held
+    RETURNING s.scope, s.key, s.slot
+)
+SELECT g.scope, g.key, g.n,
+       ARRAY(SELECT s.slot FROM slots s WHERE s.scope = g.scope AND s.key = g.key ORDER BY s.slot), g.wait
+FROM granted g
+"""
+
+# The slots (%(scopes)s, %(keys)s, %(slots)s) the holder %(holder)s holds last another %(ttl)s seconds; returns
+# those renewed (the others had expired: no longer held).
+FLOW_RENEW_HELD = """
+UPDATE flow_slots s SET expires_at = now() + make_interval(secs => %(ttl)s)
+FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(slots)s::int[]) AS u(scope, key, slot)
+WHERE s.scope = u.scope AND s.key = u.key AND s.slot = u.slot AND s.item = %(holder)s || s.slot
+  AND s.expires_at > now()
+RETURNING s.scope, s.key, s.slot
+"""
+
+# The slots (%(scopes)s, %(keys)s, %(slots)s) the holder %(holder)s holds, freed.
+FLOW_RELEASE_HELD = """
+UPDATE flow_slots s SET item = NULL, taken_at = NULL, expires_at = '-infinity'
+FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(slots)s::int[]) AS u(scope, key, slot)
+WHERE s.scope = u.scope AND s.key = u.key AND s.slot = u.slot AND s.item = %(holder)s || s.slot
 """

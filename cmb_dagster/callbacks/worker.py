@@ -7,6 +7,11 @@ below which every event has been seen (it never passes an id whose transaction m
 the outcomes of calls: a cursor that stops before any event still in flight. A worker that takes a bucket over
 starts from that copy, so an event is lost by no crash; only events in flight at a crash are called again (at
 least once).
+
+Calls are limited per destination host, or per owner or group (``CallbackSettings.per_host``, ``per_owner``),
+across all workers, by the slots of :mod:`cmb_dagster.flow`: the gate takes them for a batch of calls, the worker
+keeps a slot whose call ended for its next call under the same limits, and the write of outcomes frees those it
+no longer uses; the slots of a worker that died free themselves when their ``lease_ttl`` passes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -24,9 +30,22 @@ from datetime import datetime
 import psycopg
 from pydantic import ValidationError
 
+from cmb_dagster import flow
+from cmb_dagster import sql as root_sql
 from cmb_dagster.callbacks import sql
-from cmb_dagster.callbacks.delivery import ABANDONED, FAILED, GONE, RETRY, Delivery, DeliveryPool, JobLauncher
-from cmb_dagster.callbacks.models import CONTEXT, EARLIEST_RUN_AT, CallbackSettings, RetryPolicy
+from cmb_dagster.callbacks.delivery import (
+    ABANDONED,
+    FAILED,
+    GONE,
+    RETRY,
+    SLOT_RECHECK,
+    Delivery,
+    DeliveryPool,
+    FlowKey,
+    JobLauncher,
+    target_host,
+)
+from cmb_dagster.callbacks.models import CONTEXT, EARLIEST_RUN_AT, OWNER_SCOPE, CallbackSettings, RetryPolicy
 from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
 from cmb_dagster.isolation import sanitize
 from cmb_dagster.models import describe
@@ -41,6 +60,7 @@ COMMIT_BATCH = 500
 REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls not logged one by one)
 FAILURES_LOGGED_PER_WINDOW = 20
 MOVE_BATCH = 5000  # events of a removed bucket moved per transaction (inserts wait for each one)
+MAX_KEYS_REMEMBERED = 100_000  # keys of limits whose rows a worker knows exist
 
 
 Position = tuple[datetime, int]
@@ -55,6 +75,7 @@ class BucketState:
     cursor: Position  # query 1 continues after this (run_at, event_id)
     seen_event_id: int  # query 2: every event id up to this was visible to a poll
     in_flight: dict[int, Position] = field(default_factory=dict)  # polled, outcome not yet written
+    urgent: set[int] = field(default_factory=set)  # those of in_flight above priority 0 (query 0 skips them)
     done: list[Delivery] = field(default_factory=list)  # outcome known, not yet written
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_poll: float = 0.0
@@ -100,20 +121,152 @@ class EventIdHorizon:
             return self._proven
 
 
+class HeldSlots:
+    """The slots of the limits a worker holds (rows of ``flow_slots`` whose item is ``holder`` + the slot): in use
+    by a call, or free for the worker's next call under the same limits until released."""
+
+    def __init__(self, settings: CallbackSettings, owner: str) -> None:
+        self.holder = f"{owner}/{uuid.uuid4().hex[:8]}#"
+        self.ttl = settings.lease_ttl
+        limits = settings.flow_scopes()
+        self._concurrency = {scope: limits.concurrency for scope, limits in limits.items() if limits is not None}
+        self._rated = {scope for scope, limits in limits.items() if limits is not None and limits.rate_limit}
+        self._lock = threading.Lock()
+        self._free: dict[FlowKey, list[int]] = {}
+        self._busy: dict[FlowKey, set[int]] = {}
+        self._ensured: set[FlowKey] = set()
+        self.renewed_at = time.monotonic()
+
+    def assign(self, deliveries: list[Delivery]) -> tuple[dict[FlowKey, list[Delivery]], list[Delivery]]:
+        """Give deliveries slots held free here; return, per key, those to ask the database for (in order, those
+        with a slot first), and those that must wait (every slot of their key is in use here)."""
+        asking: dict[FlowKey, list[Delivery]] = {}
+        waiting = []
+        with self._lock:
+            for d in deliveries:
+                key = d.flow
+                assert key is not None
+                free, busy = self._free.get(key), self._busy.setdefault(key, set())
+                if free:
+                    d.slot = free.pop()
+                    busy.add(d.slot)
+                elif (limit := self._concurrency.get(key[0])) is not None and len(busy) >= limit:
+                    waiting.append(d)
+                    continue
+                asking.setdefault(key, []).append(d)
+        for ds in asking.values():
+            ds.sort(key=lambda d: d.slot is None)
+        return asking, waiting
+
+    def unensured(self, keys: list[FlowKey]) -> list[FlowKey]:
+        with self._lock:
+            return [key for key in keys if key not in self._ensured]
+
+    def ensured(self, keys: list[FlowKey], short: list[FlowKey]) -> None:
+        """The rows of ``keys`` exist, except maybe for ``short`` (they got fewer calls than asked: their rows are
+        made again where missing before their next take)."""
+        with self._lock:
+            if len(self._ensured) > MAX_KEYS_REMEMBERED:
+                self._ensured.clear()  # made again where missing: it costs one statement per key
+            self._ensured.update(keys)
+            self._ensured.difference_update(short)
+
+    def rated(self, key: FlowKey) -> bool:
+        """Whether calls of ``key`` need a token each (their scope has a rate limit)."""
+        return key[0] in self._rated
+
+    def add(self, key: FlowKey, d: Delivery, slot: int) -> None:
+        with self._lock:
+            d.slot = slot
+            self._busy.setdefault(key, set()).add(slot)
+
+    def forget(self, deliveries: list[Delivery]) -> None:
+        """The slots of ``deliveries``, not held after all (their take was rolled back)."""
+        with self._lock:
+            for d in deliveries:
+                if d.flow is not None and d.slot is not None:
+                    self._busy.get(d.flow, set()).discard(d.slot)
+                d.slot = None
+
+    def free(self, delivery: Delivery) -> None:
+        """``delivery``'s slot, free for the next call of its key here."""
+        key, slot = delivery.flow, delivery.slot
+        if key is None or slot is None:
+            return
+        with self._lock:
+            busy = self._busy.get(key)
+            if busy is not None and slot in busy:
+                busy.discard(slot)
+                self._free.setdefault(key, []).append(slot)
+
+    def take_free(self) -> list[tuple[str, str, int]]:
+        """The slots free here, no longer held (to release in the transaction that writes outcomes)."""
+        with self._lock:
+            free, self._free = self._free, {}
+            self._busy = {key: slots for key, slots in self._busy.items() if slots}
+        return [(scope, key, slot) for (scope, key), slots in free.items() for slot in slots]
+
+    def put_back(self, slots: list[tuple[str, str, int]]) -> None:
+        """Slots ``take_free`` gave whose release did not commit: held again."""
+        with self._lock:
+            for scope, key, slot in slots:
+                self._free.setdefault((scope, key), []).append(slot)
+
+    def busy(self) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return [(scope, key, slot) for (scope, key), slots in self._busy.items() for slot in slots]
+
+    def lost(self, kept: set[tuple[str, str, int]], asked: list[tuple[str, str, int]]) -> None:
+        """Of the slots ``asked`` to be renewed, those not ``kept`` (expired first) are no longer held."""
+        with self._lock:
+            for scope, key, slot in asked:
+                if (scope, key, slot) not in kept:
+                    self._busy.get((scope, key), set()).discard(slot)
+
+    def params(self, slots: list[tuple[str, str, int]]) -> dict[str, object]:
+        return {
+            "scopes": [s[0] for s in slots],
+            "keys": [s[1] for s in slots],
+            "slots": [s[2] for s in slots],
+            "holder": self.holder,
+            "ttl": self.ttl,
+        }
+
+    def usage(self) -> dict[FlowKey, int]:
+        """Slots in use here per key."""
+        with self._lock:
+            return {key: len(slots) for key, slots in self._busy.items() if slots}
+
+
 class BucketGate:
     """The worker's gate (a :class:`~cmb_dagster.callbacks.delivery.Gate`), on a connection of its own.
 
-    One transaction of one statement: the leases of every bucket concerned, then the events; the calls
-    start before the commit (cancel, update and delete wait for the row locks until then).
+    One transaction: the slots of the limits the calls need (one statement, when slots held here do not
+    suffice), then the leases of every bucket concerned and the events (one statement); the calls start before
+    the commit (cancel, update and delete wait for the row locks until then).
     """
 
-    def __init__(self, db: Database, states: dict[int, BucketState], owner: str) -> None:
+    def __init__(self, db: Database, states: dict[int, BucketState], owner: str, slots: HeldSlots) -> None:
         self._states = states  # the worker's
         self._owner = owner
+        self._slots = slots
         self._conn = OwnAsyncConnection(db, custom_plans=True)  # planned at each run, as the worker loop's
 
-    async def __call__(self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]) -> list[Delivery]:
-        """Count and start the deliveries still pending in their polled version; return those gone."""
+    def free(self, delivery: Delivery) -> None:
+        self._slots.free(delivery)
+
+    async def __call__(
+        self, deliveries: list[Delivery], start: Callable[[list[Delivery]], None]
+    ) -> tuple[list[Delivery], list[Delivery], float | None]:
+        """Take slots, count and start the deliveries still pending in their polled version; return those gone,
+        those waiting for a slot or a token, and the seconds after which to ask again for those (None: when a slot
+        frees here)."""
+        asking, waiting = self._slots.assign([d for d in deliveries if d.flow is not None])
+        if waiting:
+            parked = {id(d) for d in waiting}
+            deliveries = [d for d in deliveries if id(d) not in parked]
+        if not deliveries:
+            return [], waiting, None
         leases = []
         for bucket_id in sorted({d.bucket_id for d in deliveries}):  # ascending, as renewals lock them
             state = self._states.get(bucket_id)
@@ -128,16 +281,70 @@ class BucketGate:
             "ids": [d.event_id for d in deliveries],
         }
         conn = await self._conn.get()
+        wait = None
         async with conn.transaction():
-            cursor = await conn.execute(sql.GATE, params)
-            held, go_ids, pending_ids = await cursor.fetchone()
-            if held != len(leases):
-                raise LeaseLost(f"buckets {params['partitions']} are not all held by {self._owner}")
+            taken: dict[FlowKey, tuple[int, list[int]]] = {}
+            short: list[FlowKey] = []
+            need = {k: ds for k, ds in asking.items() if self._slots.rated(k) or any(d.slot is None for d in ds)}
+            new: list[Delivery] = []
+            if need:
+                keys = sorted(need)
+                if fresh := self._slots.unensured(keys):
+                    await conn.execute(
+                        root_sql.FLOW_ENSURE, {"scopes": [k[0] for k in fresh], "keys": [k[1] for k in fresh]}
+                    )
+                cursor = await conn.execute(
+                    sql.FLOW_TAKE_MANY,
+                    {
+                        "scopes": [k[0] for k in keys],
+                        "keys": [k[1] for k in keys],
+                        "want": [sum(d.slot is None for d in need[k]) for k in keys],
+                        "items": [len(need[k]) for k in keys],
+                        "holder": self._slots.holder,
+                        "ttl": self._slots.ttl,
+                    },
+                )
+                for scope, key, granted, slots, key_wait in await cursor.fetchall():
+                    taken[(scope, key)] = (granted, slots)
+                    if granted < len(need[(scope, key)]):  # slots held elsewhere free at any time; tokens come later
+                        short.append((scope, key))
+                        key_wait = SLOT_RECHECK if key_wait is None else key_wait
+                        wait = key_wait if wait is None else min(wait, key_wait)
+            refused: list[Delivery] = []
+            for key, ds in need.items():
+                granted, slots = taken.get(key, (len(ds), []))  # a scope no longer registered: no limit
+                new_slots = iter(slots)
+                for n, d in enumerate(ds):
+                    if n >= granted:
+                        refused.append(d)
+                    elif d.slot is None and (slot := next(new_slots, None)) is not None:
+                        self._slots.add(key, d, slot)
+                        new.append(d)
+            if refused:
+                out = {id(d) for d in refused}
+                passing = [d for d in deliveries if id(d) not in out]
+            else:
+                passing = deliveries
+            params["ids"] = [d.event_id for d in passing]
+            try:
+                cursor = await conn.execute(sql.GATE, params)
+                held, go_ids, pending_ids = await cursor.fetchone()
+                if held != len(leases):
+                    raise LeaseLost(f"buckets {params['partitions']} are not all held by {self._owner}")
+            except BaseException:
+                self._slots.forget(new)  # taken in this transaction: rolled back with it
+                raise
             let_through, pending = set(go_ids), set(pending_ids)
-            go = [d for d in deliveries if d.event_id in let_through]
+            go = [d for d in passing if d.event_id in let_through]
             if go:
                 start(go)
-        return [d for d in deliveries if d.event_id not in pending and d.event_id not in let_through]
+        if need:
+            self._slots.ensured(list(need), short)
+        for d in refused:
+            self._slots.free(d)
+            d.slot = None
+        gone = [d for d in passing if d.event_id not in pending and d.event_id not in let_through]
+        return gone, waiting + refused, wait
 
     async def close(self) -> None:
         await self._conn.close()
@@ -180,7 +387,9 @@ class CallbackWorker(EngineWorker):
         # its own, with no pool check on the path of every call, and planned at each run: a plan cached while
         # callback_events was small (a sequential scan) would be kept as it grows
         self._loop_conn = OwnConnection(self.db, custom_plans=True)  # the worker loop's: polls and outcome writes
-        self._gate = BucketGate(self.db, self._states, self.owner)
+        self._slots = HeldSlots(self.settings, self.owner)
+        self._gate = BucketGate(self.db, self._states, self.owner, self._slots)
+        self._flow_key = functools.lru_cache(maxsize=4096)(self.settings.flow_key)
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
         self._woken_lock = threading.Lock()
@@ -190,7 +399,8 @@ class CallbackWorker(EngineWorker):
         self._failures_in_window = self._failures_not_logged = 0
 
     def loops(self) -> list[Worker]:
-        """One loop over the buckets, with a fresh pool of calls."""
+        """One loop over the buckets, with a fresh pool of calls; the limits of the settings registered."""
+        register_limits(self.db, self.settings)
         self._draining.clear()
         self._bucket_loop = BucketLoop(self)
         self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate, on_broken=lambda _exc: self.stop())
@@ -289,7 +499,28 @@ class CallbackWorker(EngineWorker):
             handled += self._commit(lease, state) + self._poll_woken()
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
+        self._keep_slots(now)
         return handled
+
+    def _keep_slots(self, now: float) -> None:
+        """Renew the slots in use here every third of their time-to-live, and release those free here."""
+        if now - self._slots.renewed_at < self._slots.ttl / 3:
+            return
+        self._slots.renewed_at = now
+        free, busy = self._slots.take_free(), self._slots.busy()
+        if not free and not busy:
+            return
+        try:
+            with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+                if free:
+                    conn.execute(sql.FLOW_RELEASE_HELD, self._slots.params(free))
+                if busy:
+                    kept = conn.execute(sql.FLOW_RENEW_HELD, self._slots.params(busy)).fetchall()
+        except BaseException:
+            self._slots.put_back(free)
+            raise
+        if busy:
+            self._slots.lost({tuple(row) for row in kept}, busy)
 
     def _poll_woken(self) -> int:
         """Poll the buckets a notification made due now, before this step's own work (whichever bucket it is for).
@@ -350,7 +581,7 @@ class CallbackWorker(EngineWorker):
             return 0
         params = {"bucket": state.bucket_id, "lookahead": self.settings.lookahead, "limit": room}
         with state.lock:
-            cursor, seen = state.cursor, state.seen_event_id
+            cursor, seen, held = state.cursor, state.seen_event_id, list(state.urgent)
         # the lease, the writers, the queries: one round trip
         with self._on_loop_connection(pipeline=True, transaction=False) as conn:
             asked_at = time.monotonic()  # before the database clock is read: the lease deadline errs early
@@ -358,13 +589,14 @@ class CallbackWorker(EngineWorker):
             drawers_cur = conn.execute(sql.EVENT_ID_DRAWERS)
             ahead_cur = conn.execute(sql.POLL_AHEAD, {**params, "run_at": cursor[0], "event_id": cursor[1]})
             late_cur = conn.execute(sql.POLL_LATE, {**params, "run_at": cursor[0], "max_event_id": seen})
+            urgent_cur = conn.execute(sql.POLL_URGENT, {**params, "held": held})
         read_at = time.monotonic()  # after the database clock is read: due times err late, never early
         remaining = remaining_cur.fetchone()
         if remaining is None:
             raise LeaseLost(f"bucket {state.bucket_id} is no longer held by {lease.owner}")
         state.lease_deadline = asked_at + remaining[0]
         horizon = self._horizon.advance(drawers_cur.fetchone())
-        ahead, late = ahead_cur.fetchall(), late_cur.fetchall()
+        ahead, late, urgent = ahead_cur.fetchall(), late_cur.fetchall(), urgent_cur.fetchall()
         if ahead:
             cursor = max(cursor, (ahead[-1][1], ahead[-1][0]))
         full = len(ahead) == room or len(late) == room
@@ -373,9 +605,11 @@ class CallbackWorker(EngineWorker):
         with state.lock:
             state.cursor = max(state.cursor, cursor)
             state.seen_event_id = max(state.seen_event_id, new_seen)
-            for row in (*ahead, *late):
+            for row in (*urgent, *ahead, *late):
                 if row[0] not in state.in_flight:
                     state.in_flight[row[0]] = (row[1], row[0])
+                    if row[-1] > 0:
+                        state.urgent.add(row[0])
                     fresh.append(row)
 
         def deadline() -> float:
@@ -396,6 +630,7 @@ class CallbackWorker(EngineWorker):
                 attempts,
                 main_retries,
                 due_in,
+                priority,
             ) = row
             try:
                 policy = stored_policy(retry)
@@ -420,6 +655,8 @@ class CallbackWorker(EngineWorker):
                 due=read_at + max(0.0, due_in),
                 lease_deadline=deadline,
                 on_done=lambda d, s=state: self._on_done(s, d),
+                priority=priority,
+                flow=self._flow_key(owner, group, target_host(url)),
             )
             if policy is None:
                 delivery.outcome, delivery.error = FAILED, error
@@ -502,11 +739,29 @@ class CallbackWorker(EngineWorker):
     def _write(
         self, lease: Lease, state: BucketState, batch: list[Delivery], finished: list[Delivery], *, careful: bool
     ) -> None:
+        free = self._slots.take_free()  # the slots the finished calls held, unless used again meanwhile
+        try:
+            self._write_outcomes(lease, state, batch, finished, free, careful=careful)
+        except BaseException:
+            self._slots.put_back(free)
+            raise
+
+    def _write_outcomes(
+        self,
+        lease: Lease,
+        state: BucketState,
+        batch: list[Delivery],
+        finished: list[Delivery],
+        free: list[tuple[str, str, int]],
+        *,
+        careful: bool,
+    ) -> None:
         with self._on_loop_connection(pipeline=not careful, transaction=True) as conn:
             Leases.check(conn, lease)
             with state.lock:
                 for d in batch:
                     state.in_flight.pop(d.event_id, None)
+                    state.urgent.discard(d.event_id)
                 for d in batch:  # never called: let query 1 find it again
                     if d.outcome == ABANDONED:
                         state.cursor = min(state.cursor, (d.run_at, d.event_id - 1))
@@ -528,6 +783,8 @@ class CallbackWorker(EngineWorker):
                 sql.SAVE_WATERMARK,
                 {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
             )
+            if free:
+                conn.execute(sql.FLOW_RELEASE_HELD, self._slots.params(free))
 
 
 class BucketLoop(Worker):
@@ -637,3 +894,11 @@ def move_bucket_events(db: Database, lease: Lease) -> int:
         conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # new ids drawn as inserts draw them: the horizon waits
         Leases.check(conn, lease)
         return conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": MOVE_BATCH}).fetchone()[0]
+
+
+def register_limits(db: Database, settings: CallbackSettings) -> None:
+    """Record the limits of ``settings`` for every worker (the per-owner limits no longer given are forgotten)."""
+    scopes = settings.flow_scopes()
+    with db.connection() as conn:
+        registered = [row[0] for row in conn.execute(sql.FLOW_SCOPES)]
+        flow.register(conn, {**dict.fromkeys(s for s in registered if s.startswith(OWNER_SCOPE)), **scopes})

@@ -253,7 +253,7 @@ def insert_events_skipping_taken(
         if same:
             results.append(inserted[key] if row is None else row["event_id"])
         else:
-            conflict = f"event {'/'.join(key)} exists with another run_at, cb_url, context or retry"
+            conflict = f"event {'/'.join(key)} exists with another run_at, cb_url, context, retry or priority"
             results.append(CallbackConflict(conflict))
     return results
 
@@ -272,6 +272,7 @@ def _insert_params(
             "c": e.context,
             "r": r,
             **({} if e.body == ENVELOPE else {"b": e.body}),
+            **({"p": e.priority} if e.priority else {}),
         }
         for e, r in zip(events, indexes, strict=True)
     ]
@@ -319,12 +320,13 @@ def _policy_json(policy: RetryPolicy) -> str:
 
 
 def _same_event(event: NewCallback, other: NewCallback) -> bool:
-    return (event.run_at, event.cb_url, event.context, event.body, event.retry) == (
+    return (event.run_at, event.cb_url, event.context, event.body, event.retry, event.priority) == (
         other.run_at,
         other.cb_url,
         other.context,
         other.body,
         other.retry,
+        other.priority,
     )
 
 
@@ -334,5 +336,6 @@ def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:
         and row["cb_url"] == event.cb_url
         and row["context"] == event.context
         and row["body"] == event.body
+        and row["priority"] == event.priority
         and RetryPolicy.model_validate(row["retry"]) == event.retry
     )

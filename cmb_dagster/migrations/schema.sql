@@ -161,7 +161,9 @@ CREATE TABLE cmb.callback_events (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     finished_at timestamp with time zone,
     body text DEFAULT 'envelope'::text NOT NULL,
+    priority smallint DEFAULT 0 NOT NULL,
     CONSTRAINT callback_events_body_check CHECK ((body = ANY (ARRAY['envelope'::text, 'context'::text]))),
+    CONSTRAINT callback_events_priority_check CHECK (((priority >= '-1000'::integer) AND (priority <= 1000))),
     CONSTRAINT callback_events_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'notified'::text, 'failed'::text, 'cancelled'::text, 'rejected'::text])))
 )
 WITH (fillfactor='85', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_delay='0');
@@ -802,6 +804,8 @@ CREATE INDEX callback_events_pending ON cmb.callback_events USING btree (bucket_
 CREATE INDEX callback_events_pending_ids ON cmb.callback_events USING btree (bucket_id, event_id) WHERE (status = 'pending'::text);
 
 CREATE INDEX callback_events_schedule ON cmb.callback_events USING btree (schedule_id) WHERE (schedule_id IS NOT NULL);
+
+CREATE INDEX callback_events_urgent ON cmb.callback_events USING btree (bucket_id, priority DESC, run_at, event_id) WHERE ((status = 'pending'::text) AND (priority > 0));
 
 CREATE INDEX check_transitions_unalerted ON cmb.check_transitions USING btree (id) WHERE (alerted_at IS NULL);
 

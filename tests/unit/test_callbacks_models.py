@@ -8,6 +8,7 @@ from cmb_dagster.callbacks import CallbackSettings, InvalidCallbackInput, NewCal
 from cmb_dagster.callbacks.models import DAGSTER_USER_TAGS, NewSchedule, _tag_problem, check_many, validated
 from cmb_dagster.callbacks.schedules import fire_times
 from cmb_dagster.errors import InvalidInput
+from cmb_dagster.flow import FlowLimits
 from cmb_dagster.inputs import DEFAULT_MAX_PAYLOAD_BYTES
 from cmb_dagster.models import Backoff
 
@@ -311,3 +312,41 @@ def test_the_engine_imports_no_dagster():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# -- limits per destination and priorities ---------------------------------------------------------
+
+
+def test_each_callback_is_under_its_most_specific_limit():
+    settings = CallbackSettings(
+        per_owner={"acme": FlowLimits(concurrency=4), "acme/reports": FlowLimits(concurrency=1), "free": FlowLimits()}
+    )
+    assert settings.flow_key("shop", "g", "api.example.com") == ("callbacks/host", "api.example.com")
+    assert settings.flow_key("shop", "g", None) is None  # dagster:// has no host
+    assert settings.flow_key("acme", "g", "api.example.com") == ("callbacks/owner/acme", "")
+    assert settings.flow_key("acme", "reports", "api.example.com") == ("callbacks/owner/acme/reports", "")
+    assert settings.flow_key("free", "g", "api.example.com") is None
+    assert CallbackSettings(per_host=None).flow_key("shop", "g", "api.example.com") is None
+    assert settings.flow_scopes()["callbacks/host"].concurrency == 16
+
+
+@pytest.mark.parametrize(
+    ("per_owner", "field"),
+    [
+        ({"": {"concurrency": 1}}, "per_owner"),
+        ({"acme/": {"concurrency": 1}}, "per_owner"),
+        ({"acme": {"concurrency": 0}}, "concurrency"),
+        ({"acme": {"rate_limit": "fast"}}, "rate_limit"),
+        ({f"o{i}": {"concurrency": 1} for i in range(1001)}, "per_owner"),
+    ],
+)
+def test_per_owner_limits_are_typed_and_bounded(per_owner, field):
+    with pytest.raises(InvalidCallbackInput, match=field):
+        CallbackSettings(per_owner=per_owner)
+
+
+@pytest.mark.parametrize("priority", [1001, -1001, "5", 2.5, True])
+def test_a_priority_is_an_integer_within_bounds(priority):
+    with pytest.raises(InvalidCallbackInput, match="priority"):
+        validated(NewCallback, {**new().model_dump(), "priority": priority})
+    assert validated(NewCallback, {**new().model_dump(), "priority": -1000}).priority == -1000
