@@ -212,7 +212,7 @@ def buckets(count: int) -> None:
 @click.option(
     "--per-host-concurrency",
     type=click.IntRange(0, MAX_CONCURRENCY),
-    help="Calls in flight to one host across all workers (0: no limit; default 16).",
+    help="Calls in flight to one host across all workers (0: no limit; default 64).",
 )
 @click.option("--timeout", type=FloatRange(0.1, 3600), help="Seconds one call may take.")
 @click.option("--poll-interval", type=FloatRange(0.01, 3600), help="Seconds between polls of a bucket.")

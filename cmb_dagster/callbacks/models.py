@@ -55,7 +55,7 @@ MAX_PRIORITY = 1000
 MAX_OWNER_LIMITS = 1000  # entries of CallbackSettings.per_owner: each is a scope registered by every worker
 HOST_SCOPE = "callbacks/host"
 OWNER_SCOPE = "callbacks/owner/"  # + owner, or + owner/group
-DEFAULT_PER_HOST = FlowLimits(concurrency=16)
+DEFAULT_PER_HOST = FlowLimits(concurrency=64)
 ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
 ANY_PUBLIC_HOST = "*"
 # Names refused unless listed by name: they point at this machine or at a cloud metadata service.

@@ -1,6 +1,6 @@
 """Every SQL statement of the callbacks engine (tables: migrations/0004_callbacks.sql)."""
 
-from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE
+from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
 
 EVENT_COLUMNS = """
     event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
@@ -607,8 +607,9 @@ WITH l AS MATERIALIZED (
     FOR UPDATE OF b
 ), bucket AS (
     UPDATE flow_buckets b
-    SET tokens = t.avail - least(floor(greatest(t.avail, 0)), t.n), refilled_at = clock_timestamp()
-    FROM now_ t WHERE b.scope = t.scope AND b.key = t.key
+    SET tokens = t.avail - least(floor(greatest(t.avail, 0)), t.n), refilled_at = clock_timestamp(),
+        empty_until = {flow_empty_until("(t.avail - least(floor(greatest(t.avail, 0)), t.n))")}
+    FROM now_ t, flow_limits l WHERE b.scope = t.scope AND b.key = t.key AND l.scope = t.scope
 ), granted AS MATERIALIZED (
     SELECT c.scope, c.key, c.items - c.want AS held,
            CASE WHEN c.rate IS NULL THEN c.n ELSE coalesce(least(floor(greatest(t.avail, 0)), t.n), 0) END::int AS n,

@@ -327,7 +327,7 @@ def test_each_callback_is_under_its_most_specific_limit():
     assert settings.flow_key("acme", "reports", "api.example.com") == ("callbacks/owner/acme/reports", "")
     assert settings.flow_key("free", "g", "api.example.com") is None
     assert CallbackSettings(per_host=None).flow_key("shop", "g", "api.example.com") is None
-    assert settings.flow_scopes()["callbacks/host"].concurrency == 16
+    assert settings.flow_scopes()["callbacks/host"].concurrency == 64
 
 
 @pytest.mark.parametrize(
