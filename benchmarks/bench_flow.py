@@ -80,9 +80,9 @@ def with_db(url: str, name: str) -> str:
 
 
 def server_cpu(conn: psycopg.Connection) -> float:
-    """CPU seconds of the server's processes so far (the server runs on this machine)."""
-    pids = [r[0] for r in conn.execute("SELECT pid FROM pg_stat_activity").fetchall()]
-    postmaster = Path(f"/proc/{pids[0]}/stat").read_text().split()[3] if pids else None
+    """CPU seconds the server's processes have used so far (the server runs on this machine): the postmaster's
+    own and that of its children, live and ended."""
+    postmaster = Path(f"/proc/{conn.info.backend_pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
     total = 0.0
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -91,7 +91,9 @@ def server_cpu(conn: psycopg.Connection) -> float:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if proc.name == postmaster or fields[1] == postmaster:
+        if proc.name == postmaster:
+            total += sum(int(f) for f in fields[11:15]) / CLK_TCK  # utime, stime and those of ended children
+        elif fields[1] == postmaster:
             total += (int(fields[11]) + int(fields[12])) / CLK_TCK
     return total
 

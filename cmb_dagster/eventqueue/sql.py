@@ -268,27 +268,17 @@ FROM rules{missing if limited else ""}
 """
 
 
-# The worker's batch. First the waiting events of its handlers that came due are staged (they are offered
-# from the next claim on; 'staged' returns how many). Then the ready events of its handlers whose key is not
-# at a limit, in (priority, turn) order: held rows are skipped, not waited for. Events under a rule are parked
-# (visible_at = 'infinity'), the rule row share-locked so an unpause waits for this transaction and then finds
-# them parked. An event whose earlier run never ended (crashes > 0) is claimed alone: the batch is then that
-# one event. 'flow_wait' returns the seconds until a key at its rate limit has a token again. A worker whose
-# handlers have no rate or concurrency limit runs the claim without the flow-control parts (``limited`` False).
+# The worker's batch: the ready events of its handlers whose key is not at a limit, in (priority, turn) order:
+# held rows are skipped, not waited for. Events under a rule are parked (visible_at = 'infinity'), the rule row
+# share-locked so an unpause waits for this transaction and then finds them parked. An event whose earlier run
+# never ended (crashes > 0) is claimed alone: the batch is then that one event. A 'came_due' row says waiting
+# events came due (the worker stages them, STAGE); 'flow_wait' returns the seconds until a key at its rate limit
+# has a token again. A worker whose handlers have no rate or concurrency limit runs the claim without the
+# flow-control parts (``limited`` False).
 def claim_due(limited: bool) -> str:
     """The claim of a batch, with the flow limits applied when ``limited``."""
     return f"""
-WITH came_due AS (
-    SELECT e.id, e.handler, e.flow_key, e.priority, e.visible_at AS place
-    FROM eventqueue_events e
-    WHERE e.turn IS NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
-    ORDER BY e.visible_at
-    LIMIT %(stage_limit)s
-    FOR UPDATE OF e SKIP LOCKED
-), {_turns("came_due")}, staged AS (
-    UPDATE eventqueue_events e SET turn = t.turn FROM turns t WHERE e.id = t.id
-    RETURNING e.id
-){_AT_LIMIT if limited else ""}, due AS (
+WITH {_AT_LIMIT + ", " if limited else ""}due AS (
     SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
            '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
     FROM eventqueue_events e
@@ -305,14 +295,33 @@ WITH came_due AS (
     WHERE decision <> 'claim' OR NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect)
 ), {_apply(limited)}
 UNION ALL
-SELECT 'staged', count(*), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM staged{_FLOW_WAIT if limited else ""}
+SELECT 'came_due', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.visible_at <= now()
+              AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL){_FLOW_WAIT if limited else ""}
+"""
+
+
+# The waiting events of the worker's handlers that came due (delayed, retried, their lock expired, released by
+# a rule) become ready, taking their turns; returns how many.
+STAGE = f"""
+WITH came_due AS (
+    SELECT e.id, e.handler, e.flow_key, e.priority, e.visible_at AS place
+    FROM eventqueue_events e
+    WHERE e.turn IS NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+    ORDER BY e.visible_at
+    LIMIT %(stage_limit)s
+    FOR UPDATE OF e SKIP LOCKED
+), {_turns("came_due")}, staged AS (
+    UPDATE eventqueue_events e SET turn = t.turn FROM turns t WHERE e.id = t.id
+    RETURNING e.id
+)
+SELECT count(*) FROM staged
 """
 
 
 # Keys at their rate limit (an empty bucket) or concurrency limit (every slot taken), through the indexes on
 # the few buckets empty now and on the slots taken.
-_AT_LIMIT = f""", at_limit AS MATERIALIZED (
+_AT_LIMIT = f"""at_limit AS MATERIALIZED (
     SELECT b.scope, b.key, extract(epoch FROM b.empty_until - clock_timestamp())::float8 AS wait
     FROM flow_buckets b
     WHERE b.empty_until > clock_timestamp()

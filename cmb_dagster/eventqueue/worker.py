@@ -141,7 +141,7 @@ class EventWorker(EngineWorker):
         self._done: list[Claimed] = []  # finished, not deleted yet
         self._rules_changed = threading.Event()
         self._acknowledged = 0  # the newest rule this worker applies to every event it starts
-        self._staged = 0  # events the last claim made ready (claimable from the next one)
+        self._came_due = True  # waiting events came due: staged before the next claim
         self._flow_wait: float | None = None  # seconds until a key at its rate limit has a token again
         self._tick = min(1.0, min(h.config.lock_expiry for h in self.registry.handlers.values()) / 4)
 
@@ -175,18 +175,20 @@ class EventWorker(EngineWorker):
     # -- the flowchart ----------------------------------------------------------------------------
 
     def run_once(self) -> int:
-        """Claim one batch of due events and process it; return how many events it claimed or held (and made ready
-        for the next batch)."""
+        """Claim one batch of due events and process it; return how many events it claimed or held."""
         with self._lock:
             self._settle_set_aside()
-            params = {"handlers": self.names, "limit": self.settings.batch_size, "stage_limit": STAGE_LIMIT}
+            params = {"handlers": self.names, "limit": self.settings.batch_size}
+            if self._came_due:
+                self._stage()
             claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
-            if self._staged and len(edges) < self.settings.batch_size:  # those that came due are ready now
+            if self._came_due and len(edges) < self.settings.batch_size:  # they take their turns in this batch
+                self._stage()
                 rest = {**params, "limit": self.settings.batch_size - len(edges)}
                 more, more_edges = self._claim(sql.CLAIM_DUE[self.limited], rest)
                 claimed, edges = claimed + more, {**edges, **more_edges}
             self._process(claimed, edges)
-            return len(edges) + self._staged
+            return len(edges)
 
     def dequeue(self, ids: Iterable[int]) -> dict[int, list[Edge]]:
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
@@ -200,6 +202,11 @@ class EventWorker(EngineWorker):
                     edges[i] = [Edge.LOCK_CLAIM_FAILED if i in present else Edge.EVENT_MISSING]
             self._process(claimed, edges)
             return edges
+
+    def _stage(self) -> None:
+        """Make the waiting events that came due ready (they take their turns)."""
+        staged = self._execute(sql.STAGE, {"handlers": self.names, "stage_limit": STAGE_LIMIT})[0][0]
+        self._came_due = staged == STAGE_LIMIT  # more may have come due
 
     def _claim(self, query: str, params: Mapping[str, Any]) -> tuple[list[Claimed], dict[int, list[Edge]]]:
         """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took. Keys
@@ -215,13 +222,13 @@ class EventWorker(EngineWorker):
         now = time.monotonic()
         claimed = []
         edges: dict[int, list[Edge]] = {}
-        self._staged, self._flow_wait = 0, None
+        self._came_due, self._flow_wait = False, None
         for row in rows:
             decision, event_id, namespace, module, handler, modifier, value, retries, enqueued, locked, seen = row[:11]
             if decision == "rules":
                 self._acknowledge(event_id)
-            elif decision == "staged":
-                self._staged = event_id
+            elif decision == "came_due":
+                self._came_due = True
             elif decision == "flow_wait":
                 self._flow_wait = value or 0.0  # 0: keys wait for a slot only
             elif decision == "flow_missing":
@@ -460,6 +467,8 @@ class EventWorker(EngineWorker):
         """Seconds until the next delayed event or lock expiry, at most the sweep interval (shorter while
         calls set aside run, or events are held: their locks are renewed on the way)."""
         sleep = self.settings.sweep_interval
+        if self._came_due:
+            return MIN_SLEEP
         if self._flow_wait is not None:  # a key at its limit: a token comes, a slot frees (or its holder dies)
             sleep = min(sleep, max(MIN_SLEEP, self._flow_wait or self._tick))
         if self.registry.crons:

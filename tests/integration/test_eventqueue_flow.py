@@ -124,7 +124,7 @@ def test_the_claim_reads_a_batch_through_indexes_over_a_100000_event_backlog(db,
             conn.execute("VACUUM ANALYZE eventqueue_events")
         conn.execute("SET jit = off")
         params = {"handlers": ["plain", "tenants", "limited"], "limit": 100, "stage_limit": STAGE_LIMIT}
-        for query in (sql.CLAIM_DUE[True], sql.CLAIM_DUE[False], sql.NEXT_VISIBLE):
+        for query in (sql.CLAIM_DUE[True], sql.CLAIM_DUE[False], sql.STAGE, sql.NEXT_VISIBLE):
             with conn.transaction(force_rollback=True):
                 (plan,) = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, params).fetchone()[0]
             assert rows_read(plan["Plan"], "eventqueue_events") < 1_000, json.dumps(plan, indent=1)
