@@ -96,7 +96,7 @@ def callbacks() -> None:
 )
 @click.option(
     "--priority",
-    type=int,
+    type=click.IntRange(-MAX_PRIORITY, MAX_PRIORITY),
     default=0,
     show_default=True,
     help=f"Among callbacks due, higher is called first ({-MAX_PRIORITY} to {MAX_PRIORITY}).",

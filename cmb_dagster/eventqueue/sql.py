@@ -146,8 +146,9 @@ limits AS MATERIALIZED (
     SELECT o.id, o.scope, o.flow_key,
            row_number() OVER (PARTITION BY o.scope, o.flow_key ORDER BY o.priority DESC, o.turn, o.id) AS r
     FROM offered o WHERE o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits)
-), wanted AS (
-    SELECT r.scope, r.flow_key AS key, count(*) AS n, l.rate, l.concurrency
+), wanted AS (  -- a worker runs its batch's events one after another: one slot of a key per batch is enough
+    SELECT r.scope, r.flow_key AS key, CASE WHEN l.concurrency IS NULL THEN count(*) ELSE 1 END AS n, l.rate,
+           l.concurrency
     FROM ranked r JOIN limits l USING (scope) GROUP BY r.scope, r.flow_key, l.rate, l.concurrency
 ), free AS MATERIALIZED (
     SELECT w.scope, w.key, f.slot, row_number() OVER (PARTITION BY w.scope, w.key ORDER BY f.slot) AS r
