@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from intervals import most_at_once, most_within
+from processes import stop
 from waiting import wait_until
 
 from cmb_dagster.eventqueue import emit_many, register
@@ -42,17 +44,6 @@ def start_workers(database_url: str, n: int, **extra: str) -> list[subprocess.Po
     return [subprocess.Popen(WORKER, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def emit(db, handler: str, tenants: list[str]) -> None:
     import eventqueue_handlers
 
@@ -74,16 +65,6 @@ def runs(db) -> list[tuple]:
         ).fetchall()
 
 
-def most_in_flight(intervals: list[tuple[float, float]]) -> int:
-    """The most intervals (start, end) open at one instant."""
-    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    most = now = 0
-    for _, step in edges:
-        now += step
-        most = max(most, now)
-    return most
-
-
 def db_now(db) -> float:
     with db.connection() as conn:
         return conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()[0]
@@ -99,7 +80,7 @@ def test_a_concurrency_limit_holds_across_workers_and_a_killed_holders_slot_retu
 
         def at_the_limit() -> list[tuple]:  # two events of tenant a run at once; one of them still runs
             so_far = [r for r in runs(db) if r[1] == "a"]
-            if most_in_flight([(s, e or float("inf")) for _, _, _, s, e in so_far]) < 2:
+            if most_at_once([(s, e or float("inf")) for _, _, _, s, e in so_far]) < 2:
                 return []
             return [r for r in so_far if r[4] is None]
 
@@ -114,11 +95,11 @@ def test_a_concurrency_limit_holds_across_workers_and_a_killed_holders_slot_retu
     done = runs(db)
     for key in ("a", "b"):
         intervals = [(s, killed_at if e is None else e) for _, k, _, s, e in done if k == key]
-        assert most_in_flight(intervals) <= 2, key
+        assert most_at_once(intervals) <= 2, key
     # the killed run's slot stays taken until its ttl: tenant a runs one at a time meanwhile, then two again
     alive = [(s, e) for _, k, pid, s, e in done if k == "a" and pid != victim.pid]
     meanwhile = [(max(s, killed_at), min(e, killed_at + ttl - 0.5)) for s, e in alive if e > killed_at]
-    assert most_in_flight([i for i in meanwhile if i[0] < i[1]]) <= 1
+    assert most_at_once([i for i in meanwhile if i[0] < i[1]]) <= 1
     killed_event = running[0][0]
     assert len([r for r in done if r[0] == killed_event]) == 2  # it ran again after its lock expired
 
@@ -134,8 +115,7 @@ def test_a_rate_limit_holds_across_workers_and_drains_at_the_rate(db, database_u
         stop(procs)
     starts = sorted(s for _, k, _, s, _ in runs(db) if k == "a")
     assert len(starts) == events
-    for i, first in enumerate(starts):  # no 1-second window holds more than rate + burst starts
-        assert sum(1 for s in starts[i:] if s < first + 1.0) <= rate + burst
+    assert most_within(starts, 1.0) <= rate + burst  # no 1-second window holds more than rate + burst starts
     ideal = (events - burst) / rate
     took = starts[-1] - starts[0]
     assert ideal - 0.1 <= took <= ideal * 1.1, f"drained in {took:.2f} s, ideal {ideal:.2f} s"

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from processes import stop
 from waiting import wait_until
 
 from cmb_dagster.eventqueue import emit_many, register
@@ -67,17 +68,6 @@ def emit_all(db, n: int) -> list[int]:
 @pytest.fixture(autouse=True)
 def handlers_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
-
-
-def stop(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from click.testing import CliRunner
+from intervals import most_at_once
+from processes import stop
 from running import Running
 from waiting import wait_until
 
@@ -76,17 +78,7 @@ class Receiver:
 
     def most_at_once(self, keys: set[str] | None = None) -> int:
         """The most calls (of ``keys``) that were in progress at one moment."""
-        edges = sorted(
-            (t, step)
-            for _, key, start, end in self.calls
-            if keys is None or key in keys
-            for t, step in ((start, 1), (end, -1))
-        )
-        most = now = 0
-        for _, step in edges:
-            now += step
-            most = max(most, now)
-        return most
+        return most_at_once((start, end) for _, key, start, end in self.calls if keys is None or key in keys)
 
     def close(self) -> None:
         self.released.set()
@@ -117,14 +109,7 @@ def processes(database_url):
         return started[-1]
 
     yield start
-    for process in started:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    stop(started)
 
 
 def create(client: CallbackClient, url: str, keys: list[str], owner: str = "shop", group: str = "g", **kwargs) -> None:

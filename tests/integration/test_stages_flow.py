@@ -14,6 +14,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import stages_flow_workers
+from intervals import most_at_once, most_within
+from processes import stop
 from pydantic import BaseModel
 from waiting import wait_until
 
@@ -42,15 +44,7 @@ def _workers(database_url: str, setup: str, count: int = 2, ttl: float = 10.0) -
     try:
         yield procs
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(procs)
 
 
 def _runs(db: Database, stage: str) -> list[tuple[str, str | None, int, datetime, datetime | None]]:
@@ -66,23 +60,13 @@ def _ended(db: Database, stage: str, count: int) -> bool:
     return sum(r[4] is not None for r in _runs(db, stage)) >= count
 
 
-def _most_in_one_second(starts: list[datetime]) -> int:
-    """The most starts in any window of one second (each window begins at a start)."""
-    return max(sum(s <= t < s + timedelta(seconds=1) for t in starts) for s in starts)
-
-
-def _most_at_once(runs: list[tuple]) -> int:
-    """The most runs in flight at one moment (each run from its start to its end)."""
-    return max(sum(r[3] <= s[3] < r[4] for r in runs) for s in runs)
-
-
 def test_a_rate_limit_holds_across_two_worker_processes(db, database_url):
     _prepare(db, "rate", {f"r{i}": {} for i in range(100)})
     with _workers(database_url, "rate"):
         wait_until(lambda: _ended(db, "rated", 100), 60, "100 entities processed")
     runs = _runs(db, "rated")
     assert len({r[2] for r in runs}) == 2  # both workers ran the stage
-    assert _most_in_one_second([r[3] for r in runs]) <= 20 + 10  # rate + burst
+    assert most_within([r[3] for r in runs], timedelta(seconds=1)) <= 20 + 10  # rate + burst
 
 
 def test_max_parallelism_is_never_exceeded_across_two_worker_processes(db, database_url):
@@ -91,7 +75,7 @@ def test_max_parallelism_is_never_exceeded_across_two_worker_processes(db, datab
         wait_until(lambda: _ended(db, "one_at_a_time", 40), 60, "40 entities processed")
     runs = _runs(db, "one_at_a_time")
     assert len({r[2] for r in runs}) == 2
-    assert _most_at_once(runs) == 1
+    assert most_at_once((r[3], r[4]) for r in runs) == 1
 
 
 def test_a_busy_key_does_not_hold_up_another_keys_rate(db, database_url):
@@ -104,7 +88,7 @@ def test_a_busy_key_does_not_hold_up_another_keys_rate(db, database_url):
     a_starts = [r[3] for r in runs if r[1] == "a"]
     b_starts = [r[3] for r in runs if r[1] == "b"]
     assert max(b_starts) < a_starts[40]  # b never waited for a's tokens
-    assert _most_in_one_second(a_starts) <= 20 + 20  # a's own bucket still holds
+    assert most_within(a_starts, timedelta(seconds=1)) <= 20 + 20  # a's own bucket still holds
 
 
 class Blocking(Stage):
