@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -29,6 +30,7 @@ from cmb_dagster.callbacks.models import (
     CallbackSchedule,
     CallbackSettings,
     CallbackStatus,
+    CatchUp,
     NewCallback,
     NewSchedule,
     RetryPolicy,
@@ -267,10 +269,16 @@ class CallbackClient:
         context: Any = None,
         retry: RetryPolicy | dict[str, Any] | None = None,
         horizon: float = 3600.0,
+        catch_up: CatchUp = "latest",
+        catch_up_limit: int = 100,
+        misfire_grace: float = 60.0,
     ) -> CallbackSchedule:
         """Create a cron schedule: one event per fire time, materialized ``horizon`` seconds ahead.
 
-        The same keys with the same definition return the existing schedule; another definition conflicts.
+        Fire times missed while no worker called them (their call not started ``misfire_grace`` seconds after
+        them) follow ``catch_up``: ``"none"`` skips them, ``"latest"`` calls the most recent one, ``"all"`` the
+        ``catch_up_limit`` most recent ones. The same keys with the same definition return the existing
+        schedule; another definition conflicts.
         """
         data = {k: v for k, v in locals().items() if k != "self" and v is not None}
         new = validated(NewSchedule, data).check(self.settings)
@@ -284,14 +292,19 @@ class CallbackClient:
             "context": check_context(new.context, self.settings, new.cb_url),
             "retry": new.retry.model_dump_json(),
             "horizon": int(new.horizon),
+            "catch_up": new.catch_up,
+            "catch_up_limit": new.catch_up_limit,
+            "misfire_grace": math.ceil(new.misfire_grace),
         }
         with self.db.connection() as conn:
             row = conn.cursor(row_factory=dict_row).execute(sql.INSERT_SCHEDULE, params).fetchone()
         if row is not None:
             return CallbackSchedule.model_validate(row)
         existing = self.get_schedule(new.owner_client_id, new.group_key, new.schedule_key)
-        stored = (existing.cron, existing.timezone, existing.cb_url, existing.context, existing.retry, existing.horizon)
-        same = stored == (new.cron, new.timezone, new.cb_url, new.context, new.retry, float(int(new.horizon)))
+        definition = {"cron", "timezone", "cb_url", "context", "retry", "horizon", "catch_up", "catch_up_limit"}
+        wanted = new.model_dump(include=definition) | {"horizon": params["horizon"]}
+        wanted["misfire_grace"] = params["misfire_grace"]
+        same = existing.model_dump(include=definition | {"misfire_grace"}) == wanted
         if not same:
             raise CallbackConflict(
                 f"schedule {new.owner_client_id}/{new.group_key}/{new.schedule_key} exists with another definition"

@@ -530,6 +530,8 @@ _DEFAULT_RETRY = RetryPolicy()
 
 ENVELOPE, CONTEXT = "envelope", "context"
 Body = Literal["envelope", "context"]
+CatchUp = Literal["none", "latest", "all"]
+MAX_CATCH_UP = 1000  # missed fire times of one schedule called after a downtime, at most
 """What an HTTP callback's request carries: the envelope (keys, times, attempt and context) or the context alone."""
 
 
@@ -643,8 +645,19 @@ class NewSchedule(BaseModel):
     context: JsonValue = None
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     horizon: float = Field(default=3600.0, ge=60, le=7 * 86400, description="Seconds of fire times materialized ahead.")
+    catch_up: CatchUp = Field(
+        default="latest",
+        description="Fire times missed while no worker called them: 'none' skips them, 'latest' calls the most "
+        "recent one, 'all' the catch_up_limit most recent ones.",
+    )
+    catch_up_limit: int = Field(
+        default=100, ge=1, le=MAX_CATCH_UP, description="With catch_up='all': missed fire times called at most."
+    )
+    misfire_grace: float = Field(
+        default=60.0, ge=1, le=86400, description="Seconds a fire time may wait for its call before it is missed."
+    )
 
-    _to_seconds = field_validator("horizon", mode="before")(lambda cls, v: _seconds(v))
+    _to_seconds = field_validator("horizon", "misfire_grace", mode="before")(lambda cls, v: _seconds(v))
 
     _cron_is_valid = field_validator("cron")(lambda cls, v: _valid_cron(v))
 
@@ -687,6 +700,9 @@ class CallbackSchedule(BaseModel):
     context: JsonValue = None
     retry: RetryPolicy | dict[str, Any]  # a dict only for a stored policy outside RetryPolicy's bounds
     horizon: float
+    catch_up: CatchUp
+    catch_up_limit: int
+    misfire_grace: float
     paused: bool
     materialized_until: datetime
     created_at: datetime

@@ -58,10 +58,38 @@ def materialize_schedules(db: Database) -> int:
     return created
 
 
+def past_skipped(schedule: dict[str, Any]) -> datetime:
+    """Where a claimed schedule's fire times resume: past those its catch-up policy would not call.
+
+    A fire time after ``materialized_until`` found later than the misfire grace is missed; it is skipped when
+    at least ``calls_kept`` later fire times are due. The gate applies the same rule to events already made
+    (sql.GATE); this spares making the events of a long downtime only to cancel them.
+    """
+    after, now = schedule["materialized_until"], schedule["db_now"]
+    missed_before = now - timedelta(seconds=schedule["misfire_grace"])
+    if after >= missed_before:
+        return after
+    earlier = croniter(schedule["cron"], now.astimezone(ZoneInfo(schedule["timezone"])))
+    for later_due in range(MAX_FIRE_TIMES):
+        fire = earlier.get_prev(datetime).astimezone(UTC)
+        if fire <= after:
+            return after
+        if fire < missed_before and later_due >= schedule["calls_kept"]:
+            name = "/".join((schedule["owner_client_id"], schedule["group_key"], schedule["schedule_key"]))
+            log.info(
+                "schedule %s: fire times missed up to %s not called (catch_up=%s)",
+                sanitize(name, 600),
+                fire.isoformat(),
+                schedule["catch_up"],
+            )
+            return fire
+    return after
+
+
 def _materialize(conn: psycopg.Connection, schedule: dict[str, Any]) -> int:
     """Create the events of one claimed schedule up to its horizon; return how many were created."""
     until = schedule["db_now"] + timedelta(seconds=schedule["horizon"])
-    times = fire_times(schedule["cron"], schedule["timezone"], schedule["materialized_until"], until)
+    times = fire_times(schedule["cron"], schedule["timezone"], past_skipped(schedule), until)
     if len(times) == MAX_FIRE_TIMES:
         until = times[-1]
     sid = schedule["schedule_id"]

@@ -210,16 +210,21 @@ UPDATE callback_buckets SET max_run_at = %(run_at)s, cursor_event_id = %(event_i
 WHERE bucket_id = %(bucket)s
 """
 
+# The catch-up policy of schedule s: how many of its most recent missed fire times are still called.
+CALLS_KEPT = "CASE s.catch_up WHEN 'none' THEN 0 WHEN 'latest' THEN 1 ELSE s.catch_up_limit END"
+
 # The gate calls pass just before they start, in one statement: the leases of their buckets (share-locked in
 # the order given, ascending as renewals lock them, so the two never deadlock), then the events still pending
 # in the version polled (an update gives the event a new id) and due by the database's clock, counted in
 # attempts. The row locks it takes make cancel, update and delete wait until the calls it let through have
-# started. Returns how many leases are held (nothing is counted unless all are), the ids let through, and the
-# ids still pending (the others are gone).
+# started. A schedule's fire time never tried and found later than its misfire grace is missed: it is called only
+# if fewer than the schedule's catch-up policy keeps (CALLS_KEPT) of its later fire times are due, and cancelled
+# otherwise (decided here, under the row lock, whichever worker finds it). Returns how many leases are held
+# (nothing is counted unless all are), the ids let through, and the ids still pending (the others are gone).
 # Its commit need not wait for the WAL flush (synchronous_commit off): the row locks are what orders it
 # before a cancel, and a cancel's own (synchronous) commit flushes the gate's commit record with it. A gate
 # lost in a crash only undercounts attempts.
-GATE = """
+GATE = f"""
 WITH held AS (
     SELECT l.partition FROM leases l
     JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) WITH ORDINALITY AS u(partition, fence, ord)
@@ -230,17 +235,35 @@ WITH held AS (
 ), async AS (
     SELECT set_config('synchronous_commit', 'off', true) AS v
 ), polled AS MATERIALIZED (  -- by primary key (the pending index has no use here, statistics or not)
-    SELECT event_id, status FROM callback_events WHERE event_id = ANY(%(ids)s::bigint[])
+    SELECT event_id, status, schedule_id, originally_run_at, attempts FROM callback_events
+    WHERE event_id = ANY(%(ids)s::bigint[])
+), missed AS MATERIALIZED (  -- by the schedules' and fire times' primary keys
+    SELECT p.event_id, s.catch_up FROM polled p JOIN callback_schedules s ON s.schedule_id = p.schedule_id
+    WHERE p.status = 'pending' AND p.attempts = 0
+      AND p.originally_run_at < clock_timestamp() - make_interval(secs => s.misfire_grace_seconds)
+      AND (SELECT count(*) FROM (SELECT FROM callback_scheduled_events f
+                                 WHERE f.schedule_id = p.schedule_id AND f.fire_at > p.originally_run_at
+                                   AND f.fire_at <= clock_timestamp()
+                                 LIMIT {CALLS_KEPT}) AS later) >= {CALLS_KEPT}
+), allowed AS (
+    SELECT (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off' AS ok
+), skipped AS (
+    UPDATE callback_events e
+    SET status = 'cancelled', finished_at = now(), updated_at = now(),
+        last_error = 'missed fire time, not called (catch_up=' || m.catch_up || ')'
+    FROM missed m
+    WHERE e.event_id = m.event_id AND e.status = 'pending' AND (SELECT ok FROM allowed)
+    RETURNING e.event_id
 ), go AS (
     UPDATE callback_events e SET attempts = e.attempts + 1
     FROM polled p
     WHERE e.event_id = p.event_id AND p.status = 'pending' AND e.status = 'pending' AND e.run_at <= clock_timestamp()
-      AND (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off'
+      AND p.event_id NOT IN (SELECT event_id FROM missed) AND (SELECT ok FROM allowed)
     RETURNING e.event_id
 )
 SELECT (SELECT count(*) FROM held)::int,
        ARRAY(SELECT event_id FROM go),
-       ARRAY(SELECT event_id FROM polled WHERE status = 'pending')
+       ARRAY(SELECT event_id FROM polled WHERE status = 'pending' EXCEPT SELECT event_id FROM skipped)
 """
 
 # An outcome that could not be written (e.g. a stored policy out of range): the event fails with the reason.
@@ -351,14 +374,15 @@ FROM moved
 
 SCHEDULE_COLUMNS = """
     schedule_id, owner_client_id, group_key, schedule_key, cron, timezone, cb_url, context, retry,
-    horizon_seconds AS horizon, paused, materialized_until, created_at
+    horizon_seconds AS horizon, catch_up, catch_up_limit, misfire_grace_seconds AS misfire_grace, paused,
+    materialized_until, created_at
 """
 
 INSERT_SCHEDULE = f"""
 INSERT INTO callback_schedules (owner_client_id, group_key, schedule_key, cron, timezone, cb_url, context, retry,
-                                horizon_seconds, materialized_until)
+                                horizon_seconds, catch_up, catch_up_limit, misfire_grace_seconds, materialized_until)
 VALUES (%(owner)s, %(group)s, %(key)s, %(cron)s, %(timezone)s, %(cb_url)s, %(context)s::jsonb, %(retry)s::jsonb,
-        %(horizon)s, now())
+        %(horizon)s, %(catch_up)s, %(catch_up_limit)s, %(misfire_grace)s, now())
 ON CONFLICT (owner_client_id, group_key, schedule_key) DO NOTHING
 RETURNING {SCHEDULE_COLUMNS}
 """
@@ -376,7 +400,7 @@ ORDER BY schedule_id
 
 # One materializer per schedule at a time; others skip it.
 CLAIM_SCHEDULES = f"""
-SELECT {SCHEDULE_COLUMNS}, now() AS db_now FROM callback_schedules
+SELECT {SCHEDULE_COLUMNS}, {CALLS_KEPT} AS calls_kept, now() AS db_now FROM callback_schedules s
 WHERE NOT paused AND materialized_until < now() + make_interval(secs => horizon_seconds)
 ORDER BY schedule_id
 FOR UPDATE SKIP LOCKED

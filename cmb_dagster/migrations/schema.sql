@@ -198,7 +198,13 @@ CREATE TABLE cmb.callback_schedules (
     materialized_until timestamp with time zone NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
-    CONSTRAINT callback_schedules_horizon_seconds_check CHECK ((horizon_seconds > 0))
+    catch_up text DEFAULT 'latest'::text NOT NULL,
+    catch_up_limit integer DEFAULT 100 NOT NULL,
+    misfire_grace_seconds integer DEFAULT 60 NOT NULL,
+    CONSTRAINT callback_schedules_catch_up_check CHECK ((catch_up = ANY (ARRAY['none'::text, 'latest'::text, 'all'::text]))),
+    CONSTRAINT callback_schedules_catch_up_limit_check CHECK (((catch_up_limit >= 1) AND (catch_up_limit <= 1000))),
+    CONSTRAINT callback_schedules_horizon_seconds_check CHECK ((horizon_seconds > 0)),
+    CONSTRAINT callback_schedules_misfire_grace_check CHECK (((misfire_grace_seconds >= 1) AND (misfire_grace_seconds <= 86400)))
 );
 
 ALTER TABLE cmb.callback_schedules ALTER COLUMN schedule_id ADD GENERATED ALWAYS AS IDENTITY (
