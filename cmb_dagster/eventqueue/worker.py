@@ -77,7 +77,7 @@ _HELD = {
     "crashed": Edge.CRASHED_TOO_OFTEN,
     "throttled": Edge.THROTTLED,
 }
-STAGE_LIMIT = 10_000  # waiting events a claim makes ready at most
+STAGE_LIMIT = 10_000  # waiting events one staging statement makes ready at most
 
 
 class Launcher(Protocol):
