@@ -10,6 +10,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg.sql import SQL, Composed, Identifier
 from psycopg.sql import Literal as SQLLiteral
+from psycopg.types.json import Jsonb
 
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.isolation import describe_error
@@ -88,10 +89,10 @@ def backfill(
                 last_key, state = conn.execute(sql.LOCK_BACKFILL, {"id": backfill_id}).fetchone()
                 if state == "done":  # a concurrent call finished it
                     break
-                rows, new_key = conn.execute(batch[last_key is None], {**params, "last_key": last_key}).fetchone()
+                rows, new_key = conn.execute(batch[last_key is None], {**params, "last_key": Jsonb(last_key)}).fetchone()
                 conn.execute(
                     sql.BACKFILL_PROGRESS,
-                    {"id": backfill_id, "rows": rows, "last_key": new_key, "finished": rows < spec.batch_size},
+                    {"id": backfill_id, "rows": rows, "last_key": Jsonb(new_key), "finished": rows < spec.batch_size},
                 )
             waits = 0
         except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
