@@ -89,7 +89,8 @@ def backfill(
                 last_key, state = conn.execute(sql.LOCK_BACKFILL, {"id": backfill_id}).fetchone()
                 if state == "done":  # a concurrent call finished it
                     break
-                rows, new_key = conn.execute(batch[last_key is None], {**params, "last_key": Jsonb(last_key)}).fetchone()
+                statement = batch[last_key is None]
+                rows, new_key = conn.execute(statement, {**params, "last_key": Jsonb(last_key)}).fetchone()
                 conn.execute(
                     sql.BACKFILL_PROGRESS,
                     {"id": backfill_id, "rows": rows, "last_key": Jsonb(new_key), "finished": rows < spec.batch_size},

@@ -163,3 +163,16 @@ def test_a_consumer_applying_by_version_ends_equal_to_the_table(items):
             == []
         )
         assert conn.execute("SELECT count(*) FROM public.copy WHERE NOT deleted").fetchone()[0] == 9
+
+
+def test_the_backfill_job_reports_its_progress_in_the_ui(items, resource):
+    from cmb_dagster.pubsub.dagster_defs import backfill_job
+
+    result = backfill_job().execute_in_process(
+        run_config={"ops": {"cmb_pubsub_backfill_op": {"config": {"table": "public.items", "batch_size": 4}}}},
+        resources={"cmb": resource},
+    )
+    assert result.success
+    [materialization] = [e for e in result.all_events if e.event_type_value == "STEP_OUTPUT"]
+    metadata = materialization.event_specific_data.metadata
+    assert metadata["rows_done"].value == 10 and metadata["batches"].value == 3 and metadata["state"].value == "done"
