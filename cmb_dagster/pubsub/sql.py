@@ -1,5 +1,5 @@
-"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql and
-0008_pubsub_poison_retention.sql).
+"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql,
+0008_pubsub_poison_retention.sql and 0025_pubsub_replay.sql).
 
 Statements run on connections whose search_path starts with the cmb schema; the capture DDL, which
 lives next to a user's table, names cmb objects through ``{cmb}`` (a psycopg.sql.Identifier).

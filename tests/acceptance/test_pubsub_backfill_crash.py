@@ -115,4 +115,18 @@ def test_a_backfill_killed_midway_resumes_and_a_consumer_by_version_ends_equal_t
             ).fetchone()[0]
             == 0
         )
+    listed = subprocess.run(
+        [*CLI, "pubsub", "backfills", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    [progress] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert (progress["table"], progress["rows_done"], progress["state"]) == ("public.source", ROWS, "done")
+    rewind = subprocess.run(
+        [*CLI, "pubsub", "rewind", "copy", "--to", "2000-01-01T00:00+00:00"], env=env, capture_output=True, text=True
+    )
+    assert rewind.returncode == 0 and "rewound consumer copy (branch 0)" in rewind.stdout, rewind.stderr
+    shown = json.loads(
+        subprocess.run([*CLI, "pubsub", "status", "--json"], env=env, capture_output=True, text=True).stdout
+    )
+    assert "to event 1 " in shown["consumers"][0]["last_rewind"] and shown["backfills"][0]["state"] == "done"
+    assert shown["consumers"][0]["events"] > ROWS  # everything again
     db.close()
