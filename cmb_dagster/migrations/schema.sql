@@ -445,6 +445,35 @@ CREATE TABLE cmb.leases (
     expires_at timestamp with time zone NOT NULL
 );
 
+CREATE TABLE cmb.pubsub_backfills (
+    id bigint NOT NULL,
+    table_name text NOT NULL,
+    branch_id bigint NOT NULL,
+    topic text NOT NULL,
+    predicate text,
+    batch_size integer NOT NULL,
+    key_columns text[] NOT NULL,
+    last_key jsonb,
+    rows_done bigint DEFAULT 0 NOT NULL,
+    batches bigint DEFAULT 0 NOT NULL,
+    state text DEFAULT 'running'::text NOT NULL,
+    error text,
+    started_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    finished_at timestamp with time zone,
+    CONSTRAINT pubsub_backfills_batch_size_check CHECK (((batch_size >= 1) AND (batch_size <= 100000))),
+    CONSTRAINT pubsub_backfills_state_check CHECK ((state = ANY (ARRAY['running'::text, 'failed'::text, 'done'::text])))
+);
+
+ALTER TABLE cmb.pubsub_backfills ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.pubsub_backfills_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE cmb.pubsub_clock (
     singleton boolean DEFAULT true NOT NULL,
     shift bigint DEFAULT 0 NOT NULL,
@@ -482,7 +511,7 @@ CREATE TABLE cmb.pubsub_events (
     key jsonb,
     payload jsonb NOT NULL,
     created_at timestamp with time zone DEFAULT clock_timestamp() NOT NULL,
-    CONSTRAINT pubsub_events_op_check CHECK ((op = ANY (ARRAY['insert'::text, 'update'::text, 'delete'::text, 'publish'::text])))
+    CONSTRAINT pubsub_events_op_check CHECK ((op = ANY (ARRAY['insert'::text, 'update'::text, 'delete'::text, 'publish'::text, 'snapshot'::text])))
 );
 
 ALTER TABLE cmb.pubsub_events ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
@@ -498,7 +527,8 @@ CREATE TABLE cmb.pubsub_trimmed (
     branch_id bigint NOT NULL,
     events bigint NOT NULL,
     last_txid xid8 NOT NULL,
-    last_trim_at timestamp with time zone DEFAULT now() NOT NULL
+    last_trim_at timestamp with time zone DEFAULT now() NOT NULL,
+    last_created_at timestamp with time zone
 );
 
 CREATE TABLE cmb.pubsub_watermarks (
@@ -519,6 +549,10 @@ CREATE TABLE cmb.pubsub_watermarks (
     last_error text,
     notice text,
     crashes integer DEFAULT 0 NOT NULL,
+    topics text[],
+    filter text,
+    rewound_at timestamp with time zone,
+    last_rewind text,
     CONSTRAINT pubsub_watermarks_consumer_id_check CHECK ((consumer_id ~ '^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$'::text))
 );
 
@@ -749,6 +783,9 @@ ALTER TABLE ONLY cmb.health_checks
 ALTER TABLE ONLY cmb.leases
     ADD CONSTRAINT leases_pkey PRIMARY KEY (kind, partition);
 
+ALTER TABLE ONLY cmb.pubsub_backfills
+    ADD CONSTRAINT pubsub_backfills_pkey PRIMARY KEY (id);
+
 ALTER TABLE ONLY cmb.pubsub_clock
     ADD CONSTRAINT pubsub_clock_pkey PRIMARY KEY (singleton);
 
@@ -838,6 +875,8 @@ CREATE INDEX flow_buckets_empty ON cmb.flow_buckets USING btree (empty_until);
 CREATE INDEX flow_slots_taken ON cmb.flow_slots USING btree (scope, key) WHERE (item IS NOT NULL);
 
 CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
+
+CREATE UNIQUE INDEX pubsub_backfills_unfinished ON cmb.pubsub_backfills USING btree (table_name, branch_id, topic, md5(COALESCE(predicate, ''::text))) WHERE (state <> 'done'::text);
 
 CREATE INDEX pubsub_dead_letters_parked ON cmb.pubsub_dead_letters USING btree (consumer_id, branch_id) WHERE (replayed_at IS NULL);
 

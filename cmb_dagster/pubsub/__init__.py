@@ -1,14 +1,28 @@
 """Pub/sub change stream: any table's changes (:func:`install_capture`) and published events (:func:`publish`)
 as an ordered stream per branch that a :class:`ConsumerWorker` delivers, batch after batch, to a handler
 running in the transaction that moves its watermark: nothing skipped, exactly once when the results live in
-the same database. docs/pubsub.md describes the guarantees and how they are kept.
+the same database. A consumer can be rewound (:func:`reset_consumer`), read a subset of its branch
+(``ConsumerSpec.topics``, ``where``), and a table's existing rows can be published (:func:`backfill`).
+docs/pubsub.md describes the guarantees and how they are kept.
 """
 
 from cmb_dagster._lazy import lazy_names
-from cmb_dagster.pubsub.admin import consumer_lag, dead_letters, drop_consumer, replay, reset, status, trim
+from cmb_dagster.pubsub.admin import (
+    backfills,
+    consumer_lag,
+    dead_letters,
+    drop_consumer,
+    replay,
+    reset,
+    reset_consumer,
+    status,
+    trim,
+)
+from cmb_dagster.pubsub.backfill import backfill
 from cmb_dagster.pubsub.capture import install_capture, publish, remove_capture
 from cmb_dagster.pubsub.engine import lock_watermark
 from cmb_dagster.pubsub.errors import (
+    BackfillFailed,
     ConsumerBusy,
     HandlerFailed,
     InvalidInput,
@@ -17,6 +31,8 @@ from cmb_dagster.pubsub.errors import (
     StreamRestored,
 )
 from cmb_dagster.pubsub.models import (
+    BackfillProgress,
+    BackfillSpec,
     CaptureSpec,
     ConsumerSpec,
     DeadLetter,
@@ -30,6 +46,9 @@ from cmb_dagster.pubsub.models import (
 from cmb_dagster.pubsub.worker import Consumer, ConsumerWorker
 
 __all__ = [
+    "BackfillFailed",
+    "BackfillProgress",
+    "BackfillSpec",
     "CaptureSpec",
     "Consumer",
     "ConsumerBusy",
@@ -47,6 +66,8 @@ __all__ = [
     "PubSubStatus",
     "StreamRestored",
     "Watermark",
+    "backfill",
+    "backfills",
     "consumer_lag",
     "dead_letters",
     "drop_consumer",
@@ -57,6 +78,7 @@ __all__ = [
     "remove_capture",
     "replay",
     "reset",
+    "reset_consumer",
     "status",
     "trim",
 ]

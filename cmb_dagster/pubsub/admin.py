@@ -3,20 +3,33 @@ consumer, re-basing after a restore."""
 
 from __future__ import annotations
 
+import getpass
 import logging
+import socket
 import warnings
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psycopg
 from psycopg.rows import tuple_row
 
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.inputs import check_int
+from cmb_dagster.inputs import check_int, check_text, shorten
 from cmb_dagster.isolation import describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
+from cmb_dagster.pubsub.engine import lock_watermark, rewound
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
-from cmb_dagster.pubsub.models import ConsumerKey, DeadLetter, Event, Handler, Lag, PubSubStatus, load_handler
+from cmb_dagster.pubsub.models import (
+    BackfillProgress,
+    ConsumerKey,
+    DeadLetter,
+    Event,
+    Handler,
+    Lag,
+    PubSubStatus,
+    Watermark,
+    load_handler,
+)
 from cmb_dagster.pubsub.worker import LEASE_KIND
 
 log = logging.getLogger("cmb_dagster.pubsub")
@@ -27,7 +40,55 @@ DEFAULT_RETAIN = timedelta(days=7)
 def status(db: DatabaseSource, consumer_id: str | None = None, branch_id: int | None = None) -> PubSubStatus:
     """The lag of every registered consumer (or of one consumer id, or of one consumer of one branch)."""
     with Database.of(db).connection() as conn:
-        return PubSubStatus(consumers=_lags(conn, consumer_id, branch_id))
+        return PubSubStatus(
+            consumers=_lags(conn, consumer_id, branch_id),
+            backfills=[] if consumer_id is not None else _backfills(conn),
+        )
+
+
+def backfills(db: DatabaseSource, *, include_done: bool = False, limit: int = 100) -> list[BackfillProgress]:
+    """The backfills not done yet and those done in the last day (with ``include_done``: all), newest first,
+    at most ``limit``."""
+    check_int(limit, "limit", low=1, high=10_000, error=InvalidPubSubInput)
+    with Database.of(db).connection() as conn:
+        return _backfills(conn, include_done=include_done, limit=limit)
+
+
+def backfill_progress(db: DatabaseSource, backfill_id: int) -> BackfillProgress:
+    """The progress of backfill ``backfill_id``."""
+    with Database.of(db).connection() as conn:
+        found = _backfills(conn, backfill_id=backfill_id, include_done=True)
+    if not found:
+        raise InvalidPubSubInput(f"backfill_id: no backfill {backfill_id}")
+    return found[0]
+
+
+def _backfills(
+    conn: psycopg.Connection, *, include_done: bool = False, limit: int = 100, backfill_id: int | None = None
+) -> list[BackfillProgress]:
+    params = {"id": backfill_id, "all": include_done, "limit": limit}
+    return [
+        BackfillProgress(
+            id=i,
+            table=t,
+            branch_id=b,
+            topic=tp,
+            where=w,
+            batch_size=bs,
+            key_columns=kc,
+            last_key=lk,
+            rows_done=rd,
+            batches=n,
+            state=st,
+            error=e,
+            started_at=sa,
+            updated_at=ua,
+            finished_at=fa,
+        )
+        for i, t, b, tp, w, bs, kc, lk, rd, n, st, e, sa, ua, fa in conn.cursor(row_factory=tuple_row).execute(
+            sql.BACKFILLS, params
+        )
+    ]
 
 
 def consumer_lag(conn: psycopg.Connection, consumer_id: str | None = None, branch_id: int | None = None) -> list[Lag]:
@@ -54,10 +115,13 @@ def _lags(conn: psycopg.Connection, consumer_id: str | None, branch_id: int | No
             attempts=a,
             last_error=le,
             notice=no,
+            topics=tp,
+            where=wh,
+            last_rewind=rw,
             parked=p,
             unserved_seconds=us,
         )
-        for c, b, d, h, u, n, s, fe, a, le, no, p, us in rows
+        for c, b, d, h, u, n, s, fe, a, le, no, tp, wh, rw, p, us in rows
     ]
 
 
@@ -175,6 +239,87 @@ def replay(
             log.warning(
                 "replay of event %s for consumer %s of branch %s failed again: %s", after, consumer_id, branch_id, error
             )
+
+
+def reset_consumer(
+    database: DatabaseSource, consumer_id: str, branch_id: int = 0, *, to: int | datetime, by: str | None = None
+) -> Watermark:
+    """Rewind a consumer to ``to``, an event id or a time: every event from that point on, in the stream's
+    (txid, id) order, is delivered again, in order; return the new watermark.
+
+    A time stands for the first such event created at or after it (so every event created since comes
+    again). Events the consumer had not delivered yet are not skipped; its failure count is cleared. The
+    rewind locks the consumer's watermark like a batch does: it waits for a running batch and the next
+    batch reads from the new point, so a worker holding the consumer's lease needs no stopping. Refused
+    (:class:`InvalidPubSubInput`, ``to``) for a point in the future or one whose events trim has deleted.
+    The rewind is recorded (``by``, default the OS user and host) and shown by ``pubsub status``.
+    """
+    key = ConsumerKey(consumer_id=consumer_id, branch_id=branch_id)
+    if key.consumer_id.startswith("sensor."):
+        raise InvalidPubSubInput(
+            f"consumer_id: {key.consumer_id!r} mirrors a Dagster sensor's cursor; reset the sensor's cursor instead"
+        )
+    if isinstance(to, bool) or not isinstance(to, int | datetime):
+        raise InvalidPubSubInput(f"to: an event id or a datetime, not {shorten(to)}")
+    if isinstance(to, datetime) and to.tzinfo is None:
+        raise InvalidPubSubInput(f"to: {to.isoformat()} has no time zone")
+    if isinstance(to, int):
+        check_int(to, "to", low=1, error=InvalidPubSubInput)
+    who = check_text(by or _operator(), "by", max_length=200, error=InvalidPubSubInput)
+    params = {"consumer_id": key.consumer_id, "branch_id": key.branch_id}
+    label = f"consumer {key.consumer_id!r} of branch {key.branch_id}"
+    with Database.of(database).connection() as conn:
+        if conn.execute(sql.WATERMARK_EXISTS, params).fetchone() is None:
+            raise InvalidPubSubInput(f"consumer_id: no {label}")
+        watermark = lock_watermark(conn, key.consumer_id, key.branch_id)  # waits for a running batch
+        now = conn.execute(sql.NOW).fetchone()[0]
+        if isinstance(to, datetime):
+            if to > now:
+                raise InvalidPubSubInput(f"to: {to.isoformat()} is in the future")
+            point = conn.execute(sql.REWIND_POINT_BY_TIME, {**params, "at": to}).fetchone()
+            if point is None:
+                log.info("%s: no event created since %s; nothing to deliver again", label, to.isoformat())
+                return watermark
+        else:
+            point = conn.execute(sql.REWIND_POINT_BY_ID, {**params, "event_id": to}).fetchone()
+            if point is None:
+                raise InvalidPubSubInput(f"to: no event {to} on branch {key.branch_id} (not written yet, or trimmed)")
+        event_id, txid, created_at = point[0], int(point[1]), point[2]
+        trimmed = conn.execute(sql.TRIMMED, params).fetchone()
+        if trimmed is not None and (
+            int(trimmed[0]) >= txid or (isinstance(to, datetime) and trimmed[1] is not None and trimmed[1] >= to)
+        ):
+            raise InvalidPubSubInput(
+                f"to: trim has deleted events of branch {key.branch_id} after that point (up to txid {trimmed[0]}, "
+                f"created up to {trimmed[1]:%Y-%m-%d %H:%M:%S%z}); rewind to a later point"
+            )
+        after = rewound(watermark, txid, event_id)
+        description = (
+            f"{now:%Y-%m-%d %H:%M:%S%z} by {who}: from after event {watermark.event_id} to event {event_id} "
+            f"(txid {txid}, created {created_at:%Y-%m-%d %H:%M:%S%z})"
+        )
+        conn.execute(
+            sql.REWIND_WATERMARK,
+            {
+                **params,
+                "snapshot": after.snapshot,
+                "target": after.target,
+                "txid": str(after.txid),
+                "event_id": after.event_id,
+                "description": description,
+            },
+        )
+    log.warning("%s rewound %s", label, description)
+    return after
+
+
+def _operator() -> str:
+    """Who runs this: the OS user at the host."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no user name in this environment
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
 
 
 def registered_handler(db: DatabaseSource, consumer_id: str, branch_id: int) -> str:

@@ -1,16 +1,29 @@
-"""``cmb-dagster pubsub``: run a consumer, show lag, trim delivered events, re-base after a restore."""
+"""``cmb-dagster pubsub``: run a consumer, show lag, rewind a consumer, backfill a table, trim delivered events,
+re-base after a restore."""
 
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import click
 
 from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange, open_database
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
-from cmb_dagster.pubsub.admin import dead_letters, drop_consumer, registered_handler, replay, reset, status, trim
-from cmb_dagster.pubsub.models import ConsumerSpec
+from cmb_dagster.pubsub.admin import (
+    backfills,
+    dead_letters,
+    drop_consumer,
+    registered_handler,
+    replay,
+    reset,
+    reset_consumer,
+    status,
+    trim,
+)
+from cmb_dagster.pubsub.backfill import backfill
+from cmb_dagster.pubsub.errors import InvalidPubSubInput
+from cmb_dagster.pubsub.models import MAX_PREDICATE_LENGTH, MAX_TOPIC_LENGTH, MAX_TOPICS, BackfillProgress, ConsumerSpec
 from cmb_dagster.pubsub.worker import ConsumerWorker
 from cmb_dagster.workers import stop_workers_on_signals
 
@@ -81,7 +94,28 @@ def pubsub() -> None:
     show_default=True,
     help="Where a consumer seen for the first time starts.",
 )
-def consume(consumer_id: str, branch_id: int, handler: str | None, duration: float | None, **options: object) -> None:
+@click.option(
+    "--topic",
+    "topics",
+    multiple=True,
+    type=click.STRING,
+    help=f"Deliver only events of this topic (repeatable, at most {MAX_TOPICS}).",
+)
+@click.option(
+    "--where",
+    default=None,
+    help=f"Deliver only events this SQL expression over the event (payload, key, topic, op) is true for "
+    f"(at most {MAX_PREDICATE_LENGTH} characters).",
+)
+def consume(
+    consumer_id: str,
+    branch_id: int,
+    handler: str | None,
+    duration: float | None,
+    topics: tuple[str, ...],
+    where: str | None,
+    **options: object,
+) -> None:
     """Run a registered consumer outside Dagster; identical consumers elsewhere stand by."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     db = open_database()
@@ -89,6 +123,8 @@ def consume(consumer_id: str, branch_id: int, handler: str | None, duration: flo
         consumer_id=consumer_id,
         branch_id=branch_id,
         handler=handler or registered_handler(db, consumer_id, branch_id),
+        topics=topics or None,
+        where=where,
         **options,
     )
     worker = ConsumerWorker(db, spec)
@@ -103,18 +139,119 @@ def consume(consumer_id: str, branch_id: int, handler: str | None, duration: flo
 
 
 @pubsub.command("status")
-def status_command() -> None:
-    """Every registered consumer: delivered events and lag."""
-    consumers = status(open_database()).consumers
-    if not consumers:
+@click.option("--json", "as_json", is_flag=True, help="The whole status as one JSON object.")
+def status_command(as_json: bool) -> None:
+    """Every registered consumer: delivered events, lag, filter, last rewind; the backfills under way."""
+    found = status(open_database())
+    if as_json:
+        click.echo(found.model_dump_json())
+        return
+    if not found.consumers:
         click.echo("no consumers registered")
-    for lag in consumers:
+    for lag in found.consumers:
         click.echo(
             f"{lag.consumer_id}  branch {lag.branch_id}  delivered {lag.delivered}  behind {lag.events} "
             f"({lag.seconds:.1f}s)  handler {lag.handler or '-'}"
         )
+        if lag.topics or lag.where:
+            click.echo(f"  reads topics {', '.join(lag.topics or ['*'])}  where {lag.where or '-'}")
+        if lag.last_rewind:
+            click.echo(f"  rewound {lag.last_rewind}")
         if lag.problem:
             click.echo(f"  ! {lag.problem}")
+    for progress in found.backfills:
+        click.echo(_describe(progress))
+
+
+def _describe(progress: BackfillProgress) -> str:
+    line = (
+        f"backfill {progress.id}  {progress.table} -> branch {progress.branch_id}  {progress.state}  "
+        f"{progress.rows_done} rows in {progress.batches} batches  last key {progress.last_key or '-'}  "
+        f"updated {progress.updated_at:%Y-%m-%d %H:%M:%S}"
+    )
+    if progress.where:
+        line += f"  where {progress.where}"
+    return line + (f"\n  ! {progress.error}" if progress.error else "")
+
+
+@pubsub.command("rewind")
+@click.argument("consumer_id")
+@click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH)
+@click.option(
+    "--to",
+    "point",
+    required=True,
+    help="An event id, or an ISO 8601 time with its zone (the first event created at or after it).",
+)
+def rewind_command(consumer_id: str, branch_id: int, point: str) -> None:
+    """Deliver a consumer's events again from a point on, in order; a running worker of it needs no stopping."""
+    to: int | datetime
+    if point.isdigit() and len(point) <= 19:
+        to = int(point)
+    else:
+        try:
+            to = datetime.fromisoformat(point[:64])
+        except ValueError:
+            raise InvalidPubSubInput(f"to: {point[:64]!r} is neither an event id nor an ISO 8601 time") from None
+    after = reset_consumer(open_database(), consumer_id, branch_id, to=to)
+    click.echo(
+        f"rewound consumer {consumer_id} (branch {branch_id}): it reads on after txid {after.txid} "
+        f"event {after.event_id}"
+    )
+
+
+@pubsub.command("backfill")
+@click.argument("table")
+@click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH, help="Branch the events go to.")
+@click.option(
+    "--where",
+    default=None,
+    help=f"Only the rows this SQL expression over the table's columns is true for (at most {MAX_PREDICATE_LENGTH} "
+    "characters).",
+)
+@click.option(
+    "--batch-size",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1, 100_000),
+    help="Rows per batch (one transaction each).",
+)
+@click.option("--topic", default=None, help=f"Default: 'schema.table' (at most {MAX_TOPIC_LENGTH} characters).")
+@click.option(
+    "--lock-timeout",
+    default=0.5,
+    show_default=True,
+    type=FloatRange(0.001, 60),
+    help="Seconds a batch waits for a row a writer holds before it is tried again.",
+)
+def backfill_command(
+    table: str, branch_id: int, where: str | None, batch_size: int, topic: str | None, lock_timeout: float
+) -> None:
+    """Publish a table's existing rows as snapshot events; run it again to resume after a crash."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    done = backfill(
+        open_database(),
+        table,
+        branch_id,
+        where=where,
+        batch_size=batch_size,
+        topic=topic,
+        lock_timeout=lock_timeout,
+        on_progress=lambda progress: click.echo(_describe(progress), err=True),
+    )
+    click.echo(f"backfill {done.id} of {done.table}: {done.rows_done} rows in {done.batches} batches, {done.state}")
+
+
+@pubsub.command("backfills")
+@click.option("--all", "include_done", is_flag=True, help="Also those done more than a day ago.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per backfill.")
+def backfills_command(include_done: bool, as_json: bool) -> None:
+    """Backfills: unfinished ones (interrupted or failed: run the same backfill again to resume) and recent ones."""
+    found = backfills(open_database(), include_done=include_done)
+    if not found and not as_json:
+        click.echo("no backfills")
+    for progress in found:
+        click.echo(progress.model_dump_json() if as_json else _describe(progress))
 
 
 @pubsub.command("dead")

@@ -36,9 +36,18 @@ from cmb_dagster.health import Verdict
 from cmb_dagster.inputs import BIGINT, check_int
 from cmb_dagster.jobs import keep_running_sensor, status_definitions, worker_job
 from cmb_dagster.pubsub.admin import status, trim
+from cmb_dagster.pubsub.backfill import backfill
 from cmb_dagster.pubsub.engine import read_batch, record_watermark, refuse_if_restored
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
-from cmb_dagster.pubsub.models import CONSUMER_ID_PATTERN, ConsumerSpec, Event, Lag, PubSubOptions, Watermark
+from cmb_dagster.pubsub.models import (
+    CONSUMER_ID_PATTERN,
+    BackfillProgress,
+    ConsumerSpec,
+    Event,
+    Lag,
+    PubSubOptions,
+    Watermark,
+)
 from cmb_dagster.pubsub.worker import ConsumerWorker
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
@@ -62,6 +71,8 @@ def lag_observation(lag: Lag, translator: CmbTranslator = DEFAULT_TRANSLATOR) ->
             "parked_events": lag.parked,
             "unserved_seconds": round(lag.unserved_seconds, 3),
             "problem": lag.problem or "",
+            "filter": f"topics {', '.join(lag.topics or ['*'])} where {lag.where or '-'}",
+            "last_rewind": lag.last_rewind or "",
         },
     )
 
@@ -167,6 +178,48 @@ def trim_job(*, prefix: str = "cmb_") -> JobDefinition:
     return trim_events
 
 
+class BackfillConfig(Config):
+    table: str = Field(min_length=1, max_length=500, description="The table, optionally schema-qualified.")
+    branch_id: int = Field(default=0, ge=BIGINT[0], le=BIGINT[1], description="The branch the events go to.")
+    where: str | None = Field(default=None, description="Only the rows this SQL expression is true for.")
+    batch_size: int = Field(default=1000, ge=1, le=100_000, description="Rows per batch (one transaction each).")
+    topic: str | None = Field(default=None, description="Default: 'schema.table'.")
+
+
+def backfill_job(*, prefix: str = "cmb_") -> JobDefinition:
+    """A job publishing a table's existing rows as snapshot events (:func:`cmb_dagster.pubsub.backfill`); its
+    progress goes to the run's log and, at the end, to the op's metadata. Launching it again resumes a backfill
+    that was interrupted."""
+    description = "Publishes a table's existing rows into a branch as pub/sub snapshot events, resumably."
+
+    @op(name=f"{prefix}pubsub_backfill_op", description=description)
+    def backfill_op(context: OpExecutionContext, config: BackfillConfig, cmb: CmbResource) -> None:
+        def report(progress: BackfillProgress) -> None:
+            context.log.info(
+                f"backfill {progress.id} of {progress.table}: {progress.rows_done} rows in {progress.batches} "
+                f"batches, last key {progress.last_key}"
+            )
+
+        done = backfill(
+            cmb.database,
+            config.table,
+            config.branch_id,
+            where=config.where,
+            batch_size=config.batch_size,
+            topic=config.topic,
+            on_progress=report,
+        )
+        context.add_output_metadata(
+            {"backfill_id": done.id, "rows_done": done.rows_done, "batches": done.batches, "state": done.state}
+        )
+
+    @job(name=f"{prefix}pubsub_backfill", description=description)
+    def backfill_rows() -> None:
+        backfill_op()
+
+    return backfill_rows
+
+
 def pubsub_definitions(
     options: PubSubOptions,
     *,
@@ -175,7 +228,7 @@ def pubsub_definitions(
     translator: CmbTranslator = DEFAULT_TRANSLATOR,
 ) -> Definitions:
     """Per consumer: a job, the sensor keeping one run of it going, its lag asset; the status sensor observing
-    every consumer's lag; the trim schedule."""
+    every consumer's lag; the trim schedule; the backfill job."""
     specs = options.consumers
     jobs = [consumer_job(spec, prefix=prefix) for spec in specs]
     names = [j.name for j in jobs]
@@ -183,6 +236,7 @@ def pubsub_definitions(
     if duplicates:
         raise InvalidPubSubInput(f"consumers: two consumers map to the job name {duplicates[0]!r}; rename one")
     trim_events = trim_job(prefix=prefix)
+    backfill_rows = backfill_job(prefix=prefix)
     trim_schedule = ScheduleDefinition(
         name=f"{prefix}pubsub_trim_schedule",
         job=trim_events,
@@ -199,7 +253,7 @@ def pubsub_definitions(
         return found
 
     engine = Definitions(
-        jobs=[*jobs, trim_events],
+        jobs=[*jobs, trim_events, backfill_rows],
         sensors=[keep_running_sensor(j) for j in jobs],
         schedules=[trim_schedule],
         resources={"cmb": resource or CmbResource()},

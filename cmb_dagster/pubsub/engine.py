@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 import psycopg
 from psycopg.rows import tuple_row
+from psycopg.sql import SQL, Composed
 
 from cmb_dagster.database import Database
+from cmb_dagster.inputs import shorten
 from cmb_dagster.isolation import UserCode, describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
-from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
-from cmb_dagster.pubsub.models import ConsumerKey, ConsumerSpec, Event, Handler, Watermark
+from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, InvalidPubSubInput, StreamRestored
+from cmb_dagster.pubsub.models import ConsumerKey, ConsumerSpec, Event, Handler, Watermark, predicate_problem
 from cmb_dagster.workers import Lease, Leases
 
 log = logging.getLogger("cmb_dagster.pubsub")
@@ -73,17 +75,28 @@ def lock_watermark(conn: psycopg.Connection, consumer_id: str, branch_id: int, *
 class Batch:
     """Events read after a watermark, and the watermark to store once they are handled."""
 
-    events: list[Event]
+    events: list[Event]  # those the consumer's filter keeps
     after: Watermark
     changed: bool  # False: nothing new, nothing to store
+    scanned: int = 0  # events read past, delivered or filtered out
 
 
-def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int, *, order: Order = "snapshot") -> Batch:
+def read_batch(
+    conn: psycopg.Connection,
+    watermark: Watermark,
+    limit: int,
+    *,
+    order: Order = "snapshot",
+    topics: Sequence[str] | None = None,
+    where: str | None = None,
+) -> Batch:
     """The next ``limit`` events after ``watermark``: those whose transactions the current snapshot shows
     committed and the stored one does not (docs/pubsub.md, "How a batch is read").
 
     ``order="txid"``: only events of transactions below the oldest one still running, so every
-    delivered sequence is in txid order (a transaction left open holds the consumer back).
+    delivered sequence is in txid order (a transaction left open holds the consumer back). ``topics`` and
+    ``where`` (a predicate checked by :func:`check_predicate`) filter the events read; the watermark moves
+    past those filtered out.
     """
     params = {
         "branch_id": watermark.branch_id,
@@ -94,27 +107,88 @@ def read_batch(conn: psycopg.Connection, watermark: Watermark, limit: int, *, or
         # the position counts within a half-delivered difference only; a new one starts at its beginning
         "txid": str(watermark.txid) if watermark.target else "0",
         "event_id": watermark.event_id if watermark.target else 0,
+        "topics": None if topics is None else list(topics),
     }
-    target, found = conn.execute(sql.READ_BATCH, params, prepare=True).fetchone()
+    target, found, scanned, last = conn.execute(read_batch_query(where), params, prepare=True).fetchone()
     if target is None:  # order="txid" and no transaction ended beyond the stored snapshot
         return Batch(events=[], after=watermark, changed=False)
     rows = json.loads(found) if found else []
-    events = [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], datetime.fromisoformat(r[7])) for r in rows[:limit]]
-    more = len(rows) > limit
-    last = events[-1] if events else None
+    events = [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], datetime.fromisoformat(r[7])) for r in rows]
+    more = scanned > limit
+    last_txid, last_id = json.loads(last) if last else (watermark.txid, watermark.event_id)
     after = watermark.model_copy(
         update={
             "snapshot": watermark.snapshot if more else target,
             "target": target if more else None,
-            "txid": last.txid if last else watermark.txid,
-            "event_id": last.id if last else watermark.event_id,
+            "txid": int(last_txid),
+            "event_id": last_id,
             "delivered": watermark.delivered + len(events),
             "failing_event": None,
             "attempts": 0,
             "crashes": 0,
         }
     )
-    return Batch(events=events, after=after, changed=bool(events) or watermark.target is not None)
+    passed = min(scanned, limit)
+    return Batch(events=events, after=after, changed=bool(passed) or watermark.target is not None, scanned=passed)
+
+
+def read_batch_query(where: str | None) -> Composed:
+    """The batch query (``sql.READ_BATCH``) filtering by the predicate ``where`` (None: none)."""
+    return SQL(sql.READ_BATCH).format(filter=SQL(where) if where else SQL("TRUE"))  # type: ignore[arg-type]
+
+
+def check_predicate(
+    db: Database, statement: Composed, params: dict[str, Any], *, field: str, predicate: str | None
+) -> None:
+    """Raise :class:`InvalidPubSubInput` naming ``field`` unless ``statement``, with ``predicate`` composed in,
+    is a valid query (the predicate one expression of the right type over the columns it can see).
+
+    The statement is only planned (EXPLAIN without ANALYZE: nothing of it runs), in a transaction of its own
+    that is rolled back; the rule on the text (:func:`cmb_dagster.pubsub.models.predicate_problem`) is checked
+    first."""
+    if predicate is None:
+        return
+    problem = predicate_problem(predicate)
+    if problem:
+        raise InvalidPubSubInput(f"{field}: {problem}")
+    with db.connection() as conn:
+        try:
+            conn.execute(SQL("EXPLAIN ") + statement, params)
+            conn.rollback()
+        except psycopg.Error as exc:
+            reason = (exc.diag.message_primary or str(exc)).strip()
+            raise InvalidPubSubInput(f"{field}: {shorten(predicate)} is not a valid filter here ({reason})") from None
+
+
+def snapshot_before(snapshot: str, txid: int) -> str:
+    """``snapshot`` (``'xmin:xmax:xip,...'``) restricted to txids below ``txid``: it shows committed exactly the
+    txids that ``snapshot`` shows committed and that are below ``txid``."""
+    _, xmax, running = snapshot.split(":")
+    if txid >= int(xmax):
+        return snapshot
+    kept = [x for x in running.split(",") if x and int(x) < txid]
+    return f"{kept[0] if kept else txid}:{txid}:{','.join(kept)}"
+
+
+def rewound(watermark: Watermark, txid: int, event_id: int) -> Watermark:
+    """``watermark`` moved back so that it has delivered exactly the events it had delivered that come before
+    event ``event_id`` of transaction ``txid`` in (txid, id) order: those after it are delivered again, and
+    nothing it had not delivered is skipped.
+
+    The events delivered at or after the point are delivered again as the difference between the restricted
+    snapshot and the old one (``target``), from the position just before the point; a half-delivered
+    difference keeps its target and the earlier of the two positions."""
+    before = snapshot_before(watermark.snapshot, txid)
+    position = (txid, event_id - 1)
+    if watermark.target is not None:
+        target, position = watermark.target, min(position, (watermark.txid, watermark.event_id))
+    elif before != watermark.snapshot:
+        target = watermark.snapshot
+    else:  # nothing at or after the point was delivered
+        return watermark
+    return watermark.model_copy(
+        update={"snapshot": before, "target": target, "txid": position[0], "event_id": position[1]}
+    )
 
 
 def refuse_if_restored(conn: psycopg.Connection, watermark: Watermark) -> None:
@@ -199,18 +273,38 @@ class Delivery:
         """Register the consumer (watermark where ``start`` says, handler path) and return its watermark;
         raises :class:`StreamRestored` after a restore. Waits while another transaction holds the watermark."""
         spec, path = self.spec, self.spec.handler_path
+        if not self._registered:
+            check_predicate(self.db, read_batch_query(spec.where), self._probe, field="where", predicate=spec.where)
         with self.db.connection() as conn:
             if not self._registered:
                 params = {"consumer_id": spec.consumer_id, "branch_id": spec.branch_id}
-                created = conn.execute(sql.START_CONSUMER, {**params, "handler": path, "start": spec.start}).fetchone()
+                reads = {"topics": None if spec.topics is None else list(spec.topics), "filter": spec.where}
+                created = conn.execute(
+                    sql.START_CONSUMER, {**params, **reads, "handler": path, "start": spec.start}
+                ).fetchone()
                 if created is not None and created[0]:
                     log.warning("consumer %s of branch %s: %s", spec.consumer_id, spec.branch_id, created[0])
-                if created is None and path is not None:
-                    registered = conn.execute(sql.REGISTERED_HANDLER, params).fetchone()
-                    if registered is None or registered[0] != path:
-                        conn.execute(sql.REGISTER_CONSUMER, {**params, "handler": path})
+                if created is None:
+                    registered = conn.execute(sql.REGISTRATION, params).fetchone()
+                    wanted = (path or (registered and registered[0]), reads["topics"], reads["filter"])
+                    if registered is None or tuple(registered) != wanted:
+                        conn.execute(sql.REGISTER_CONSUMER, {**params, **reads, "handler": path})
             self._registered = True
             return lock_watermark(conn, spec.consumer_id, spec.branch_id)
+
+    @property
+    def _probe(self) -> dict[str, Any]:
+        """Parameters of a batch query, for planning it once with the consumer's filter."""
+        return {
+            "branch_id": self.spec.branch_id,
+            "snapshot": "1:1:",
+            "target": None,
+            "strict": self.spec.order == "txid",
+            "limit": 2,
+            "txid": "0",
+            "event_id": 0,
+            "topics": None if self.spec.topics is None else list(self.spec.topics),
+        }
 
     def close(self) -> None:
         """Close the connection kept between batches (the next batch opens another)."""
@@ -273,7 +367,7 @@ class Delivery:
                 return parked
         failure: BaseException | None = None
         with self._locked(lease) as (conn, before):
-            batch = read_batch(conn, before, self._retry_limit or self.spec.batch_size, order=self.spec.order)
+            batch = self._read(conn, before, self._retry_limit or self.spec.batch_size)
             if batch.events:
                 try:
                     self._call_handler(conn, batch.events)
@@ -285,8 +379,12 @@ class Delivery:
                 save_watermark(conn, before, batch.after)
         if failure is not None:
             return self._failed(lease, before, batch, failure)
-        self._settled(len(batch.events))
-        return len(batch.events)
+        self._settled(batch.scanned)
+        return batch.scanned
+
+    def _read(self, conn: psycopg.Connection, watermark: Watermark, limit: int) -> Batch:
+        spec = self.spec
+        return read_batch(conn, watermark, limit, order=spec.order, topics=spec.topics, where=spec.where)
 
     def _call_handler(self, conn: psycopg.Connection, events: list[Event]) -> None:
         """The handler on ``events`` in the thread of user code; past ``handler_timeout`` the transaction is
@@ -341,8 +439,11 @@ class Delivery:
         """In careful mode: count the next event's delivery as started (committed), or park it if its deliveries
         already killed ``max_crashes`` workers (then return 1); None when the next event is to be delivered now."""
         with self._locked(lease) as (conn, before):
-            batch = read_batch(conn, before, 1, order=self.spec.order)
+            batch = self._read(conn, before, 1)
             if not batch.events:
+                if batch.scanned:  # filtered out: passed without a delivery
+                    save_watermark(conn, before, batch.after)
+                    return batch.scanned
                 self._careful = 0
                 return None
             event = batch.events[0]

@@ -2,7 +2,15 @@
 
 from cmb_dagster.errors import CmbError, InvalidInput
 
-__all__ = ["ConsumerBusy", "HandlerFailed", "InvalidInput", "InvalidPubSubInput", "PubSubError", "StreamRestored"]
+__all__ = [
+    "BackfillFailed",
+    "ConsumerBusy",
+    "HandlerFailed",
+    "InvalidInput",
+    "InvalidPubSubInput",
+    "PubSubError",
+    "StreamRestored",
+]
 
 
 class PubSubError(CmbError):
@@ -23,3 +31,7 @@ class StreamRestored(PubSubError):
 
 class HandlerFailed(PubSubError):
     """A consumer's handler raised; its batch was rolled back and the watermark did not move."""
+
+
+class BackfillFailed(PubSubError):
+    """A backfill stopped on an error (recorded with it); the same call resumes it after its last batch."""

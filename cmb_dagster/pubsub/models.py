@@ -9,11 +9,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import psycopg
 from croniter import croniter
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator
 
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import BIGINT, shorten
@@ -28,11 +28,17 @@ _DOTTED_NAME = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 HANDLER_PATH = re.compile(rf"^(?=.{{3,{MAX_HANDLER_PATH}}}\Z){_DOTTED_NAME}:{_DOTTED_NAME}\Z")
 """'package.module:function' (or ':Class.method'), at most 255 characters."""
 ZERO_SNAPSHOT = "1:1:"  # shows no txid committed: a new consumer starts from the first event
+MAX_TOPIC_LENGTH = 500
+MAX_TOPICS = 100
+MAX_PREDICATE_LENGTH = 2000
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_PREDICATE_REFUSED = {";": "a ';'", "--": "a '--' comment", "/*": "a '/*' comment", "\x00": "the character U+0000"}
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One change on the stream: a captured row (op insert/update/delete) or a published payload.
+    """One change on the stream: a captured row (op insert/update/delete), a row of a backfill (op snapshot)
+    or a published payload.
 
     ``txid`` is the producing transaction on the stream's txid clock; ``topic`` is ``'schema.table'``
     for captured rows; ``key`` holds a captured row's key columns. (A dataclass, not a pydantic
@@ -43,13 +49,30 @@ class Event:
     txid: int
     branch_id: int
     topic: str
-    op: Literal["insert", "update", "delete", "publish"]
+    op: Literal["insert", "update", "delete", "publish", "snapshot"]
     key: dict[str, Any] | None
     payload: Any
     created_at: datetime
 
+    @property
+    def version(self) -> int:
+        """The version of the row a captured or snapshot event carries: of two events of one row, the one
+        with the higher version holds the newer row (docs/pubsub.md, "Backfill"). It is the event's id."""
+        return self.id
+
 
 Handler = Callable[[psycopg.Connection, list[Event]], None]
+
+
+def _one_expression(predicate: str) -> str:
+    problem = predicate_problem(predicate)
+    if problem:
+        raise ValueError(problem)
+    return predicate
+
+
+Predicate = Annotated[str, AfterValidator(_one_expression)]
+"""A filter: one SQL expression (see :func:`predicate_problem`)."""
 
 
 class Watermark(BaseModel):
@@ -92,6 +115,9 @@ class Lag(BaseModel):
     parked: int = 0
     notice: str | None = None
     unserved_seconds: float = 0
+    topics: list[str] | None = None  # the topics it reads (None: all)
+    where: str | None = None  # its filter on the events
+    last_rewind: str | None = None  # who rewound it when, from where to where
 
     @property
     def problem(self) -> str | None:
@@ -110,12 +136,38 @@ class Lag(BaseModel):
         return "; ".join(parts) or None
 
 
+class BackfillProgress(BaseModel):
+    """One backfill (:func:`cmb_dagster.pubsub.backfill`): what it publishes, and how far it got.
+
+    ``state``: ``running`` (working, or interrupted: the same call resumes it after ``last_key``), ``failed``
+    (``error``; the same call resumes it) or ``done``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    table: str
+    branch_id: int
+    topic: str
+    where: str | None
+    batch_size: int
+    key_columns: list[str]
+    last_key: dict[str, Any] | None  # the key of the last row published
+    rows_done: int
+    batches: int
+    state: Literal["running", "failed", "done"]
+    error: str | None
+    started_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+
+
 class PubSubStatus(BaseModel):
-    """Every registered consumer's lag (``consumers``), with the totals over them."""
+    """Every registered consumer's lag (``consumers``), with the totals over them, and the backfills."""
 
     model_config = ConfigDict(frozen=True)
 
     consumers: list[Lag]
+    backfills: list[BackfillProgress] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -210,6 +262,25 @@ class ConsumerSpec(ConsumerKey):
     wait: bool = Field(
         default=True, description="Wait while another transaction holds the watermark (False: raise ConsumerBusy)."
     )
+    topics: tuple[str, ...] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOPICS,
+        description="Deliver only events of these topics (None: every topic).",
+    )
+    where: Predicate | None = Field(
+        default=None,
+        description="Deliver only events for which this SQL expression over the event's columns (payload, key, topic, "
+        "op, id, txid, created_at) is true; checked against the database when the consumer registers.",
+    )
+
+    @field_validator("topics")
+    @classmethod
+    def _topics_are_bounded(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for topic in value or ():
+            if not 1 <= len(topic) <= MAX_TOPIC_LENGTH or "\x00" in topic:
+                raise ValueError(f"each topic must have 1 to {MAX_TOPIC_LENGTH} characters, not U+0000")
+        return value
 
     @field_validator("handler")
     @classmethod
@@ -222,6 +293,29 @@ class ConsumerSpec(ConsumerKey):
     def handler_path(self) -> str | None:
         """The handler as ``'module:function'``, or None for a function that cannot be loaded by name."""
         return self.handler if isinstance(self.handler, str) else handler_path(self.handler)
+
+
+class BackfillSpec(Options):
+    """What :func:`cmb_dagster.pubsub.backfill` publishes: the rows of ``table`` (those ``where`` is true for)
+    as ``snapshot`` events of ``topic`` into ``branch_id``, ``batch_size`` rows per transaction."""
+
+    error: ClassVar[type[InvalidPubSubInput]] = InvalidPubSubInput
+
+    table: str = Field(min_length=1, max_length=500, description="The table, optionally schema-qualified.")
+    branch_id: int = Field(default=0, ge=BIGINT[0], le=BIGINT[1], description="The branch the events go to.")
+    where: Predicate | None = Field(
+        default=None, description="Only the rows this SQL expression over the table's columns is true for."
+    )
+    batch_size: int = Field(default=1000, ge=1, le=100_000, description="Rows per batch (one transaction each).")
+    topic: str | None = Field(
+        default=None, min_length=1, max_length=MAX_TOPIC_LENGTH, description="Default: 'schema.table'."
+    )
+    lock_timeout: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="Seconds a batch waits for a row a writer holds; then it is rolled back and tried again.",
+    )
 
 
 class PubSubChecks(Checks):
@@ -295,6 +389,24 @@ class CaptureSpec(Options):
     columns: tuple[str, ...] | None = Field(default=None, description="Payload columns; default: the whole row.")
     topic: str | None = Field(default=None, description="Default: 'schema.table'.")
     ops: tuple[Literal["insert", "update", "delete"], ...] = Field(default=("insert", "update"), min_length=1)
+
+
+def predicate_problem(predicate: str) -> str | None:
+    """Why ``predicate`` cannot be a filter (a ``where`` of a consumer or a backfill), or None.
+
+    Rule: one SQL expression of at most 2000 characters, without ``;`` or comments (so it cannot end the
+    statement it is placed in); the database then checks it against the query it filters
+    (:func:`cmb_dagster.pubsub.engine.check_predicate`)."""
+    if not predicate.strip():
+        return "must be an SQL expression, not empty"
+    if len(predicate) > MAX_PREDICATE_LENGTH:
+        return f"{len(predicate)} characters, at most {MAX_PREDICATE_LENGTH} allowed"
+    for text, what in _PREDICATE_REFUSED.items():
+        if text in predicate:
+            return f"must be one SQL expression, without {what}"
+    if _LONE_SURROGATE.search(predicate):
+        return "lone surrogate characters are not valid Unicode"
+    return None
 
 
 def handler_path(handler: Handler) -> str | None:

@@ -1,5 +1,5 @@
-"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql and
-0008_pubsub_poison_retention.sql).
+"""Every SQL statement of the pub/sub engine (tables and functions: migrations/0002_pubsub.sql,
+0008_pubsub_poison_retention.sql and 0025_pubsub_replay.sql).
 
 Statements run on connections whose search_path starts with the cmb schema; the capture DDL, which
 lives next to a user's table, names cmb objects through ``{cmb}`` (a psycopg.sql.Identifier).
@@ -33,16 +33,24 @@ REGISTERED_HANDLER = """
 SELECT handler FROM pubsub_watermarks WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 """
 
+REGISTRATION = """
+SELECT handler, topics, filter FROM pubsub_watermarks WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
+"""
+
+# The handler path (kept when the consumer's handler has none), the topics and the filter it reads with.
 REGISTER_CONSUMER = """
-INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler) VALUES (%(consumer_id)s, %(branch_id)s, %(handler)s)
-ON CONFLICT (consumer_id, branch_id) DO UPDATE SET handler = EXCLUDED.handler, updated_at = now()
+INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler, topics, filter)
+VALUES (%(consumer_id)s, %(branch_id)s, %(handler)s, %(topics)s, %(filter)s)
+ON CONFLICT (consumer_id, branch_id) DO UPDATE
+SET handler = coalesce(EXCLUDED.handler, pubsub_watermarks.handler), topics = EXCLUDED.topics,
+    filter = EXCLUDED.filter, updated_at = now()
 """
 
 # A new consumer's watermark: at the beginning of history ('beginning', 'earliest_kept') or at the current
 # snapshot ('now'); 'beginning' notes when trim has already deleted events of the branch.
 START_CONSUMER = """
-INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler, snapshot, notice)
-SELECT %(consumer_id)s, %(branch_id)s, %(handler)s,
+INSERT INTO pubsub_watermarks (consumer_id, branch_id, handler, topics, filter, snapshot, notice)
+SELECT %(consumer_id)s, %(branch_id)s, %(handler)s, %(topics)s, %(filter)s,
        CASE WHEN %(start)s = 'now' THEN pubsub_snapshot() ELSE '1:1:'::pg_snapshot END,
        CASE WHEN %(start)s = 'beginning' THEN
            (SELECT format('started from the beginning of branch %%s, but trim had already deleted %%s of its events '
@@ -97,6 +105,10 @@ _EVENT_COLUMNS = "e.id, e.txid, e.branch_id, e.topic, e.op, e.key, e.payload, e.
 # statement cannot see. Returns one row: the target, and the events as one JSON array of
 # [id, txid, branch_id, topic, op, key, payload, created_at] (one json.loads per batch instead of two
 # jsonb decodes and a timestamp per event: the client's cost per event halves).
+#
+# A consumer's filter (%(topics)s, and {filter}, its predicate or TRUE) applies to the events scanned: a batch
+# scans up to %(limit)s - 1 events, delivers those the filter keeps, and returns how many it scanned and the
+# position of the last one, so the watermark moves past filtered-out events and a batch's work stays bounded.
 READ_BATCH = f"""
 WITH target AS MATERIALIZED (
     SELECT CASE
@@ -112,12 +124,9 @@ WITH target AS MATERIALIZED (
                       ) AS m
               WHERE m.horizon > pg_snapshot_xmax(%(snapshot)s::pg_snapshot))
     END AS t
-)
-SELECT (SELECT t::text FROM target),
-       (SELECT json_agg(json_build_array(batch.id, batch.txid::text::numeric, batch.branch_id, batch.topic, batch.op,
-                                         batch.key, batch.payload, batch.created_at)
-                        ORDER BY batch.txid, batch.id)::text  -- as xid8: the text of txids does not sort like txids
-        FROM (
+), scanned AS MATERIALIZED (
+    SELECT batch.*, row_number() OVER (ORDER BY batch.txid, batch.id) AS cmb_n
+    FROM (
             (SELECT {_EVENT_COLUMNS}
              FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
              CROSS JOIN LATERAL (
@@ -137,7 +146,21 @@ SELECT (SELECT t::text FROM target),
              ORDER BY e.txid, e.id LIMIT %(limit)s)
             ORDER BY 2, 1
             LIMIT %(limit)s
-        ) AS batch)
+        ) AS batch
+)
+SELECT (SELECT t::text FROM target),
+       (SELECT json_agg(json_build_array(s.id, s.txid::text::numeric, s.branch_id, s.topic, s.op, s.key, s.payload,
+                                         s.created_at)
+                        ORDER BY s.txid, s.id)::text  -- as xid8: the text of txids does not sort like txids
+        FROM scanned s
+        WHERE s.cmb_n < %(limit)s
+          AND (%(topics)s::text[] IS NULL OR s.topic = ANY (%(topics)s::text[]))
+          AND (
+{{filter}}
+              )),
+       (SELECT count(*) FROM scanned),
+       (SELECT json_build_array(s.txid::text, s.id)::text FROM scanned s WHERE s.cmb_n < %(limit)s
+        ORDER BY s.cmb_n DESC LIMIT 1)
 """
 
 # -- failures and dead letters -------------------------------------------------------------------
@@ -283,7 +306,7 @@ DROP_CAPTURE_FUNCTION = SQL("DROP FUNCTION IF EXISTS {cmb}.{function}()")
 # at -infinity).
 LAG = """
 SELECT w.consumer_id, w.branch_id, w.delivered, w.handler, w.updated_at, behind.events, behind.seconds,
-       w.failing_event, w.attempts, w.last_error, w.notice,
+       w.failing_event, w.attempts, w.last_error, w.notice, w.topics, w.filter, w.last_rewind,
        (SELECT count(*) FROM pubsub_dead_letters d
         WHERE d.consumer_id = w.consumer_id AND d.branch_id = w.branch_id AND d.replayed_at IS NULL) AS parked,
        CASE WHEN behind.events = 0 OR lease.expires_at > now() THEN 0
@@ -331,14 +354,16 @@ WITH branches AS (
 ), gone AS (
     DELETE FROM pubsub_events e USING doomed d
     WHERE e.branch_id = d.branch_id AND e.txid = d.txid AND e.id = d.id
-    RETURNING e.branch_id, e.txid
+    RETURNING e.branch_id, e.txid, e.created_at
 ), counted AS (
-    SELECT branch_id, count(*) AS events, max(txid) AS last_txid FROM gone GROUP BY branch_id
+    SELECT branch_id, count(*) AS events, max(txid) AS last_txid, max(created_at) AS last_created_at
+    FROM gone GROUP BY branch_id
 ), recorded AS (
-    INSERT INTO pubsub_trimmed AS t (branch_id, events, last_txid)
-    SELECT branch_id, events, last_txid FROM counted
+    INSERT INTO pubsub_trimmed AS t (branch_id, events, last_txid, last_created_at)
+    SELECT branch_id, events, last_txid, last_created_at FROM counted
     ON CONFLICT (branch_id) DO UPDATE
-    SET events = t.events + EXCLUDED.events, last_txid = greatest(t.last_txid, EXCLUDED.last_txid), last_trim_at = now()
+    SET events = t.events + EXCLUDED.events, last_txid = greatest(t.last_txid, EXCLUDED.last_txid),
+        last_created_at = greatest(t.last_created_at, EXCLUDED.last_created_at), last_trim_at = now()
 )
 SELECT coalesce(sum(events), 0)::bigint FROM counted
 """
@@ -375,4 +400,103 @@ SET shift = CASE WHEN clock.moved OR stored.above > raw.xmax + clock.shift
     reset_at = now()
 FROM stored, raw, clock
 RETURNING clock.shift, c.shift
+"""
+
+# -- rewinding -----------------------------------------------------------------------------------
+
+REWIND_POINT_BY_ID = """
+SELECT e.id, e.txid::text, e.created_at FROM pubsub_events e WHERE e.branch_id = %(branch_id)s AND e.id = %(event_id)s
+"""
+
+# The first event in the stream's (txid, id) order among those of the branch created at or after %(at)s.
+REWIND_POINT_BY_TIME = """
+SELECT e.id, e.txid::text, e.created_at FROM pubsub_events e
+WHERE e.branch_id = %(branch_id)s AND e.created_at >= %(at)s
+ORDER BY e.txid, e.id LIMIT 1
+"""
+
+NOW = "SELECT now()"
+
+TRIMMED = "SELECT last_txid::text, last_created_at FROM pubsub_trimmed WHERE branch_id = %(branch_id)s"
+
+REWIND_WATERMARK = """
+UPDATE pubsub_watermarks
+SET snapshot = %(snapshot)s::pg_snapshot, target = %(target)s::pg_snapshot, txid = %(txid)s::xid8,
+    event_id = %(event_id)s, updated_at = now(), rewound_at = now(), last_rewind = %(description)s,
+    failing_event = NULL, attempts = 0, crashes = 0, first_failed_at = NULL, last_failed_at = NULL, last_error = NULL
+WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
+"""
+
+# -- backfilling ---------------------------------------------------------------------------------
+
+# Starts a backfill, or finds the unfinished one of the same table, branch, topic and predicate (and takes the
+# new batch size); returns its id.
+START_BACKFILL = """
+WITH created AS (
+    INSERT INTO pubsub_backfills (table_name, branch_id, topic, predicate, batch_size, key_columns)
+    VALUES (%(table)s, %(branch_id)s, %(topic)s, %(predicate)s, %(batch_size)s, %(key_columns)s)
+    ON CONFLICT (table_name, branch_id, topic, md5(coalesce(predicate, ''))) WHERE state <> 'done' DO NOTHING
+    RETURNING id
+)
+SELECT id FROM created
+UNION ALL
+SELECT id FROM pubsub_backfills
+WHERE table_name = %(table)s AND branch_id = %(branch_id)s AND topic = %(topic)s
+  AND predicate IS NOT DISTINCT FROM %(predicate)s AND state <> 'done'
+"""
+
+RESUME_BACKFILL = """
+UPDATE pubsub_backfills SET batch_size = %(batch_size)s, state = 'running', error = NULL, updated_at = now()
+WHERE id = %(id)s AND state <> 'done'
+"""
+
+LOCK_BACKFILL = "SELECT last_key, state FROM pubsub_backfills WHERE id = %(id)s FOR UPDATE"
+
+LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
+
+# One batch: the next %(limit)s rows after the last key (its columns from %(last_key)s, a JSON object of the
+# key), locked FOR SHARE, each written as a snapshot event (the event's id, drawn after the row lock is
+# held, is its version: docs/pubsub.md, "Backfill"); returns how many and the key of the last one.
+# {after} is TRUE on the first batch, else the row comparison of the key columns with those of `last`
+# (InitPlans: the primary key's index serves it); {where} is the backfill's predicate or TRUE.
+BACKFILL_BATCH = SQL("""
+WITH last AS MATERIALIZED (
+    SELECT * FROM jsonb_populate_record(NULL::{table}, %(last_key)s::jsonb)
+), locked AS MATERIALIZED (
+    SELECT r AS cmb_row FROM {table} AS r
+    WHERE {after}
+      AND (
+{where}
+          )
+    ORDER BY {key_order} LIMIT %(limit)s
+    FOR SHARE OF r
+), written AS (
+    INSERT INTO pubsub_events (branch_id, topic, op, key, payload)
+    SELECT %(branch_id)s, %(topic)s, 'snapshot', {key_object}, to_jsonb(cmb_row) FROM locked
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM written),
+       (SELECT {key_object} FROM locked ORDER BY {last_order} LIMIT 1)
+""")
+
+BACKFILL_PROGRESS = """
+UPDATE pubsub_backfills
+SET last_key = coalesce(%(last_key)s::jsonb, last_key), rows_done = rows_done + %(rows)s, batches = batches + 1,
+    updated_at = now(),
+    state = CASE WHEN %(finished)s THEN 'done' ELSE 'running' END,
+    finished_at = CASE WHEN %(finished)s THEN now() END
+WHERE id = %(id)s
+"""
+
+BACKFILL_FAILED = """
+UPDATE pubsub_backfills SET state = 'failed', error = %(error)s, updated_at = now()
+WHERE id = %(id)s AND state <> 'done'
+"""
+
+BACKFILLS = """
+SELECT id, table_name, branch_id, topic, predicate, batch_size, key_columns, last_key, rows_done, batches, state,
+       error, started_at, updated_at, finished_at
+FROM pubsub_backfills
+WHERE (%(id)s::bigint IS NULL OR id = %(id)s) AND (%(all)s OR state <> 'done' OR finished_at > now() - interval '1 day')
+ORDER BY id DESC LIMIT %(limit)s
 """
