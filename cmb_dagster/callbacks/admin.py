@@ -1,5 +1,6 @@
 """Operator functions of the callbacks engine: its status (events per status, per worker job's buckets, limits
-per key), its queue depths at a bounded cost (the metrics), and the number of buckets."""
+per key), its queue depths at a bounded cost (the metrics), the number of buckets, dead letters and their replay,
+failure hooks per owner, and signing secrets."""
 
 from __future__ import annotations
 
@@ -7,20 +8,32 @@ import warnings
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 from pydantic import BaseModel, Field
 
 from cmb_dagster import flow
 from cmb_dagster.callbacks import sql
+from cmb_dagster.callbacks.errors import InvalidCallbackInput
 from cmb_dagster.callbacks.models import (
     MAX_BUCKETS,
+    MAX_GROUP_LENGTH,
+    MAX_KEY_LENGTH,
+    MAX_OWNER_LENGTH,
     BucketSetCounts,
     CallbackCounts,
+    CallbackEvent,
+    CallbackSettings,
     CallbacksStatus,
+    DeadLetters,
     LimitUse,
+    SigningSecretInfo,
+    check_url,
     validated,
 )
+from cmb_dagster.callbacks.signing import check_secret, new_secret
 from cmb_dagster.callbacks.worker import move_stranded_events
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import check_text
 
 
 class _BucketCount(BaseModel):
@@ -156,3 +169,116 @@ def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
     move_stranded_events(db)
     with db.connection() as conn:
         return [row[0] for row in conn.execute(sql.BUCKET_IDS)]
+
+
+# -- dead letters and replay ----------------------------------------------------------------------------
+
+
+def failed(database: DatabaseSource, **selection: Any) -> list[CallbackEvent]:
+    """The dead letters (events failed for good) of a :class:`DeadLetters` selection, oldest failure first, with
+    their last error, status code and response excerpt."""
+    chosen = _dead_letters(selection)
+    with Database.of(database).connection() as conn:
+        rows = conn.cursor(row_factory=dict_row).execute(sql.LIST_FAILED, chosen.params()).fetchall()
+    return [CallbackEvent.model_validate(row) for row in rows]
+
+
+def replay(database: DatabaseSource, **selection: Any) -> int:
+    """Send the dead letters of a :class:`DeadLetters` selection again (``limit`` at most, oldest failure first);
+    return how many.
+
+    Each goes back to pending, due now, for a new round of its retry policy (attempts from 0, stop_after_delay
+    counted from now, ``replays`` one more), with the same webhook-id. Only events still failed are touched, each
+    by one replay: a concurrent replay skips them, and a call of an older version can neither start nor write.
+    """
+    chosen = _dead_letters(selection)
+    with Database.of(database).connection() as conn:
+        conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # before new ids are drawn
+        return conn.execute(sql.REPLAY_FAILED, chosen.params()).fetchone()[0]
+
+
+def _dead_letters(selection: dict[str, Any]) -> DeadLetters:
+    chosen = validated(DeadLetters, selection)
+    lengths = {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH, "event_key": MAX_KEY_LENGTH}
+    for name, max_length in lengths.items():
+        if (value := getattr(chosen, name)) is not None:
+            check_text(value, name, max_length=max_length, error=InvalidCallbackInput)
+    return chosen
+
+
+# -- failure hooks per owner ----------------------------------------------------------------------------
+
+
+def set_failure_hook(
+    database: DatabaseSource, owner_client_id: str, url: str | None, settings: CallbackSettings | None = None
+) -> None:
+    """Call ``url`` (an http(s) URL the settings allow, or ``dagster://<job>``) once when an event of the owner
+    without its own ``on_failure`` fails for good; None: no hook."""
+    _check_owner(owner_client_id)
+    if url is not None:
+        check_url(url, settings or CallbackSettings(), "on_failure")
+    with Database.of(database).connection() as conn:
+        conn.execute(sql.SET_OWNER_HOOK, {"owner": owner_client_id, "url": url})
+
+
+def failure_hook(database: DatabaseSource, owner_client_id: str) -> str | None:
+    """The owner's failure hook (None: none)."""
+    with Database.of(database).connection() as conn:
+        row = conn.execute(sql.GET_OWNER_HOOK, {"owner": owner_client_id}).fetchone()
+    return None if row is None else row[0]
+
+
+# -- signing secrets --------------------------------------------------------------------------------------
+
+MAX_PREVIOUS_VALID_FOR = 366 * 86400.0  # seconds a rotated-out secret may stay active, at most
+SECRETS_LISTED = 100
+
+
+def rotate_secret(
+    database: DatabaseSource,
+    owner_client_id: str,
+    secret: str | None = None,
+    *,
+    previous_valid_for: float | None = 86400.0,
+) -> str:
+    """Add a signing secret for the owner's callbacks (``secret``, ``whsec_<base64>``, or a new random one) and
+    return it: the only time a secret is shown.
+
+    The newest secret before it stays active with it (calls carry both signatures) for ``previous_valid_for``
+    seconds (None: until :func:`retire_secrets`); older ones are retired. Workers sign with it within
+    ``CallbackSettings.secrets_refresh``.
+    """
+    _check_owner(owner_client_id)
+    secret = new_secret() if secret is None else check_secret(secret)
+    if previous_valid_for is not None and not 0 <= previous_valid_for <= MAX_PREVIOUS_VALID_FOR:
+        raise InvalidCallbackInput(f"previous_valid_for: must be 0 to {MAX_PREVIOUS_VALID_FOR:g} seconds or None")
+    params = {"owner": owner_client_id, "secret": secret, "previous_for": previous_valid_for}
+    with Database.of(database).connection() as conn:
+        conn.execute(sql.LOCK_OWNER_SECRETS, params)
+        conn.execute(sql.RETIRE_OLDER_SECRETS, params)
+        conn.execute(sql.EXPIRE_PREVIOUS_SECRET, params)
+        conn.execute(sql.INSERT_SECRET, params)
+    return secret
+
+
+def retire_secrets(database: DatabaseSource, owner_client_id: str, *, keep_newest: bool = True) -> int:
+    """Retire the owner's active secrets but the newest (``keep_newest=False``: all of them, and its callbacks go
+    unsigned); return how many. Workers stop signing with them within ``CallbackSettings.secrets_refresh``."""
+    _check_owner(owner_client_id)
+    params = {"owner": owner_client_id, "all": not keep_newest}
+    with Database.of(database).connection() as conn:
+        conn.execute(sql.LOCK_OWNER_SECRETS, params)
+        return conn.execute(sql.RETIRE_SECRETS, params).rowcount
+
+
+def signing_secrets(database: DatabaseSource, owner_client_id: str) -> list[SigningSecretInfo]:
+    """The owner's secrets, newest first (at most ``SECRETS_LISTED``): when made, expiring or retired, and whether
+    active; never the secrets themselves."""
+    with Database.of(database).connection() as conn:
+        cursor = conn.cursor(row_factory=dict_row)
+        rows = cursor.execute(sql.LIST_SECRETS, {"owner": owner_client_id, "limit": SECRETS_LISTED}).fetchall()
+    return [SigningSecretInfo.model_validate(row) for row in rows]
+
+
+def _check_owner(owner_client_id: str) -> None:
+    check_text(owner_client_id, "owner_client_id", max_length=MAX_OWNER_LENGTH, error=InvalidCallbackInput)

@@ -10,10 +10,18 @@ from typing import Any
 
 import click
 
+from cmb_dagster.callbacks import admin
 from cmb_dagster.callbacks.admin import status as engine_status
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
-from cmb_dagster.callbacks.models import MAX_BUCKETS, MAX_PRIORITY, MAX_TTL_DAYS, CallbackSettings
+from cmb_dagster.callbacks.models import (
+    MAX_BUCKETS,
+    MAX_PRIORITY,
+    MAX_REPLAY_BATCH,
+    MAX_TTL_DAYS,
+    CallbackEvent,
+    CallbackSettings,
+)
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
 from cmb_dagster.cli_common import DAY, DURATION, FloatRange, open_database
@@ -101,6 +109,10 @@ def callbacks() -> None:
     show_default=True,
     help=f"Among callbacks due, higher is called first ({-MAX_PRIORITY} to {MAX_PRIORITY}).",
 )
+@click.option(
+    "--on-failure",
+    help="http(s) URL or dagster://<job> called once if the event fails for good (default: the owner's hook).",
+)
 def create(
     owner_client_id: str,
     group_key: str,
@@ -113,6 +125,7 @@ def create(
     body: str,
     allow_hosts: tuple[str, ...],
     priority: int,
+    on_failure: str | None,
 ) -> None:
     """Schedule a callback; print its event id."""
     with _client(allow_hosts) as client:
@@ -126,6 +139,7 @@ def create(
             _json(retry, "retry"),
             body=body,  # type: ignore[arg-type]
             priority=priority,
+            on_failure=on_failure,
         )
     click.echo(event_id)
 
@@ -287,13 +301,124 @@ def status() -> None:
     assert counts is not None
     click.echo(
         f"pending {counts.pending} (overdue {counts.overdue}, oldest {counts.oldest_overdue_seconds:.1f}s late), "
-        f"notified {counts.notified}, failed {counts.failed}, rejected {counts.rejected}, cancelled {counts.cancelled}"
+        f"notified {counts.notified}, failed {counts.failed} (dead letters: `callbacks failed`), "
+        f"rejected {counts.rejected}, cancelled {counts.cancelled}"
     )
     for use in report.limits:
         limits = [f"{use.in_flight}/{use.concurrency} in flight" if use.concurrency else f"{use.in_flight} in flight"]
         if use.rate_per_second is not None:
             limits.append(f"{use.rate_per_second:g}/s (burst {use.burst:g}, {use.tokens or 0:.1f} tokens now)")
         click.echo(f"{use.scope} {use.key or '-'}: {', '.join(limits)}")
+
+
+def _dead_letter_options(f):  # type: ignore[no-untyped-def]
+    options = [
+        click.option("--owner", "owner_client_id", help="Only this owner's events."),
+        click.option("--group", "group_key", help="Only this group's events (with --owner)."),
+        click.option("--key", "event_key", help="Only this event (with --owner and --group)."),
+        click.option("--since", help="Failed at or after this time (ISO 8601 with a timezone)."),
+        click.option("--until", help="Failed before this time (ISO 8601 with a timezone)."),
+        click.option(
+            "--limit", default=1000, show_default=True, type=click.IntRange(1, MAX_REPLAY_BATCH), help="At most."
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _selection(**given: Any) -> dict[str, Any]:
+    for name in ("since", "until"):
+        if given[name] is not None:
+            given[name] = _when(given[name], None)
+    return given
+
+
+@callbacks.command()
+@_dead_letter_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def failed(as_json: bool, **selection: Any) -> None:
+    """List the events that failed for good (dead letters), oldest failure first, with their last error."""
+    events = admin.failed(open_database(), **_selection(**selection))
+    if not events and not as_json:
+        click.echo("no failed events")
+    for e in events:
+        click.echo(e.model_dump_json() if as_json else _dead_letter_line(e))
+
+
+def _dead_letter_line(e: CallbackEvent) -> str:
+    failed_at = e.finished_at.isoformat() if e.finished_at else "-"
+    return (
+        f"{e.event_id}\t{failed_at}\t{e.owner_client_id}/{e.group_key}/{e.event_key}\t{e.cb_url}\t"
+        f"attempts={e.attempts}\treplays={e.replays}\tstatus={e.last_status_code or '-'}\t{e.last_error or ''}"
+    )
+
+
+@callbacks.command()
+@_dead_letter_options
+def replay(**selection: Any) -> None:
+    """Send failed events again (a new round of retries, the same webhook-id); print how many."""
+    count = admin.replay(open_database(), **_selection(**selection))
+    more = " (the limit: run it again for more)" if count == selection["limit"] else ""
+    click.echo(f"replayed {count} events{more}")
+
+
+@callbacks.command(name="on-failure")
+@click.argument("owner_client_id")
+@click.argument("url", required=False)
+@click.option("--clear", is_flag=True, help="Remove the owner's failure hook.")
+@click.option("--allow-host", "allow_hosts", multiple=True, help="Open a target for the hook (as on the worker).")
+def on_failure(owner_client_id: str, url: str | None, clear: bool, allow_hosts: tuple[str, ...]) -> None:
+    """Set (URL), clear (--clear) or show the failure hook of the owner's events without their own."""
+    if url is not None and clear:
+        raise click.UsageError("give a URL or --clear, not both")
+    with _client(allow_hosts) as client:
+        if url is None and not clear:
+            click.echo(admin.failure_hook(client.db, owner_client_id) or "no failure hook")
+            return
+        client.set_failure_hook(owner_client_id, url)
+    click.echo("cleared" if clear else "set")
+
+
+@callbacks.group()
+def secret() -> None:
+    """Signing secrets of an owner's callbacks (Standard Webhooks)."""
+
+
+@secret.command()
+@click.option("--owner", "owner_client_id", required=True, help="The owner whose callbacks are signed.")
+@click.option(
+    "--previous-valid-for",
+    type=FloatRange(0, admin.MAX_PREVIOUS_VALID_FOR),
+    default=86400.0,
+    show_default=True,
+    help="Seconds the previous secret keeps signing too.",
+)
+def rotate(owner_client_id: str, previous_valid_for: float) -> None:
+    """Make a new signing secret for the owner and print it (the only time it is shown)."""
+    click.echo(admin.rotate_secret(open_database(), owner_client_id, previous_valid_for=previous_valid_for))
+
+
+@secret.command()
+@click.option("--owner", "owner_client_id", required=True)
+@click.option("--all", "everything", is_flag=True, help="Retire the newest too: the owner's calls go unsigned.")
+def retire(owner_client_id: str, everything: bool) -> None:
+    """Stop signing with the owner's previous secret (--all: with any)."""
+    count = admin.retire_secrets(open_database(), owner_client_id, keep_newest=not everything)
+    click.echo(f"retired {count} secrets")
+
+
+@secret.command(name="list")
+@click.option("--owner", "owner_client_id", required=True)
+def list_secrets(owner_client_id: str) -> None:
+    """The owner's secrets, newest first: ids and times, never the secrets."""
+    found = admin.signing_secrets(open_database(), owner_client_id)
+    if not found:
+        click.echo("no secrets: the owner's callbacks are not signed")
+    for s in found:
+        state = "active" if s.active else "retired" if s.retired_at else "expired"
+        expires = s.expires_at.isoformat() if s.expires_at else "-"
+        click.echo(f"{s.secret_id}\t{state}\tcreated {s.created_at.isoformat()}\texpires {expires}")
 
 
 @callbacks.command()

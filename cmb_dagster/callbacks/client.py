@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
 from cmb_dagster._gc import cyclic_collection_paused
-from cmb_dagster.callbacks import sql
+from cmb_dagster.callbacks import admin, sql
 from cmb_dagster.callbacks.admin import set_bucket_count
 from cmb_dagster.callbacks.errors import (
     CallbackConflict,
@@ -109,12 +109,15 @@ class CallbackClient:
         retry: RetryPolicy | dict[str, Any] | None = None,
         body: Body = ENVELOPE,
         priority: int = 0,
+        on_failure: str | None = None,
     ) -> int:
         """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
 
         The request's body is the envelope (the event's keys, times, attempt and ``context``), or with
         ``body="context"`` the context alone (a receiver with a fixed format, e.g. a chat webhook). Among
         callbacks due, those of higher ``priority`` (-1000 to 1000) are called first, within the limits.
+        ``on_failure`` (an http(s) URL or ``dagster://<job>``; default: the owner's failure hook) is called once
+        if the event fails for good.
 
         Creating an existing key again with the same payload returns the existing id; with another
         payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a
@@ -254,6 +257,55 @@ class CallbackClient:
         with self.db.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(sql.CHANGE_LOG, _keys(owner_client_id, group_key, event_key)).fetchall()
+
+    # -- dead letters, failure hooks, signing secrets -------------------------------------------------
+
+    def failed(
+        self,
+        owner_client_id: str | None = None,
+        group_key: str | None = None,
+        event_key: str | None = None,
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 1000,
+    ) -> list[CallbackEvent]:
+        """Events that failed for good (dead letters), oldest failure first, failed within [since, until): with
+        their last error, status code and response excerpt."""
+        return admin.failed(self.db, **_selection(locals()))
+
+    def replay(
+        self,
+        owner_client_id: str | None = None,
+        group_key: str | None = None,
+        event_key: str | None = None,
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 1000,
+    ) -> int:
+        """Send dead letters again (those :meth:`failed` lists, ``limit`` at most); return how many.
+
+        Each is pending again, due now, for a new round of its retry policy with the same webhook-id
+        (:func:`cmb_dagster.callbacks.admin.replay`).
+        """
+        return admin.replay(self.db, **_selection(locals()))
+
+    def set_failure_hook(self, owner_client_id: str, url: str | None) -> None:
+        """Call ``url`` once when an event of the owner without its own ``on_failure`` fails for good (None: no
+        hook)."""
+        admin.set_failure_hook(self.db, owner_client_id, url, self.settings)
+
+    def rotate_secret(
+        self, owner_client_id: str, secret: str | None = None, *, previous_valid_for: float | None = 86400.0
+    ) -> str:
+        """Sign the owner's callbacks with ``secret`` (``whsec_<base64>``; default: a new random one), returned;
+        the previous secret signs too for ``previous_valid_for`` seconds (None: until retired)."""
+        return admin.rotate_secret(self.db, owner_client_id, secret, previous_valid_for=previous_valid_for)
+
+    def retire_secrets(self, owner_client_id: str, *, keep_newest: bool = True) -> int:
+        """Stop signing with the owner's older secret (``keep_newest=False``: with any); return how many."""
+        return admin.retire_secrets(self.db, owner_client_id, keep_newest=keep_newest)
 
     # -- schedules ---------------------------------------------------------------------------------
 
@@ -412,6 +464,11 @@ class CallbackClient:
 
 
 _NEW_CALLBACKS = TypeAdapter(list[NewCallback])
+
+
+def _selection(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`~cmb_dagster.callbacks.models.DeadLetters` selection of a method's arguments."""
+    return {k: v for k, v in arguments.items() if k != "self"}
 
 
 def _without_null_retry(event: dict[str, Any]) -> dict[str, Any]:

@@ -143,7 +143,8 @@ def callback_definitions(
 
 COUNTS_DESCRIPTION = (
     "Callback events of the buckets one worker job serves: pending, overdue (due and not yet called) and the age of "
-    "the oldest overdue one; notified, failed and rejected in the last hour."
+    "the oldest overdue one; notified, failed and rejected in the last hour; dead letters (failed for good, not "
+    "replayed: `cmb-dagster callbacks failed`)."
 )
 
 

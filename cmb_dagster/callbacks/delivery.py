@@ -33,10 +33,11 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_job_name
+from cmb_dagster.callbacks.signing import signature_headers
 from cmb_dagster.isolation import describe_error, sanitize
 from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
 
@@ -52,6 +53,7 @@ RETRY = "retry"  # main retry: reschedule in the database
 ABANDONED = "abandoned"  # not called: the lease could lapse first, or the worker is stopping
 GONE = "gone"  # not called: cancelled, updated or deleted since it was polled (nothing to write)
 MAX_HEADER_BYTES = 16 * 1024
+RESPONSE_EXCERPT_BYTES = 512  # of an answer's body kept with the outcome (last_response)
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"))
 INTERNAL_ERROR_DELAY = 5.0  # seconds: at least this long before an event that hit one of our bugs is retried
 SLOT_RECHECK = 0.05  # seconds: calls waiting for slots other workers hold ask again after this
@@ -111,9 +113,13 @@ class Delivery:
     priority: int = 0
     flow: FlowKey | None = None  # the limits the call is under (None: none)
     slot: int | None = None  # the slot of those limits it holds while called
+    message_id: int = 0  # its webhook-id is cb_<message_id> (0: the event id)
+    secrets: tuple[str, ...] = field(default=(), repr=False)  # its owner's active signing secrets (the gate's copy)
     outcome: str | None = None
     tries: int = 0
     error: str | None = None
+    status_code: int | None = None  # of the last answer (None: no HTTP answer)
+    response: str | None = None  # the first bytes of the last answer's body, sanitised
     retry_delay: float = 0.0
     finished: float = 0.0
     _seq: int = field(default_factory=itertools.count().__next__)
@@ -134,6 +140,15 @@ class Delivery:
             f'"run_at":"{self.run_at.isoformat()}","originally_run_at":"{self.originally_run_at.isoformat()}",'
             f'"context":{self.context_json or "null"},"attempt":{self.attempts + self.tries}}}'  # this call, from 1
         ).encode()
+
+
+class Answer(NamedTuple):
+    """How a call went: the outcome, why it failed, and the answer's status code and first body bytes."""
+
+    outcome: str
+    error: str | None
+    status: int | None = None
+    excerpt: str | None = None
 
 
 class CallError(Exception):
@@ -165,23 +180,24 @@ class HttpSender:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._tls = ssl.create_default_context()
 
-    async def post(self, url: str, body: bytes) -> tuple[str, str | None]:
-        """Return (outcome, error): notified on 2xx, rejected on a reject header, retry otherwise.
+    async def post(self, url: str, body: bytes, headers: bytes = b"") -> Answer:
+        """POST ``body`` with the extra ``headers`` (lines ending in CRLF): notified on 2xx, rejected on a reject
+        header, retry otherwise.
 
         ``settings.timeout`` is a deadline for the whole call: resolving, connecting, sending and every read.
         """
         target = _target(url)
         if isinstance(target, str):
-            return FAILED, target
+            return Answer(FAILED, target)
         scheme, host, port, head = target
         if not self.settings.host_allowed(host):
-            return FAILED, f"host {host!r} is not allowed"
-        request = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+            return Answer(FAILED, f"host {host!r} is not allowed")
+        request = b"%s%d\r\n%s\r\n%s" % (head, len(body), headers, body)
         try:
             async with asyncio.timeout(self.settings.timeout):
                 return await self._post((scheme, host, port), request)
         except TimeoutError:
-            return RETRY, "timed out"
+            return Answer(RETRY, "timed out")
 
     def close(self) -> None:
         """Drop the idle connections."""
@@ -190,7 +206,7 @@ class HttpSender:
             for conn in conns:
                 conn.close()
 
-    async def _post(self, key: tuple[str, str, int], request: bytes) -> tuple[str, str | None]:
+    async def _post(self, key: tuple[str, str, int], request: bytes) -> Answer:
         scheme, host, port = key
         for _ in range(2):
             idle = self._idle.get(key)
@@ -199,20 +215,21 @@ class HttpSender:
             try:
                 if conn is None:
                     conn = await self._connect(scheme, host, port)
-                status, reason, headers, keep = await self._exchange(conn, request, reused)
+                status, reason, headers, keep, excerpt = await self._exchange(conn, request, reused)
             except _StaleConnection:
                 conn.close()  # type: ignore[union-attr]
                 continue  # the server closed an idle keep-alive connection: not the callback's fault
             except RefusedTarget:
-                return FAILED, f"host {host!r} resolves to no allowed address (loopback, private, link-local...)"
+                refused = f"host {host!r} resolves to no allowed address (loopback, private, link-local...)"
+                return Answer(FAILED, refused)
             except CallError as exc:
                 if conn is not None:
                     conn.close()
-                return RETRY, str(exc)
+                return Answer(RETRY, str(exc))
             except (OSError, ValueError) as exc:
                 if conn is not None:
                     conn.close()
-                return RETRY, _general(exc)
+                return Answer(RETRY, _general(exc))
             except BaseException:  # the deadline passed (cancelled), or the pool is closing
                 if conn is not None:
                     conn.close()
@@ -221,12 +238,13 @@ class HttpSender:
                 self._idle.setdefault(key, []).append(conn)
             else:
                 conn.close()
+            text = sanitize(excerpt.decode("utf-8", "replace"), RESPONSE_EXCERPT_BYTES) if excerpt else None
             if any(name in headers for name in _REJECT_HEADERS_LOWER):
-                return REJECTED, f"HTTP {status} with a reject header"
+                return Answer(REJECTED, f"HTTP {status} with a reject header", status, text)
             if 200 <= status < 300:
-                return NOTIFIED, None
-            return RETRY, f"HTTP {status} {reason}".strip()
-        return RETRY, "connection closed by the server"
+                return Answer(NOTIFIED, None, status, text)
+            return Answer(RETRY, f"HTTP {status} {reason}".strip(), status, text)
+        return Answer(RETRY, "connection closed by the server")
 
     async def _connect(self, scheme: str, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -266,7 +284,11 @@ class HttpSender:
             return _Connection(reader, writer)
         raise CallError("could not connect (refused, unreachable or timed out)")
 
-    async def _exchange(self, conn: _Connection, request: bytes, reused: bool) -> tuple[int, str, dict[str, str], bool]:
+    async def _exchange(
+        self, conn: _Connection, request: bytes, reused: bool
+    ) -> tuple[int, str, dict[str, str], bool, bytes]:
+        """Send ``request``, read the answer: its status, reason, headers, whether the connection can be reused, and
+        the first ``RESPONSE_EXCERPT_BYTES`` of its body."""
         reader, writer = conn.reader, conn.writer
         limit = self.settings.max_response_bytes
         try:
@@ -297,34 +319,38 @@ class HttpSender:
                 headers[name.strip().lower()] = value.strip()
         keep = fields[0] == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
         if status < 200 or status in (204, 304):
-            return status, reason, headers, keep  # no body (1xx is not expected for a POST without Expect)
+            return status, reason, headers, keep, b""  # no body (1xx is not expected for a POST without Expect)
+        excerpt = bytearray()
         try:
             if "chunked" in headers.get("transfer-encoding", "").lower():
-                keep = await self._read_chunked(reader, limit) and keep
+                keep = await self._read_chunked(reader, limit, excerpt) and keep
             elif "content-length" in headers:
                 length = int(headers["content-length"])
                 if length < 0:
                     raise CallError("invalid HTTP response")
-                if length > limit:
-                    return status, reason, headers, False  # not read past the limit: the connection is dropped
-                await reader.readexactly(length)
+                if length > limit:  # not read past the limit: the connection is dropped
+                    return status, reason, headers, False, b""
+                excerpt += (await reader.readexactly(length))[:RESPONSE_EXCERPT_BYTES]
             else:  # read to the end of the connection, up to the limit
                 total = 0
                 while total <= limit:
                     chunk = await reader.read(65536)
                     if not chunk:
                         break
+                    if total < RESPONSE_EXCERPT_BYTES:
+                        excerpt += chunk[: RESPONSE_EXCERPT_BYTES - total]
                     total += len(chunk)
                 keep = False
         except asyncio.IncompleteReadError:
             raise CallError("connection closed in the response body") from None
         except (ValueError, asyncio.LimitOverrunError):
             raise CallError("invalid HTTP response") from None
-        return status, reason, headers, keep
+        return status, reason, headers, keep, bytes(excerpt)
 
     @staticmethod
-    async def _read_chunked(reader: asyncio.StreamReader, limit: int) -> bool:
-        """Read a chunked body up to ``limit`` bytes; True if it ended cleanly (connection reusable)."""
+    async def _read_chunked(reader: asyncio.StreamReader, limit: int, excerpt: bytearray) -> bool:
+        """Read a chunked body up to ``limit`` bytes, its first bytes into ``excerpt``; True if it ended cleanly
+        (connection reusable)."""
         total = 0
         while True:
             line = await reader.readuntil(b"\r\n")
@@ -332,7 +358,10 @@ class HttpSender:
             total += size
             if total > limit:
                 return False
-            end = (await reader.readexactly(size + 2))[-2:]
+            data = await reader.readexactly(size + 2)
+            end = data[-2:]
+            if len(excerpt) < RESPONSE_EXCERPT_BYTES:
+                excerpt += data[: min(size, RESPONSE_EXCERPT_BYTES - len(excerpt))]
             if size == 0:
                 return end == b"\r\n"  # trailers are not expected: with them the connection is not reused
             if end != b"\r\n":
@@ -636,7 +665,7 @@ class DeliveryPool:
     async def _call(self, delivery: Delivery) -> None:
         try:
             delivery.tries += 1
-            outcome, error = await self._attempt(delivery)
+            outcome, error, delivery.status_code, delivery.response = await self._attempt(delivery)
             if outcome != RETRY:
                 self._finish(delivery, outcome, error)
                 return
@@ -666,17 +695,20 @@ class DeliveryPool:
                     self._cond.notify_all()
             self._wake.set()  # a free slot (and maybe a fast retry) for the dispatcher
 
-    async def _attempt(self, delivery: Delivery) -> tuple[str, str | None]:
+    async def _attempt(self, delivery: Delivery) -> Answer:
         job_name = dagster_job_name(delivery.cb_url)
         if job_name is None:
-            return await self.sender.post(delivery.cb_url, delivery.body())
+            body = delivery.body()
+            message_id = delivery.message_id or delivery.event_id
+            headers = signature_headers(message_id, int(time.time()), body, delivery.secrets)
+            return await self.sender.post(delivery.cb_url, body, headers)
         if self.launcher is None:
-            return RETRY, "dagster:// callbacks need a worker with a Dagster launcher (the Dagster worker job)"
+            return Answer(RETRY, "dagster:// callbacks need a worker with a Dagster launcher (the Dagster worker job)")
         try:  # at the deadline a launch not started is dropped, one running is left to end; the event is retried
             async with asyncio.timeout(self.settings.timeout):
-                return await self._loop.run_in_executor(self._launches, self._launch, delivery, job_name)
+                return Answer(*await self._loop.run_in_executor(self._launches, self._launch, delivery, job_name))
         except TimeoutError:
-            return RETRY, "timed out"
+            return Answer(RETRY, "timed out")
 
     def _launch(self, delivery: Delivery, job_name: str) -> tuple[str, str | None]:
         """Start the Dagster run of a ``dagster://`` event (blocking: on the pool's launch thread)."""

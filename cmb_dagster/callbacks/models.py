@@ -83,6 +83,9 @@ DAGSTER_USER_TAGS = (
 ENGINE_TAGS = ("cmb/callback", "cmb/callback_run_key")
 # A tag value at most: Dagster indexes (key, value) of run tags in a btree, whose entries Postgres caps near 2.7 kB.
 MAX_TAG_VALUE_BYTES = 1024
+HOOK_GROUP = "cmb.failure"  # the group of failure hook events (reserved)
+MAX_REPLAY_BATCH = 10_000  # dead letters listed or replayed per call, at most
+MAX_SECRETS_REFRESH = 300.0  # seconds: a rotated or retired signing secret takes effect within this at most
 
 
 class CallbackStatus(StrEnum):
@@ -228,6 +231,13 @@ class CallbackSettings(Options):
     per_host: FlowLimits | None = Field(
         default=DEFAULT_PER_HOST,
         description="Limits of the calls to each destination host across all workers (None: no limit).",
+    )
+    secrets_refresh: float = Field(
+        default=10.0,
+        gt=0,
+        le=MAX_SECRETS_REFRESH,
+        description="Seconds a worker keeps its copy of an owner's signing secrets: a rotation or a retirement signs "
+        "every call within this.",
     )
     per_owner: dict[str, FlowLimits] = Field(
         default_factory=dict,
@@ -549,14 +559,24 @@ class NewCallback(BaseModel):
     body: Body = ENVELOPE
     retry: RetryPolicy = _DEFAULT_RETRY  # frozen: one shared instance
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, strict=True)
+    on_failure: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_URL_LENGTH,
+        description="Called once if the event fails for good (an http(s) URL or dagster://<job>); else the owner's.",
+    )
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
         _check_keys(
             self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH, "event_key": MAX_KEY_LENGTH}
         )
+        if self.group_key == HOOK_GROUP:
+            raise InvalidCallbackInput(f"group_key: {HOOK_GROUP!r} is the group of failure hooks")
         check_run_at(self.run_at)
         check_url(self.cb_url, settings)
+        if self.on_failure is not None:
+            check_url(self.on_failure, settings, "on_failure")
         check_context(self.context, settings, self.cb_url)
         if self.body == CONTEXT and (self.context is None or urlsplit(self.cb_url).scheme == DAGSTER_SCHEME):
             raise InvalidCallbackInput("body: 'context' sends the context as an HTTP request's body; give one")
@@ -568,11 +588,15 @@ def check_many(events: list[NewCallback], settings: CallbackSettings) -> list[Ne
     texts = "\x01".join(text for e in events for text in (e.owner_client_id, e.group_key, e.event_key))
     if "\x00" in texts or not _encodes(texts):
         return [event.check(settings) for event in events]  # the first bad event names its field
+    if any(event.group_key == HOOK_GROUP for event in events):
+        return [event.check(settings) for event in events]  # the first bad event names its field
     dagster_urls = set()
     for url in {event.cb_url for event in events}:
         check_url(url, settings)
         if dagster_job_name(url) is not None:
             dagster_urls.add(url)
+    for url in {event.on_failure for event in events if event.on_failure is not None}:
+        check_url(url, settings, "on_failure")
     each_context = not _contexts_fit([e.context for e in events if e.context is not None], settings)
     for event in events:
         check_run_at(event.run_at)
@@ -629,6 +653,17 @@ class CallbackEvent(BaseModel):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    message_id: int = Field(description="Its calls' webhook-id is 'cb_<message_id>' (kept by retries and replays).")
+    last_status_code: int | None = Field(default=None, description="The HTTP status of the last answer.")
+    last_response: str | None = Field(default=None, description="The first bytes of the last answer's body.")
+    replays: int = 0
+    on_failure: str | None = None
+    failure_of: int | None = Field(default=None, description="On a failure hook: the failed event's message_id.")
+
+    @property
+    def webhook_id(self) -> str:
+        """The ``webhook-id`` header of its calls."""
+        return f"cb_{self.message_id}"
 
 
 class NewSchedule(BaseModel):
@@ -745,6 +780,50 @@ class BucketSetCounts(BaseModel):
     notified_last_hour: int
     failed_last_hour: int
     rejected_last_hour: int
+    dead_letters: int = 0  # failed for good and not replayed, whenever
+
+
+class DeadLetters(BaseModel):
+    """Which failed events :meth:`CallbackClient.failed` lists and :meth:`CallbackClient.replay` sends again: of an
+    owner, a group or one key, failed within [since, until), oldest failure first, ``limit`` at most."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    owner_client_id: str | None = Field(default=None, min_length=1, max_length=MAX_OWNER_LENGTH)
+    group_key: str | None = Field(default=None, min_length=1, max_length=MAX_GROUP_LENGTH)
+    event_key: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LENGTH)
+    since: AwareDatetime | None = None
+    until: AwareDatetime | None = None
+    limit: int = Field(default=1000, ge=1, le=MAX_REPLAY_BATCH)
+
+    @model_validator(mode="after")
+    def _keys_narrow_down(self) -> DeadLetters:
+        if self.group_key is not None and self.owner_client_id is None:
+            raise ValueError("group_key needs owner_client_id")
+        if self.event_key is not None and self.group_key is None:
+            raise ValueError("event_key needs owner_client_id and group_key")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        """The statement parameters of this selection."""
+        return {
+            "owner": self.owner_client_id,
+            "group": self.group_key,
+            "key": self.event_key,
+            "since": self.since or "-infinity",
+            "until": self.until or "infinity",
+            "limit": self.limit,
+        }
+
+
+class SigningSecretInfo(BaseModel):
+    """One signing secret of an owner as operators see it: never the secret itself."""
+
+    secret_id: int
+    created_at: datetime
+    expires_at: datetime | None
+    retired_at: datetime | None
+    active: bool
 
 
 class LimitUse(BaseModel):

@@ -5,7 +5,8 @@ from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
 EVENT_COLUMNS = """
     event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
     context, body, retry, attempts, main_retries, last_error, schedule_id, priority, created_at, updated_at,
-    finished_at
+    finished_at, coalesce(message_id, event_id) AS message_id, last_status_code, last_response, replays, on_failure,
+    failure_of
 """
 
 # -- creating events ------------------------------------------------------------------------------
@@ -24,22 +25,23 @@ LOCK_EVENT_IDS_EXCLUSIVE = """SELECT pg_advisory_xact_lock(hashtextextended(curr
     0))"""
 
 # The rows come as one JSON array of objects (parsed by Postgres in one pass, far cheaper to send than one
-# array per column); "r" indexes the batch's distinct retry policies, each parsed once; "b" (the body) and "p"
-# (the priority) are there only when not the default. Each insert also
+# array per column); "r" indexes the batch's distinct retry policies, each parsed once; "b" (the body), "p"
+# (the priority) and "f" (the failure hook) are there only when not the default. Each insert also
 # sends a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of the earliest
 # run_at>") to the workers of buckets that got an event due before their next poll would see it. The table
 # stays the truth.
 _INSERT_ROWS = f"""
 WITH ins AS (
     INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
-                                      run_at, originally_run_at, cb_url, context, body, retry, schedule_id, priority)
+                                      run_at, originally_run_at, cb_url, context, body, retry, schedule_id, priority,
+                                      on_failure)
     SELECT nextval('callback_event_ids'),
            (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
            n.o, n.g, n.k, n.t, n.t, n.u, n.c, coalesce(n.b, 'envelope'), b.policies -> n.r, %(schedule_id)s::bigint,
-           coalesce(n.p, 0)
+           coalesce(n.p, 0), n.f
     FROM ROWS FROM (json_to_recordset(%(rows)s::json)
-                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, b text, r int, p smallint))
-         WITH ORDINALITY AS n(o, g, k, t, u, c, b, r, p, ord)
+                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, b text, r int, p smallint, f text))
+         WITH ORDINALITY AS n(o, g, k, t, u, c, b, r, p, f, ord)
     CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
                 FROM callback_buckets) AS b  -- before any id is drawn
     ORDER BY n.ord  -- ids are drawn in the batch's order
@@ -98,12 +100,13 @@ LIMIT %(limit)s
 """
 
 # A changed event gets a new id (drawn under LOCK_EVENT_IDS), so the poller sees it as freshly inserted
-# wherever its new run_at falls, and a delivery of its old version in flight cannot mark it done.
+# wherever its new run_at falls, and a delivery of its old version in flight cannot mark it done. It is a new
+# message (a new webhook-id), whose retries count from its originally_run_at.
 UPDATE_EVENT = f"""
 UPDATE callback_events
 SET event_id = nextval('callback_event_ids'), status = 'pending', run_at = %(run_at)s,
     originally_run_at = %(originally_run_at)s, cb_url = %(cb_url)s, context = %(context)s::jsonb,
-    main_retries = 0, finished_at = NULL, updated_at = now()
+    main_retries = 0, finished_at = NULL, updated_at = now(), message_id = NULL, replayed_at = NULL
 WHERE event_id = %(event_id)s
 RETURNING {EVENT_COLUMNS}
 """
@@ -131,7 +134,8 @@ ORDER BY change_id
 
 POLL_COLUMNS = """
     event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context::text, body,
-    retry::text, attempts, main_retries, extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in, priority
+    retry::text, attempts, main_retries, coalesce(message_id, event_id),
+    extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in, priority
 """
 
 # The highest event id drawn so far, then (read after it) the transactions holding LOCK_EVENT_IDS: once
@@ -272,9 +276,9 @@ UPDATE callback_events SET status = 'failed', last_error = %(error)s, finished_a
 WHERE event_id = %(event_id)s AND status = 'pending'
 """
 
-# Outcomes of calls, in one statement (attempts were counted by the gate). 'retry' moves run_at (never to or
-# before the cursor's run_at, so query 1 finds it again) unless stop_after_delay has passed since
-# originally_run_at: then 'failed'.
+# Outcomes of calls, in one statement (attempts were counted by the gate), with the last answer's status code and
+# the first bytes of its body. 'retry' moves run_at (never to or before the cursor's run_at, so query 1 finds it
+# again) unless stop_after_delay has passed since originally_run_at (or the last replay): then 'failed'.
 # Planned by the primary key whatever the statistics: each event is read by its id (OFFSET 0 keeps the lookup per id),
 # and the update matches the status it read rather than the literal 'pending', which would let a planner without
 # statistics on status (autovacuum off) read the whole partial pending index for every batch. The deadline is only
@@ -282,10 +286,12 @@ WHERE event_id = %(event_id)s AND status = 'pending'
 FINISH_EVENTS = """
 WITH read AS MATERIALIZED (
     SELECT u.*, e.status AS read_status, e.originally_run_at, e.stop_after_delay
-    FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[], %(errors)s::text[], %(delays)s::float8[])
-         AS u(event_id, outcome, error, delay)
+    FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[], %(errors)s::text[], %(delays)s::float8[],
+                %(codes)s::smallint[], %(responses)s::text[])
+         AS u(event_id, outcome, error, delay, code, response)
     CROSS JOIN LATERAL (
-        SELECT e.status, e.originally_run_at, e.retry ->> 'stop_after_delay' AS stop_after_delay
+        SELECT e.status, coalesce(e.replayed_at, e.originally_run_at) AS originally_run_at,
+               e.retry ->> 'stop_after_delay' AS stop_after_delay
         FROM callback_events e
         WHERE e.event_id = u.event_id
         OFFSET 0
@@ -307,6 +313,8 @@ SET status = s.new_status,
                   ELSE e.run_at END,
     main_retries = e.main_retries + (s.new_status = 'pending')::int,
     last_error = coalesce(s.error, e.last_error),
+    last_status_code = s.code,
+    last_response = s.response,
     finished_at = CASE WHEN s.new_status <> 'pending' THEN now() END,
     updated_at = now()
 FROM s
@@ -357,7 +365,7 @@ moving AS (
     FOR UPDATE
 ), moved AS (
     UPDATE callback_events e
-    SET event_id = nextval('callback_event_ids'),
+    SET event_id = nextval('callback_event_ids'), message_id = coalesce(e.message_id, e.event_id),
         bucket_id = (hashtextextended(e.owner_client_id || chr(1) || e.group_key || chr(1) || e.event_key, 0)
                      & 9223372036854775807) %% (SELECT buckets FROM live)
     FROM moving WHERE e.event_id = moving.event_id
@@ -503,6 +511,11 @@ WITH p AS (
     FROM callback_events
     WHERE status = 'pending' AND bucket_id >= 0
     GROUP BY 1
+), d AS (  -- the dead letters, by their index
+    SELECT bucket_id %% %(sets)s AS bucket_set, count(*) AS dead
+    FROM callback_events
+    WHERE status = 'failed' AND finished_at >= '-infinity'
+    GROUP BY 1
 ), f AS (
     SELECT bucket_id %% %(sets)s AS bucket_set,
            count(*) FILTER (WHERE status = 'notified') AS notified,
@@ -515,9 +528,10 @@ WITH p AS (
 )
 SELECT s.bucket_set, coalesce(p.pending, 0) AS pending, coalesce(p.overdue, 0) AS overdue,
        coalesce(p.oldest, 0)::float8 AS oldest_overdue_seconds, coalesce(f.notified, 0) AS notified_last_hour,
-       coalesce(f.failed, 0) AS failed_last_hour, coalesce(f.rejected, 0) AS rejected_last_hour
+       coalesce(f.failed, 0) AS failed_last_hour, coalesce(f.rejected, 0) AS rejected_last_hour,
+       coalesce(d.dead, 0) AS dead_letters
 FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
-LEFT JOIN p USING (bucket_set) LEFT JOIN f USING (bucket_set)
+LEFT JOIN p USING (bucket_set) LEFT JOIN f USING (bucket_set) LEFT JOIN d USING (bucket_set)
 ORDER BY s.bucket_set
 """
 
@@ -667,4 +681,155 @@ FLOW_RELEASE_HELD = """
 UPDATE flow_slots s SET item = NULL, taken_at = NULL, expires_at = '-infinity'
 FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(slots)s::int[]) AS u(scope, key, slot)
 WHERE s.scope = u.scope AND s.key = u.key AND s.slot = u.slot AND s.item = %(holder)s || s.slot
+"""
+
+# -- failure hooks, dead letters and replay, signing secrets -------------------------------------------
+
+# The failure hooks of the events %(ids)s that failed for good in this transaction (finished_at = now()), run in the
+# transaction that wrote their outcomes: each hook is a new event (group %(group)s, due now) calling the event's
+# on_failure, else its owner's, with what failed (the context, sent as the body; for a dagster:// hook, run tags).
+# A hook event has no hook itself (failure_of is set). The lock on event ids is taken only when there is a hook.
+INSERT_FAILURE_HOOKS = f"""
+WITH failed AS MATERIALIZED (
+    SELECT e.owner_client_id, e.group_key, e.event_key, e.cb_url, e.attempts, e.replays, e.last_error,
+           e.last_status_code, e.last_response, e.finished_at, coalesce(e.message_id, e.event_id) AS message_id,
+           coalesce(e.on_failure, o.on_failure) AS hook_url
+    FROM callback_events e LEFT JOIN callback_owner_settings o ON o.owner_client_id = e.owner_client_id
+    WHERE e.event_id = ANY(%(ids)s::bigint[]) AND e.status = 'failed' AND e.finished_at = now()
+      AND e.failure_of IS NULL AND coalesce(e.on_failure, o.on_failure) IS NOT NULL
+), b AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM callback_buckets) AS buckets, {TAKE_EVENT_IDS_LOCK} AS locked
+    WHERE EXISTS (SELECT FROM failed)
+), hooks AS (
+    SELECT f.*, f.event_key || '@failed:' || f.message_id || ':' || f.replays AS hook_key,
+           f.hook_url LIKE 'dagster://%%' AS launches
+    FROM failed f
+), ins AS (
+    INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
+                                 originally_run_at, cb_url, context, body, retry, failure_of)
+    SELECT nextval('callback_event_ids'),
+           (hashtextextended(h.owner_client_id || chr(1) || %(group)s || chr(1) || h.hook_key, 0)
+            & 9223372036854775807) %% b.buckets,
+           h.owner_client_id, %(group)s, h.hook_key, now(), now(), h.hook_url,
+           CASE WHEN h.launches
+                THEN jsonb_build_object('tags', jsonb_build_object(
+                    'cmb/failed_callback', left(h.owner_client_id || '/' || h.group_key || '/' || h.event_key, 250),
+                    'cmb/failed_message', 'cb_' || h.message_id))
+                ELSE jsonb_build_object(
+                    'owner_client_id', h.owner_client_id, 'group_key', h.group_key, 'event_key', h.event_key,
+                    'webhook_id', 'cb_' || h.message_id, 'url', h.cb_url, 'attempts', h.attempts,
+                    'replays', h.replays, 'last_error', h.last_error, 'status_code', h.last_status_code,
+                    'response', h.last_response, 'failed_at', h.finished_at)
+           END,
+           CASE WHEN h.launches THEN 'envelope' ELSE 'context' END, %(retry)s::jsonb, h.message_id
+    FROM hooks h CROSS JOIN b
+    ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
+    RETURNING bucket_id, run_at
+)
+SELECT count(*)::int,
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                               i.bucket_id || ':' || extract(epoch FROM i.run_at)::text))
+        FROM (SELECT bucket_id, min(run_at) AS run_at FROM ins GROUP BY bucket_id) AS i)
+FROM ins
+"""
+
+_DEAD_LETTERS = """
+    status = 'failed' AND finished_at >= %(since)s AND finished_at < %(until)s
+    AND (%(owner)s::text IS NULL OR owner_client_id = %(owner)s)
+    AND (%(group)s::text IS NULL OR group_key = %(group)s)
+    AND (%(key)s::text IS NULL OR event_key = %(key)s)
+"""
+
+# Dead letters (failed for good), oldest failure first, by the index callback_events_dead.
+LIST_FAILED = f"""
+SELECT {EVENT_COLUMNS} FROM callback_events
+WHERE {_DEAD_LETTERS}
+ORDER BY finished_at, event_id
+LIMIT %(limit)s
+"""
+
+# Dead letters back to pending, due now, for a new round: attempts and main retries from 0, retries counted from
+# now (replayed_at), one more replay, the same message id. Only rows still failed are touched (locked: a concurrent
+# replay skips them, and then finds them pending), and each gets a new event id (run after LOCK_EVENT_IDS), so a
+# delivery of an older version can neither pass the gate nor write an outcome. Wakes the workers of their buckets.
+REPLAY_FAILED = f"""
+WITH picked AS (
+    SELECT event_id FROM callback_events
+    WHERE {_DEAD_LETTERS}
+    ORDER BY finished_at, event_id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), replayed AS (
+    UPDATE callback_events e
+    SET event_id = nextval('callback_event_ids'), message_id = coalesce(e.message_id, e.event_id),
+        status = 'pending', run_at = now(), replayed_at = now(), attempts = 0, main_retries = 0,
+        replays = e.replays + 1, finished_at = NULL, updated_at = now()
+    FROM picked
+    WHERE e.event_id = picked.event_id AND e.status = 'failed'
+    RETURNING e.bucket_id, e.run_at
+)
+SELECT count(*)::int,
+       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                               r.bucket_id || ':' || extract(epoch FROM r.run_at)::text))
+        FROM (SELECT bucket_id, min(run_at) AS run_at FROM replayed GROUP BY bucket_id) AS r)
+FROM replayed
+"""
+
+SET_OWNER_HOOK = """
+INSERT INTO callback_owner_settings (owner_client_id, on_failure) VALUES (%(owner)s, %(url)s)
+ON CONFLICT (owner_client_id) DO UPDATE SET on_failure = excluded.on_failure, updated_at = now()
+"""
+
+GET_OWNER_HOOK = "SELECT on_failure FROM callback_owner_settings WHERE owner_client_id = %(owner)s"
+
+_ACTIVE_SECRET = "retired_at IS NULL AND (expires_at IS NULL OR expires_at > now())"
+
+# Rotations and retirements of one owner's secrets, one at a time (held to the transaction's end).
+LOCK_OWNER_SECRETS = """SELECT pg_advisory_xact_lock(
+    hashtextextended(current_schema() || ':callbacks.secrets:' || %(owner)s, 0))"""
+
+# Before a new secret: every active secret but the newest is retired (at most two stay active), and the newest
+# expires within %(previous_for)s seconds (NULL: when retired).
+RETIRE_OLDER_SECRETS = f"""
+UPDATE callback_signing_secrets SET retired_at = now()
+WHERE owner_client_id = %(owner)s AND retired_at IS NULL
+  AND secret_id NOT IN (SELECT secret_id FROM callback_signing_secrets
+                        WHERE owner_client_id = %(owner)s AND {_ACTIVE_SECRET}
+                        ORDER BY created_at DESC, secret_id DESC LIMIT 1)
+"""
+
+EXPIRE_PREVIOUS_SECRET = f"""
+UPDATE callback_signing_secrets
+SET expires_at = least(coalesce(expires_at, 'infinity'), now() + make_interval(secs => %(previous_for)s))
+WHERE owner_client_id = %(owner)s AND {_ACTIVE_SECRET} AND %(previous_for)s::float8 IS NOT NULL
+"""
+
+INSERT_SECRET = """
+INSERT INTO callback_signing_secrets (owner_client_id, secret) VALUES (%(owner)s, %(secret)s) RETURNING secret_id
+"""
+
+# Retires the owner's active secrets: all of them, or all but the newest.
+RETIRE_SECRETS = f"""
+UPDATE callback_signing_secrets SET retired_at = now()
+WHERE owner_client_id = %(owner)s AND {_ACTIVE_SECRET}
+  AND (%(all)s OR secret_id NOT IN (SELECT secret_id FROM callback_signing_secrets
+                                    WHERE owner_client_id = %(owner)s AND {_ACTIVE_SECRET}
+                                    ORDER BY created_at DESC, secret_id DESC LIMIT 1))
+"""
+
+# What is known of an owner's secrets, without the secrets.
+LIST_SECRETS = f"""
+SELECT secret_id, created_at, expires_at, retired_at, {_ACTIVE_SECRET} AS active FROM callback_signing_secrets
+WHERE owner_client_id = %(owner)s
+ORDER BY created_at DESC, secret_id DESC
+LIMIT %(limit)s
+"""
+
+# The active secrets of %(owners)s, newest first (at most two each): the worker's gate reads them when its copy of
+# an owner's is older than CallbackSettings.secrets_refresh.
+ACTIVE_SECRETS = f"""
+SELECT owner_client_id, (array_agg(secret ORDER BY created_at DESC, secret_id DESC))[1:2]
+FROM callback_signing_secrets
+WHERE owner_client_id = ANY(%(owners)s::text[]) AND {_ACTIVE_SECRET}
+GROUP BY owner_client_id
 """

@@ -45,7 +45,14 @@ from cmb_dagster.callbacks.delivery import (
     JobLauncher,
     target_host,
 )
-from cmb_dagster.callbacks.models import CONTEXT, EARLIEST_RUN_AT, OWNER_SCOPE, CallbackSettings, RetryPolicy
+from cmb_dagster.callbacks.models import (
+    CONTEXT,
+    EARLIEST_RUN_AT,
+    HOOK_GROUP,
+    OWNER_SCOPE,
+    CallbackSettings,
+    RetryPolicy,
+)
 from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
 from cmb_dagster.isolation import sanitize
 from cmb_dagster.models import describe
@@ -238,6 +245,31 @@ class HeldSlots:
             return {key: len(slots) for key, slots in self._busy.items() if slots}
 
 
+class OwnerSecrets:
+    """The worker's copy of its owners' active signing secrets, each owner's read again once older than
+    ``secrets_refresh`` (by the gate, in its transaction: one query for the owners of a batch, not one per call)."""
+
+    def __init__(self, refresh: float) -> None:
+        self.refresh = refresh
+        self._known: dict[str, tuple[float, tuple[str, ...]]] = {}  # owner: (read at, secrets)
+
+    def stale(self, owners: set[str], now: float) -> list[str]:
+        """Of ``owners``, those whose secrets are to be read."""
+        return sorted(o for o in owners if (known := self._known.get(o)) is None or now - known[0] >= self.refresh)
+
+    def update(self, owners: list[str], rows: list[tuple[str, list[str]]], now: float) -> None:
+        """What the database says of ``owners`` (those without a row have no active secret)."""
+        if len(self._known) > MAX_KEYS_REMEMBERED:
+            self._known.clear()  # read again where needed
+        found = dict(rows)
+        for owner in owners:
+            self._known[owner] = (now, tuple(found.get(owner) or ()))
+
+    def of(self, owner: str) -> tuple[str, ...]:
+        known = self._known.get(owner)
+        return () if known is None else known[1]
+
+
 class BucketGate:
     """The worker's gate (a :class:`~cmb_dagster.callbacks.delivery.Gate`), on a connection of its own.
 
@@ -246,10 +278,13 @@ class BucketGate:
     the commit (cancel, update and delete wait for the row locks until then).
     """
 
-    def __init__(self, db: Database, states: dict[int, BucketState], owner: str, slots: HeldSlots) -> None:
+    def __init__(
+        self, db: Database, states: dict[int, BucketState], owner: str, slots: HeldSlots, secrets: OwnerSecrets
+    ) -> None:
         self._states = states  # the worker's
         self._owner = owner
         self._slots = slots
+        self._secrets = secrets
         self._conn = OwnAsyncConnection(db, custom_plans=True)  # planned at each run, as the worker loop's
 
     def free(self, delivery: Delivery) -> None:
@@ -283,6 +318,13 @@ class BucketGate:
         conn = await self._conn.get()
         wait = None
         async with conn.transaction():
+            signed = {d.owner_client_id for d in deliveries if target_host(d.cb_url) is not None}
+            if stale := self._secrets.stale(signed, time.monotonic()):
+                read_at = time.monotonic()
+                cursor = await conn.execute(sql.ACTIVE_SECRETS, {"owners": stale})
+                self._secrets.update(stale, await cursor.fetchall(), read_at)
+            for d in deliveries:
+                d.secrets = self._secrets.of(d.owner_client_id)
             taken: dict[FlowKey, tuple[int, list[int]]] = {}
             short: list[FlowKey] = []
             need = {k: ds for k, ds in asking.items() if self._slots.rated(k) or any(d.slot is None for d in ds)}
@@ -388,7 +430,8 @@ class CallbackWorker(EngineWorker):
         # callback_events was small (a sequential scan) would be kept as it grows
         self._loop_conn = OwnConnection(self.db, custom_plans=True)  # the worker loop's: polls and outcome writes
         self._slots = HeldSlots(self.settings, self.owner)
-        self._gate = BucketGate(self.db, self._states, self.owner, self._slots)
+        secrets = OwnerSecrets(self.settings.secrets_refresh)
+        self._gate = BucketGate(self.db, self._states, self.owner, self._slots, secrets)
         self._flow_key = functools.lru_cache(maxsize=4096)(self.settings.flow_key)
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
@@ -629,6 +672,7 @@ class CallbackWorker(EngineWorker):
                 retry,
                 attempts,
                 main_retries,
+                message_id,
                 due_in,
                 priority,
             ) = row
@@ -657,6 +701,7 @@ class CallbackWorker(EngineWorker):
                 on_done=lambda d, s=state: self._on_done(s, d),
                 priority=priority,
                 flow=self._flow_key(owner, group, target_host(url)),
+                message_id=message_id,
             )
             if policy is None:
                 delivery.outcome, delivery.error = FAILED, error
@@ -779,6 +824,9 @@ class CallbackWorker(EngineWorker):
                     error = f"outcome {d.outcome} could not be written: {reason}"
                     log.warning("event %s: %s", d.event_id, error)
                     conn.execute(sql.FAIL_EVENT, {"event_id": d.event_id, "error": error})
+            # the events that may have failed for good here (a retry past its deadline; any, written one at a time)
+            if failed := [d.event_id for d in finished if careful or d.outcome in (FAILED, RETRY)]:
+                conn.execute(sql.INSERT_FAILURE_HOOKS, _hook_params(failed))
             conn.execute(
                 sql.SAVE_WATERMARK,
                 {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
@@ -839,8 +887,18 @@ def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:
         "outcomes": [d.outcome for d in finished],
         "errors": [d.error for d in finished],
         "delays": [d.retry_delay for d in finished],
+        "codes": [d.status_code for d in finished],
+        "responses": [d.response for d in finished],
         "cursor_run_at": cursor[0],
     }
+
+
+_HOOK_RETRY = RetryPolicy().model_dump_json()
+
+
+def _hook_params(ids: list[int]) -> dict[str, object]:
+    """Parameters of ``sql.INSERT_FAILURE_HOOKS`` for the events ``ids`` (those that failed for good get a hook)."""
+    return {"ids": ids, "group": HOOK_GROUP, "retry": _HOOK_RETRY, "lock_timeout": "0"}
 
 
 @functools.lru_cache(maxsize=1024)

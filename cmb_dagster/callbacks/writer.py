@@ -253,7 +253,9 @@ def insert_events_skipping_taken(
         if same:
             results.append(inserted[key] if row is None else row["event_id"])
         else:
-            conflict = f"event {'/'.join(key)} exists with another run_at, cb_url, context, retry or priority"
+            conflict = (
+                f"event {'/'.join(key)} exists with another run_at, cb_url, context, retry, priority or on_failure"
+            )
             results.append(CallbackConflict(conflict))
     return results
 
@@ -273,6 +275,7 @@ def _insert_params(
             "r": r,
             **({} if e.body == ENVELOPE else {"b": e.body}),
             **({"p": e.priority} if e.priority else {}),
+            **({"f": e.on_failure} if e.on_failure is not None else {}),
         }
         for e, r in zip(events, indexes, strict=True)
     ]
@@ -320,13 +323,14 @@ def _policy_json(policy: RetryPolicy) -> str:
 
 
 def _same_event(event: NewCallback, other: NewCallback) -> bool:
-    return (event.run_at, event.cb_url, event.context, event.body, event.retry, event.priority) == (
+    return (event.run_at, event.cb_url, event.context, event.body, event.retry, event.priority, event.on_failure) == (
         other.run_at,
         other.cb_url,
         other.context,
         other.body,
         other.retry,
         other.priority,
+        other.on_failure,
     )
 
 
@@ -337,5 +341,6 @@ def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:
         and row["context"] == event.context
         and row["body"] == event.body
         and row["priority"] == event.priority
+        and row["on_failure"] == event.on_failure
         and RetryPolicy.model_validate(row["retry"]) == event.retry
     )

@@ -162,6 +162,13 @@ CREATE TABLE cmb.callback_events (
     finished_at timestamp with time zone,
     body text DEFAULT 'envelope'::text NOT NULL,
     priority smallint DEFAULT 0 NOT NULL,
+    message_id bigint,
+    last_status_code smallint,
+    last_response text,
+    replays integer DEFAULT 0 NOT NULL,
+    replayed_at timestamp with time zone,
+    on_failure text,
+    failure_of bigint,
     CONSTRAINT callback_events_body_check CHECK ((body = ANY (ARRAY['envelope'::text, 'context'::text]))),
     CONSTRAINT callback_events_priority_check CHECK (((priority >= '-1000'::integer) AND (priority <= 1000))),
     CONSTRAINT callback_events_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'notified'::text, 'failed'::text, 'cancelled'::text, 'rejected'::text])))
@@ -176,6 +183,12 @@ CREATE SEQUENCE cmb.callback_event_ids
     CACHE 1;
 
 ALTER SEQUENCE cmb.callback_event_ids OWNED BY cmb.callback_events.event_id;
+
+CREATE TABLE cmb.callback_owner_settings (
+    owner_client_id text NOT NULL,
+    on_failure text,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
 
 CREATE TABLE cmb.callback_scheduled_events (
     schedule_id bigint NOT NULL,
@@ -209,6 +222,24 @@ CREATE TABLE cmb.callback_schedules (
 
 ALTER TABLE cmb.callback_schedules ALTER COLUMN schedule_id ADD GENERATED ALWAYS AS IDENTITY (
     SEQUENCE NAME cmb.callback_schedules_schedule_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+CREATE TABLE cmb.callback_signing_secrets (
+    secret_id bigint NOT NULL,
+    owner_client_id text NOT NULL,
+    secret text NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    expires_at timestamp with time zone,
+    retired_at timestamp with time zone
+);
+
+ALTER TABLE cmb.callback_signing_secrets ALTER COLUMN secret_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.callback_signing_secrets_secret_id_seq
     START WITH 1
     INCREMENT BY 1
     NO MINVALUE
@@ -723,6 +754,9 @@ ALTER TABLE ONLY cmb.callback_events
 ALTER TABLE ONLY cmb.callback_events
     ADD CONSTRAINT callback_events_pkey PRIMARY KEY (event_id);
 
+ALTER TABLE ONLY cmb.callback_owner_settings
+    ADD CONSTRAINT callback_owner_settings_pkey PRIMARY KEY (owner_client_id);
+
 ALTER TABLE ONLY cmb.callback_scheduled_events
     ADD CONSTRAINT callback_scheduled_events_pkey PRIMARY KEY (schedule_id, fire_at);
 
@@ -731,6 +765,9 @@ ALTER TABLE ONLY cmb.callback_schedules
 
 ALTER TABLE ONLY cmb.callback_schedules
     ADD CONSTRAINT callback_schedules_pkey PRIMARY KEY (schedule_id);
+
+ALTER TABLE ONLY cmb.callback_signing_secrets
+    ADD CONSTRAINT callback_signing_secrets_pkey PRIMARY KEY (secret_id);
 
 ALTER TABLE ONLY cmb.check_states
     ADD CONSTRAINT check_states_pkey PRIMARY KEY (asset, check_name);
@@ -838,6 +875,8 @@ CREATE INDEX callback_change_log_at ON cmb.callback_change_log USING btree (at);
 
 CREATE INDEX callback_change_log_key ON cmb.callback_change_log USING btree (owner_client_id, group_key, event_key);
 
+CREATE INDEX callback_events_dead ON cmb.callback_events USING btree (finished_at, event_id) WHERE (status = 'failed'::text);
+
 CREATE INDEX callback_events_finished ON cmb.callback_events USING btree (run_at) WHERE (status <> 'pending'::text);
 
 CREATE INDEX callback_events_outcomes ON cmb.callback_events USING btree (finished_at) INCLUDE (bucket_id, status) WHERE (status <> 'pending'::text);
@@ -849,6 +888,8 @@ CREATE INDEX callback_events_pending_ids ON cmb.callback_events USING btree (buc
 CREATE INDEX callback_events_schedule ON cmb.callback_events USING btree (schedule_id) WHERE (schedule_id IS NOT NULL);
 
 CREATE INDEX callback_events_urgent ON cmb.callback_events USING btree (bucket_id, priority DESC, run_at, event_id) WHERE ((status = 'pending'::text) AND (priority > 0));
+
+CREATE INDEX callback_signing_secrets_active ON cmb.callback_signing_secrets USING btree (owner_client_id, created_at) WHERE (retired_at IS NULL);
 
 CREATE INDEX check_transitions_unalerted ON cmb.check_transitions USING btree (id) WHERE (alerted_at IS NULL);
 

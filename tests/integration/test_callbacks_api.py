@@ -416,6 +416,8 @@ def test_outcome_write_reads_events_by_id_with_or_without_statistics(db, statist
             "outcomes": ["notified"] * 500,
             "errors": [None] * 500,
             "delays": [0.0] * 500,
+            "codes": [200] * 500,
+            "responses": [None] * 500,
             "cursor_run_at": datetime.now(UTC),
         }
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.FINISH_EVENTS, params))
@@ -450,7 +452,15 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
         "gate": (sql.GATE, {"kind": "callbacks.bucket", "owner": "me", "partitions": ["1"], "fences": [1], "ids": ids}),
         "finish": (
             sql.FINISH_EVENTS,
-            {"ids": ids, "outcomes": ["notified"] * 3, "errors": [None] * 3, "delays": [0.0] * 3, "cursor_run_at": now},
+            {
+                "ids": ids,
+                "outcomes": ["notified"] * 3,
+                "errors": [None] * 3,
+                "delays": [0.0] * 3,
+                "codes": [200] * 3,
+                "responses": [None] * 3,
+                "cursor_run_at": now,
+            },
         ),
         "ahead": (sql.POLL_AHEAD, {"bucket": 1, "lookahead": 2.0, "limit": 1000, "run_at": now, "event_id": 0}),
         "late": (sql.POLL_LATE, {"bucket": 1, "limit": 1000, "run_at": now, "max_event_id": 20}),
