@@ -1,7 +1,7 @@
 """Callbacks benchmark: create throughput, a burst of 20,000 events due at once and a steady 1,000 events/s,
 side by side with PgQueuer.
 
-    .venv/bin/python benchmarks/bench_callbacks.py [--quick] [--only create burst steady]
+    .venv/bin/python benchmarks/bench_callbacks.py [--quick] [--only create burst steady] [--signed]
 
 Runs on CMB_DATABASE_URL (or the embedded server) in a database of its own, dropped at the end. Callbacks
 go to a local HTTP sink on 127.0.0.1 in a process of its own (so the producers' threads here cannot delay its
@@ -645,6 +645,11 @@ def main() -> None:
         default=FIGURES,
         help="Run only these figures (each with its PgQueuer side).",
     )
+    parser.add_argument(
+        "--signed",
+        action="store_true",
+        help="Give the events' owner a signing secret: each cmb call carries a Standard Webhooks signature.",
+    )
     parser.add_argument("--pgqueuer-consumer", nargs=2, metavar=("URL", "SINK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pgqueuer_consumer:
@@ -658,6 +663,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "quick": args.quick,
         "figures": list(args.only),
+        "signed": args.signed,
     }
     ratios: dict[str, float] = {}
     with bench_database() as db:
@@ -673,6 +679,9 @@ def main() -> None:
             f"callbacks benchmark on {db.display_url} ({os.cpu_count()} CPUs, shared), "
             + ", ".join(f"{k} {v}" for k, v in server_info.items())
         )
+        if args.signed:
+            with CallbackClient(db, LOCAL) as client:
+                client.rotate_secret("bench")
         if peer:
             asyncio.run(_pgqueuer_install(url))
         else:
