@@ -3,6 +3,7 @@ and delivered to the handler, failures narrowed down to the event that causes th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -109,13 +110,20 @@ def read_batch(
         "event_id": watermark.event_id if watermark.target else 0,
         "topics": None if topics is None else list(topics),
     }
-    target, found, scanned, last = conn.execute(read_batch_query(where), params, prepare=True).fetchone()
+    if topics is None and where is None:
+        target, found = conn.execute(sql.READ_BATCH, params, prepare=True).fetchone()
+        rows = json.loads(found) if found else []
+        scanned, rows = len(rows), rows[:limit]
+        last = (rows[-1][1], rows[-1][0]) if rows else None
+    else:
+        target, found, scanned, last = conn.execute(read_batch_query(where), params, prepare=True).fetchone()
+        rows = json.loads(found) if found else []
+        last = json.loads(last) if last else None
     if target is None:  # order="txid" and no transaction ended beyond the stored snapshot
         return Batch(events=[], after=watermark, changed=False)
-    rows = json.loads(found) if found else []
     events = [Event(r[0], r[1], r[2], r[3], r[4], r[5], r[6], datetime.fromisoformat(r[7])) for r in rows]
     more = scanned > limit
-    last_txid, last_id = json.loads(last) if last else (watermark.txid, watermark.event_id)
+    last_txid, last_id = last or (watermark.txid, watermark.event_id)
     after = watermark.model_copy(
         update={
             "snapshot": watermark.snapshot if more else target,
@@ -132,9 +140,10 @@ def read_batch(
     return Batch(events=events, after=after, changed=bool(passed) or watermark.target is not None, scanned=passed)
 
 
+@functools.lru_cache(maxsize=256)
 def read_batch_query(where: str | None) -> Composed:
-    """The batch query (``sql.READ_BATCH``) filtering by the predicate ``where`` (None: none)."""
-    return SQL(sql.READ_BATCH).format(filter=SQL(where) if where else SQL("TRUE"))  # type: ignore[arg-type]
+    """The filtered batch query (``sql.READ_FILTERED_BATCH``) with the predicate ``where`` (None: none)."""
+    return SQL(sql.READ_FILTERED_BATCH).format(filter=SQL(where) if where else SQL("TRUE"))  # type: ignore[arg-type]
 
 
 def check_predicate(
