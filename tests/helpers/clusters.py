@@ -15,7 +15,7 @@ import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psycopg
@@ -160,8 +160,6 @@ def cluster_directory() -> Iterator[Path]:
         yield root
     finally:
         for pid_file in root.glob("*/data/postmaster.pid"):
-            try:
+            with suppress(subprocess.SubprocessError):  # already stopped
                 _as_server_user(BIN / "pg_ctl", "-D", pid_file.parent, "-w", "-m", "immediate", "stop")
-            except subprocess.SubprocessError:
-                pass  # already gone
         shutil.rmtree(root, ignore_errors=True)
