@@ -70,6 +70,7 @@ class Pair:
         environment = {
             **os.environ,
             "CMB_DATABASE_URL": self.url,
+            "CMB_DEBUG": "1",  # a worker that dies leaves its traceback in its log
             "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
             **env,
         }
@@ -267,6 +268,7 @@ class Producer(threading.Thread):
                 )  # the capture trigger publishes only a row inserted
                 order += 1
                 self.done = order - 1
+                time.sleep(0.002)  # a steady stream, still flowing at the failover
             except psycopg.Error:
                 self.errors += 1
                 time.sleep(0.05)
@@ -298,7 +300,11 @@ def test_pubsub_consumers_resume_on_the_new_primary_and_apply_each_event_once(pa
     procs = [pair.worker(*command) for _ in range(2)]  # identical consumers: one works, the other stands by
     producer.start()
     try:
-        fail_over_mid_work(pair, procs, lambda: count(pair.db, "SELECT count(*) FROM public.results") >= 300)
+        # failed over once both consumers run their loop: a consumer still registering exits on a lost connection
+        started = lambda: all("started" in p.log.read_text() for p in procs)  # noqa: E731
+        fail_over_mid_work(
+            pair, procs, lambda: started() and count(pair.db, "SELECT count(*) FROM public.results") >= 300
+        )
         produced_at_failover = producer.done
         producer.join(120)
         assert producer.done == n
