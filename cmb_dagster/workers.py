@@ -146,10 +146,8 @@ class Leases:
     def check(conn: psycopg.Connection, lease: Lease) -> None:
         """Inside ``conn``'s transaction: raise LeaseLost unless ``lease`` is still held and unexpired.
 
-        The check holds at the moment it runs: the row is only key-share-locked, so the holder's renewals go
-        on, and so does another worker's takeover once the lease has expired. A transaction that may outlive
-        its lease is also guarded by the row locks of what it settles (the consumer's watermark, the claimed
-        events and entities): a takeover's work waits for them, and finds the items settled or not.
+        The row stays key-share-locked until the transaction ends, so no one can take the partition over
+        between this check and the commit of the work it guards (the holder's renewals go on).
         """
         params = {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
         if conn.execute(sql.CHECK_LEASE, params).fetchone() is None:
