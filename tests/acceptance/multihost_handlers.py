@@ -1,0 +1,36 @@
+"""User code for the multi-host tests' worker processes (``--handler multihost_handlers:...``).
+
+Each call is recorded before it does anything, whether or not its work commits: one line per call appended to
+the file ``CMB_TEST_CALLS`` names (pid, time.time(), the items). Results go to ``public.results`` in the
+worker's transaction (item, pid), so what committed can be compared with what was called.
+"""
+
+import json
+import os
+import time
+
+from cmb_dagster.eventqueue import HandlerRegistry
+
+
+def note_call(items: list) -> None:
+    """Append one line for this call to the calls file (the filesystem is shared by the test's namespaces)."""
+    with open(os.environ["CMB_TEST_CALLS"], "a") as calls:
+        calls.write(json.dumps([os.getpid(), time.time(), items]) + "\n")
+
+
+def pubsub_record(conn, events) -> None:
+    """A pub/sub handler: note the call, take a while (so a cut finds a batch in flight), write the results."""
+    ids = [e.payload["n"] for e in events]
+    note_call(ids)
+    time.sleep(0.1)
+    conn.execute("INSERT INTO public.results (item, pid) SELECT unnest(%s::int[]), %s", (ids, os.getpid()))
+
+
+eventqueue = HandlerRegistry()
+
+
+@eventqueue.handler("record", lock_expiry=3)
+def eventqueue_record(event) -> None:
+    """An event queue handler: note the call, take a while (so a cut finds handlers in flight)."""
+    note_call([event.id])
+    time.sleep(0.05)
