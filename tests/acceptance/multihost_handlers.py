@@ -9,7 +9,10 @@ import json
 import os
 import time
 
+from pydantic import BaseModel
+
 from cmb_dagster.eventqueue import HandlerRegistry
+from cmb_dagster.stages import Entity, MergePatch, Stage, StageOptions, StageResult
 
 
 def note_call(items: list) -> None:
@@ -34,3 +37,25 @@ def eventqueue_record(event) -> None:
     """An event queue handler: note the call, take a while (so a cut finds handlers in flight)."""
     note_call([event.id])
     time.sleep(0.05)
+
+
+class Runs(BaseModel):
+    runs: int = 0
+
+
+class Mark(Stage):
+    """A stage: note the call, take a while (so a cut finds a batch in flight), mark the entity done once."""
+
+    name = "mark"
+    state_model = Runs
+
+    def should_process(self, entity: Entity, state: Runs) -> bool:
+        return "done" not in entity.payload
+
+    def process(self, entity: Entity, state: Runs) -> StageResult:
+        note_call([entity.id])
+        time.sleep(0.01)
+        return StageResult(update=MergePatch({"done": state.runs + 1}), new_state=Runs(runs=state.runs + 1))
+
+
+stages = StageOptions(stages=[Mark()], shard_count=6, batch_size=20, lease_ttl=3.0, idle_sleep=0.2)

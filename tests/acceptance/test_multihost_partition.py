@@ -32,6 +32,7 @@ from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.database import Database
 from cmb_dagster.eventqueue import emit_many, register
 from cmb_dagster.pubsub import publish
+from cmb_dagster.stages import StageStore, shard_of
 from cmb_dagster.workers import list_leases
 
 pytestmark = [
@@ -355,7 +356,7 @@ def test_eventqueue_partition(cluster: Cluster, tmp_path: Path) -> None:
         conn.execute(CLAIM_HISTORY)
     events = 500
     ids = emit_many([{"namespace": "ns", "handler": "record", "value": i} for i in range(events)], db=db)
-    args = ["events", "worker", "--handlers", "multihost_handlers:eventqueue", "--batch-size", "10",
+    args = ["events", "worker", "--handlers", "multihost_handlers:eventqueue", "--batch-size", "100",
             "--sweep-interval", "0.5"]  # fmt: skip
     for host in net.hosts:
         cluster.start(host, *args, log_dir=tmp_path)
@@ -415,3 +416,56 @@ def test_eventqueue_partition(cluster: Cluster, tmp_path: Path) -> None:
     twice = {i for i, n in runs.items() if n > 1}
     assert max(runs.values()) <= 2 and all(first_runner[i] == CUT for i in twice), twice
     print(f"eventqueue: {len(calls)} runs of {len(runs)} events; run twice (in flight at the cut): {len(twice)}")
+
+
+# -- stages --------------------------------------------------------------------------------------------------------
+
+
+def test_stages_partition(cluster: Cluster, tmp_path: Path) -> None:
+    import multihost_handlers
+
+    db, kind, options = cluster.db, "stages.shard", multihost_handlers.stages
+    store = StageStore(db, options.stages)
+    entities = 1500
+    store.put_many({f"e{i}": {"n": i} for i in range(entities)})
+    args = ["stages", "worker", "--stages", "multihost_handlers:stages"]
+    for host in cluster.net.hosts:
+        cluster.start(host, *args, log_dir=tmp_path)
+        if host == CUT:
+            wait_until(lambda: len(cluster.holding(kind)) >= options.shard_count, timeout=30,
+                       what="the first host holds every shard")  # fmt: skip
+
+    def calls_by(host: int) -> int:
+        return sum(h == host for h, _, _ in cluster.calls(tmp_path))
+
+    cut_at, lost = cut_mid_batch(cluster, kind, lambda: calls_by(CUT) >= 100)
+    others_then = sum(calls_by(h) for h in cluster.net.hosts if h != CUT)
+    wait_until(lambda: sum(calls_by(h) for h in cluster.net.hosts if h != CUT) >= others_then + 100, timeout=60,
+               what="the work goes on on the other hosts")  # fmt: skip
+    heal_and_rejoin(cluster, kind, lost)
+    store.put_many({f"e{i}": {"n": i} for i in range(entities, entities + 100)})  # only the rejoined host is left
+
+    def rows() -> list[tuple[str, int, int]]:
+        with db.connection() as conn:
+            return conn.execute(
+                "SELECT e.entity_id, e.version, (s.state->>'runs')::int FROM stage_entities e"
+                " LEFT JOIN stage_states s ON s.entity_id = e.entity_id AND s.stage = 'mark'"
+            ).fetchall()
+
+    wait_until(lambda: all(runs == 1 for _, _, runs in rows()) and len(rows()) == entities + 100, timeout=120,
+               what="every entity through the stage")  # fmt: skip
+    found = rows()
+    assert all(version == 2 for _, version, _ in found), "an entity changed more than once (put, then the stage)"
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM stage_queue").fetchone()[0] == 0
+    intervals, count = cluster.held(kind), options.shard_count
+    calls = cluster.calls(tmp_path)
+    outside = [
+        (host, batch[0], round(at - cut_at, 2))
+        for host, at, batch in calls
+        if not was_held(intervals, host, f"shard:{shard_of(batch[0], count)}/{count}", at)
+    ]
+    assert not outside, f"stage run by a host not holding the entity's shard (host, entity, s after the cut): {outside}"
+    runs = Counter(batch[0] for _, _, batch in calls)
+    print(f"stages: {len(calls)} calls of {len(runs)} entities; called again after a lost commit: "
+          f"{sum(n > 1 for n in runs.values())}")  # fmt: skip
