@@ -6,6 +6,7 @@ worker's transaction (item, pid), so what committed can be compared with what wa
 """
 
 import json
+import logging
 import os
 import time
 
@@ -59,3 +60,30 @@ class Mark(Stage):
 
 
 stages = StageOptions(stages=[Mark()], shard_count=6, batch_size=20, lease_ttl=3.0, idle_sleep=0.2)
+
+
+REACTIVE_TASKS = 20
+
+
+def reactive_worker(url: str) -> None:
+    """A reactive scheduler process (``python -c 'import multihost_handlers as m; m.reactive_worker(url)'``): tasks
+    ``t<i>`` on ``e<i>.p``; its launcher notes each launch (run_key), and every launched run has already succeeded."""
+    from cmb_dagster.database import Database
+    from cmb_dagster.reactive import ReactiveWorker, RunInfo, RunState, SchedulerSettings, TaskSpec
+    from cmb_dagster.triggers import Delta
+    from cmb_dagster.workers import stop_workers_on_signals
+
+    specs = [TaskSpec(name=f"t{i}", trigger=Delta(f"e{i}", "p", "1s")) for i in range(REACTIVE_TASKS)]
+
+    def succeeded(scheduler, keys):
+        return {k: RunInfo("run-" + k, RunState.SUCCESS) for k in keys}
+
+    def launch(launches) -> None:
+        values = [{f"{e}.{p}": at.isoformat() for (e, p), at in x.values.items()} for x in launches]
+        note_call([[x.task, x.run_key, v] for x, v in zip(launches, values, strict=True)])
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # as the CLI
+    settings = SchedulerSettings(tick_seconds=1, idle_sleep=0.1)
+    worker = ReactiveWorker(Database(url), settings, name="multihost", tasks=specs, runs=succeeded, launch=launch)
+    with stop_workers_on_signals():
+        worker.run()
