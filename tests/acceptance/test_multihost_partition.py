@@ -1,9 +1,14 @@
 """A worker host cut off from Postgres for longer than the lease TTL, mid-batch: another host takes its partitions
-over, the work goes on, the cut host stops calling user code for what it lost, and rejoins by itself after the heal.
+over, the work goes on, the cut host notices, stops calling user code for what it lost, and rejoins by itself after
+the heal (the other hosts are then stopped: the cut host, never restarted, takes every partition back and finishes
+the work given after the heal).
 
-Each host is a network namespace (tests/helpers/netns.py) running a real ``cmb-dagster <engine> worker``; a trigger
-records every change of ``leases`` (``lease_history``), so each effect of user code can be checked against the
-leases its worker held when it happened. A slower job: runs with ``CMB_MULTIHOST=1``.
+Each host is a network namespace (tests/helpers/netns.py) running a real worker process (``cmb-dagster <engine>
+worker``; the reactive scheduler, which has no worker command, a ``ReactiveWorker`` script). A trigger records every
+change of ``leases`` (``lease_history``; the event queue's claims likewise), and user code records each call with its
+process and time (multihost_handlers.py; callbacks: a receiver in the root namespace, reached over a link of each
+host's own that the cut leaves up), so every call can be checked against the leases its host held at that moment.
+A slower job: runs with ``CMB_MULTIHOST=1``, as root.
 """
 
 from __future__ import annotations
@@ -37,13 +42,17 @@ from cmb_dagster.pubsub import publish
 from cmb_dagster.stages import StageStore, shard_of
 from cmb_dagster.workers import list_leases
 
-pytestmark = [
-    pytest.mark.skipif(os.environ.get("CMB_MULTIHOST") != "1", reason="multi-host tests run with CMB_MULTIHOST=1"),
-    pytest.mark.skipif(
-        os.environ.get("CMB_MULTIHOST") == "1" and (reason := unavailable_reason()) is not None,
-        reason=f"no network namespaces here: {reason}" if os.environ.get("CMB_MULTIHOST") == "1" else "",
-    ),
-]
+
+def skip_reason() -> str | None:
+    """Why this module does not run here (None: it does)."""
+    if os.environ.get("CMB_MULTIHOST") != "1":
+        return "multi-host tests run with CMB_MULTIHOST=1 (as root: they make network namespaces)"
+    reason = unavailable_reason()
+    return None if reason is None else f"no network namespaces here: {reason}"
+
+
+SKIP = skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 CMB = str(Path(sys.executable).with_name("cmb-dagster"))
 TTL = 3.0
@@ -304,7 +313,11 @@ def test_pubsub_partition(cluster: Cluster, tmp_path: Path) -> None:
     with db.connection() as conn:
         for n in range(events, events + 100):  # published after the heal: only the rejoined host is left
             publish(conn, 0, {"n": n}, topic="work")
-    results = lambda: db.connection().__enter__().execute("SELECT item, pid FROM public.results").fetchall()  # noqa: E731
+
+    def results() -> list[tuple[int, int]]:
+        with db.connection() as conn:
+            return conn.execute("SELECT item, pid FROM public.results").fetchall()
+
     wait_until(lambda: len(results()) >= events + 100, timeout=120, what="every event handled")
     check_same_database_results(cluster, tmp_path, kind, {partition}, results(), range(events + 100), cut_at)
 
