@@ -57,7 +57,8 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 CMB = str(Path(sys.executable).with_name("cmb-dagster"))
 TTL = 3.0
 HOSTS = 3
-NOTICED = re.compile(r"(WARNING|ERROR) cmb_dagster")  # a worker's database call failed (rather than hanging)
+# a worker's database call failed (rather than hanging): the first such line's time (the log's local time)
+NOTICED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:WARNING|ERROR) cmb_dagster", re.MULTILINE)
 CUT = 1  # the host cut off: started first, so it holds every partition when the cut comes
 
 LEASE_HISTORY = """
@@ -175,8 +176,16 @@ def cut_mid_batch(cluster: Cluster, kind: str, busy, ttl: float = TTL) -> tuple[
 
     wait_until(taken_over, timeout=60, what="the other hosts take the cut host's partitions over")
     assert time.time() - cut_at > ttl * 2 / 3, "taken over before the cut host's lease could have lapsed"
-    wait_until(lambda: NOTICED.search(cluster.log(CUT)[logged:]), timeout=30, what="the cut host notices the cut")
+    assert_noticed(cluster, logged, cut_at, ttl)
     return cut_at, lost
+
+
+def assert_noticed(cluster: Cluster, logged: int, cut_at: float, ttl: float) -> None:
+    """The cut host's log shows, within one lease TTL of the cut, that its database calls fail."""
+    found = wait_until(lambda: NOTICED.search(cluster.log(CUT)[logged:]), timeout=30, what="the cut host notices")
+    noticed_at = datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    print(f"the cut host noticed {noticed_at - cut_at:.2f}s after the cut (lease TTL {ttl:g}s)")
+    assert noticed_at - cut_at <= ttl, f"noticed {noticed_at - cut_at:.1f}s after the cut, the lease TTL is {ttl:g}s"
 
 
 def heal_and_rejoin(cluster: Cluster, kind: str, lost: set[str]) -> float:
@@ -399,7 +408,7 @@ def test_eventqueue_partition(cluster: Cluster, tmp_path: Path) -> None:
     others_then = sum(len(calls_by(h)) for h in net.hosts if h != CUT)
     wait_until(lambda: sum(len(calls_by(h)) for h in net.hosts if h != CUT) >= others_then + 50, timeout=60,
                what="the work goes on on the other hosts")  # fmt: skip
-    wait_until(lambda: NOTICED.search(cluster.log(CUT)[logged:]), timeout=30, what="the cut host notices the cut")
+    assert_noticed(cluster, logged, cut_at, 3.0)  # the handler's lock expiry
     net.heal(CUT)
     stop([p for host, p in cluster.procs.items() if host != CUT])
     ids += emit_many([{"namespace": "ns", "handler": "record", "value": i} for i in range(events, events + 50)], db=db)
