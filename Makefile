@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: dev test lint install clean
+.PHONY: dev test test-multihost lint install clean
 
 $(BIN)/cmb-dagster: pyproject.toml
 	@echo "installing cmb_dagster and Dagster into $(VENV) (about a minute the first time)"
@@ -19,6 +19,12 @@ dev: install
 
 test: install
 	$(BIN)/pytest -q
+
+# The slower job run before each release (as root, with Debian's PostgreSQL 15 and iproute2): worker processes
+# against servers of their own, through a failover, a network partition and a stopped process.
+test-multihost: install
+	CMB_MULTIHOST=1 $(BIN)/pytest -q tests/acceptance/test_multihost_failover.py tests/acceptance/test_multihost_zombie.py \
+		tests/acceptance/test_multihost_partition.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -30,7 +30,7 @@ from cmb_dagster.eventqueue.cli import events
 from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.reactive.cli import reactive
 from cmb_dagster.secrets import scrub, secrets_of
-from cmb_dagster.settings import Settings
+from cmb_dagster.settings import Settings, dagster_storage_url
 from cmb_dagster.stages.cli import stages
 
 DEBUG_ENV = "CMB_DEBUG"
@@ -38,12 +38,6 @@ MAX_ERROR_LINE = 500
 """Most characters of an error line; a longer one (quoting a huge argument) is cut, saying how long it was."""
 SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
 """Variables whose secrets never appear in the CLI's output, errors or logs (nor does ``PGPASSWORD``)."""
-
-
-def dagster_storage_url(url: str) -> str:
-    """``url`` as a SQLAlchemy URL on psycopg2, which dagster-postgres needs for NOTIFY."""
-    _, rest = url.split("://", 1)
-    return f"postgresql+psycopg2://{rest}"
 
 
 def dagster_env(settings: Settings, db: Database) -> dict[str, str]:
@@ -587,6 +581,7 @@ def env_lines(values: dict[str, str], settings: Settings, *, show_secrets: bool)
             key == "CMB_DAGSTER_STORAGE_URL"
             and settings.database_url
             and value == dagster_storage_url(settings.database_url)
+            and value == f"postgresql+psycopg2://{settings.database_url.split('://', 1)[1]}"  # one host: the prefix
         ):
             lines.append(
                 ': "${CMB_DATABASE_URL:?is not set in this shell; cmb-dagster env refers to it for the password '

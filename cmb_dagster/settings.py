@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cmb_dagster.errors import ConfigError
@@ -27,6 +30,43 @@ def check_schema_name(value: object) -> str:
             "and your own tables); choose a schema of cmb's own such as 'cmb'"
         )
     return value
+
+
+WRITABLE_SESSION_ATTRS = frozenset({"read-write", "primary"})
+"""``target_session_attrs`` values that keep every connection of a multi-host URL on the primary."""
+
+
+def check_hosts(url: str) -> str:
+    """``url`` if it names one server, or several with ``target_session_attrs=read-write`` (or ``primary``);
+    ``ValueError`` otherwise: cmb writes and LISTENs on every connection, which a standby refuses."""
+    try:
+        info = conninfo_to_dict(url)
+    except psycopg.Error:
+        return url  # unreadable: check_url says why
+    hosts = (info.get("host") or info.get("hostaddr") or "").split(",")
+    attrs = info.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS") or "any"
+    if len(hosts) > 1 and attrs not in WRITABLE_SESSION_ATTRS:
+        raise ValueError(
+            f"names {len(hosts)} hosts with target_session_attrs={attrs}: add target_session_attrs=read-write, so "
+            "that every connection goes to the primary (a standby refuses writes and LISTEN)"
+        )
+    return url
+
+
+def dagster_storage_url(url: str) -> str:
+    """``url`` as the SQLAlchemy URL on psycopg2 that dagster-postgres needs (for NOTIFY).
+
+    SQLAlchemy reads one host in the URL's authority: several (``h1:p1,h2:p2``) become ``host=h:p`` parameters,
+    its form for libpq's multi-host URLs; the other parameters (``target_session_attrs``) follow.
+    """
+    _, rest = url.split("://", 1)
+    parts = urlsplit(f"postgresql://{rest}")
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    if "," not in hostlist:
+        return f"postgresql+psycopg2://{rest}"
+    hosts = "&".join(f"host={quote(host, safe=':[]')}" for host in hostlist.split(","))
+    query = f"{hosts}&{parts.query}" if parts.query else hosts
+    return f"postgresql+psycopg2://{userinfo}{at}{parts.path or '/'}?{query}"
 
 
 class Settings(BaseModel):
@@ -58,6 +98,7 @@ class Settings(BaseModel):
             from cmb_dagster.database import check_url
 
             check_url(value)  # InvalidDatabaseUrl is a ValueError whose message hides the secrets
+            check_hosts(value)
         return value or None
 
     @field_validator("home")

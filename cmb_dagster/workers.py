@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -49,18 +50,45 @@ def default_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+@dataclass
+class LeaseTerm:
+    """Until when (``time.monotonic()``) this process may count a lease of one fence as its own: the time its
+    last successful renewal was sent plus the TTL; ``-inf`` once a renewal found it lost or it was released."""
+
+    ttl: float
+    valid_until: float = -math.inf
+
+
 @dataclass(frozen=True)
 class Lease:
     """A held partition: the fence proves ownership inside a transaction (see :meth:`Leases.check`).
 
     ``inherited``: taken over from a holder that neither renewed nor released it (it died or stalled), so
-    work of its may have been cut off mid-item."""
+    work of its may have been cut off mid-item. ``term``: the lease's validity by this process's own clock,
+    shared by every :class:`Lease` of the same fence (a renewal extends it for all of them)."""
 
     kind: str
     partition: str
     owner: str
     fence: int
     inherited: bool = field(default=False, compare=False)
+    term: LeaseTerm = field(default_factory=lambda: LeaseTerm(0.0, math.inf), compare=False, repr=False)
+
+    def valid_for(self, seconds: float) -> bool:
+        """Whether, by this process's clock, the lease is still held ``seconds`` from now."""
+        return time.monotonic() + seconds < self.term.valid_until
+
+    def require(self) -> None:
+        """Raise LeaseLost unless, by this process's clock, the lease is still held for a third of its TTL.
+
+        Called before items of the partition are handed to user code: a process that was stopped (SIGSTOP,
+        a long pause) or cut off from the database past its lease calls no user code for a partition
+        another worker may hold by now (the fence would refuse its commit anyway)."""
+        if not self.valid_for(self.term.ttl / 3):
+            raise LeaseLost(
+                f"{self.kind} partition {self.partition!r}: the lease of {self.owner} has expired by its own "
+                "clock (not renewed in time); its items are left to the next holder"
+            )
 
 
 class Leases:
@@ -71,13 +99,36 @@ class Leases:
         self.kind = kind
         self.owner = owner or default_owner()
         self.ttl = ttl
+        self._terms: dict[str, tuple[int, LeaseTerm]] = {}  # partition -> (fence, its term), while held
 
     def acquire(self, partitions: Iterable[str]) -> dict[str, Lease]:
-        """Take (or renew) every partition that is free, expired or already ours; return those held."""
-        params = {"kind": self.kind, "owner": self.owner, "ttl": self.ttl, "partitions": list(partitions)}
+        """Take (or renew) every partition that is free, expired or already ours; return those held.
+
+        Each lease returned is valid by this process's clock until ``ttl`` seconds after the statement was
+        sent; a partition asked for and not returned is lost, also for the :class:`Lease` objects still
+        around."""
+        wanted = list(partitions)
+        params = {"kind": self.kind, "owner": self.owner, "ttl": self.ttl, "partitions": wanted}
         with self.db.connection() as conn:
+            sent_at = time.monotonic()  # before the database reads now(): the local expiry errs early
             rows = conn.execute(sql.ACQUIRE_LEASES, params).fetchall()
-        return {p: Lease(self.kind, p, self.owner, fence, inherited) for p, fence, inherited in rows}
+        held = {}
+        for p, fence, inherited in rows:
+            known_fence, term = self._terms.get(p, (None, None))
+            if term is None or known_fence != fence:
+                self._forget([p])
+                term = LeaseTerm(self.ttl)
+                self._terms[p] = (fence, term)
+            term.valid_until = sent_at + self.ttl
+            held[p] = Lease(self.kind, p, self.owner, fence, inherited, term)
+        self._forget(p for p in wanted if p not in held)
+        return held
+
+    def _forget(self, partitions: Iterable[str]) -> None:
+        """The leases of ``partitions`` are no longer this process's, by its own clock too."""
+        for p in partitions:
+            if (known := self._terms.pop(p, None)) is not None:
+                known[1].valid_until = -math.inf
 
     def release(self, partitions: Iterable[str]) -> None:
         """Give partitions up at once and announce it, so another worker takes them without waiting."""
@@ -87,6 +138,7 @@ class Leases:
             "partitions": list(partitions),
             "channel": channel_name(self.db, LEASES_CHANNEL),
         }
+        self._forget(params["partitions"])
         with self.db.connection() as conn:
             conn.execute(sql.RELEASE_LEASES, params)
 
@@ -94,8 +146,10 @@ class Leases:
     def check(conn: psycopg.Connection, lease: Lease) -> None:
         """Inside ``conn``'s transaction: raise LeaseLost unless ``lease`` is still held and unexpired.
 
-        The row stays key-share-locked until the transaction ends, so no one can take the partition over
-        between this check and the commit of the work it guards (the holder's renewals go on).
+        The check holds at the moment it runs: the row is only key-share-locked, so the holder's renewals go
+        on, and so does another worker's takeover once the lease has expired. A transaction that may outlive
+        its lease is also guarded by the row locks of what it settles (the consumer's watermark, the claimed
+        events and entities): a takeover's work waits for them, and finds the items settled or not.
         """
         params = {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
         if conn.execute(sql.CHECK_LEASE, params).fetchone() is None:
@@ -338,10 +392,14 @@ class Worker:
         self._next_renew = time.monotonic() + self.leases.ttl / 3
 
     def _steps(self, held: dict[str, Lease]) -> list[tuple[str, Callable[[], int]]]:
-        """(partition or joint group name, step) for one round over the held partitions."""
+        """(partition or joint group name, step) for one round over the held partitions whose leases are valid by
+        this process's clock (see :meth:`Lease.require`)."""
         steps: list[tuple[str, Callable[[], int]]] = []
         together: list[Lease] = []
         for partition, lease in sorted(held.items()):
+            if not lease.valid_for(self.leases.ttl / 3):  # not renewed in time (a stop, a stall): renew first
+                self._next_renew = 0.0
+                continue
             if self.joint is not None and self.joint(partition):
                 together.append(lease)
             else:

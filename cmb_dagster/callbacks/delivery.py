@@ -664,6 +664,9 @@ class DeliveryPool:
 
     async def _call(self, delivery: Delivery) -> None:
         try:
+            if time.monotonic() >= delivery.lease_deadline():  # stopped or stalled since the gate: not called
+                self._give_back(delivery)
+                return
             delivery.tries += 1
             outcome, error, delivery.status_code, delivery.response = await self._attempt(delivery)
             if outcome != RETRY:

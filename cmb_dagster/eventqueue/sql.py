@@ -372,10 +372,15 @@ WHERE turn IS NULL AND array_position(%(handlers)s::text[], handler) IS NOT NULL
 ORDER BY visible_at LIMIT 1
 """
 
-# The finished events go, and the slots they held are free (workers waiting for one are told).
+# The finished events go, each only while the lock the worker took is still its own (a worker that was stopped
+# or cut off past the lock's expiry leaves an event another worker claimed since to that worker), and the slots
+# they held are free (workers waiting for one are told).
 DELETE_DONE = f"""
 WITH done AS (
-    DELETE FROM eventqueue_events WHERE id = ANY(%(ids)s::bigint[]) RETURNING id, handler, flow_key, flow_slot
+    DELETE FROM eventqueue_events e
+    USING unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at)
+    WHERE e.id = u.id AND e.locked_at = u.locked_at
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot
 ), freed AS (
     {_free_slots("done")}
 )

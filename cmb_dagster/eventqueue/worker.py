@@ -349,7 +349,10 @@ class EventWorker(EngineWorker):
         if not self._done:
             return
         try:
-            self._execute(sql.DELETE_DONE, {"ids": [item.event.id for item in self._done]})
+            self._execute(
+                sql.DELETE_DONE,
+                {"ids": [item.event.id for item in self._done], "locked": [item.locked_at for item in self._done]},
+            )
         except psycopg.Error as exc:
             log.warning("could not delete %d finished events (%s); retrying", len(self._done), exc)
             return

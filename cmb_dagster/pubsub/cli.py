@@ -7,8 +7,10 @@ import logging
 from datetime import datetime, timedelta
 
 import click
+import psycopg
 
 from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange, open_database
+from cmb_dagster.errors import DatabaseUnavailable
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.pubsub.admin import (
     backfills,
@@ -128,7 +130,10 @@ def consume(
         **options,
     )
     worker = ConsumerWorker(db, spec)
-    worker.check()  # refuses at once after a restore
+    try:
+        worker.check()  # refuses at once after a restore
+    except (psycopg.OperationalError, DatabaseUnavailable) as exc:  # away (a failover): the loop registers later
+        logging.getLogger("cmb_dagster.pubsub").warning("consumer %s: not registered yet (%s)", consumer_id, exc)
     with stop_workers_on_signals():
         click.echo(f"consumer {consumer_id} (branch {branch_id}) started; SIGTERM or Ctrl-C stops it", err=True)
         report = worker.run(duration)

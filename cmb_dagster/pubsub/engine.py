@@ -378,6 +378,8 @@ class Delivery:
         with self._locked(lease) as (conn, before):
             batch = self._read(conn, before, self._retry_limit or self.spec.batch_size)
             if batch.events:
+                if lease is not None:
+                    lease.require()
                 try:
                     self._call_handler(conn, batch.events)
                 except Exception as exc:  # noqa: BLE001 - recorded below, after this transaction rolls back

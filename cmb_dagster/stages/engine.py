@@ -259,6 +259,8 @@ class Engine:
             limits = self._take_for_stages(names, held, report)
             if not limits:
                 return report
+            for lease in leases:
+                lease.require()
             claimed, parked = self._claim(shards, limits, leases, shard_count)
             claimed, failed = self._take_for_keys(claimed, held, report)
             report.taken = len(claimed)
