@@ -21,6 +21,25 @@ from cmb_dagster.settings import Settings, check_schema_name
 
 CONNECT_TIMEOUT_S = 5
 
+NETWORK_TIMEOUT_S = 2
+"""A connection whose peer stopped answering for this many seconds is closed, by both ends.
+
+The client (libpq ``tcp_user_timeout`` and ``keepalives_*``) and the server (the same settings, given for the
+session) drop a connection when data they sent stays unacknowledged, or an idle connection's keepalive probes go
+unanswered, for about this long. So a worker cut off from Postgres gets an error instead of waiting for TCP's
+own timeouts (a quarter of an hour), and the server ends the cut-off worker's open transaction, releasing the
+locks that would make a takeover of its leases wait. Keep lease TTLs at 1.5 x this or more. A URL's own
+``keepalives*`` or ``tcp_user_timeout`` parameters win over these. Unix-socket connections are not affected.
+"""
+
+# (libpq parameter, the server's session setting, value): see NETWORK_TIMEOUT_S
+_NETWORK_SETTINGS = [
+    ("keepalives_idle", "tcp_keepalives_idle", NETWORK_TIMEOUT_S // 2),
+    ("keepalives_interval", "tcp_keepalives_interval", 1),
+    ("keepalives_count", "tcp_keepalives_count", NETWORK_TIMEOUT_S // 2),
+    ("tcp_user_timeout", "tcp_user_timeout", NETWORK_TIMEOUT_S * 1000),
+]
+
 DatabaseSource: TypeAlias = "Database | ConnectionPool | str"
 
 
@@ -90,8 +109,17 @@ class Database:
 
     @property
     def connect_kwargs(self) -> dict[str, object]:
-        """Keyword arguments for psycopg.connect: cmb schema first on the search_path."""
-        return {"options": f"-c search_path={self.schema},public", "connect_timeout": CONNECT_TIMEOUT_S}
+        """Keyword arguments for psycopg.connect: cmb schema first on the search_path, bounded connect and
+        network timeouts (:data:`NETWORK_TIMEOUT_S`) unless the URL sets its own."""
+        given = conninfo_to_dict(self.url)
+        network = [(client, server, value) for client, server, value in _NETWORK_SETTINGS if client not in given]
+        options = " ".join([f"-c search_path={self.schema},public", *(f"-c {s}={v}" for _, s, v in network)])
+        return {
+            "options": options,
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "keepalives": 1,
+            **{c: v for c, _, v in network},
+        }
 
     def connect(self, *, autocommit: bool = False) -> psycopg.Connection:
         """A new connection of its own (not from the pool); the caller closes it."""

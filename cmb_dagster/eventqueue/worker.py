@@ -212,14 +212,15 @@ class EventWorker(EngineWorker):
         """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took. Keys
         whose flow-control rows do not exist yet get them, and the claim runs again."""
         self._apply_new_rules()
+        now = time.monotonic()  # before the database's clock is read: a claim's local deadline errs early
         rows = self._execute(query, params)
         missing = [(row[2], row[3]) for row in rows if row[0] == "flow_missing"]
         if missing:
             conn = self._connection()
             with conn.transaction():
                 flow.ensure(conn, missing)
+            now = time.monotonic()
             rows = self._execute(query, params)
-        now = time.monotonic()
         claimed = []
         edges: dict[int, list[Edge]] = {}
         self._came_due, self._flow_wait = False, None
