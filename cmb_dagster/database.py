@@ -262,9 +262,11 @@ class OwnConnection:
 class OwnAsyncConnection:
     """:class:`OwnConnection` for an event loop: an async connection of its own, in autocommit."""
 
-    def __init__(self, db: Database, *, custom_plans: bool = False) -> None:
+    def __init__(self, db: Database, *, custom_plans: bool = False, settings: Mapping[str, str] | None = None) -> None:
         self.db = db
-        self.custom_plans = custom_plans
+        self.settings = dict(settings or {})
+        if custom_plans:
+            self.settings["plan_cache_mode"] = "force_custom_plan"
         self._conn: psycopg.AsyncConnection | None = None
 
     async def get(self) -> psycopg.AsyncConnection:
@@ -272,8 +274,8 @@ class OwnAsyncConnection:
         if self._conn is None or self._conn.closed or self._conn.broken:
             await self.close()
             self._conn = await self.db.connect_async(autocommit=True)
-            if self.custom_plans:
-                await self._conn.execute("SET plan_cache_mode = force_custom_plan")
+            for name, value in self.settings.items():
+                await self._conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         return self._conn
 
     async def close(self) -> None:

@@ -147,7 +147,10 @@ class Leases:
         """Inside ``conn``'s transaction: raise LeaseLost unless ``lease`` is still held and unexpired.
 
         The row stays key-share-locked until the transaction ends, so no one can take the partition over
-        between this check and the commit of the work it guards (the holder's renewals go on).
+        between this check and the commit of the work it guards (a takeover changes the fence, a column of the
+        unique index leases_fence, so it waits for key-share locks; the holder's renewals go on). A process
+        stopped inside such a transaction would hold the partition: connections that run them end a transaction
+        left idle (``idle_in_transaction_session_timeout``).
         """
         params = {"kind": lease.kind, "partition": lease.partition, "owner": lease.owner, "fence": lease.fence}
         if conn.execute(sql.CHECK_LEASE, params).fetchone() is None:

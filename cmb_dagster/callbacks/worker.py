@@ -279,13 +279,19 @@ class BucketGate:
     """
 
     def __init__(
-        self, db: Database, states: dict[int, BucketState], owner: str, slots: HeldSlots, secrets: OwnerSecrets
+        self,
+        db: Database,
+        states: dict[int, BucketState],
+        owner: str,
+        slots: HeldSlots,
+        secrets: OwnerSecrets,
+        settings: dict[str, str],
     ) -> None:
         self._states = states  # the worker's
         self._owner = owner
         self._slots = slots
         self._secrets = secrets
-        self._conn = OwnAsyncConnection(db, custom_plans=True)  # planned at each run, as the worker loop's
+        self._conn = OwnAsyncConnection(db, custom_plans=True, settings=settings)  # planned at each run
 
     def free(self, delivery: Delivery) -> None:
         self._slots.free(delivery)
@@ -428,10 +434,13 @@ class CallbackWorker(EngineWorker):
         self._bucket_loop: BucketLoop | None = None
         # its own, with no pool check on the path of every call, and planned at each run: a plan cached while
         # callback_events was small (a sequential scan) would be kept as it grows
-        self._loop_conn = OwnConnection(self.db, custom_plans=True)  # the worker loop's: polls and outcome writes
+        # a transaction left open by a stopped process (it holds its buckets' leases key-share-locked) is ended by
+        # the server once idle for the lease's TTL, so another worker can take the buckets over
+        ended = {"idle_in_transaction_session_timeout": f"{int(self.settings.lease_ttl * 1000)}ms"}
+        self._loop_conn = OwnConnection(self.db, custom_plans=True, settings=ended)  # polls and outcome writes
         self._slots = HeldSlots(self.settings, self.owner)
         secrets = OwnerSecrets(self.settings.secrets_refresh)
-        self._gate = BucketGate(self.db, self._states, self.owner, self._slots, secrets)
+        self._gate = BucketGate(self.db, self._states, self.owner, self._slots, secrets, ended)
         self._flow_key = functools.lru_cache(maxsize=4096)(self.settings.flow_key)
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
