@@ -37,9 +37,25 @@ def cmb_url(env: dict[str, str]) -> str:
     return env.get("CMB_DATABASE_URL") or embedded_url(Path(env["CMB_HOME"]))
 
 
-def run_statuses(env: dict[str, str]) -> list[tuple[str, str]]:
+def settled_runs(env: dict[str, str]) -> list[str]:
+    """The worker runs and the runs that have ended: what a stop must leave as successes or as it found them.
+    Another run starting at the moment of the stop (the reactive scheduler may launch one between the last
+    check and the signal) is interrupted, as with plain `dagster dev`."""
     with psycopg.connect(cmb_url(env)) as conn:
-        return conn.execute("SELECT pipeline_name, status FROM runs ORDER BY create_timestamp").fetchall()
+        return [
+            run_id
+            for (run_id,) in conn.execute(
+                "SELECT run_id FROM runs r WHERE status IN ('SUCCESS', 'FAILURE', 'CANCELED') "
+                "OR EXISTS (SELECT FROM run_tags t WHERE t.run_id = r.run_id AND t.key = 'cmb/worker')"
+            )
+        ]
+
+
+def run_statuses(env: dict[str, str], run_ids: list[str]) -> list[tuple[str, str]]:
+    with psycopg.connect(cmb_url(env)) as conn:
+        return conn.execute(
+            "SELECT pipeline_name, status FROM runs WHERE run_id = ANY(%s) ORDER BY create_timestamp", (run_ids,)
+        ).fetchall()
 
 
 def workers_working(env: dict[str, str]) -> bool:
@@ -66,7 +82,7 @@ def wait_stopped(proc: subprocess.Popen, sessions: list[int]) -> None:
         ) from None
 
 
-def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float) -> None:
+def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float, settled: list[str]) -> None:
     try:
         wait_until(
             lambda: not any(session_processes(s) for s in sessions),
@@ -77,7 +93,7 @@ def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: 
     except AssertionError:
         raise AssertionError("left running:\n" + "\n".join(session_processes(s)[:2000] for s in sessions)) from None
     assert time.monotonic() - stopped_at < STOP_WITHIN_S
-    statuses = run_statuses(env)
+    statuses = run_statuses(env, settled)
     assert not [r for r in statuses if r[1] in ("FAILURE", "CANCELED", "STARTED", "STARTING")], statuses
     assert ("cmb_callbacks_worker", "SUCCESS") in statuses
 
@@ -102,10 +118,11 @@ def test_sigterm_to_the_process_group_of_make_dev(stop_env):
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
         wait_until(lambda: workers_working(stop_env), 120, "worker runs to work", interval=1)
         sessions = [make.pid, *dagster_sessions(make.pid)]
+        settled = settled_runs(stop_env)
         os.killpg(make.pid, signal.SIGTERM)
         stopped_at = time.monotonic()
         wait_stopped(make, sessions)
-        check_stopped_cleanly(stop_env, sessions, stopped_at)
+        check_stopped_cleanly(stop_env, sessions, stopped_at, settled)
     finally:
         with_kill(make.pid)
 
@@ -130,10 +147,11 @@ def test_ctrl_c_in_a_terminal(stop_env):
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
         wait_until(lambda: workers_working(stop_env), 120, "worker runs to work", interval=1)
         sessions = [proc.pid, *dagster_sessions(proc.pid)]
+        settled = settled_runs(stop_env)
         os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
         stopped_at = time.monotonic()
         wait_stopped(proc, sessions)
-        check_stopped_cleanly(stop_env, sessions, stopped_at)
+        check_stopped_cleanly(stop_env, sessions, stopped_at, settled)
     finally:
         with_kill(proc.pid)
 
