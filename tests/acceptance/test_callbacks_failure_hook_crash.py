@@ -6,31 +6,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
 from processes import stop
 from receiver import Receiver
+from test_callbacks_crash import WORKER
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, RetryPolicy
 
-WORKER = [
-    sys.executable,
-    "-c",
-    "from cmb_dagster.cli import run; run()",
-    "callbacks",
-    "worker",
-    "--lease-ttl",
-    "3",
-    "--timeout",
-    "1",
-    "--poll-interval",
-    "0.2",
-    "--no-materialize",
-]
 EVENTS = 300
 
 
