@@ -3,13 +3,16 @@ numeric option and argument is bounded, and NaN is refused)."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from cmb_dagster.database import Database
 from cmb_dagster.flow import KeyUse
+from cmb_dagster.liveness import DEFAULT_STALL_AFTER, MAX_STALL_AFTER, serving_liveness
 
 
 def open_database(schema: str | None = None) -> Database:
@@ -53,3 +56,38 @@ def echo_key_use(keys: list[KeyUse]) -> None:
         in_flight = f"{k.in_flight}/{k.concurrency}" if k.concurrency else "-"
         key = k.key or "''"
         click.echo(f"  {key:30} {tokens:>9} {in_flight:>9}")
+
+
+def liveness_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--health-port``, ``--health-host`` and ``--stall-after`` for a worker command: while it runs, its
+    liveness is served on http://HOST:PORT/healthz (see :mod:`cmb_dagster.liveness`)."""
+
+    @functools.wraps(command)
+    def serving(*args: Any, health_port: int | None, health_host: str, stall_after: float, **kwargs: Any) -> Any:
+        with serving_liveness(health_port, host=health_host, stall_after=stall_after):
+            return command(*args, **kwargs)
+
+    options = [
+        click.option(
+            "--health-port",
+            type=click.IntRange(1, 65535),
+            default=None,
+            help="Serve GET /healthz on this port: 200 while the worker's loops turn, 503 once one stalled.",
+        ),
+        click.option(
+            "--health-host",
+            default="127.0.0.1",
+            show_default=True,
+            help="Address of the health endpoint (0.0.0.0 for a probe from outside the host, as Kubernetes does).",
+        ),
+        click.option(
+            "--stall-after",
+            type=FloatRange(1, MAX_STALL_AFTER),
+            default=DEFAULT_STALL_AFTER,
+            show_default=True,
+            help="Seconds a loop may go without turning before the health endpoint answers 503.",
+        ),
+    ]
+    for option in reversed(options):
+        serving = option(serving)
+    return serving

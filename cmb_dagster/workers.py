@@ -279,6 +279,7 @@ class Worker:
         self._held: dict[str, Lease] = {}
         self._next_renew = 0.0
         self._leases_channel = channel_name(db, LEASES_CHANNEL)
+        self.turned_at = time.monotonic()
 
     @property
     def owner(self) -> str:
@@ -306,6 +307,10 @@ class Worker:
         retry_at: dict[str, float] = {}
         failures: dict[str, int] = {}
         _running.add(self.on_shutdown)
+        self.turned_at = time.monotonic()
+        _turning.add(self)
+        if not _first_loop_at:
+            _first_loop_at.append(self.turned_at)
         if self.channels:
             self.listener = Listener(
                 self.leases.db,
@@ -315,6 +320,7 @@ class Worker:
             ).start()
         try:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                self.turned_at = time.monotonic()
                 if time.monotonic() >= self._next_renew:
                     self._renew(self.partitions() if callable(self.partitions) else self.partitions)
                     report.held = set(self._held)
@@ -352,6 +358,7 @@ class Worker:
                     self._wake.clear()
         finally:
             _running.discard(self.on_shutdown)
+            _turning.discard(self)
             if self.listener is not None:
                 self.listener.stop()
                 self.listener = None
@@ -381,6 +388,7 @@ class Worker:
     def keep_alive(self) -> None:
         """Renew the held leases if they are due (from a step that waits on user code, so a slow but live
         call does not cost the worker its partitions)."""
+        self.turned_at = time.monotonic()
         if self._held and time.monotonic() >= self._next_renew:
             self._renew(list(self._held))
 
@@ -476,6 +484,19 @@ class EngineWorker:
 
 
 _running: set[Callable[[], None]] = set()  # how to stop each worker running in this process
+_turning: set[Worker] = set()  # the worker loops running in this process
+_first_loop_at: list[float] = []  # when a worker loop first ran in this process
+
+
+def stalled_loops(after: float, *, since: float) -> list[str]:
+    """The worker loops of this process that have not turned for ``after`` seconds (a loop turns at each round
+    and while it waits on user code it keeps alive); ``["no worker loop"]`` when none has run ``after``
+    seconds past ``since`` (a monotonic time)."""
+    now = time.monotonic()
+    loops = list(_turning)
+    if not loops and not _first_loop_at:
+        return ["no worker loop"] if now - since > after else []
+    return sorted(f"{loop.leases.kind} ({now - loop.turned_at:.0f}s)" for loop in loops if now - loop.turned_at > after)
 
 
 def stop_running_workers(already: set[Callable[[], None]] | None = None) -> int:

@@ -24,7 +24,7 @@ from cmb_dagster.callbacks.models import (
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
-from cmb_dagster.cli_common import DAY, DURATION, FloatRange, open_database
+from cmb_dagster.cli_common import DAY, DURATION, FloatRange, liveness_options, open_database
 from cmb_dagster.flow import MAX_CONCURRENCY, FlowLimits
 from cmb_dagster.workers import stop_workers_on_signals
 
@@ -247,6 +247,7 @@ def buckets(count: int) -> None:
     "replaces CMB_CALLBACK_ALLOWED_HOSTS. Loopback, private and link-local addresses are closed "
     "unless opened.",
 )
+@liveness_options
 def worker(
     bucket_list: str | None,
     duration: float | None,

@@ -15,6 +15,7 @@ from cmb_dagster.cli_common import (
     FloatRange,
     echo_key_use,
     key_use,
+    liveness_options,
     open_database,
 )
 from cmb_dagster.eventqueue import admin
@@ -48,6 +49,7 @@ def events() -> None:
     "--sweep-interval", type=FloatRange(0.01, 3600), default=None, help="Seconds between sweeps without notifications."
 )
 @click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY hints.")
+@liveness_options
 def worker(
     handlers_ref: str, duration: float | None, batch_size: int | None, sweep_interval: float | None, listen: bool
 ) -> None:

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 import click
 import psycopg
 
-from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange, open_database
+from cmb_dagster.cli_common import BRANCH, DURATION, ROW_ID, FloatRange, liveness_options, open_database
 from cmb_dagster.errors import DatabaseUnavailable
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.pubsub.admin import (
@@ -109,6 +109,7 @@ def pubsub() -> None:
     help=f"Deliver only events this SQL expression over the event (payload, key, topic, op) is true for "
     f"(at most {MAX_PREDICATE_LENGTH} characters).",
 )
+@liveness_options
 def consume(
     consumer_id: str,
     branch_id: int,

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from cmb_dagster.cli_common import BIGINT_MAX, DURATION, open_database
+from cmb_dagster.cli_common import BIGINT_MAX, DURATION, liveness_options, open_database
 from cmb_dagster.inputs import shorten
 from cmb_dagster.stages import admin
 from cmb_dagster.stages.engine import Engine
@@ -94,6 +94,7 @@ def stages() -> None:
     "--shards", default=None, type=ShardList(), help=f"Only these shards (ids within 0..{MAX_SHARDS - 1}), e.g. 0,1,5."
 )
 @click.option("--duration", default=None, type=DURATION, help="Seconds to run (default: until SIGTERM/SIGINT).")
+@liveness_options
 def worker(
     stages_path: str | None, index: int, workers: int | None, shards: list[int] | None, duration: float | None
 ) -> None:
