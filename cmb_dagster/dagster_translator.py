@@ -1,6 +1,7 @@
-"""How the assets cmb_dagster adds are named: a translator a team subclasses to choose keys and groups."""
+"""How what cmb_dagster adds appears in Dagster: a translator a team subclasses to choose asset keys and groups
+and the tags of the worker jobs' runs."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dagster import AssetKey
@@ -8,7 +9,8 @@ from dagster import AssetKey
 
 @dataclass(frozen=True)
 class CmbTranslator:
-    """Names the observable assets of every engine (consumer lag, queues, stages, callback events).
+    """Names the observable assets of every engine (consumer lag, queues, stages, callback events) and tags the
+    runs of its worker jobs.
 
     ``name`` is what the engine knows the asset by (e.g. ``("orders", "branch_0")`` for a pub/sub consumer,
     ``("send_receipt",)`` for an event queue handler). Subclass and override to fit your asset tree::
@@ -27,6 +29,11 @@ class CmbTranslator:
     def get_group_name(self, engine: str) -> str:
         """The group of an engine's assets; by default ``cmb_<engine>``."""
         return f"cmb_{engine}"
+
+    def get_worker_tags(self, engine: str, job_name: str) -> Mapping[str, str]:
+        """Tags of every run of an engine's worker job (e.g. ``dagster-k8s/config`` for its pod's resources under
+        dagster-k8s); by default none."""
+        return {}
 
 
 DEFAULT_TRANSLATOR = CmbTranslator()

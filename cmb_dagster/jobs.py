@@ -79,8 +79,11 @@ class WorkerConfig(Config):
     )
 
 
-def worker_job(name: str, run_worker: RunWorker, *, description: str) -> JobDefinition:
-    """A job whose single op runs ``run_worker(database, duration, context)`` and reports what it did."""
+def worker_job(
+    name: str, run_worker: RunWorker, *, description: str, tags: Mapping[str, str] | None = None
+) -> JobDefinition:
+    """A job whose single op runs ``run_worker(database, duration, context)`` and reports what it did; its runs
+    carry ``tags`` besides ``cmb/worker``."""
 
     @op(name=f"{name}_op", description=description)
     def _worker_op(context: OpExecutionContext, config: WorkerConfig, cmb: CmbResource) -> None:
@@ -99,7 +102,9 @@ def worker_job(name: str, run_worker: RunWorker, *, description: str) -> JobDefi
             {"items": report.items, "steps": report.steps, "errors": report.errors, "seconds": report.seconds}
         )
 
-    @job(name=name, description=description, tags={"cmb/worker": name}, executor_def=in_process_executor)
+    @job(
+        name=name, description=description, tags={**(tags or {}), "cmb/worker": name}, executor_def=in_process_executor
+    )
     def _worker_job() -> None:
         _worker_op()
 

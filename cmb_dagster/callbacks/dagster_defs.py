@@ -80,6 +80,7 @@ def callback_definitions(
             name,
             _run_worker(options, i),
             description=f"Calls callbacks back: polls buckets with id % {options.workers} == {i} for a bounded time.",
+            tags=translator.get_worker_tags("callbacks", name),
         )
         for i, name in enumerate(names)
     ]

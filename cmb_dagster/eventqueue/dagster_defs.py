@@ -146,6 +146,7 @@ def eventqueue_definitions(
             name,
             run_worker,
             description="Runs event queue handlers for a bounded time (all workers claim from one queue).",
+            tags=translator.get_worker_tags("eventqueue", name),
         )
         for name in worker_job_names(prefix, "events_worker", options.workers)
     ]

@@ -77,17 +77,21 @@ def lag_observation(lag: Lag, translator: CmbTranslator = DEFAULT_TRANSLATOR) ->
     )
 
 
-def consumer_job(spec: ConsumerSpec, *, prefix: str = "cmb_") -> JobDefinition:
+def consumer_job(
+    spec: ConsumerSpec, *, prefix: str = "cmb_", translator: CmbTranslator = DEFAULT_TRANSLATOR
+) -> JobDefinition:
     """A job that runs the consumer ``spec`` describes for a bounded time."""
 
     def run_consumer(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         return ConsumerWorker(database, spec).run(duration)
 
+    name = f"{prefix}pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}"
     return worker_job(
-        f"{prefix}pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}",
+        name,
         run_consumer,
         description=f"Runs pub/sub consumer {spec.consumer_id!r} of branch {spec.branch_id} "
         f"({spec.handler_path or 'a handler given as a function'}).",
+        tags=translator.get_worker_tags("pubsub", name),
     )
 
 
@@ -230,7 +234,7 @@ def pubsub_definitions(
     """Per consumer: a job, the sensor keeping one run of it going, its lag asset; the status sensor observing
     every consumer's lag; the trim schedule; the backfill job."""
     specs = options.consumers
-    jobs = [consumer_job(spec, prefix=prefix) for spec in specs]
+    jobs = [consumer_job(spec, prefix=prefix, translator=translator) for spec in specs]
     names = [j.name for j in jobs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

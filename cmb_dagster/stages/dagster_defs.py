@@ -64,6 +64,7 @@ def stages_definitions(
             name,
             _run_worker(options, i),
             description=f"Runs stages ({names}) on shards with id % {options.workers} == {i} for a bounded time.",
+            tags=translator.get_worker_tags("stages", name),
         )
         for i, name in enumerate(worker_job_names(prefix, "stages_worker", options.workers))
     ]

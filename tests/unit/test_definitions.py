@@ -129,3 +129,31 @@ def test_the_locations_own_executor_is_kept_and_writes_the_launch_reason_first()
         executor=in_process_executor,
     )
     assert defs.executor.name == "in_process" and "first log entry says why it runs" in defs.executor.description
+
+
+def test_the_translator_tags_the_runs_of_every_worker_job():
+    import json
+
+    from cmb_dagster import CmbTranslator
+    from cmb_dagster.examples import eventqueue, stages
+
+    pod = {"container_config": {"resources": {"requests": {"cpu": "250m"}}}}
+
+    class Translator(CmbTranslator):
+        def get_worker_tags(self, engine, job_name):
+            return {"dagster-k8s/config": json.dumps(pod), "team": f"{engine}:{job_name}"}
+
+    defs = cmb_definitions(
+        pubsub=PubSubOptions(consumers=[ConsumerSpec(consumer_id="c", handler="m:f")]),
+        callbacks=CallbackOptions(workers=2),
+        stages=stages.options,
+        events=eventqueue.options,
+        translator=Translator(),
+    )
+    workers = [job for job in defs.get_repository_def().get_all_jobs() if "cmb/worker" in job.tags]
+    assert {job.tags["team"].split(":")[0] for job in workers} == {"callbacks", "eventqueue", "pubsub", "stages"}
+    assert len(workers) == 5
+    for job in workers:
+        assert job.tags["team"].split(":")[1] == job.name
+        assert job.tags["cmb/worker"] == job.name
+        assert json.loads(job.tags["dagster-k8s/config"]) == pod
