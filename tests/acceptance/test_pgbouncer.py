@@ -38,7 +38,7 @@ from cmb_dagster.eventqueue import emit_many, register
 from cmb_dagster.notifications import Listener
 from cmb_dagster.pubsub import publish
 from cmb_dagster.stages import StageStore
-from cmb_dagster.workers import list_leases
+from cmb_dagster.workers import Leases, list_leases
 
 SKIP = unavailable_reason()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
@@ -143,6 +143,18 @@ def test_a_listener_hears_notifications_sent_through_the_pooler(db: Database) ->
         wait_until(lambda: {"0", "1", "2", "3", "4"} <= set(heard), 10, "every notification heard")
 
 
+def test_leases_are_renewed_while_work_holds_every_server_connection_of_the_pooler(db: Database) -> None:
+    leases = Leases(db, "test.kind", owner="a", ttl=3.0)
+    assert leases.acquire(["p"]).keys() == {"p"}
+    renewed = threading.Event()
+    with db.connection() as a, db.connection() as b:  # both server connections of the pooler, in transactions
+        for conn in (a, b):
+            conn.execute("SELECT 1")
+        renewal = threading.Thread(target=lambda: leases.acquire(["p"]) and renewed.set(), daemon=True)
+        renewal.start()
+        wait_until(renewed.is_set, leases.ttl / 3, "the lease renewed while the pooler is busy")
+
+
 # -- worker processes of each engine ------------------------------------------------------------------------------
 
 
@@ -180,6 +192,7 @@ class Workers:
 
     def wait(self, predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
         """wait_until, failing with the end of the workers' log."""
+
         def done() -> bool:
             if any(proc.poll() is not None for proc in self.procs):
                 raise AssertionError(f"a worker exited before {what}; the workers' log:\n{self.log()[-3000:]}")
@@ -222,7 +235,8 @@ def test_callbacks_worker_through_the_pooler(db: Database, workers: Workers) -> 
 
         give(range(200))
         poll = 2 * WAKE  # a call's timeout plus the poll interval stay under 2/3 of the lease TTL
-        workers.start("callbacks", "worker", "--poll-interval", str(poll), "--timeout", "5", "--lease-ttl", str(3 * poll),
+        workers.start("callbacks", "worker", "--poll-interval", str(poll), "--timeout", "5",
+                      "--lease-ttl", str(3 * poll),
                       "--allow-host", "127.0.0.1")  # fmt: skip
         workers.wait(lambda: sink.count >= 200, 60, "the first 200 callbacks delivered")
         give(range(200, 201))  # to an idle worker: its NOTIFY wakes it
