@@ -27,6 +27,7 @@ from pgbouncer import PgBouncer, unavailable_reason
 from processes import stop
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
+from running import Running
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings
@@ -36,7 +37,7 @@ from cmb_dagster.database import Database, OwnConnection
 from cmb_dagster.errors import PooledDatabaseUrl
 from cmb_dagster.eventqueue import emit_many, register
 from cmb_dagster.notifications import Listener
-from cmb_dagster.pubsub import publish
+from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, publish
 from cmb_dagster.stages import StageStore
 from cmb_dagster.workers import Leases, list_leases
 
@@ -153,6 +154,31 @@ def test_leases_are_renewed_while_work_holds_every_server_connection_of_the_pool
         renewal = threading.Thread(target=lambda: leases.acquire(["p"]) and renewed.set(), daemon=True)
         renewal.start()
         wait_until(renewed.is_set, leases.ttl / 3, "the lease renewed while the pooler is busy")
+
+
+def test_a_pubsub_handler_past_its_timeout_has_its_transaction_ended_through_the_pooler(db: Database) -> None:
+    release, calls = threading.Event(), []
+
+    def hang_once(conn: psycopg.Connection, events: list) -> None:
+        calls.append(len(events))
+        if len(calls) == 1:
+            release.wait(60)
+
+    with db.connection() as conn:
+        publish(conn, 0, {"n": 0}, topic="work")
+    spec = ConsumerSpec(consumer_id="slow", handler=hang_once, handler_timeout=1, lease_ttl=3.0)
+
+    def idle_in_transaction() -> int:
+        with psycopg.connect(db.direct_url, autocommit=True) as conn:
+            query = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in%'"
+            return conn.execute(query).fetchone()[0]
+
+    with Running(ConsumerWorker(db, spec)):
+        try:
+            wait_until(lambda: len(calls) >= 2, 20, "the batch delivered again after the hung call timed out")
+            wait_until(lambda: idle_in_transaction() == 0, 10, "the hung call's transaction ended by the server")
+        finally:
+            release.set()
 
 
 # -- worker processes of each engine ------------------------------------------------------------------------------
