@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cmb_dagster.cli import dagster_env, env_lines
 from cmb_dagster.database import Database, server_address
 from cmb_dagster.errors import ConfigError
 from cmb_dagster.settings import Settings
@@ -30,3 +31,17 @@ def test_the_direct_url_makes_the_database_url_pooled(monkeypatch: pytest.Monkey
     assert db.connect_kwargs["prepare_threshold"] is None and "options" not in db.connect_kwargs
     assert not Database("postgresql://u@db.example/d").pooled
     assert "prepare_threshold" not in Database("postgresql://u@db.example/d").connect_kwargs
+
+
+def test_dagster_storage_is_on_the_direct_url_and_env_reads_its_password_from_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CMB_DATABASE_URL", "postgresql://u:pooled-secret@bouncer.example:6432/d")
+    monkeypatch.setenv("CMB_DIRECT_DATABASE_URL", "postgresql://u:direct-secret@db.example/d")
+    monkeypatch.delenv("CMB_DAGSTER_STORAGE_URL", raising=False)
+    settings = Settings.from_env()
+    values = dagster_env(settings, Database.from_settings(settings))
+    assert values["CMB_DAGSTER_STORAGE_URL"] == "postgresql+psycopg2://u:direct-secret@db.example/d"
+    lines = env_lines(values, settings, show_secrets=False)
+    assert 'export CMB_DAGSTER_STORAGE_URL="postgresql+psycopg2://${CMB_DIRECT_DATABASE_URL#*://}"' in lines
+    assert not any("direct-secret" in line or "pooled-secret" in line for line in lines)
