@@ -316,7 +316,8 @@ class Database:
         except psycopg.OperationalError as exc:
             if _POOLER_REFUSAL in str(exc):
                 raise PooledDatabaseUrl(_pooler_message(url)) from None
-            raise DatabaseUnavailable(_unreachable_message(url, exc)) from None
+            setting = "CMB_DIRECT_DATABASE_URL" if url != self.url else "CMB_DATABASE_URL"
+            raise DatabaseUnavailable(_unreachable_message(url, exc, setting)) from None
         except psycopg.ProgrammingError as exc:  # a conninfo libpq refuses; its message may quote the password
             raise InvalidDatabaseUrl(_unreadable_message(url, exc)) from None
 
@@ -448,11 +449,11 @@ def _pooler_message(url: str) -> str:
     )
 
 
-def _unreachable_message(url: str, exc: psycopg.OperationalError) -> str:
+def _unreachable_message(url: str, exc: psycopg.OperationalError, setting: str) -> str:
     reason = (str(exc).strip().splitlines() or ["no answer"])[-1].strip()
     return scrub(
         f"cannot connect to Postgres at {server_address(url)} ({reason}); "
-        "check that the server runs and that CMB_DATABASE_URL is right",
+        f"check that the server runs and that {setting} is right",
         url,
     )
 
