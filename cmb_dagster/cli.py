@@ -36,7 +36,7 @@ from cmb_dagster.stages.cli import stages
 DEBUG_ENV = "CMB_DEBUG"
 MAX_ERROR_LINE = 500
 """Most characters of an error line; a longer one (quoting a huge argument) is cut, saying how long it was."""
-SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
+SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DIRECT_DATABASE_URL", "CMB_DAGSTER_STORAGE_URL")
 """Variables whose secrets never appear in the CLI's output, errors or logs (nor does ``PGPASSWORD``)."""
 
 
@@ -45,7 +45,7 @@ def dagster_env(settings: Settings, db: Database) -> dict[str, str]:
     env = {
         "CMB_HOME": str(settings.home),
         "CMB_DAGSTER_ARTIFACTS": str(settings.home / "dagster"),
-        "CMB_DAGSTER_STORAGE_URL": os.environ.get("CMB_DAGSTER_STORAGE_URL") or dagster_storage_url(db.url),
+        "CMB_DAGSTER_STORAGE_URL": os.environ.get("CMB_DAGSTER_STORAGE_URL") or dagster_storage_url(db.direct_url),
     }
     if settings.database_url is None:
         env["CMB_DATABASE_URL"] = db.url  # child processes find the running embedded server directly
@@ -125,8 +125,8 @@ def main() -> None:
 
 
 def output_scrubber() -> Callable[[str], str]:
-    """A function that removes from a text the secrets of CMB_DATABASE_URL, CMB_DAGSTER_STORAGE_URL,
-    PGPASSWORD and of any URL or ``password=`` the text quotes itself."""
+    """A function that removes from a text the secrets of CMB_DATABASE_URL, CMB_DIRECT_DATABASE_URL,
+    CMB_DAGSTER_STORAGE_URL, PGPASSWORD and of any URL or ``password=`` the text quotes itself."""
     sources = [os.environ.get(name) for name in SECRET_ENV]
     hidden = set().union(*(secrets_of(source) for source in sources))
     if os.environ.get("PGPASSWORD"):
@@ -569,6 +569,15 @@ def env(show_secrets: bool) -> None:
         click.echo(line)
 
 
+def storage_source(settings: Settings) -> tuple[str, str] | None:
+    """The variable and URL Dagster's storage is on: the server itself (LISTEN), so the direct URL if any."""
+    if settings.direct_database_url:
+        return "CMB_DIRECT_DATABASE_URL", settings.direct_database_url
+    if settings.database_url:
+        return "CMB_DATABASE_URL", settings.database_url
+    return None
+
+
 def env_lines(values: dict[str, str], settings: Settings, *, show_secrets: bool) -> list[str]:
     """``export`` lines for ``values``, each value quoted; values with a secret refer to the environment."""
     lines = []
@@ -579,15 +588,16 @@ def env_lines(values: dict[str, str], settings: Settings, *, show_secrets: bool)
             lines.append(f"export {key}")  # already in the environment: export it as it is, unprinted
         elif (
             key == "CMB_DAGSTER_STORAGE_URL"
-            and settings.database_url
-            and value == dagster_storage_url(settings.database_url)
-            and value == f"postgresql+psycopg2://{settings.database_url.split('://', 1)[1]}"  # one host: the prefix
+            and (source := storage_source(settings))
+            and value == dagster_storage_url(source[1])
+            and value == f"postgresql+psycopg2://{source[1].split('://', 1)[1]}"  # one host: the prefix
         ):
+            name = source[0]
             lines.append(
-                ': "${CMB_DATABASE_URL:?is not set in this shell; cmb-dagster env refers to it for the password '
+                f': "${{{name}:?is not set in this shell; cmb-dagster env refers to it for the password '
                 '(or use --show-secrets)}"'
             )
-            lines.append('export CMB_DAGSTER_STORAGE_URL="postgresql+psycopg2://${CMB_DATABASE_URL#*://}"')
+            lines.append(f'export CMB_DAGSTER_STORAGE_URL="postgresql+psycopg2://${{{name}#*://}}"')
         else:
             raise click.ClickException(
                 f"{key} holds a password that cmb-dagster env does not print; use --show-secrets"

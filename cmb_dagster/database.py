@@ -1,4 +1,9 @@
-"""The cmb database: one URL (or the embedded server), one schema, a connection pool, migrations."""
+"""The cmb database: one URL (or the embedded server), one schema, a connection pool, migrations.
+
+A deployment behind a transaction-pooling PgBouncer gives two URLs: the pooled one for work (each
+transaction may run on another server connection, so work carries no session state and prepares no
+statement) and a direct one to the server for what lives in a session: LISTEN, leases, migrations.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from psycopg_pool import ConnectionPool
 
 from cmb_dagster import migrations
 from cmb_dagster.embedded import embedded_url
-from cmb_dagster.errors import ConfigError, DatabaseUnavailable, InvalidDatabaseUrl
+from cmb_dagster.errors import ConfigError, DatabaseUnavailable, InvalidDatabaseUrl, PooledDatabaseUrl
 from cmb_dagster.secrets import mask, scrub
 from cmb_dagster.settings import Settings, check_schema_name
 
@@ -40,6 +45,9 @@ _NETWORK_SETTINGS = [
     ("tcp_user_timeout", "tcp_user_timeout", NETWORK_TIMEOUT_S * 1000),
 ]
 
+DIRECT_POOL_SIZE = 2
+"""Connections of the direct pool (lease renewals and releases: one short statement each)."""
+
 DatabaseSource: TypeAlias = "Database | ConnectionPool | str"
 
 
@@ -48,11 +56,24 @@ class Database:
 
     Build it with :meth:`from_settings` (``CMB_DATABASE_URL`` or the embedded server) or from a URL.
     The first connection checks the server is reachable and applies pending migrations.
+
+    With a ``direct_url`` other than ``url``, ``url`` is :attr:`pooled` (a PgBouncer in transaction mode):
+    work goes there (:meth:`connection`, :meth:`connect`); sessions go to ``direct_url``
+    (:meth:`direct_connection`, :meth:`connect_direct`).
     """
 
-    def __init__(self, url: str, *, schema: str = "cmb", max_pool_size: int = 10, migrate: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        direct_url: str | None = None,
+        schema: str = "cmb",
+        max_pool_size: int = 10,
+        migrate: bool = True,
+    ) -> None:
         check_url(url)
         self.url = url
+        self.direct_url = check_url(direct_url) if direct_url else url
         try:
             self.schema = check_schema_name(schema)
         except ValueError as exc:
@@ -61,6 +82,7 @@ class Database:
         self._migrate = migrate
         self._ready = False
         self._pool: ConnectionPool | None = None
+        self._direct_pool: ConnectionPool | None = None
         self._external_pool = False
         self._lock = threading.Lock()
 
@@ -88,13 +110,14 @@ class Database:
         """The database the settings name: their URL, or the embedded server under their home."""
         settings = settings or Settings.from_env()
         url = settings.database_url or embedded_url(settings.home)
-        return cls(url, schema=settings.schema_name, **kwargs)  # type: ignore[arg-type]
+        direct = settings.direct_database_url
+        return cls(url, direct_url=direct, schema=settings.schema_name, **kwargs)  # type: ignore[arg-type]
 
     @classmethod
     def shared(cls, url: str | None = None, schema: str | None = None) -> Database:
         """One Database per (url, schema) in this process, so ops and sensors reuse one pool."""
         settings = Settings.from_env(database_url=url, schema_name=schema)
-        key = (settings.database_url, settings.schema_name, str(settings.home))
+        key = (settings.database_url, settings.direct_database_url, settings.schema_name, str(settings.home))
         with _SHARED_LOCK:
             if key not in _SHARED:
                 _SHARED[key] = cls.from_settings(settings)
@@ -108,23 +131,46 @@ class Database:
         return self._external_pool
 
     @property
+    def pooled(self) -> bool:
+        """Whether :attr:`url` goes through a transaction-pooling PgBouncer (a ``direct_url`` of its own was given).
+
+        Its connections then send no ``options`` (PgBouncer refuses the startup parameter; the cmb schema must
+        be first on the role's or database's default search_path), get no session settings, and prepare no
+        statement (``prepare_threshold=None``): the next transaction may run on another server connection.
+        """
+        return self.direct_url != self.url
+
+    @property
     def connect_kwargs(self) -> dict[str, object]:
-        """Keyword arguments for psycopg.connect: cmb schema first on the search_path, bounded connect and
-        network timeouts (:data:`NETWORK_TIMEOUT_S`) unless the URL sets its own."""
-        given = conninfo_to_dict(self.url)
+        """Keyword arguments for psycopg.connect to :attr:`url`: see :meth:`_connect_kwargs`."""
+        return self._connect_kwargs(pooled=self.pooled)
+
+    def _connect_kwargs(self, *, pooled: bool) -> dict[str, object]:
+        """Bounded connect and network timeouts (:data:`NETWORK_TIMEOUT_S`) unless the URL sets its own; for a
+        server, the cmb schema first on the search_path and the server's side of the network timeouts; for a
+        pooler, no statement prepared."""
+        given = conninfo_to_dict(self.url if pooled else self.direct_url)
         network = [(client, server, value) for client, server, value in _NETWORK_SETTINGS if client not in given]
-        options = " ".join([f"-c search_path={self.schema},public", *(f"-c {s}={v}" for _, s, v in network)])
-        return {
-            "options": options,
-            "connect_timeout": CONNECT_TIMEOUT_S,
-            "keepalives": 1,
-            **{c: v for c, _, v in network},
-        }
+        kwargs: dict[str, object] = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1}
+        kwargs.update({c: v for c, _, v in network})
+        if pooled:
+            kwargs["prepare_threshold"] = None
+        else:
+            kwargs["options"] = " ".join(
+                [f"-c search_path={self.schema},public", *(f"-c {s}={v}" for _, s, v in network)]
+            )
+        return kwargs
 
     def connect(self, *, autocommit: bool = False) -> psycopg.Connection:
-        """A new connection of its own (not from the pool); the caller closes it."""
+        """A new work connection of its own (not from the pool; through the pooler if :attr:`pooled`); the
+        caller closes it."""
         self.ensure_ready()
-        return self._raw_connect(autocommit=autocommit)
+        return self._raw_connect(autocommit=autocommit, direct=False)
+
+    def connect_direct(self, *, autocommit: bool = False) -> psycopg.Connection:
+        """A new connection of its own to the server itself, for session state (LISTEN); the caller closes it."""
+        self.ensure_ready()
+        return self._raw_connect(autocommit=autocommit, direct=True)
 
     @property
     def pool(self) -> ConnectionPool:
@@ -144,21 +190,56 @@ class Database:
                 _OPEN.add(self)
             return self._pool
 
+    @property
+    def direct_pool(self) -> ConnectionPool:
+        """The pool of connections to the server itself (:data:`DIRECT_POOL_SIZE`); :attr:`pool` unless
+        :attr:`pooled`."""
+        if not self.pooled:
+            return self.pool
+        self.ensure_ready()
+        with self._lock:
+            if self._direct_pool is None:
+                self._direct_pool = ConnectionPool(
+                    self.direct_url,
+                    kwargs=self._connect_kwargs(pooled=False),
+                    min_size=1,
+                    max_size=DIRECT_POOL_SIZE,
+                    open=True,
+                    check=ConnectionPool.check_connection,
+                    name=f"cmb:{self.schema}:direct",
+                )
+                _OPEN.add(self)
+            return self._direct_pool
+
     @contextmanager
     def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
-        """Borrow a pooled connection (waiting ``timeout`` seconds at most, else the pool's 30 s; then
+        """Borrow a pooled work connection (waiting ``timeout`` seconds at most, else the pool's 30 s; then
         psycopg_pool.PoolTimeout); the block's work commits on success and rolls back on error."""
         with self.pool.connection(timeout=timeout) as conn:
             if self._external_pool:
                 conn.execute("SELECT set_config('search_path', %s, true)", (f"{self.schema},public",))
             yield conn
 
+    @contextmanager
+    def direct_connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """:meth:`connection` from :attr:`direct_pool`: for leases, whose renewals must not queue behind work
+        waiting for the pooler's server connections."""
+        if not self.pooled:
+            with self.connection(timeout) as conn:
+                yield conn
+            return
+        with self.direct_pool.connection(timeout=timeout) as conn:
+            yield conn
+
     def close(self) -> None:
-        """Close the pool (connections in use are closed when returned); a pool given to :meth:`of` stays open."""
+        """Close the pools (connections in use are closed when returned); a pool given to :meth:`of` stays open."""
         with self._lock:
             if self._pool is not None and not self._external_pool:
                 self._pool.close()
                 self._pool = None
+            if self._direct_pool is not None:
+                self._direct_pool.close()
+                self._direct_pool = None
             _OPEN.discard(self)
 
     # -- readiness and migrations -------------------------------------------------------------
@@ -167,24 +248,37 @@ class Database:
         """Check the server answers, refuse a schema newer than this package, and migrate if behind."""
         if self._ready:
             return
-        with self._raw_connect(autocommit=True) as conn:
+        with self._raw_connect(autocommit=True, direct=True) as conn:
             versions = migrations.applied_versions(conn, self.schema)
             migrations.check_not_newer(max(versions or {0}), self.schema)
             if self._migrate and not migrations.is_up_to_date(versions):
                 conn.autocommit = False
                 migrations.upgrade(conn, self.schema)
+        if self.pooled:
+            self._check_pooled_search_path()
         self._ready = True
+
+    def _check_pooled_search_path(self) -> None:
+        """Refuse a pooled URL whose sessions do not find cmb tables: the pooler cannot pass cmb's search_path."""
+        with self._raw_connect(autocommit=True, direct=False) as conn:
+            schema = conn.execute("SELECT current_schema()").fetchone()[0]
+        if schema != self.schema:
+            raise PooledDatabaseUrl(
+                f"CMB_DATABASE_URL goes through a pooler (CMB_DIRECT_DATABASE_URL is set), where cmb cannot set the "
+                f"search_path, and its sessions' schema is {schema!r}, not {self.schema!r}: make it the default, "
+                f"e.g. ALTER ROLE <user> IN DATABASE <db> SET search_path = {self.schema}, public"
+            )
 
     def upgrade(self) -> list[migrations.Migration]:
         """Apply pending migrations now; return those applied."""
-        with self._raw_connect() as conn:
+        with self._raw_connect(direct=True) as conn:
             applied = migrations.upgrade(conn, self.schema)
         self._ready = True
         return applied
 
     def status(self) -> dict[str, object]:
         """Server version, schema, applied and expected schema versions."""
-        with self._raw_connect(autocommit=True) as conn:
+        with self._raw_connect(autocommit=True, direct=True) as conn:
             server = conn.execute("SHOW server_version").fetchone()[0]
             version = migrations.current_version(conn, self.schema)
         return {
@@ -204,23 +298,28 @@ class Database:
         return f"Database({self.display_url!r}, schema={self.schema!r})"
 
     async def connect_async(self, *, autocommit: bool = False) -> psycopg.AsyncConnection:
-        """A new async connection of its own (not from the pool); the caller closes it."""
+        """A new async work connection of its own (as :meth:`connect`); the caller closes it."""
         self.ensure_ready()
-        with self._connect_errors():
+        with self._connect_errors(self.url):
             return await psycopg.AsyncConnection.connect(self.url, autocommit=autocommit, **self.connect_kwargs)
 
-    def _raw_connect(self, *, autocommit: bool = False) -> psycopg.Connection:
-        with self._connect_errors():
-            return psycopg.connect(self.url, autocommit=autocommit, **self.connect_kwargs)
+    def _raw_connect(self, *, autocommit: bool = False, direct: bool) -> psycopg.Connection:
+        url = self.direct_url if direct else self.url
+        kwargs = self._connect_kwargs(pooled=False) if direct else self.connect_kwargs
+        with self._connect_errors(url):
+            return psycopg.connect(url, autocommit=autocommit, **kwargs)
 
     @contextmanager
-    def _connect_errors(self) -> Iterator[None]:
+    def _connect_errors(self, url: str) -> Iterator[None]:
         try:
             yield
         except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(_unreachable_message(self.url, exc)) from None
+            if _POOLER_REFUSAL in str(exc):
+                raise PooledDatabaseUrl(_pooler_message(url)) from None
+            setting = "CMB_DIRECT_DATABASE_URL" if url != self.url else "CMB_DATABASE_URL"
+            raise DatabaseUnavailable(_unreachable_message(url, exc, setting)) from None
         except psycopg.ProgrammingError as exc:  # a conninfo libpq refuses; its message may quote the password
-            raise InvalidDatabaseUrl(_unreadable_message(self.url, exc)) from None
+            raise InvalidDatabaseUrl(_unreadable_message(url, exc)) from None
 
 
 class OwnConnection:
@@ -230,6 +329,11 @@ class OwnConnection:
     it gets on each connect (outside any pipeline, so they take effect). With ``custom_plans``, every
     statement is planned for the tables as they are when it runs: a plan cached while a table was small
     (a sequential scan) would otherwise be kept as the table grows, until its statistics change.
+
+    Through a pooler (:attr:`Database.pooled`) it gets no session settings: they would stay on the server
+    connection the pooler lent for one statement, for other clients, and miss the next one. The pooler's
+    own settings stand in for them (``idle_transaction_timeout``; docs/operations.md), and nothing is
+    prepared there, so every statement is planned when it runs anyway.
     """
 
     def __init__(self, db: Database, *, custom_plans: bool = False, settings: Mapping[str, str] | None = None) -> None:
@@ -249,7 +353,7 @@ class OwnConnection:
         if self.lost:
             self.close()
             self._conn = self.db.connect(autocommit=True)
-            for name, value in self.settings.items():
+            for name, value in session_settings(self.db, self.settings).items():
                 self._conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         return self._conn  # type: ignore[return-value]
 
@@ -257,6 +361,11 @@ class OwnConnection:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+
+def session_settings(db: Database, settings: Mapping[str, str]) -> Mapping[str, str]:
+    """The ``settings`` a work connection of ``db`` gets for its session: none through a pooler."""
+    return {} if db.pooled else settings
 
 
 class OwnAsyncConnection:
@@ -274,7 +383,7 @@ class OwnAsyncConnection:
         if self._conn is None or self._conn.closed or self._conn.broken:
             await self.close()
             self._conn = await self.db.connect_async(autocommit=True)
-            for name, value in self.settings.items():
+            for name, value in session_settings(self.db, self.settings).items():
                 await self._conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         return self._conn
 
@@ -284,7 +393,7 @@ class OwnAsyncConnection:
             await conn.close()
 
 
-_SHARED: dict[tuple[str | None, str, str], Database] = {}
+_SHARED: dict[tuple[str | None, str | None, str, str], Database] = {}
 _SHARED_LOCK = threading.Lock()
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()  # the Databases whose pool this process opened
 
@@ -312,21 +421,39 @@ def check_url(url: str) -> str:
 
 
 def server_address(url: str) -> str:
-    """``host:port`` (or the socket directory) that ``url`` points at."""
+    """``host:port`` (or the socket directory) of each server ``url`` points at, comma-separated."""
     try:
         info = conninfo_to_dict(url)
     except psycopg.Error:
         return "an unreadable address"
-    host = info.get("host") or "localhost"
-    port = info.get("port") or "5432"
-    return f"{host}:{port}" if not str(host).startswith("/") else f"socket {host}/.s.PGSQL.{port}"
+    hosts = str(info.get("host") or info.get("hostaddr") or "localhost").split(",")
+    ports = str(info.get("port") or "5432").split(",")
+    if len(ports) == 1:  # libpq: one port serves every host
+        ports *= len(hosts)
+    return ", ".join(
+        f"socket {host}/.s.PGSQL.{port or 5432}" if host.startswith("/") else f"{host or 'localhost'}:{port or 5432}"
+        for host, port in zip(hosts, ports, strict=False)
+    )
 
 
-def _unreachable_message(url: str, exc: psycopg.OperationalError) -> str:
+_POOLER_REFUSAL = "unsupported startup parameter"
+"""What PgBouncer answers to the startup parameters (``options``) cmb sends to a server."""
+
+
+def _pooler_message(url: str) -> str:
+    return scrub(
+        f"{server_address(url)} is a connection pooler (it refuses the session settings cmb gives a server): "
+        "set CMB_DIRECT_DATABASE_URL to the Postgres server itself, and CMB_DATABASE_URL (the pooler) is used "
+        "for work only",
+        url,
+    )
+
+
+def _unreachable_message(url: str, exc: psycopg.OperationalError, setting: str) -> str:
     reason = (str(exc).strip().splitlines() or ["no answer"])[-1].strip()
     return scrub(
         f"cannot connect to Postgres at {server_address(url)} ({reason}); "
-        "check that the server runs and that CMB_DATABASE_URL is right",
+        f"check that the server runs and that {setting} is right",
         url,
     )
 

@@ -27,3 +27,7 @@ class ConfigError(CmbError):
 
 class InvalidDatabaseUrl(ConfigError, InvalidInput):
     """A database URL or conninfo string libpq cannot read (the message never shows its secrets)."""
+
+
+class PooledDatabaseUrl(ConfigError):
+    """A connection pooler's URL used where cmb needs the server itself (the message names the setting)."""

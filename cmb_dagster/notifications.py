@@ -43,7 +43,10 @@ def channel_name(db: Database, name: str) -> str:
 
 
 class Listener:
-    """A daemon thread that LISTENs on ``channels`` and calls ``on_notify(channel, payload)``."""
+    """A daemon thread that LISTENs on ``channels`` and calls ``on_notify(channel, payload)``.
+
+    It connects to the server itself (:meth:`Database.connect_direct`): through a transaction-pooling PgBouncer,
+    a LISTEN would stay on a server connection lent for one statement, and notifications would be lost."""
 
     def __init__(
         self,
@@ -93,7 +96,7 @@ class Listener:
         lost_at: float | None = None  # when the connection was lost or first refused, until the next connect
         while not self._stop.is_set():
             try:
-                with self.db.connect(autocommit=True) as conn:
+                with self.db.connect_direct(autocommit=True) as conn:  # LISTEN lives in the session
                     for channel in self.channels:
                         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
                     if lost_at is not None:

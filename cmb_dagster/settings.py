@@ -9,7 +9,7 @@ from urllib.parse import quote, urlsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cmb_dagster.errors import ConfigError
 
@@ -75,6 +75,11 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, hide_input_in_errors=True)  # the URL's password stays out of errors
 
     database_url: str | None = Field(default=None, description="CMB_DATABASE_URL; unset = embedded Postgres.")
+    direct_database_url: str | None = Field(
+        default=None,
+        description="CMB_DIRECT_DATABASE_URL: the server itself, when CMB_DATABASE_URL is a transaction-pooling "
+        "PgBouncer; LISTEN, leases and migrations go there, work goes through the pooler.",
+    )
     schema_name: str = Field(default="cmb", description="CMB_SCHEMA: the Postgres schema of cmb tables.")
     home: Path = Field(default=Path(".cmb"), description="CMB_HOME: embedded server data and Dagster artifacts.")
     worker_run_seconds: float = Field(
@@ -89,7 +94,7 @@ class Settings(BaseModel):
     def _schema_is_identifier(cls, value: str) -> str:
         return check_schema_name(value)
 
-    @field_validator("database_url")
+    @field_validator("database_url", "direct_database_url")
     @classmethod
     def _url_is_postgres(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("postgresql://", "postgres://")):
@@ -101,6 +106,15 @@ class Settings(BaseModel):
             check_hosts(value)
         return value or None
 
+    @model_validator(mode="after")
+    def _direct_url_has_pooled_url(self) -> Settings:
+        if self.direct_database_url and not self.database_url:
+            raise ValueError(
+                "direct_database_url: CMB_DIRECT_DATABASE_URL is set without CMB_DATABASE_URL (the pooler's URL, "
+                "for work); set both, or neither for the embedded server"
+            )
+        return self
+
     @field_validator("home")
     @classmethod
     def _home_is_absolute(cls, value: Path) -> Path:
@@ -108,10 +122,11 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        """Settings from CMB_DATABASE_URL, CMB_SCHEMA, CMB_HOME and CMB_WORKER_RUN_SECONDS; keyword overrides
-        win."""
+        """Settings from CMB_DATABASE_URL, CMB_DIRECT_DATABASE_URL, CMB_SCHEMA, CMB_HOME and
+        CMB_WORKER_RUN_SECONDS; keyword overrides win."""
         values: dict[str, object] = {
             "database_url": os.environ.get("CMB_DATABASE_URL") or None,
+            "direct_database_url": os.environ.get("CMB_DIRECT_DATABASE_URL") or None,
             "schema_name": os.environ.get("CMB_SCHEMA") or "cmb",
             "home": os.environ.get("CMB_HOME") or ".cmb",
             "worker_run_seconds": os.environ.get("CMB_WORKER_RUN_SECONDS") or 3600.0,
@@ -124,4 +139,8 @@ class Settings(BaseModel):
 
 
 def _one_line(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+    def line(error: dict) -> str:  # an error of the whole model (no field) names its field itself
+        message = error["msg"].removeprefix("Value error, ")
+        return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
+
+    return "; ".join(line(e) for e in exc.errors())

@@ -92,7 +92,11 @@ class Lease:
 
 
 class Leases:
-    """Acquire, renew, check and release partition leases of one kind for one owner."""
+    """Acquire, renew, check and release partition leases of one kind for one owner.
+
+    Renewals and releases go to the server itself (:meth:`Database.direct_connection`), not through a pooler
+    whose server connections may all be busy with work; a renewal waits a third of the TTL at most for a
+    connection, so a worker cut off from the database finds out well within one TTL."""
 
     def __init__(self, db: Database, kind: str, owner: str | None = None, ttl: float = 10.0) -> None:
         self.db = db
@@ -109,7 +113,7 @@ class Leases:
         around."""
         wanted = list(partitions)
         params = {"kind": self.kind, "owner": self.owner, "ttl": self.ttl, "partitions": wanted}
-        with self.db.connection() as conn:
+        with self.db.direct_connection(timeout=self.ttl / 3) as conn:
             sent_at = time.monotonic()  # before the database reads now(): the local expiry errs early
             rows = conn.execute(sql.ACQUIRE_LEASES, params).fetchall()
         held = {}
@@ -139,7 +143,7 @@ class Leases:
             "channel": channel_name(self.db, LEASES_CHANNEL),
         }
         self._forget(params["partitions"])
-        with self.db.connection() as conn:
+        with self.db.direct_connection(timeout=self.ttl / 3) as conn:
             conn.execute(sql.RELEASE_LEASES, params)
 
     @staticmethod
@@ -322,7 +326,7 @@ class Worker:
             while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 self.turned_at = time.monotonic()
                 if time.monotonic() >= self._next_renew:
-                    self._renew(self.partitions() if callable(self.partitions) else self.partitions)
+                    self._renew(self.partitions)
                     report.held = set(self._held)
                 handled = 0
                 for partition, run_step in self._steps(self._held):
@@ -392,9 +396,10 @@ class Worker:
         if self._held and time.monotonic() >= self._next_renew:
             self._renew(list(self._held))
 
-    def _renew(self, partitions: Iterable[str]) -> None:
+    def _renew(self, partitions: Iterable[str] | Callable[[], Sequence[str]]) -> None:
+        """Hold ``partitions`` (asked first, if a function); on a database error, hold none until the next try."""
         try:
-            self._held = dict(self.leases.acquire(partitions))
+            self._held = dict(self.leases.acquire(partitions() if callable(partitions) else partitions))
         except (psycopg.Error, CmbError) as exc:
             log.warning("lease renewal failed (%s); retrying", exc)
             self._held = {}

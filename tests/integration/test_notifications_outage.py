@@ -30,15 +30,15 @@ def messages(records, text):
 
 
 def count_connects(db):
-    """The times ``db.connect`` is called from now on."""
+    """The times ``db.connect_direct`` (the listener's connection) is called from now on."""
     attempts = []
-    connect = db.connect
+    connect = db.connect_direct
 
     def counted(**kwargs):
         attempts.append(time.monotonic())
         return connect(**kwargs)
 
-    db.connect = counted
+    db.connect_direct = counted
     return attempts
 
 
