@@ -130,6 +130,13 @@ class Database:
         """Whether connections come from a pool the caller passed to :meth:`of` (and owns)."""
         return self._external_pool
 
+    def backend_pid(self, conn: psycopg.Connection) -> int:
+        """The server process serving ``conn``'s transaction (through a pooler, the connection's own pid is the
+        pooler's cancel key: then asked of the server)."""
+        if self.pooled:
+            return conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        return conn.info.backend_pid
+
     @property
     def pooled(self) -> bool:
         """Whether :attr:`url` goes through a transaction-pooling PgBouncer (a ``direct_url`` of its own was given).

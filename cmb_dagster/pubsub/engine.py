@@ -400,7 +400,7 @@ class Delivery:
     def _call_handler(self, conn: psycopg.Connection, events: list[Event]) -> None:
         """The handler on ``events`` in the thread of user code; past ``handler_timeout`` the transaction is
         ended by the server (the call is abandoned) and :class:`TimedOut` raised."""
-        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # the server's (a pooler's key is not)
+        backend = self.db.backend_pid(conn)
         [call] = self.user_code.run(
             [events], lambda batch: self.handler(conn, batch), self.spec.handler_timeout, on_wait=self.keep_alive
         )
