@@ -150,10 +150,10 @@ def test_the_translator_tags_the_runs_of_every_worker_job():
         events=eventqueue.options,
         translator=Translator(),
     )
-    workers = [job for job in defs.get_repository_def().get_all_jobs() if "cmb/worker" in job.tags]
-    assert {job.tags["team"].split(":")[0] for job in workers} == {"callbacks", "eventqueue", "pubsub", "stages"}
+    workers = [w for w in defs.get_repository_def().get_all_jobs() if "cmb/worker" in w.tags]
+    assert {w.tags["team"].split(":")[0] for w in workers} == {"callbacks", "eventqueue", "pubsub", "stages"}
     assert len(workers) == 5
-    for job in workers:
-        assert job.tags["team"].split(":")[1] == job.name
-        assert job.tags["cmb/worker"] == job.name
-        assert json.loads(job.tags["dagster-k8s/config"]) == pod
+    for worker in workers:
+        assert worker.tags["team"].split(":")[1] == worker.name
+        assert worker.tags["cmb/worker"] == worker.name
+        assert json.loads(worker.tags["dagster-k8s/config"]) == pod
