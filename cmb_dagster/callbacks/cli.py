@@ -23,7 +23,7 @@ from cmb_dagster.callbacks.models import (
     CallbackSettings,
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
-from cmb_dagster.callbacks.worker import CallbackWorker
+from cmb_dagster.callbacks.worker import CallbackWorker, bucket_slice
 from cmb_dagster.cli_common import DAY, DURATION, FloatRange, liveness_options, open_database
 from cmb_dagster.flow import MAX_CONCURRENCY, FlowLimits
 from cmb_dagster.workers import stop_workers_on_signals
@@ -221,6 +221,16 @@ def buckets(count: int) -> None:
     callback=lambda ctx, param, value: _bucket_ids(value),
     help="Comma-separated bucket ids (default: all, including added ones).",
 )
+@click.option(
+    "--index",
+    type=click.IntRange(0, MAX_BUCKETS - 1),
+    help="With --workers: serve the buckets with id % workers == index (also those added later).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, MAX_BUCKETS),
+    help="Number of workers splitting the buckets (with --index).",
+)
 @click.option("--duration", type=DURATION, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
 @click.option("--concurrency", type=click.IntRange(1, 10_000), help="Parallel calls.")
 @click.option(
@@ -250,6 +260,8 @@ def buckets(count: int) -> None:
 @liveness_options
 def worker(
     bucket_list: str | None,
+    index: int | None,
+    workers: int | None,
     duration: float | None,
     concurrency: int | None,
     per_host_concurrency: int | None,
@@ -260,6 +272,8 @@ def worker(
     allow_hosts: tuple[str, ...],
 ) -> None:
     """Call callbacks back, as a long-running process (SIGTERM finishes the calls in flight, then exits)."""
+    if (index is None) != (workers is None) or (bucket_list and index is not None):
+        raise click.UsageError("give --index and --workers together, or --buckets")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {
         "concurrency": concurrency,
@@ -272,7 +286,7 @@ def worker(
     settings = CallbackSettings(**{k: v for k, v in overrides.items() if v is not None})
     db = open_database()
     chosen = [int(b) for b in bucket_list.split(",")] if bucket_list else None  # checked by _bucket_ids
-    runner = CallbackWorker(db, settings, buckets=chosen)
+    runner = CallbackWorker(db, settings, buckets=chosen if index is None else bucket_slice(db, index, workers))
     stopped = threading.Event()
     if materialize:
 
@@ -285,7 +299,8 @@ def worker(
                 stopped.wait(30)
 
         threading.Thread(target=materialize_loop, name="cmb-callback-schedules", daemon=True).start()
-    click.echo(f"callbacks worker {runner.owner} on buckets {bucket_list or 'all'}", err=True)
+    serves = bucket_list or ("all" if index is None else f"with id % {workers} == {index}")
+    click.echo(f"callbacks worker {runner.owner} on buckets {serves}", err=True)
     try:
         with stop_workers_on_signals():
             report = runner.run(duration)

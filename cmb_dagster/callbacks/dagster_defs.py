@@ -22,7 +22,7 @@ from cmb_dagster.callbacks.admin import status
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.models import MAX_TTL_DAYS, CallbackOptions
 from cmb_dagster.callbacks.schedules import materialize_schedules
-from cmb_dagster.callbacks.worker import CallbackWorker, served_bucket_ids
+from cmb_dagster.callbacks.worker import CallbackWorker, bucket_slice
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
@@ -48,9 +48,7 @@ def counts_asset_key(options: CallbackOptions, index: int, translator: CmbTransl
 
 def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untyped-def]
     def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
-        def buckets() -> list[int]:  # asked at each lease renewal: a raised or lowered count is picked up
-            return [b for b in served_bucket_ids(database) if b % options.workers == index]
-
+        buckets = bucket_slice(database, index, options.workers)
         launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG, also_tags=[LEGACY_RUN_KEY_TAG])
         return CallbackWorker(database, options.settings, buckets=buckets, launcher=launcher).run(duration)
 

@@ -45,6 +45,7 @@ from cmb_dagster.callbacks.delivery import (
     JobLauncher,
     target_host,
 )
+from cmb_dagster.callbacks.errors import InvalidCallbackInput
 from cmb_dagster.callbacks.models import (
     CONTEXT,
     EARLIEST_RUN_AT,
@@ -931,6 +932,14 @@ def served_bucket_ids(db: Database) -> list[int]:
     with db.connection() as conn:
         live = [row[0] for row in conn.execute(sql.BUCKET_IDS)]
         return live + [row[0] for row in conn.execute(sql.STRANDED_BUCKETS)]
+
+
+def bucket_slice(db: Database, index: int, workers: int) -> Callable[[], list[int]]:
+    """The buckets worker ``index`` of ``workers`` serves (id % workers == index), asked again at each lease
+    renewal: a raised or lowered bucket count is picked up."""
+    if not 0 <= index < workers:
+        raise InvalidCallbackInput(f"index: expected 0 to {workers - 1} for {workers} workers, not {index}")
+    return lambda: [b for b in served_bucket_ids(db) if b % workers == index]
 
 
 def move_stranded_events(db: Database) -> int:
