@@ -28,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from multihost import HELD_INTERVALS, LEASE_HISTORY
 from netns import Network, unavailable_reason
 from processes import stop
 from waiting import wait_until
@@ -60,27 +61,6 @@ HOSTS = 3
 # a worker's database call failed (rather than hanging): the first such line's time (the log's local time)
 NOTICED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:WARNING|ERROR) cmb_dagster", re.MULTILINE)
 CUT = 1  # the host cut off: started first, so it holds every partition when the cut comes
-
-LEASE_HISTORY = """
-CREATE TABLE public.lease_history (
-    kind text, partition text, owner text, fence bigint, expires_at timestamptz,
-    at timestamptz DEFAULT clock_timestamp()
-);
-CREATE FUNCTION public.record_lease() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO public.lease_history (kind, partition, owner, fence, expires_at)
-    VALUES (NEW.kind, NEW.partition, NEW.owner, NEW.fence, NEW.expires_at);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER lease_history AFTER INSERT OR UPDATE ON cmb.leases FOR EACH ROW EXECUTE FUNCTION public.record_lease();
-"""
-
-# Per lease (kind, partition, owner, fence): from its acquisition until it was released or its last expiry.
-HELD_INTERVALS = """
-SELECT partition, owner, fence, extract(epoch FROM min(at)),
-       extract(epoch FROM coalesce(min(at) FILTER (WHERE expires_at = '-infinity'), max(expires_at)))
-FROM public.lease_history WHERE kind = %s GROUP BY partition, owner, fence
-"""
 
 
 @dataclass(frozen=True)
