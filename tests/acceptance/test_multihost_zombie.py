@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -22,7 +23,7 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
-from multihost import HANDLERS_DIR, Gate, WorkerProcess, held_by, read_calls, take_over
+from multihost import HANDLERS_DIR, CtlProducer, Gate, WorkerProcess, held_by, launched_last, read_calls, take_over
 from processes import stop
 from waiting import wait_until
 
@@ -464,3 +465,53 @@ def test_eventqueue_zombie_runs_and_deletes_nothing_it_lost(db, database_url, wo
     more = emit(range(200, 220))
     wait_until(lambda: queued() == 0, 30, "the events emitted after the other stopped run")
     assert {i[0] for _, i in calls_by(tmp_path, victim, resumed_at)} >= set(more)
+
+
+# -- reactive scheduler --------------------------------------------------------------------------------------------
+
+
+def test_reactive_zombie_launches_nothing_after_losing_the_scheduler(db, database_url, workers, tmp_path):
+    import multihost_handlers
+
+    kind, ttl = "reactive.scheduler", 1 + 10  # the scheduler's lease: tick_seconds + 10
+    gate = Gate(tmp_path / "gate")
+    env = worker_env(database_url, tmp_path)
+    lookups = tmp_path / "lookups.jsonl"
+    script = f"import multihost_handlers as m; m.reactive_worker({database_url!r}, lookups={str(lookups)!r})"
+    producer = CtlProducer(db, multihost_handlers.REACTIVE_TASKS)
+    try:
+        victim = start(workers, tmp_path, ["-c", script], env, program=[sys.executable])
+        wait_until(lambda: len(calls_by(tmp_path, victim)) >= 3, 30, "the victim launches runs")
+        other = start(workers, tmp_path, ["-c", script], env, program=[sys.executable])
+        # the victim stops itself at the end of its next lookup of runs, inside a tick (before the tick's lease
+        # checks, its launches and their recording)
+        gate.stop_after_call(victim.pid)
+        wait_until(lambda: victim.stopped, 30, "the victim stopped inside a tick")
+        stopped_at = time.time()
+        lost = held_by(db, kind, victim)
+        assert lost, "the victim did not hold the scheduler when it stopped"
+        wait_until(lambda: take_over(db, kind, lost, other), 2 * ttl, "the other worker took the scheduler over")
+        assert time.time() - stopped_at > ttl * 2 / 3, "taken over before the victim's lease could have lapsed"
+        wait_until(lambda: len(calls_by(tmp_path, other)) >= 3, 30, "the other worker launches runs")
+        logged = len(victim.log)
+        resumed_at = victim.signal(signal.SIGCONT)
+        wait_until(lambda: noticed_loss(victim, logged) or calls_by(tmp_path, victim, resumed_at), 30,
+                   "the resumed victim noticed the loss or launched")  # fmt: skip
+        late = calls_by(tmp_path, victim, resumed_at)
+        assert late == [], f"the victim launched {len(late)} times after losing the scheduler"
+        looked_up = [at for pid, at, _ in read_calls(lookups) if pid == victim.pid and at >= resumed_at]
+        assert looked_up == [], "the victim looked runs up after losing the scheduler"
+        assert victim.proc.poll() is None, victim.log
+        stop([other.proc])  # the victim rejoins: it takes the scheduler back and launches again
+        wait_until(lambda: held_by(db, kind, victim), 30, "the victim holds the scheduler again")
+        wait_until(lambda: calls_by(tmp_path, victim, resumed_at), 30, "the victim launches again")
+    finally:
+        final = producer.stop()
+    wait_until(lambda: launched_last(read_calls(tmp_path / "calls.jsonl")) == final, 60,
+               "every last CTL change launched (nothing lost)")  # fmt: skip
+    with db.connection() as conn:
+        rows = conn.execute("SELECT task, values_hash FROM reactive_launches").fetchall()
+    assert len(set(rows)) == len(rows), "a set of values launched twice"
+    calls = read_calls(tmp_path / "calls.jsonl")
+    run_keys = Counter(run_key for _, _, launches in calls for _, run_key, _ in launches)
+    assert max(run_keys.values()) == 1, [k for k, n in run_keys.items() if n > 1][:10]

@@ -8,12 +8,15 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
 from processes import stop
 
+from cmb_dagster.ctl import CtlStore
 from cmb_dagster.database import Database
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
@@ -128,3 +131,42 @@ def take_over(db: Database, kind: str, lost: dict[str, int], taker: WorkerProces
     """Whether ``taker`` holds every partition of ``lost`` with a higher fence."""
     now = held_by(db, kind, taker)
     return all(now.get(p, 0) > fence for p, fence in lost.items())
+
+
+class CtlProducer:
+    """Changes CTL values all along, in a thread, until :meth:`stop`: each entity's moment (``e<i>.p``, the
+    parameters of multihost_handlers.reactive_worker's tasks) moves forward by whole seconds."""
+
+    def __init__(self, db: Database, entities: int) -> None:
+        base = datetime(2024, 5, 1, tzinfo=UTC)
+        self.store = CtlStore(db, actor="producer")
+        self.moments = {f"e{i}": base for i in range(entities)}
+        self._producing = threading.Event()
+        self._producing.set()
+        self._thread = threading.Thread(target=self._produce, daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        step = 0
+        while self._producing.is_set():
+            entity = f"e{step % len(self.moments)}"
+            self.moments[entity] += timedelta(seconds=1 + step % 3)
+            self.store.set(entity, "p", self.moments[entity])
+            step += 1
+            time.sleep(0.01)  # a pace of changes, not a wait
+
+    def stop(self) -> dict[str, str]:
+        """Stop; the last value of each parameter."""
+        self._producing.clear()
+        self._thread.join()
+        return {f"{entity}.p": moment.isoformat() for entity, moment in self.moments.items()}
+
+
+def launched_last(calls: list[tuple[int, float, list]]) -> dict[str, str]:
+    """The newest value of each parameter among the launches of the reactive launcher's calls."""
+    latest: dict[str, str] = {}
+    for _, _, launches in calls:
+        for _, _, values in launches:
+            for key, value in values.items():
+                latest[key] = max(latest.get(key, value), value)
+    return latest
