@@ -1,6 +1,13 @@
 """Zombie workers: a worker process stopped (SIGSTOP) mid-batch past its lease TTL, taken over, then resumed
 (SIGCONT), calls no user code for the partitions it lost, its late commit is refused by the fence, and it goes
-on working.
+on working (it takes its partitions back once they are free).
+
+Each engine's victim is stopped where only the fence stands between it and a wrong effect: callbacks with calls
+on the wire; pub/sub while it reads a batch (its filter waits at an advisory lock the test holds), between its
+lease check and its handler; stages, the event queue and the reactive scheduler at the end of a call of user code
+(the call stops its own process: tests/acceptance/multihost_handlers.py), with results of the batch not committed
+yet, while the other worker's runs of the same items wait at the test's gate (so the victim's late commit or
+delete comes first). User code records each call with its process and time.
 
 A slower job: runs with ``CMB_MULTIHOST=1`` (``make test-multihost``).
 """
@@ -23,7 +30,7 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
-from multihost import HANDLERS_DIR, CtlProducer, Gate, WorkerProcess, held_by, launched_last, read_calls, take_over
+from multihost import CLI, HANDLERS_DIR, CtlProducer, Gate, WorkerProcess, held_by, launched_last, read_calls, take_over
 from processes import stop
 from waiting import wait_until
 
@@ -47,8 +54,10 @@ def workers() -> Iterator[list[WorkerProcess]]:
         worker.close()
 
 
-def start(workers: list[WorkerProcess], tmp_path: Path, args: list[str], env: dict[str, str], **kw) -> WorkerProcess:  # type: ignore[no-untyped-def]
-    worker = WorkerProcess(args, env, tmp_path / f"worker{len(workers)}.log", **kw)
+def start(
+    workers: list[WorkerProcess], tmp_path: Path, args: list[str], env: dict[str, str], program: list[str] = CLI
+) -> WorkerProcess:
+    worker = WorkerProcess(args, env, tmp_path / f"worker{len(workers)}.log", program)
     workers.append(worker)
     return worker
 
