@@ -387,18 +387,21 @@ WITH done AS (
 SELECT pg_notify(current_schema() || '.eventqueue', handler) FROM (SELECT DISTINCT handler FROM freed) AS f
 """
 
-# The worker still runs these events (or has them to start, or to delete): their locks last another expiry.
+# The worker still runs these events (or has them to start, or to delete): their locks last another expiry. Returns
+# the events renewed; the others are no longer this worker's (their claim was taken over, or they are gone).
 EXTEND_LOCKS = f"""
 WITH extended AS (
     UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => h.lock_expiry_seconds)
     FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at), eventqueue_handlers h
     WHERE e.id = u.id AND e.locked_at = u.locked_at AND h.name = e.handler
     RETURNING e.id, e.handler, e.flow_key, e.flow_slot, h.lock_expiry_seconds
+), slots AS (
+    UPDATE flow_slots s SET expires_at = now() + make_interval(secs => x.lock_expiry_seconds)
+    FROM extended x
+    WHERE x.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || x.handler AND s.key = x.flow_key
+      AND s.slot = x.flow_slot AND s.item = x.id::text
 )
-UPDATE flow_slots s SET expires_at = now() + make_interval(secs => x.lock_expiry_seconds)
-FROM extended x
-WHERE x.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || x.handler AND s.key = x.flow_key
-  AND s.slot = x.flow_slot AND s.item = x.id::text
+SELECT id FROM extended
 """
 
 # After a rule changed: of the claimed events not started yet, those a rule now holds are parked and their

@@ -17,6 +17,7 @@ partitions; each holds only a liveness lease of its own (its one partition is it
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import warnings
@@ -366,12 +367,19 @@ class EventWorker(EngineWorker):
         if not due:
             return
         try:
-            self._execute(sql.EXTEND_LOCKS, {"ids": [i.event.id for i in due], "locked": [i.locked_at for i in due]})
+            rows = self._execute(
+                sql.EXTEND_LOCKS, {"ids": [i.event.id for i in due], "locked": [i.locked_at for i in due]}
+            )
         except psycopg.Error as exc:
             log.warning("could not renew the locks of %d events (%s); retrying", len(due), exc)
             return
+        renewed = {row[0] for row in rows}
         for item in due:
-            item.renewed_at = now
+            if item.event.id in renewed:
+                item.renewed_at = now
+            else:  # its claim is another worker's now (or it is gone): its handler does not start here
+                item.renewed_at = -math.inf
+                self._held.pop(item.event.id, None)
 
     def _apply_new_rules(self) -> None:
         """After a rule changed: park the claimed events not started yet that a rule now holds, then

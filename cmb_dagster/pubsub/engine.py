@@ -321,18 +321,38 @@ class Delivery:
         if conn is not None:
             conn.close()
 
+    @property
+    def idle_limit(self) -> float:
+        """Seconds a transaction of the consumer may stay idle before the server ends it: the handler's time
+        limit (it runs inside the transaction) plus the lease's TTL.
+
+        A consumer stopped (SIGSTOP, a long pause) inside its transaction holds its watermark locked and its
+        lease key-share-locked (see :meth:`Leases.check`): the server then ends the transaction within this
+        bound, and another consumer takes over."""
+        return self.spec.handler_timeout + self.spec.lease_ttl
+
+    def _bound_idle_time(self, conn: psycopg.Connection, *, local: bool) -> None:
+        """Have the server end ``conn``'s transactions left idle past :attr:`idle_limit` (``local``: only the
+        current transaction's, on a connection of the caller's pool)."""
+        limit = f"{int(self.idle_limit * 1000)}ms"
+        conn.execute("SELECT set_config('idle_in_transaction_session_timeout', %s, %s)", (limit, local))
+
     @contextmanager
     def _transaction(self) -> Iterator[psycopg.Connection]:
         """One transaction on the consumer's own connection (committed on success), or, for a pool the
-        caller passed, on a connection borrowed from it."""
+        caller passed, on a connection borrowed from it; either way one the server ends once left idle past
+        :attr:`idle_limit`."""
         if self.db.uses_your_pool:
             with self.db.connection() as conn:
+                self._bound_idle_time(conn, local=True)
                 yield conn
             return
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             self.close()
-            conn = self._conn = self.db.connect()
+            conn = self._conn = self.db.connect(autocommit=True)
+            self._bound_idle_time(conn, local=False)
+            conn.autocommit = False
         try:
             yield conn
         except BaseException:

@@ -1,9 +1,11 @@
 """The reactive scheduler's worker: one scheduler's ticks on the shared worker loop, outside a Dagster sensor.
 
 Its loop holds the scheduler's lease (kind ``reactive.scheduler``, partition: the scheduler's name); each step is
-one tick. A tick that did something (evaluated or launched tasks, or stopped at its time box) is followed by the
-next at once; otherwise the loop sleeps ``idle_sleep`` seconds, or until a write to the pub/sub stream (a CTL
-change) wakes it. A tick that raises is retried after the loop's backoff.
+one tick, which shares the loop's lease: its renewals while user code runs are the loop's, and the runs it decided
+on are launched only while the lease is valid by this process's clock. A tick that did something (evaluated or
+launched tasks, or stopped at its time box) is followed by the next at once; otherwise the loop sleeps
+``idle_sleep`` seconds, or until a write to the pub/sub stream (a CTL change) wakes it. A tick that raises is
+retried after the loop's backoff.
 """
 
 from __future__ import annotations
@@ -58,18 +60,18 @@ class ReactiveWorker(EngineWorker):
 
     def loops(self) -> list[Worker]:
         engine = self.engine
-        return [
-            Worker(
-                self.db,
-                LEASE_KIND,
-                [engine.name],
-                self._tick,
-                owner=self.owner,
-                ttl=engine.leases.ttl,
-                idle_sleep=engine.settings.idle_sleep,
-                channels=[channel_name(self.db, STREAM_HINTS)],
-            )
-        ]
+        loop = Worker(
+            self.db,
+            LEASE_KIND,
+            [engine.name],
+            self._tick,
+            owner=self.owner,
+            ttl=engine.leases.ttl,
+            idle_sleep=engine.settings.idle_sleep,
+            channels=[channel_name(self.db, STREAM_HINTS)],
+        )
+        engine.leases = loop.leases  # one lease: the tick's renewals while user code runs extend the loop's
+        return [loop]
 
     def finish(self) -> None:
         self.engine.consumer.close()  # the connection its CTL change reader keeps between batches
@@ -81,6 +83,9 @@ class ReactiveWorker(EngineWorker):
             self._warned.add(warning)
             log.warning("%s", warning)
         if report.launches:
+            # a process stopped or cut off past its lease launches nothing: the scheduler's next holder requests
+            # these runs again once their launch_grace has passed
+            lease.require()
             self.launch(report.launches)
         if report.launches or report.evaluated:
             log.info("%s", report.summary())

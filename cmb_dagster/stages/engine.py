@@ -52,7 +52,7 @@ from cmb_dagster.stages import sql
 from cmb_dagster.stages.errors import InvalidStageResult, ShardCountChanged
 from cmb_dagster.stages.models import Entity, MergePatch, StageResult, changed_fields, merge_patch
 from cmb_dagster.stages.stage import Stage, check_stages, due_of, parallel_scope, rate_scope
-from cmb_dagster.workers import Lease, Leases
+from cmb_dagster.workers import Lease, LeaseLost, Leases
 
 log = logging.getLogger("cmb_dagster.stages")
 
@@ -274,7 +274,7 @@ class Engine:
                     entity_id,
                     crashes,
                 )
-            outcomes = failed + self._run(claimed, self._renewing(held, on_wait))
+            outcomes = failed + self._run(claimed, self._renewing(held, on_wait), leases)
             report.set_aside = len(claimed) - len(outcomes) + len(failed)
             self._renew(held)
             self._commit(outcomes, shards[0], leases, shard_count, counts)
@@ -343,13 +343,22 @@ class Engine:
             claimed = [c for c in claimed if (c.entity_id, c.stage.name) in keep]
         return claimed, parked
 
-    def _run(self, claimed: list[_Claimed], on_wait: Callable[[], None] | None) -> list[_Outcome]:
-        """Run the claimed entries' stages; the outcomes of those that ended or were never started."""
+    def _run(
+        self, claimed: list[_Claimed], on_wait: Callable[[], None] | None, leases: Sequence[Lease] = ()
+    ) -> list[_Outcome]:
+        """Run the claimed entries' stages, each only while ``leases`` are valid by this process's clock; the
+        outcomes of those that ended or were never started."""
         gone = [_Outcome(c, c.entity_id, "gone") for c in claimed if c.entity is None]
         runnable = [c for c in claimed if c.entity is not None]
         code = self._in_turn if any(c.stage.max_parallelism is not None for c in runnable) else self.user_code
+
+        def compute(claimed: _Claimed) -> _Computed:
+            for lease in leases:  # a process stopped mid-batch starts no call once its leases may be another's
+                lease.require()
+            return self._compute(claimed)
+
         calls = code.run(
-            runnable, self._compute, lambda c: c.stage.timeout, on_wait=on_wait, stop_starting_after=self.batch_seconds
+            runnable, compute, lambda c: c.stage.timeout, on_wait=on_wait, stop_starting_after=self.batch_seconds
         )
         ended = {id(call.item) for call in calls}
         aside = {id(call.item) for call in code.set_aside}
@@ -380,6 +389,8 @@ class Engine:
         claimed = call.item
         try:
             computed: _Computed = call.outcome
+        except LeaseLost:  # not run: its shard's lease may be another worker's by now
+            return _Outcome(claimed, claimed.entity_id, "released")
         except Exception as exc:  # noqa: BLE001 - any failure of user code leaves the entity unchanged
             return _Outcome(claimed, claimed.entity_id, "failed", error=describe_error(exc))
         return _Outcome(

@@ -19,7 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from multihost import HELD_INTERVALS, LEASE_HISTORY, CtlProducer, launched_last
 from netns import Network, unavailable_reason
 from processes import stop
 from waiting import wait_until
@@ -35,7 +35,6 @@ from waiting import wait_until
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings
 from cmb_dagster.callbacks.admin import set_bucket_count
 from cmb_dagster.callbacks.sink import CallbackSink
-from cmb_dagster.ctl import CtlStore
 from cmb_dagster.database import Database
 from cmb_dagster.eventqueue import emit_many, register
 from cmb_dagster.pubsub import publish
@@ -60,27 +59,6 @@ HOSTS = 3
 # a worker's database call failed (rather than hanging): the first such line's time (the log's local time)
 NOTICED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (?:WARNING|ERROR) cmb_dagster", re.MULTILINE)
 CUT = 1  # the host cut off: started first, so it holds every partition when the cut comes
-
-LEASE_HISTORY = """
-CREATE TABLE public.lease_history (
-    kind text, partition text, owner text, fence bigint, expires_at timestamptz,
-    at timestamptz DEFAULT clock_timestamp()
-);
-CREATE FUNCTION public.record_lease() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO public.lease_history (kind, partition, owner, fence, expires_at)
-    VALUES (NEW.kind, NEW.partition, NEW.owner, NEW.fence, NEW.expires_at);
-    RETURN NULL;
-END $$;
-CREATE TRIGGER lease_history AFTER INSERT OR UPDATE ON cmb.leases FOR EACH ROW EXECUTE FUNCTION public.record_lease();
-"""
-
-# Per lease (kind, partition, owner, fence): from its acquisition until it was released or its last expiry.
-HELD_INTERVALS = """
-SELECT partition, owner, fence, extract(epoch FROM min(at)),
-       extract(epoch FROM coalesce(min(at) FILTER (WHERE expires_at = '-infinity'), max(expires_at)))
-FROM public.lease_history WHERE kind = %s GROUP BY partition, owner, fence
-"""
 
 
 @dataclass(frozen=True)
@@ -499,23 +477,7 @@ def test_reactive_partition(cluster: Cluster, tmp_path: Path) -> None:
     import multihost_handlers
 
     db, kind, partition = cluster.db, "reactive.scheduler", "multihost"
-    store = CtlStore(db, actor="producer")
-    base = datetime(2024, 5, 1, tzinfo=UTC)
-    moments = {f"e{i}": base for i in range(multihost_handlers.REACTIVE_TASKS)}
-    producing = threading.Event()
-    producing.set()
-
-    def produce() -> None:  # CTL changes all along (each entity's moment moves forward by whole seconds)
-        step = 0
-        while producing.is_set():
-            entity = f"e{step % len(moments)}"
-            moments[entity] += timedelta(seconds=1 + step % 3)
-            store.set(entity, "p", moments[entity])
-            step += 1
-            time.sleep(0.01)
-
-    producer = threading.Thread(target=produce, daemon=True)
-    producer.start()
+    producer = CtlProducer(db, multihost_handlers.REACTIVE_TASKS)
     try:
         for host in cluster.net.hosts:
             script = f"import multihost_handlers as m; m.reactive_worker({cluster.net.database_url(host)!r})"
@@ -535,19 +497,9 @@ def test_reactive_partition(cluster: Cluster, tmp_path: Path) -> None:
         wait_until(lambda: any(h == CUT and at > healed_at for h, at, _ in cluster.calls(tmp_path)), timeout=60,
                    what="the rejoined host launches again")  # fmt: skip
     finally:
-        producing.clear()
-        producer.join()
-    final = {f"{entity}.p": moment.isoformat() for entity, moment in moments.items()}
-
-    def launched_last() -> dict[str, str]:
-        latest: dict[str, str] = {}
-        for _, _, launches in cluster.calls(tmp_path):
-            for _, _, values in launches:
-                for key, value in values.items():
-                    latest[key] = max(latest.get(key, value), value)
-        return latest
-
-    wait_until(lambda: launched_last() == final, timeout=60, what="every last CTL change launched (nothing lost)")
+        final = producer.stop()
+    wait_until(lambda: launched_last(cluster.calls(tmp_path)) == final, timeout=60,
+               what="every last CTL change launched (nothing lost)")  # fmt: skip
     with db.connection() as conn:
         rows = conn.execute("SELECT task, values_hash, attempt FROM reactive_launches").fetchall()
     assert len({(task, digest) for task, digest, _ in rows}) == len(rows), "a set of values launched twice"

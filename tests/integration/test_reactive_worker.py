@@ -1,6 +1,7 @@
 """ReactiveWorker: a reactive scheduler's ticks on the shared worker loop, outside a Dagster sensor; its status."""
 
 import json
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
@@ -17,6 +18,7 @@ from cmb_dagster.reactive.cli import reactive as reactive_cli
 from cmb_dagster.reactive.engine import LEASE_KIND
 from cmb_dagster.reactive.models import Launch
 from cmb_dagster.triggers import Delta
+from cmb_dagster.workers import LeaseLost
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
 KEY = ("sales", "loaded_until")
@@ -95,3 +97,22 @@ def test_status_counts_the_tasks_and_the_cli_prints_its_rows(db):
     assert json.loads(shown.output) == [task.model_dump(mode="json") for task in current.tasks]
     with pytest.warns(DeprecationWarning, match=r"status\(database, scheduler, name\).tasks"):
         assert task_states(db, "w") == current.tasks
+
+
+def test_a_tick_launches_nothing_once_its_lease_lapsed_by_the_process_clock(db):
+    """The tick shares its loop's lease: a process stopped past the lease (its clock says it lapsed) during a tick
+    records the launch it decided on but does not request the run (the scheduler's next holder requests it again
+    after launch_grace)."""
+    runs = RunStorage()
+    reactive = worker(db, runs, owner="one")
+    [loop] = reactive.loops()
+    assert reactive.engine.leases is loop.leases  # the tick's renewals while user code runs are the loop's
+    lease = loop.leases.acquire(["w"])["w"]
+    CtlStore(db).set(*KEY, T0)
+    lease.term.valid_until = time.monotonic() + 1  # as after a stop: by this process's clock, about to lapse
+    with pytest.raises(LeaseLost):
+        reactive._tick(lease)
+    assert runs.requested == []
+    with db.connection() as conn:
+        assert conn.execute("SELECT task FROM reactive_launches").fetchall() == [("mart",)]
+    reactive.finish()
