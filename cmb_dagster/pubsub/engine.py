@@ -341,7 +341,7 @@ class Delivery:
     def _transaction(self) -> Iterator[psycopg.Connection]:
         """One transaction on the consumer's own connection (committed on success), or, for a pool the
         caller passed, on a connection borrowed from it; either way one the server ends once left idle past
-        :attr:`idle_limit`."""
+        :attr:`idle_limit` (set for the transaction alone on a pool of yours or through a pooler)."""
         if self.db.uses_your_pool:
             with self.db.connection() as conn:
                 self._bound_idle_time(conn, local=True)
@@ -351,8 +351,11 @@ class Delivery:
         if conn is None or conn.closed or conn.broken:
             self.close()
             conn = self._conn = self.db.connect(autocommit=True)
-            self._bound_idle_time(conn, local=False)
+            if not self.db.pooled:  # through a pooler, a session setting would stay on a shared server connection
+                self._bound_idle_time(conn, local=False)
             conn.autocommit = False
+        if self.db.pooled:
+            self._bound_idle_time(conn, local=True)
         try:
             yield conn
         except BaseException:
