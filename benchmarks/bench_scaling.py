@@ -25,7 +25,7 @@ workers on average, else Postgres's top state.
 Engines and how their workers are set up (each as its docs recommend, the same settings for every N):
 - ``callbacks``: events due at once, POSTed to a receiver on 127.0.0.1 in a process of its own that answers
   200 at once (``bench_callbacks.SinkProcess``). 8 buckets; worker i of N serves the buckets with
-  ``id % N == i`` (``callbacks worker --index i --workers N``), as Dagster worker job i of N does. Worker defaults
+  ``id % N == i`` (``callbacks worker --buckets``), as Dagster worker job i of N does. Worker defaults
   (poll_interval 1 s, 128 calls in flight) with ``--no-materialize`` and ``--per-host-concurrency 0``: every
   call goes to the one local host, whose default limit of 64 calls in flight across all workers would
   otherwise be the figure measured.
@@ -137,8 +137,9 @@ def load_callbacks(db: Database, items: int, workers: int) -> Any:
 
 
 def callbacks_command(sink: Any, index: int, workers: int) -> list[str]:
+    buckets = ",".join(str(b) for b in range(BUCKETS) if b % workers == index)
     local = ["--allow-host", "127.0.0.1", "--per-host-concurrency", "0"]
-    return ["callbacks", "worker", "--no-materialize", *local, "--index", str(index), "--workers", str(workers)]
+    return ["callbacks", "worker", "--no-materialize", *local, "--buckets", buckets]
 
 
 def pubsub_command(_: Any, index: int, workers: int) -> list[str]:
