@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import psycopg
@@ -87,3 +90,16 @@ def db(database_url: str) -> Iterator[Database]:
     database = Database(database_url)
     yield database
     database.close()
+
+
+@pytest.fixture
+def server_home() -> Iterator[Path]:
+    """A folder for a server of the test's own (``embedded_url(server_home / "pg")``), outside pytest's temporary
+    folders: a pytest session starting meanwhile (the other suite of ``.ci/run``) makes those private to root,
+    and the embedded server runs as a user of its own when the tests run as root."""
+    home = Path(tempfile.mkdtemp(prefix="cmb-test-server-"))
+    home.chmod(0o755)
+    try:
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -106,8 +106,8 @@ def test_kill_9_mid_delivery_loses_nothing(db, database_url):
         assert len(duplicated) <= max(in_flight_at_kill, 0) + CallbackSettings().concurrency
 
 
-def test_worker_rides_out_a_postgres_restart(tmp_path):
-    home = tmp_path / "pg"
+def test_worker_rides_out_a_postgres_restart(server_home):
+    home = server_home / "pg"
     url = embedded_url(home)
     db = Database(url)
     worker = CallbackWorker(db, FAST)

@@ -32,8 +32,8 @@ def _restart_while(home, running: threading.Thread, progressed) -> None:
     pg_ctl(home, "restart")
 
 
-def test_stage_workers_ride_out_a_postgres_restart(tmp_path):
-    home = tmp_path / "pg"
+def test_stage_workers_ride_out_a_postgres_restart(server_home):
+    home = server_home / "pg"
     db = Database(embedded_url(home))
     options = StageOptions(stages=[Count()], shard_count=4, batch_size=50, lease_ttl=2.0, idle_sleep=0.2)
     store = StageStore(db, options.stages)
@@ -59,8 +59,8 @@ def test_stage_workers_ride_out_a_postgres_restart(tmp_path):
         stop_embedded(home)
 
 
-def test_event_queue_workers_ride_out_a_postgres_restart(tmp_path):
-    home = tmp_path / "pg"
+def test_event_queue_workers_ride_out_a_postgres_restart(server_home):
+    home = server_home / "pg"
     db = Database(embedded_url(home))
     runs: Counter[int] = Counter()
     registry = HandlerRegistry()
