@@ -1,5 +1,6 @@
 """A worker process's liveness, for an orchestrator's probe: ``GET /healthz`` answers 200 while every worker loop of
-the process turns, and 503 naming the loops that stalled (a Kubernetes liveness probe then restarts the process).
+the process turns (``ok``; ``starting`` before the first loop runs), and 503 naming the loops that stalled (a
+Kubernetes liveness probe then restarts the process).
 
 The answer does not depend on the database: a worker waiting for Postgres to come back keeps turning and is alive,
 so a database outage never makes an orchestrator restart every worker at once.
@@ -18,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cmb_dagster.errors import ConfigError
 from cmb_dagster.metrics import DEFAULT_HOST, check_host, check_port
-from cmb_dagster.workers import stalled_loops
+from cmb_dagster.workers import loops_started, stalled_loops
 
 PATH = "/healthz"
 DEFAULT_STALL_AFTER = 600.0
@@ -68,7 +69,7 @@ def serve_liveness(
         stalled = stalled_loops(stall_after, since=started)
         if stalled:
             return 503, "stalled: " + ", ".join(stalled) + "\n"
-        return 200, "ok\n"
+        return 200, "ok\n" if loops_started() else "starting\n"
 
     server = ThreadingHTTPServer((host, port), _handler(verdict))
     server.daemon_threads = True

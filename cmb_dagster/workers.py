@@ -493,6 +493,11 @@ _turning: set[Worker] = set()  # the worker loops running in this process
 _first_loop_at: list[float] = []  # when a worker loop first ran in this process
 
 
+def loops_started() -> bool:
+    """Whether a worker loop has run in this process."""
+    return bool(_first_loop_at)
+
+
 def stalled_loops(after: float, *, since: float) -> list[str]:
     """The worker loops of this process that have not turned for ``after`` seconds (a loop turns at each round
     and while it waits on user code it keeps alive); ``["no worker loop"]`` when none has run ``after``

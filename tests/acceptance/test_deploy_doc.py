@@ -95,7 +95,7 @@ def test_each_command_runs_as_written(index: int, database_url: str, db: Databas
     command[command.index("--health-port") + 1] = str(port)
     worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: probe(port)[0] == 200 or worker.poll() is not None, 60, "the worker answers on /healthz")
+        wait_until(lambda: probe(port) == (200, "ok\n") or worker.poll() is not None, 120, "the worker's loops run")
         assert worker.poll() is None, worker.communicate()[1]
         wait_until(lambda: connections(db, application) > 0, 30, "the worker connected")
         assert connections(db, application) <= MAX_CONNECTIONS

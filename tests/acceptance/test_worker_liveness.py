@@ -49,7 +49,7 @@ def test_a_worker_is_alive_while_its_loop_turns_and_stalled_while_it_is_stuck(da
     args += ["--health-port", str(port), "--stall-after", "2"]
     worker = subprocess.Popen([*CLI, *args], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: probe(port)[0] == 200, 30, "the worker answers 200")
+        wait_until(lambda: probe(port) == (200, "ok\n"), 60, "the worker answers 200 once its loop runs")
         with db.connection() as conn:  # every lease statement of the worker now waits: its loop stops turning
             conn.execute("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE")
             wait_until(lambda: probe(port)[0] == 503, 30, "the stuck worker answers 503")

@@ -180,7 +180,7 @@ def test_per_owner_and_per_group_limits_replace_the_host_limit(db, receivers):
 
 def test_the_slots_of_a_killed_worker_return_after_their_ttl_not_before(db, database_url, receivers, processes):
     host, other = receivers("127.0.0.1"), receivers("127.0.0.2")
-    settings = SETTINGS.model_copy(update={"per_host": FlowLimits(concurrency=2), "lease_ttl": 3, "timeout": 1.5})
+    settings = SETTINGS.model_copy(update={"per_host": FlowLimits(concurrency=2), "lease_ttl": 6, "timeout": 1.5})
     with CallbackClient(db, settings) as client:
         client.set_bucket_count(2)
         keys = bucket_keys(db, "shop", "g", 2)
