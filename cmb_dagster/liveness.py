@@ -12,39 +12,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 # One fixed answer on one path: the standard library's server is enough (prometheus_client's serves only metrics).
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cmb_dagster.errors import ConfigError
-from cmb_dagster.metrics import DEFAULT_HOST, check_host, check_port
+from cmb_dagster.metrics import DEFAULT_HOST, MetricsServer, check_host, check_port
 from cmb_dagster.workers import loops_started, stalled_loops
 
 PATH = "/healthz"
 DEFAULT_STALL_AFTER = 600.0
 MAX_STALL_AFTER = 86_400.0
-
-
-@dataclass(frozen=True)
-class LivenessServer:
-    """A running liveness endpoint."""
-
-    host: str
-    port: int
-    server: ThreadingHTTPServer
-    thread: threading.Thread
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}{PATH}"
-
-    def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
 
 
 def check_stall_after(seconds: float) -> float:
@@ -56,7 +34,7 @@ def check_stall_after(seconds: float) -> float:
 
 def serve_liveness(
     *, host: str = DEFAULT_HOST, port: int = 0, stall_after: float = DEFAULT_STALL_AFTER
-) -> LivenessServer:
+) -> MetricsServer:
     """Serve this process's liveness on http://host:port/healthz in a background thread (port 0: any free one).
 
     A loop is stalled when it has not turned for ``stall_after`` seconds; so is a process in which no worker loop
@@ -75,13 +53,13 @@ def serve_liveness(
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="cmb-liveness", daemon=True)
     thread.start()
-    return LivenessServer(host=host, port=server.server_port, server=server, thread=thread)
+    return MetricsServer(host=host, port=server.server_port, server=server, thread=thread, path=PATH)
 
 
 @contextmanager
 def serving_liveness(
     port: int | None, *, host: str = DEFAULT_HOST, stall_after: float = DEFAULT_STALL_AFTER
-) -> Iterator[LivenessServer | None]:
+) -> Iterator[MetricsServer | None]:
     """While the block runs, serve liveness on ``port`` (None: no endpoint)."""
     if port is None:
         yield None

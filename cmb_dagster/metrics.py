@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from http.server import ThreadingHTTPServer
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
@@ -228,17 +229,18 @@ class StatusCollector(Collector):
 
 @dataclass
 class MetricsServer:
-    """A running endpoint: its address and a way to stop it."""
+    """A running HTTP endpoint (the metrics, a worker's liveness): its address and a way to stop it."""
 
     host: str
     port: int
-    server: WSGIServer
+    server: WSGIServer | ThreadingHTTPServer
     thread: threading.Thread
+    path: str = "/metrics"
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{host}:{self.port}{self.path}"
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
