@@ -294,6 +294,11 @@ class Worker:
         self._stop.set()
         self._wake.set()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the loop was asked to stop, by :meth:`stop` or by a shutdown signal."""
+        return self._stop.is_set() or shutdown_signalled()
+
     def wake(self) -> None:
         """Cut the current idle sleep short (e.g. on a NOTIFY hint)."""
         self._wake.set()
@@ -323,14 +328,14 @@ class Worker:
                 heartbeat=self.heartbeat,
             ).start()
         try:
-            while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            while not self.stopping and (deadline is None or time.monotonic() < deadline):
                 self.turned_at = time.monotonic()
                 if time.monotonic() >= self._next_renew:
                     self._renew(self.partitions)
                     report.held = set(self._held)
                 handled = 0
                 for partition, run_step in self._steps(self._held):
-                    if self._stop.is_set() or retry_at.get(partition, 0) > time.monotonic():
+                    if self.stopping or retry_at.get(partition, 0) > time.monotonic():
                         continue
                     try:
                         count = run_step()
@@ -491,6 +496,7 @@ class EngineWorker:
 _running: set[Callable[[], None]] = set()  # how to stop each worker running in this process
 _turning: set[Worker] = set()  # the worker loops running in this process
 _first_loop_at: list[float] = []  # when a worker loop first ran in this process
+_signals: list[threading.Event] = []  # one per open stop_workers_on_signals block: set once a signal arrived
 
 
 def loops_started() -> bool:
@@ -535,17 +541,28 @@ def stop_workers_on_signals() -> Iterator[threading.Event]:
     def stop_when_signalled() -> None:  # also stops a worker that registers after the signal (still starting)
         asked: set[Callable[[], None]] = set()
         while not done.wait(0.2):
-            if signalled.is_set() and (count := stop_running_workers(asked)):
-                log.warning("shutdown signal: stopping %d worker(s) after their current step", count)
+            try:
+                if signalled.is_set() and (count := stop_running_workers(asked)):
+                    log.warning("shutdown signal: stopping %d worker(s) after their current step", count)
+            except Exception:  # the helper must outlive any one stop
+                log.exception("shutdown signal: stopping a worker failed")
 
     helper = threading.Thread(target=stop_when_signalled, name="cmb-worker-shutdown", daemon=True)
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    _signals.append(signalled)
     for signum in previous:
         signal.signal(signum, lambda *_: signalled.set())
-    helper.start()
     try:
+        helper.start()
         yield signalled
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         done.set()
+        _signals.remove(signalled)
+
+
+def shutdown_signalled() -> bool:
+    """Whether a shutdown signal arrived in a :func:`stop_workers_on_signals` block that is still open (every worker
+    loop in the process then ends after its current turn, also without the helper thread that stops them at once)."""
+    return any(signalled.is_set() for signalled in _signals)

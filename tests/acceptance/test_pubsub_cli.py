@@ -32,6 +32,12 @@ def results(database_url):
         return conn.execute("SELECT count(*), count(DISTINCT event_id) FROM public.results").fetchone()
 
 
+def held(database_url) -> bool:
+    """Whether a consumer holds its lease."""
+    with psycopg.connect(database_url) as conn:
+        return conn.execute("SELECT count(*) FROM cmb.leases WHERE expires_at > now()").fetchone() == (1,)
+
+
 def consuming(database_url, before, running):
     """Wait until a consumer adds results; if none does within 30 s, fail saying what the database and the
     consumers were doing."""
@@ -127,6 +133,39 @@ def test_kill_9_at_random_points_over_100k_events_leaves_each_result_exactly_onc
             " JOIN public.results r ON r.event_id = e.id"
         ).fetchone() == (100_000,)
     db.close()
+
+
+def test_sigterm_at_any_moment_of_a_consumers_start_or_while_its_database_is_away_stops_it(database_url, server_url):
+    """The signal lands before, while and after the consumer registers and takes its lease, and once while its
+    database refuses connections (each lease renewal fails); each time the process ends by itself."""
+    with psycopg.connect(database_url) as conn:
+        conn.execute("CREATE TABLE public.results (event_id bigint PRIMARY KEY)")
+        for n in range(200):
+            publish(conn, 0, {"n": n})
+    command = [*CLI, "pubsub", "consume", "sig", "--handler", "pubsub_handlers:record", "--lease-ttl", "1"]
+    name = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
+    rng = random.Random(11)
+    for moment in [*(rng.uniform(0, 2) for _ in range(6)), None]:
+        proc = subprocess.Popen(command, env=env_for(database_url), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            if moment is None:
+                wait_until(lambda: held(database_url), timeout=60, what="the consumer holding its lease")
+                with psycopg.connect(server_url, autocommit=True) as conn:
+                    conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+                    conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", [name])
+                time.sleep(2)  # renewals fail meanwhile
+            else:
+                time.sleep(moment)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"SIGTERM did not stop the consumer (at {moment or 'the database away'})") from None
+        finally:
+            proc.kill()
+            proc.stderr.close()
+            if moment is None:
+                with psycopg.connect(server_url, autocommit=True) as conn:
+                    conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
 
 
 def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
