@@ -8,6 +8,7 @@ statement) and a direct one to the server for what lives in a session: LISTEN, l
 from __future__ import annotations
 
 import atexit
+import select
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -191,7 +192,7 @@ class Database:
                     min_size=1,
                     max_size=self.max_pool_size,
                     open=True,
-                    check=ConnectionPool.check_connection,  # survive a server restart
+                    check=check_connection,  # survive a server restart
                     name=f"cmb:{self.schema}",
                 )
                 _OPEN.add(self)
@@ -212,19 +213,31 @@ class Database:
                     min_size=1,
                     max_size=DIRECT_POOL_SIZE,
                     open=True,
-                    check=ConnectionPool.check_connection,
+                    check=check_connection,
                     name=f"cmb:{self.schema}:direct",
                 )
                 _OPEN.add(self)
             return self._direct_pool
 
     @contextmanager
-    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+    def connection(self, timeout: float | None = None, *, autocommit: bool = False) -> Iterator[psycopg.Connection]:
         """Borrow a pooled work connection (waiting ``timeout`` seconds at most, else the pool's 30 s; then
-        psycopg_pool.PoolTimeout); the block's work commits on success and rolls back on error."""
+        psycopg_pool.PoolTimeout); the block's work commits on success and rolls back on error.
+
+        With ``autocommit``, each statement outside ``conn.transaction()`` commits alone, in the round trip that
+        sends it (for work that is one statement); a pool given to :meth:`of` keeps its transaction, in which the
+        search path is set."""
         with self.pool.connection(timeout=timeout) as conn:
             if self._external_pool:
                 conn.execute("SELECT set_config('search_path', %s, true)", (f"{self.schema},public",))
+            elif autocommit:
+                conn.autocommit = True
+                try:
+                    yield conn
+                finally:
+                    if not conn.closed:
+                        conn.autocommit = False
+                return
             yield conn
 
     @contextmanager
@@ -327,6 +340,17 @@ class Database:
             raise DatabaseUnavailable(_unreachable_message(url, exc, setting)) from None
         except psycopg.ProgrammingError as exc:  # a conninfo libpq refuses; its message may quote the password
             raise InvalidDatabaseUrl(_unreadable_message(url, exc)) from None
+
+
+def check_connection(conn: psycopg.Connection) -> None:
+    """The pools' check of a connection before it is lent: an idle connection whose socket has something to read
+    was closed by the server (a restart, a failover, a terminated backend) or by its keepalives, and only that one
+    is asked with a query. psycopg_pool's own check asks every time, a round trip on each borrow that costs work of
+    one statement as much as the statement itself."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    if poller.poll(0):
+        ConnectionPool.check_connection(conn)
 
 
 class OwnConnection:

@@ -44,7 +44,7 @@ from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
 from cmb_dagster.callbacks.writer import (
     EventWriter,
-    create_transaction,
+    create_connection,
     insert_events_skipping_taken,
     insert_new_events,
 )
@@ -138,17 +138,18 @@ class CallbackClient:
             events = list(events)
             if not events:
                 return []
-            with create_transaction(self.db, self.settings) as conn:
+            with create_connection(self.db, self.settings) as conn:
                 try:  # Postgres inserts a chunk while the next is validated
                     return insert_new_events(conn, self._checked_chunks(events), soon=soon, lock_timeout=lock_timeout)
                 except psycopg.errors.UniqueViolation:
                     pass  # a key exists, or comes twice: written again, each key compared with the stored one
-                results = insert_events_skipping_taken(
-                    conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout
-                )
-                for result in results:
-                    if isinstance(result, Exception):
-                        raise result
+                with conn.transaction():  # a conflict raised in it writes nothing
+                    results = insert_events_skipping_taken(
+                        conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout
+                    )
+                    for result in results:
+                        if isinstance(result, Exception):
+                            raise result
         return results  # type: ignore[return-value]
 
     def get(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:

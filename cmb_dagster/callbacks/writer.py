@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -158,11 +159,12 @@ def _settle(future: Future[int], result: int | Exception) -> None:
 
 
 @contextmanager
-def create_transaction(db: Database, settings: CallbackSettings) -> Iterator[psycopg.Connection]:
-    """A pooled connection for creates: waiting longer than ``create_timeout`` for it, or for a lock in
-    it (see :func:`insert_events`), raises CallbackTimeout, and nothing is written."""
+def create_connection(db: Database, settings: CallbackSettings) -> Iterator[psycopg.Connection]:
+    """A pooled connection for creates, in autocommit (see :meth:`Database.connection`): waiting longer than
+    ``create_timeout`` for it, or for a lock in it (see :func:`insert_events`), raises CallbackTimeout, and
+    nothing is written."""
     try:
-        with _lock_wait_limited(settings), db.connection(timeout=settings.create_timeout) as conn:
+        with _lock_wait_limited(settings), db.connection(timeout=settings.create_timeout, autocommit=True) as conn:
             yield conn
     except psycopg_pool.PoolTimeout:
         raise CallbackTimeout(_timed_out(settings, "no database connection was free; nothing was written")) from None
@@ -187,14 +189,20 @@ def insert_new_events(
     """Insert the events of ``chunks``, whose keys must all be new and distinct, in one transaction (a
     savepoint if ``conn`` is in one); their ids.
 
-    Each chunk's statement is sent as soon as the chunk is ready, in pipeline mode, so Postgres inserts one
+    One chunk on a connection in autocommit is one statement, committed in the round trip that sends it. More
+    go in pipeline mode, each chunk's statement sent as soon as the chunk is ready, so Postgres inserts one
     chunk while the next is still being prepared; the transaction commits once the pipeline has synced. A
     key already taken (in the table or earlier in ``chunks``) raises UniqueViolation, an error in ``chunks``
     raises itself, and either way nothing is written.
     """
+    chunks = iter(chunks)
+    first = next(chunks, [])
+    second = next(chunks, None)
+    if second is None and conn.autocommit:
+        return list(conn.execute(sql.INSERT_NEW_EVENTS, _insert_params(first, None, soon, lock_timeout)).fetchone()[0])
     sent = []
     with conn.transaction(), conn.pipeline():
-        for events in chunks:
+        for events in itertools.chain([first], [second] if second is not None else [], chunks):
             sent.append(conn.execute(sql.INSERT_NEW_EVENTS, _insert_params(events, None, soon, lock_timeout)))
     return [event_id for cursor in sent for event_id in cursor.fetchone()[0]]
 
