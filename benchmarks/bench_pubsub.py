@@ -1,20 +1,27 @@
 """Pub/sub benchmark: consumer throughput and commit-to-consume lag, against raw Postgres on this machine.
 
-    python benchmarks/bench_pubsub.py [--seconds 10]
+    python benchmarks/bench_pubsub.py [--seconds 10] [--backlog N] [--rounds 2]
 
-Runs on CMB_DATABASE_URL's server (default: the embedded one), in a scratch database it drops after.
-- throughput: one consumer with same-database results (a row per event) while a producer process
-  inserts 100-row transactions into a captured table at full speed, batch sizes 100 and 1000; and
-  the same consumer draining a 100k backlog alone;
+Runs on CMB_DATABASE_URL's server (default: the embedded one), in a scratch database (a random name) it drops
+after. Both consumers read with the same batch size and commit once per batch, in this process:
+- ours: a consumer with same-database results (a row per event) reading the events captured from ``orders``;
 - raw: the same inserts written by hand into an outbox table, read by a plain loop
   (SELECT ... WHERE id > last LIMIT n; INSERT results; UPDATE cursor; COMMIT), the cheapest a
-  consumer can be on this server (and the one that skips events);
+  consumer can be on this server (and the one that skips events).
+Figures, at batch sizes 100 and 1000:
+- drain (the consumer figure): each consumer alone on a pre-loaded backlog (VACUUM ANALYZE after loading,
+  CHECKPOINT before), the runs alternating, best of ``--rounds`` each; the backlog (default 200,000 rows at
+  batch 100, 400,000 at batch 1000) must take each consumer at least 5 s, and a shorter drain is flagged;
+- live (producer-bound when the consumer keeps up): the same consumer while a producer process inserts
+  100-row transactions at full speed; once both consumers keep up, this ratio compares the producers;
 - lag: p50/p99 seconds from a producer's commit to the handler call at a steady 1,000 events/s,
   with the consumer's default settings (``ConsumerWorker.run``: lease, worker loop, hints if it has them);
 - idle: CPU (user+system) of a consumer process with default settings and no events, and of its
   server backends, as a share of one core.
-Prints a summary, then one JSON object as the last line. Runs the package importable as
-``cmb_dagster`` (put another checkout first on PYTHONPATH to measure it: "before").
+Each run reports the CPU seconds of the consumer (this process), of the producer process, and of the Postgres
+server (its postmaster's processes named postgres, from /proc; none for a server on another machine), and the
+1-minute load average at the start and the end. Prints a summary, then one JSON object as the last line. Runs the
+package importable as ``cmb_dagster`` (put another checkout first on PYTHONPATH to measure it: "before").
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import sys
 import threading
 import time
 import uuid
+from pathlib import Path
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import psutil
@@ -37,7 +47,11 @@ from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, install_capture
 from cmb_dagster.settings import Settings
 
 ROWS_PER_TRANSACTION = 100
-BACKLOG = 100_000
+LOAD_ROWS_PER_STATEMENT = 10_000
+BATCHES = (100, 1000)
+DEFAULT_BACKLOG = {100: 200_000, 1000: 400_000}
+MIN_DRAIN_S = 5.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 SETUP = """
 CREATE TABLE public.orders (id bigserial PRIMARY KEY, customer int NOT NULL, amount int NOT NULL, note text NOT NULL);
@@ -72,13 +86,98 @@ def handler(conn: psycopg.Connection, events: list) -> None:
     conn.execute(RAW_RESULTS, ([e.id for e in events], [e.payload["amount"] for e in events]))
 
 
+# -- CPU -----------------------------------------------------------------------------------------
+
+
+def _stat(pid: int | str) -> tuple[str, list[str]]:
+    """The command name and the fields after it of /proc/<pid>/stat."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 1 :].split()
+
+
+def find_postmaster(url: str) -> int | None:
+    """The pid of the server's postmaster (the parent of a backend), or None if it is not on this machine."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        try:
+            name, fields = _stat(backend)
+        except OSError:
+            return None
+    return int(fields[1]) if name == "postgres" else None
+
+
+def postgres_cpu_seconds(postmaster: int | None) -> float | None:
+    """User + system CPU seconds of the server's processes named postgres (the postmaster and its children), with
+    those of its children that have ended (the postmaster's cutime + cstime)."""
+    if postmaster is None:
+        return None
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            name, fields = _stat(entry.name)
+        except OSError:
+            continue  # ended meanwhile
+        if name != "postgres":
+            continue
+        if int(entry.name) == postmaster:
+            ticks += sum(int(f) for f in fields[11:15])
+        elif int(fields[1]) == postmaster:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / CLOCK_TICKS
+
+
+class Meter:
+    """Wall time, this process's CPU seconds (the consumer's) and the Postgres server's, between entry and exit."""
+
+    def __init__(self, postmaster: int | None) -> None:
+        self.postmaster = postmaster
+
+    def __enter__(self) -> Self:
+        self.started, self.process, self.server = time.monotonic(), time.process_time(), self._server()
+        return self
+
+    def _server(self) -> float | None:
+        return postgres_cpu_seconds(self.postmaster)
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.monotonic() - self.started
+        self.cpu = {"consumer": time.process_time() - self.process, "postgres": None}
+        if (server := self._server()) is not None and self.server is not None:
+            self.cpu["postgres"] = server - self.server
+
+    def figures(self, events: int, **others: float) -> dict[str, Any]:
+        """CPU seconds, µs per event and cores of the consumer, the Postgres server and ``others`` (CPU seconds)."""
+        out: dict[str, Any] = {}
+        for name, cpu in {**self.cpu, **others}.items():
+            out[f"{name}_cpu_s"] = None if cpu is None else round(cpu, 2)
+            out[f"{name}_cpu_us_per_event"] = None if cpu is None else round(1e6 * cpu / max(events, 1), 1)
+            out[f"{name}_cores"] = None if cpu is None else round(cpu / self.wall, 2)
+        return out
+
+
+def cpu_text(figures: dict[str, Any], *names: str) -> str:
+    return ", ".join(
+        f"{name} {figures[f'{name}_cpu_us_per_event']:.1f} µs/event ({figures[f'{name}_cores']:.2f} cores)"
+        if figures.get(f"{name}_cpu_s") is not None
+        else f"{name} not measured"
+        for name in names
+    )
+
+
+# -- producer and consumers ----------------------------------------------------------------------
+
+
 def produce(url: str, raw: bool, seconds: float, rate: float | None, out: multiprocessing.Queue) -> None:
-    """Insert 100-row transactions (or, with ``rate``, 10-row ones at that many rows/s) for ``seconds``."""
+    """Insert 100-row transactions (or, with ``rate``, 10-row ones at that many rows/s) for ``seconds``; put
+    the rows, the commits and this process's CPU seconds."""
     per_txn = ROWS_PER_TRANSACTION if rate is None else 10
     query = INSERT_RAW if raw else INSERT_ORDERS
     commits: list[tuple[float, int]] = []
     rows = 0
     with psycopg.connect(url, autocommit=True) as conn:
+        cpu = time.process_time()
         started = time.monotonic()
         while (elapsed := time.monotonic() - started) < seconds:
             if rate is not None and rows > elapsed * rate:
@@ -87,7 +186,8 @@ def produce(url: str, raw: bool, seconds: float, rate: float | None, out: multip
             conn.execute(query, {"n": per_txn})
             commits.append((time.time(), per_txn))
             rows += per_txn
-    out.put((rows, commits))
+        cpu = time.process_time() - cpu
+    out.put((rows, commits, cpu))
 
 
 def start_producer(url: str, raw: bool, seconds: float, rate: float | None = None):
@@ -97,9 +197,11 @@ def start_producer(url: str, raw: bool, seconds: float, rate: float | None = Non
     return proc, queue
 
 
-def results_count(db: Database) -> int:
-    with db.connection() as conn:
-        return conn.execute("SELECT count(*) FROM public.results").fetchone()[0]
+def vacuum_analyze(db: Database) -> None:
+    """VACUUM ANALYZE the database, then CHECKPOINT: what was loaded is counted and flushed before the clock."""
+    with db.connect(autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+        conn.execute("CHECKPOINT")
 
 
 def reset(db: Database) -> None:
@@ -110,8 +212,7 @@ def reset(db: Database) -> None:
         )
         conn.execute("DELETE FROM cmb.pubsub_watermarks")
         conn.execute("UPDATE public.raw_cursor SET last_id = 0")
-    with db.connect(autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE")
+    vacuum_analyze(db)
 
 
 def raw_consumer_loop(db: Database, batch: int, until: float, total: int | None = None) -> int:
@@ -141,33 +242,50 @@ def our_consumer_loop(db: Database, batch: int, until: float, name: str, total: 
     return consumed
 
 
-def with_producer(db: Database, raw: bool, batch: int, seconds: float) -> dict[str, float]:
+# -- figures -------------------------------------------------------------------------------------
+
+
+def with_producer(db: Database, raw: bool, batch: int, seconds: float, postmaster: int | None) -> dict[str, Any]:
+    """Consumed per second while a producer process inserts at full speed (producer-bound once it keeps up)."""
     reset(db)
     proc, queue = start_producer(db.url, raw, seconds)
-    started = time.monotonic()
-    until = started + seconds
-    consumed = raw_consumer_loop(db, batch, until) if raw else our_consumer_loop(db, batch, until, f"tp{batch}")
-    elapsed = time.monotonic() - started
-    produced, _ = queue.get(timeout=60)
+    with Meter(postmaster) as meter:
+        until = time.monotonic() + seconds
+        consumed = raw_consumer_loop(db, batch, until) if raw else our_consumer_loop(db, batch, until, f"tp{batch}")
+    produced, _, producer_cpu = queue.get(timeout=60)
     proc.join(30)
-    return {"consumed_per_s": round(consumed / elapsed), "produced_per_s": round(produced / seconds)}
+    figures = {
+        "consumed_per_s": round(consumed / meter.wall),
+        "produced_per_s": round(produced / seconds),
+        **meter.figures(consumed, producer=producer_cpu),
+    }
+    figures["kept_up"] = figures["consumed_per_s"] >= 0.95 * figures["produced_per_s"]
+    return figures
 
 
-def drain(db: Database, raw: bool, batch: int) -> float:
+def drain(db: Database, raw: bool, batch: int, backlog: int, postmaster: int | None) -> dict[str, Any]:
+    """A consumer alone on ``backlog`` events loaded before it starts (counted by ANALYZE, then a checkpoint)."""
     reset(db)
     with db.connection() as conn:
-        for _ in range(BACKLOG // 10_000):
-            conn.execute(INSERT_RAW if raw else INSERT_ORDERS, {"n": 10_000})
-    started = time.monotonic()
-    until = started + 300
-    if raw:
-        consumed = raw_consumer_loop(db, batch, until, BACKLOG)
-    else:
-        consumed = our_consumer_loop(db, batch, until, f"drain{batch}", BACKLOG)
-    return round(consumed / (time.monotonic() - started))
+        for start in range(0, backlog, LOAD_ROWS_PER_STATEMENT):
+            conn.execute(INSERT_RAW if raw else INSERT_ORDERS, {"n": min(LOAD_ROWS_PER_STATEMENT, backlog - start)})
+    vacuum_analyze(db)
+    with Meter(postmaster) as meter:
+        until = time.monotonic() + 600
+        if raw:
+            consumed = raw_consumer_loop(db, batch, until, backlog)
+        else:
+            consumed = our_consumer_loop(db, batch, until, f"drain{batch}", backlog)
+    return {
+        "events_per_s": round(consumed / meter.wall),
+        "seconds": round(meter.wall, 2),
+        "complete": consumed >= backlog,
+        "under_5s": meter.wall < MIN_DRAIN_S,
+        **meter.figures(consumed),
+    }
 
 
-def lag(db: Database, seconds: float, rate: float, idle_sleep: float | None = None) -> dict[str, float]:
+def lag(db: Database, seconds: float, rate: float, postmaster: int | None) -> dict[str, Any]:
     reset(db)
     received: dict[int, float] = {}
 
@@ -177,16 +295,16 @@ def lag(db: Database, seconds: float, rate: float, idle_sleep: float | None = No
         for e in events:
             received[e.key["id"]] = now
 
-    kwargs = {} if idle_sleep is None else {"idle_sleep": idle_sleep}
-    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id=f"lag{idle_sleep}", handler=timing_handler, **kwargs))
+    consumer = ConsumerWorker(db, ConsumerSpec(consumer_id="lag", handler=timing_handler))
     proc, queue = start_producer(db.url, False, seconds, rate)
     runner = threading.Thread(target=consumer.run)
-    runner.start()
-    produced, commits = queue.get(timeout=seconds + 60)
-    proc.join(30)
-    deadline = time.monotonic() + 30
-    while len(received) < produced and time.monotonic() < deadline:
-        time.sleep(0.05)
+    with Meter(postmaster) as meter:
+        runner.start()
+        produced, commits, producer_cpu = queue.get(timeout=seconds + 60)
+        proc.join(30)
+        deadline = time.monotonic() + 30
+        while len(received) < produced and time.monotonic() < deadline:
+            time.sleep(0.05)
     consumer.stop()
     runner.join(60)
     lags = []
@@ -204,6 +322,7 @@ def lag(db: Database, seconds: float, rate: float, idle_sleep: float | None = No
         "p50_s": round(lags[len(lags) // 2], 4),
         "p99_s": round(lags[int(len(lags) * 0.99)], 4),
         "max_s": round(lags[-1], 4),
+        **meter.figures(produced, producer=producer_cpu),
     }
 
 
@@ -256,11 +375,38 @@ def idle_cpu(db: Database, seconds: float) -> dict[str, float]:
     }
 
 
+def best_drains(db: Database, batch: int, backlog: int, rounds: int, postmaster: int | None) -> dict[str, Any]:
+    """Drains alternating ours and raw, ``rounds`` each (the machine is shared: load comes and goes); the best
+    of each side, its ratio, and whether any drain took under 5 s."""
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "raw": []}
+    for _ in range(rounds):
+        for side in runs:
+            runs[side].append(drain(db, side == "raw", batch, backlog, postmaster))
+    best = {side: max(done, key=lambda d: d["events_per_s"]) for side, done in runs.items()}
+    return {
+        "backlog": backlog,
+        "ours": best["ours"],
+        "raw": best["raw"],
+        "ours_runs_per_s": [d["events_per_s"] for d in runs["ours"]],
+        "raw_runs_per_s": [d["events_per_s"] for d in runs["raw"]],
+        "ratio": round(best["ours"]["events_per_s"] / best["raw"]["events_per_s"], 2),
+        "any_under_5s": any(d["under_5s"] for done in runs.values() for d in done),
+        "complete": all(d["complete"] for done in runs.values() for d in done),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="Length of each timed run.")
+    parser.add_argument("--seconds", type=float, default=10.0, help="Length of each live, lag and idle run.")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        help="Events in each drained backlog (default: 200,000 at batch 100, 400,000 at batch 1000).",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="Drains of each side per batch size (best is kept).")
     args = parser.parse_args()
 
+    load_start = [round(x, 2) for x in os.getloadavg()]
     server = Database.from_settings(Settings.from_env()).url
     name = f"cmb_bench_pubsub_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server, autocommit=True) as conn:
@@ -268,31 +414,28 @@ def main() -> None:
         version = conn.execute("SHOW server_version").fetchone()[0]
     url = urlsplit(server)._replace(path=f"/{name}").geturl()
     db = Database(url)
+    figures: dict[str, Any] = {"server_version": version, "seconds": args.seconds, "load_average_start": load_start}
     try:
+        postmaster = find_postmaster(url)
+        figures["postgres_cpu_measured"] = postmaster is not None
         with db.connection() as conn:
             conn.execute(SETUP)
             install_capture(conn, "public.orders", ops=["insert"])
-        figures: dict[str, object] = {"server_version": version, "seconds": args.seconds}
-        for batch in (100, 1000):
-            ours = with_producer(db, False, batch, args.seconds)
-            raw = with_producer(db, True, batch, args.seconds)
-            # drains alternate, best of two each: the machine is shared, load comes and goes
-            drains = {False: [], True: []}
-            for _ in range(2):
-                for raw_loop in (False, True):
-                    drains[raw_loop].append(drain(db, raw_loop, batch))
+        for batch in BATCHES:
+            backlog = args.backlog or DEFAULT_BACKLOG[batch]
+            drains = best_drains(db, batch, backlog, args.rounds, postmaster)
+            ours = with_producer(db, False, batch, args.seconds, postmaster)
+            raw = with_producer(db, True, batch, args.seconds, postmaster)
             figures[f"batch_{batch}"] = {
-                "ours": ours,
-                "raw": raw,
-                "ratio": round(ours["consumed_per_s"] / raw["consumed_per_s"], 2),
-                "drain_ours_per_s": max(drains[False]),
-                "drain_raw_per_s": max(drains[True]),
+                "drain": drains,
+                "drain_ratio": drains["ratio"],
+                "live_ours": ours,
+                "live_raw": raw,
+                "live_ratio": round(ours["consumed_per_s"] / raw["consumed_per_s"], 2),
+                "live_producer_bound": ours["kept_up"] and raw["kept_up"],
             }
-            figures[f"batch_{batch}"]["drain_ratio"] = round(
-                figures[f"batch_{batch}"]["drain_ours_per_s"] / figures[f"batch_{batch}"]["drain_raw_per_s"], 2
-            )
-        figures["lag_at_1000_per_s"] = lag(db, max(args.seconds, 10.0), 1000.0)  # default settings
-        figures["idle_cpu"] = idle_cpu(db, max(args.seconds, 10.0))
+        figures["lag_at_1000_per_s"] = lag(db, args.seconds, 1000.0, postmaster)  # default settings
+        figures["idle_cpu"] = idle_cpu(db, args.seconds)
         with db.connection() as conn:
             figures["settings"] = dict(
                 conn.execute(
@@ -303,27 +446,45 @@ def main() -> None:
         db.close()
         with psycopg.connect(server, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    figures["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
 
     print(
-        f"pub/sub benchmark on Postgres {version} ({figures['settings']}), {args.seconds:.0f}s runs, "
-        f"producer in its own process"
+        f"pub/sub benchmark on Postgres {version} ({figures['settings']}), {args.seconds:g}s live runs, "
+        f"producer in its own process, load average {load_start[0]} at the start, "
+        f"{figures['load_average_end'][0]} at the end"
     )
-    for batch in (100, 1000):
+    if not figures["postgres_cpu_measured"]:
+        print("  the server is not on this machine: its CPU is not measured")
+    for batch in BATCHES:
         f = figures[f"batch_{batch}"]
+        d = f["drain"]
         print(
-            f"  batch {batch:>4}: consumed {f['ours']['consumed_per_s']:>7,}/s while the producer wrote "
-            f"{f['ours']['produced_per_s']:,}/s; raw loop {f['raw']['consumed_per_s']:,}/s "
-            f"(producer {f['raw']['produced_per_s']:,}/s): ratio {f['ratio']}"
-        )
-        print(
-            f"              100k backlog drained at {f['drain_ours_per_s']:,}/s vs raw {f['drain_raw_per_s']:,}/s: "
+            f"  batch {batch:>4}, drain of {d['backlog']:,} (the consumer figure): "
+            f"ours {d['ours']['events_per_s']:,}/s in {d['ours']['seconds']:.1f}s "
+            f"vs raw {d['raw']['events_per_s']:,}/s in {d['raw']['seconds']:.1f}s: "
             f"ratio {f['drain_ratio']}"
+            + (" (A DRAIN TOOK UNDER 5 s: raise --backlog)" if d["any_under_5s"] else "")
+            + ("" if d["complete"] else " (INCOMPLETE)")
+        )
+        print(f"              CPU ours: {cpu_text(d['ours'], 'consumer', 'postgres')}")
+        print(f"              CPU raw:  {cpu_text(d['raw'], 'consumer', 'postgres')}")
+        for side in ("ours", "raw"):
+            live = f[f"live_{side}"]
+            print(
+                f"              live, {side}: consumed {live['consumed_per_s']:,}/s while the producer wrote "
+                f"{live['produced_per_s']:,}/s"
+                + (" (kept up: producer-bound)" if live["kept_up"] else "")
+                + f"; {cpu_text(live, 'consumer', 'producer', 'postgres')}"
+            )
+        print(
+            f"              live ratio {f['live_ratio']}"
+            + (" (producer-bound: both kept up, it compares the producers)" if f["live_producer_bound"] else "")
         )
     f = figures["lag_at_1000_per_s"]
     print(
         f"  lag at {f['events_per_s']:,} events/s, default settings: p50 {f['p50_s'] * 1000:.1f} ms, "
         f"p99 {f['p99_s'] * 1000:.1f} ms, max {f['max_s'] * 1000:.0f} ms "
-        f"({f['delivered']:,}/{f['produced']:,} delivered)"
+        f"({f['delivered']:,}/{f['produced']:,} delivered); {cpu_text(f, 'consumer', 'producer', 'postgres')}"
     )
     f = figures["idle_cpu"]
     print(
