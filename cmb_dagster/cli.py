@@ -712,5 +712,11 @@ for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):
 
 
 def run() -> None:
-    """Console-script entry point: any error becomes one line on stderr and a non-zero exit code (see CmbGroup)."""
+    """Console-script entry point: any error becomes one line on stderr and a non-zero exit code (see CmbGroup).
+
+    SIGTERM stops every command, also when the parent ignored it (a shell's background job ignores SIGINT, and
+    Dagster maps SIGTERM to SIGINT's handler): an ignored signal is inherited, and one that arrived before a worker
+    set its handler would be lost."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     main()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,14 @@ from cmb_dagster import migrations
 from cmb_dagster.database import Database
 from cmb_dagster.embedded import embedded_url
 from cmb_dagster.settings import Settings
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C interrupts the tests also when they run as a shell's background job (which starts them with SIGINT
+    ignored): Dagster, run in this process, gives SIGTERM SIGINT's handler, and an ignored SIGTERM would be inherited
+    by every worker process a test starts and then stops with it."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def with_dbname(url: str, dbname: str) -> str:

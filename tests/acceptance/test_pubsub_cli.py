@@ -1,6 +1,9 @@
 import os
 import random
+import select
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -166,6 +169,26 @@ def test_sigterm_at_any_moment_of_a_consumers_start_or_while_its_database_is_awa
             if moment is None:
                 with psycopg.connect(server_url, autocommit=True) as conn:
                     conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+
+
+def test_sigterm_stops_a_consumer_whose_parent_ignored_it_before_its_handler_is_set():
+    """Started with SIGTERM ignored (inherited from a shell's background job, or from a process where Dagster mapped
+    SIGTERM to an ignored SIGINT), while it waits for a database that does not answer: SIGTERM still ends it."""
+    with socket.socket() as mute:  # accepts connections (the kernel's backlog) and never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        url = f"postgresql://postgres@127.0.0.1:{mute.getsockname()[1]}/postgres"
+        command = shlex.join([*CLI, "pubsub", "consume", "mute", "--handler", "pubsub_handlers:record"])
+        proc = subprocess.Popen(
+            ["sh", "-c", f"trap '' TERM; exec {command}"], env=env_for(url), stderr=subprocess.DEVNULL
+        )
+        try:
+            assert select.select([mute], [], [], 60)[0], "the consumer never connected"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == -signal.SIGTERM
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
