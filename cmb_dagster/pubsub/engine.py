@@ -377,9 +377,14 @@ class Delivery:
     def _locked(self, lease: Lease | None) -> Iterator[tuple[psycopg.Connection, Watermark]]:
         """A transaction that checked ``lease`` (if any) and holds the consumer's watermark locked."""
         with self._transaction() as conn:
-            if lease is not None:
-                Leases.check(conn, lease)
-            yield conn, lock_watermark(conn, self.spec.consumer_id, self.spec.branch_id, wait=self.spec.wait)
+            if lease is None:
+                yield conn, lock_watermark(conn, self.spec.consumer_id, self.spec.branch_id, wait=self.spec.wait)
+                return
+            with conn.pipeline():  # the lease check travels with the watermark's lock: one round trip
+                held = Leases.check_many(conn, [lease])
+                watermark = lock_watermark(conn, self.spec.consumer_id, self.spec.branch_id, wait=self.spec.wait)
+            held()
+            yield conn, watermark
 
     # -- delivering -------------------------------------------------------------------------------
 
