@@ -24,6 +24,10 @@ from cmb_dagster.embedded import embedded_url
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_WITHIN_S = 20
+EMBEDDED_ONLY = pytest.mark.skipif(
+    bool(os.environ.get("CMB_TEST_DATABASE_URL")),
+    reason="how dev stops does not depend on the server: runs on the embedded one, as `make dev` does",
+)
 WORKER_KINDS = {"callbacks.bucket", "pubsub.consumer", "stages.shard", "eventqueue.worker"}  # the demo's workers
 
 
@@ -104,6 +108,7 @@ def stop_env(dev_env):
     return dev_env
 
 
+@EMBEDDED_ONLY
 def test_sigterm_to_the_process_group_of_make_dev(stop_env):
     port = stop_env["DEV_ARGS"].split()[1]
     make = subprocess.Popen(
@@ -127,6 +132,7 @@ def test_sigterm_to_the_process_group_of_make_dev(stop_env):
         with_kill(make.pid)
 
 
+@EMBEDDED_ONLY
 def test_ctrl_c_in_a_terminal(stop_env):
     port = stop_env["DEV_ARGS"].split()[1]
     cli = [sys.executable, "-c", "from cmb_dagster.cli import run; run()", "dev", *stop_env["DEV_ARGS"].split()]

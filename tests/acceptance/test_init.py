@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from test_dev_command import CLI, LOCATIONS, answers, free_port, graphql
 from test_dev_command import dev_env as dev_env  # a fixture
-from test_dev_stop import cmb_url, dagster_sessions, session_processes, with_kill
+from test_dev_stop import EMBEDDED_ONLY, cmb_url, dagster_sessions, session_processes, with_kill
 from waiting import wait_until
 
 BIN = Path(sys.executable).parent  # where pip put `cmb-dagster` and `dagster`
@@ -91,6 +91,7 @@ def scheduler_ticks(env: dict[str, str]) -> int:
         ).fetchone()[0]
 
 
+@EMBEDDED_ONLY
 def test_dev_in_a_project_is_quiet_and_ctrl_c_stops_it_without_a_traceback(project, dev_env, tmp_path):
     port = free_port()
     log = tmp_path / "terminal.log"
