@@ -98,12 +98,14 @@ def _emit(
     if conn is not None:
         return _insert(conn, params)
     database = Database.of(db) if db is not None else Database.shared()
-    with database.connection() as own:
+    with database.connection(autocommit=True) as own:  # one statement: one round trip with its commit
         return _insert(own, params)
 
 
 def _insert(conn: psycopg.Connection, params: dict[str, Any]) -> list[int]:
-    unknown, ids, _ = conn.execute(sql.EMIT, params).fetchone()
+    # planned for its arrays each time: a generic plan (psycopg prepares a statement run five times on one
+    # connection) reads the key's turn without its index once the queue holds tens of thousands of events
+    unknown, ids, _ = conn.execute(sql.EMIT, params, prepare=False).fetchone()
     if unknown is not None:
         raise UnknownHandler(
             f"handler: no handler named {unknown!r} is registered (a worker or `cmb-dagster events register` "

@@ -26,8 +26,9 @@ _FLOW_KEY = """left(coalesce(CASE h.key_path[1] WHEN 'value' THEN e.value #>> h.
 
 
 def _turns(rows: str) -> str:
-    """CTEs giving each row of ``rows`` (id or n, handler, flow_key, priority, place) its turn: ``turns``."""
-    return f"""heads AS (
+    """CTEs giving each row of ``rows`` (id or n, handler, flow_key, priority, place) its turn: ``turns``. Each
+    key's last turn is read once (``heads`` is materialized: inlined, it was read again for every row)."""
+    return f"""heads AS MATERIALIZED (
     SELECT g.handler, g.flow_key, g.priority, greatest(
         coalesce((SELECT x.turn + 1 FROM eventqueue_events x
                   WHERE x.handler = g.handler AND x.flow_key = g.flow_key AND x.priority = g.priority

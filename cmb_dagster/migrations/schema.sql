@@ -903,7 +903,7 @@ CREATE INDEX eventqueue_events_handler ON cmb.eventqueue_events USING btree (han
 
 CREATE INDEX eventqueue_events_held ON cmb.eventqueue_events USING btree (handler, namespace, module) WHERE (visible_at = 'infinity'::timestamp with time zone);
 
-CREATE INDEX eventqueue_events_key_turn ON cmb.eventqueue_events USING btree (handler, flow_key, turn) WHERE (turn IS NOT NULL);
+CREATE INDEX eventqueue_events_key_turn ON cmb.eventqueue_events USING btree (handler, flow_key, priority, turn) WHERE (turn IS NOT NULL);
 
 CREATE INDEX eventqueue_events_open_batch ON cmb.eventqueue_events USING btree (handler, flow_key, id) WHERE ((batch_count IS NOT NULL) AND (locked_at IS NULL));
 
