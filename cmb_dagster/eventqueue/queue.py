@@ -103,9 +103,11 @@ def _emit(
 
 
 def _insert(conn: psycopg.Connection, params: dict[str, Any]) -> list[int]:
-    # planned for its arrays each time: a generic plan (psycopg prepares a statement run five times on one
-    # connection) reads the key's turn without its index once the queue holds tens of thousands of events
-    unknown, ids, _ = conn.execute(sql.EMIT, params, prepare=False).fetchone()
+    # several events: planned for their arrays each time (a generic plan, which psycopg's statement preparation
+    # brings after five runs on a connection, costs a large queue time for each event); one event: prepared
+    # (planning the statement costs more than running it)
+    single = len(params["handlers"]) == 1
+    unknown, ids, _ = conn.execute(sql.EMIT, params, prepare=None if single else False).fetchone()
     if unknown is not None:
         raise UnknownHandler(
             f"handler: no handler named {unknown!r} is registered (a worker or `cmb-dagster events register` "
