@@ -279,6 +279,7 @@ class Worker:
         self.on_progress = on_progress
         self.on_shutdown = on_shutdown or self.stop
         self._stop = threading.Event()
+        self._signal_passed = False  # a shutdown signal was passed to on_shutdown
         self._wake = threading.Event()
         self._held: dict[str, Lease] = {}
         self._next_renew = 0.0
@@ -296,8 +297,13 @@ class Worker:
 
     @property
     def stopping(self) -> bool:
-        """Whether the loop was asked to stop, by :meth:`stop` or by a shutdown signal."""
-        return self._stop.is_set() or shutdown_signalled()
+        """Whether the loop was asked to stop. A shutdown signal is passed to ``on_shutdown`` (the engine's stop,
+        which may first let calls in flight end) from here too, not only by the helper thread that passes it at
+        once: a loop turning without that thread still stops by its engine's rules."""
+        if not self._stop.is_set() and not self._signal_passed and shutdown_signalled():
+            self._signal_passed = True
+            self.on_shutdown()
+        return self._stop.is_set()
 
     def wake(self) -> None:
         """Cut the current idle sleep short (e.g. on a NOTIFY hint)."""
