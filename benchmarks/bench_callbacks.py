@@ -61,6 +61,8 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from proc_cpu import cpu_seconds, find_postmaster, postgres_cpu_seconds  # noqa: E402
+
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings  # noqa: E402
 from cmb_dagster.callbacks.sink import CallbackSink  # noqa: E402
 from cmb_dagster.database import Database  # noqa: E402
@@ -73,7 +75,6 @@ PGQUEUER_BATCH_SIZE = 50
 PGQUEUER_MAX_CONCURRENT_TASKS = 200
 MIN_DRAIN_S = 5.0
 BURST_LEAD_S = 6  # a burst is due this long after it is set, time for the consumer to start
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def server_url() -> str:
@@ -117,51 +118,6 @@ def wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
 
 
 # -- CPU -----------------------------------------------------------------------------------------
-
-
-def _stat(pid: int | str) -> tuple[str, list[str]]:
-    """The command name and the fields after it of /proc/<pid>/stat."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 1 :].split()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc)."""
-    fields = _stat(pid)[1]
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def find_postmaster(url: str) -> int | None:
-    """The pid of the server's postmaster (the parent of a backend), or None if it is not on this machine."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-        try:
-            name, fields = _stat(backend)
-        except OSError:
-            return None
-    return int(fields[1]) if name == "postgres" else None
-
-
-def postgres_cpu_seconds(postmaster: int | None) -> float | None:
-    """User + system CPU seconds of the server's processes named postgres (the postmaster and its children), with
-    those of its children that have ended (the postmaster's cutime + cstime)."""
-    if postmaster is None:
-        return None
-    ticks = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            name, fields = _stat(entry.name)
-        except OSError:
-            continue  # ended meanwhile
-        if name != "postgres":
-            continue
-        if int(entry.name) == postmaster:
-            ticks += sum(int(f) for f in fields[11:15])
-        elif int(fields[1]) == postmaster:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLOCK_TICKS
 
 
 class Meter:

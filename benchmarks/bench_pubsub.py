@@ -34,12 +34,12 @@ import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Self
 from urllib.parse import urlsplit
 
 import psutil
 import psycopg
+from proc_cpu import find_postmaster, postgres_cpu_seconds
 from psycopg import sql
 
 from cmb_dagster.database import Database
@@ -51,7 +51,6 @@ LOAD_ROWS_PER_STATEMENT = 10_000
 BATCHES = (100, 1000)
 DEFAULT_BACKLOG = {100: 200_000, 1000: 400_000}
 MIN_DRAIN_S = 5.0
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 SETUP = """
 CREATE TABLE public.orders (id bigserial PRIMARY KEY, customer int NOT NULL, amount int NOT NULL, note text NOT NULL);
@@ -87,45 +86,6 @@ def handler(conn: psycopg.Connection, events: list) -> None:
 
 
 # -- CPU -----------------------------------------------------------------------------------------
-
-
-def _stat(pid: int | str) -> tuple[str, list[str]]:
-    """The command name and the fields after it of /proc/<pid>/stat."""
-    text = Path(f"/proc/{pid}/stat").read_text()
-    return text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 1 :].split()
-
-
-def find_postmaster(url: str) -> int | None:
-    """The pid of the server's postmaster (the parent of a backend), or None if it is not on this machine."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
-        try:
-            name, fields = _stat(backend)
-        except OSError:
-            return None
-    return int(fields[1]) if name == "postgres" else None
-
-
-def postgres_cpu_seconds(postmaster: int | None) -> float | None:
-    """User + system CPU seconds of the server's processes named postgres (the postmaster and its children), with
-    those of its children that have ended (the postmaster's cutime + cstime)."""
-    if postmaster is None:
-        return None
-    ticks = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            name, fields = _stat(entry.name)
-        except OSError:
-            continue  # ended meanwhile
-        if name != "postgres":
-            continue
-        if int(entry.name) == postmaster:
-            ticks += sum(int(f) for f in fields[11:15])
-        elif int(fields[1]) == postmaster:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLOCK_TICKS
 
 
 class Meter:
