@@ -8,7 +8,9 @@ looked up through a stand-in that reports every run as succeeded (the Dagster ru
 one bulk query and not part of this figure). Round trips are counted at psycopg's wait().
 
 Run: ``.venv/bin/python benchmarks/bench_reactive.py [--quick] [--large]`` on CMB_DATABASE_URL (or the embedded
-server), alone on the machine. JSON object on the last line.
+server), alone on the machine; ``--tasks N [--changes C ...]`` measures that one scenario only (5 tasks per
+parameter; e.g. ``--tasks 100000 --changes 1000``: the idle tick and 1,000 changes at 100,000 tasks). JSON
+object on the last line.
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def settle(engine: TaskScheduler) -> dict[str, float]:
             return {"seconds": round(time.perf_counter() - started, 4), "ticks": ticks}
 
 
-def scenario(url: str, tasks: int, parameters: int, changes: int, *more_changes: int) -> dict[str, object]:
-    """One steady state of ``tasks``; then each change count in turn (``more_changes`` reuse the same state)."""
+def scenario(url: str, tasks: int, parameters: int, *changes: int) -> list[dict[str, object]]:
+    """One steady state of ``tasks``; then each change count in turn (one round each, on the same state)."""
     db = Database(url, schema=f"bench_{uuid.uuid4().hex[:8]}", max_pool_size=4)
     try:
         store = CtlStore(db, actor="bench")
@@ -106,7 +108,7 @@ def scenario(url: str, tasks: int, parameters: int, changes: int, *more_changes:
         idle = measured_tick(engine)
         setup = time.perf_counter() - setup_started
         rounds = []
-        for hour, count in enumerate((changes, *more_changes), start=1):
+        for hour, count in enumerate(changes, start=1):
             store.set_many({key(i * (parameters // count)): BASE + timedelta(hours=hour) for i in range(count)})
             tick = measured_tick(engine)
             follow_up = measured_tick(engine)  # those runs succeeded
@@ -122,7 +124,7 @@ def scenario(url: str, tasks: int, parameters: int, changes: int, *more_changes:
                     "setup_seconds": round(setup, 2),
                 }
             )
-        return rounds[0] if not more_changes else rounds  # type: ignore[return-value]
+        return rounds
     finally:
         with db.connect(autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(db.schema)))
@@ -133,7 +135,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller curves")
     parser.add_argument("--large", action="store_true", help="also 100,000 tasks (100 and 1,000 changes)")
+    parser.add_argument("--tasks", type=int, help="only this number of tasks (5 per parameter)")
+    parser.add_argument("--changes", type=int, nargs="+", default=[100], help="with --tasks: changes, in turn")
     arguments = parser.parse_args()
+    if arguments.tasks and min(arguments.changes) < 1:
+        parser.error("--changes: at least 1 (each scenario measures its idle tick too)")
     quick = arguments.quick
     settings = Settings.from_env()
     server = settings.database_url or embedded_url(settings.home)
@@ -142,11 +148,16 @@ def main() -> None:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     url = urlsplit(server)._replace(path=f"/{name}").geturl()
     try:
-        headline = scenario(url, 10_000, 2_000, 100)
-        by_changes = [scenario(url, 10_000, 2_000, c) for c in ((10, 1000) if quick else (10, 300, 1000))]
-        # same number of tasks per parameter (5 x 2 reads), so 100 changes touch ~1,000 tasks each time
-        by_tasks = [scenario(url, n, n // 5, 100) for n in ((1_000, 20_000) if quick else (1_000, 3_000, 30_000))]
-        large = scenario(url, 100_000, 20_000, 100, 1_000) if arguments.large else []
+        if arguments.tasks:
+            only = scenario(url, arguments.tasks, max(arguments.tasks // 5, 1), *arguments.changes)
+            headline, by_changes, by_tasks, large = only[0], only[1:], [], []
+        else:
+            [headline] = scenario(url, 10_000, 2_000, 100)
+            by_changes = [scenario(url, 10_000, 2_000, c)[0] for c in ((10, 1000) if quick else (10, 300, 1000))]
+            # same number of tasks per parameter (5 x 2 reads), so 100 changes touch ~1,000 tasks each time
+            sizes = (1_000, 20_000) if quick else (1_000, 3_000, 30_000)
+            by_tasks = [scenario(url, n, n // 5, 100)[0] for n in sizes]
+            large = scenario(url, 100_000, 20_000, 100, 1_000) if arguments.large else []
         with psycopg.connect(url) as conn:
             settings = {
                 name: conn.execute(f"SHOW {name}").fetchone()[0]
@@ -163,18 +174,23 @@ def main() -> None:
             f"tick {t['seconds'] * 1000:7.1f} ms, {t['round_trips']:3d} round trips, "
             f"{t['evaluated']:6,} evaluated, {t['launched']:6,} launched; "
             f"follow-up {r['follow_up_tick']['seconds'] * 1000:6.1f} ms; "
-            f"idle {r['idle_tick']['seconds'] * 1000:5.1f} ms"
+            f"idle {r['idle_tick']['seconds'] * 1000:5.1f} ms, {r['idle_tick']['round_trips']} round trips"
         )
 
-    print("headline (target < 1 s):")
-    print("  " + row(headline))
-    print(f"  first tick (all {headline['tasks']:,} tasks new): {headline['first_tick']['seconds']:.2f} s")
-    print("vs number of changes (10,000 tasks):")
-    for r in sorted([headline, *by_changes], key=lambda r: r["changes"]):
-        print("  " + row(r))
-    print("vs number of tasks (100 changes, 5 tasks per parameter):")
-    for r in sorted([headline, *by_tasks], key=lambda r: r["tasks"]):
-        print("  " + row(r))
+    if arguments.tasks:
+        print(f"{arguments.tasks:,} tasks (setup: first tick {headline['first_tick']['seconds']:.1f} s):")
+        for r in [headline, *by_changes]:
+            print("  " + row(r))
+    else:
+        print("headline (target < 1 s):")
+        print("  " + row(headline))
+        print(f"  first tick (all {headline['tasks']:,} tasks new): {headline['first_tick']['seconds']:.2f} s")
+        print("vs number of changes (10,000 tasks):")
+        for r in sorted([headline, *by_changes], key=lambda r: r["changes"]):
+            print("  " + row(r))
+        print("vs number of tasks (100 changes, 5 tasks per parameter):")
+        for r in sorted([headline, *by_tasks], key=lambda r: r["tasks"]):
+            print("  " + row(r))
     if large:
         print(f"100,000 tasks (setup: first tick {large[0]['first_tick']['seconds']:.1f} s):")
         for r in large:

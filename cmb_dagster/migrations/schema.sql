@@ -603,6 +603,7 @@ CREATE TABLE cmb.reactive_launches (
     partition_key text,
     manual boolean DEFAULT false NOT NULL,
     logged_at timestamp with time zone,
+    facts jsonb,
     CONSTRAINT reactive_launches_outcome_check CHECK ((outcome = ANY (ARRAY['success'::text, 'failure'::text])))
 );
 
@@ -615,9 +616,25 @@ CREATE SEQUENCE cmb.reactive_launches_id_seq
 
 ALTER SEQUENCE cmb.reactive_launches_id_seq OWNED BY cmb.reactive_launches.id;
 
+CREATE TABLE cmb.reactive_mark_batches (
+    scheduler text NOT NULL,
+    id bigint NOT NULL,
+    names text[] NOT NULL
+);
+
+ALTER TABLE cmb.reactive_mark_batches ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.reactive_mark_batches_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE cmb.reactive_marks (
     scheduler text NOT NULL,
-    name text NOT NULL
+    name text NOT NULL,
+    by_hand boolean DEFAULT false NOT NULL
 );
 
 CREATE TABLE cmb.reactive_schedulers (
@@ -627,7 +644,8 @@ CREATE TABLE cmb.reactive_schedulers (
     location text,
     ticked_at timestamp with time zone,
     manual_after timestamp with time zone,
-    tick_seconds double precision
+    tick_seconds double precision,
+    tick_token text
 );
 
 CREATE TABLE cmb.reactive_tasks (
@@ -658,6 +676,7 @@ CREATE TABLE cmb.reactive_tasks (
     wake_at timestamp with time zone,
     deadline jsonb,
     deadline_since timestamp with time zone,
+    facts jsonb,
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
 );
 
@@ -841,6 +860,9 @@ ALTER TABLE ONLY cmb.pubsub_watermarks
 ALTER TABLE ONLY cmb.reactive_launches
     ADD CONSTRAINT reactive_launches_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY cmb.reactive_mark_batches
+    ADD CONSTRAINT reactive_mark_batches_pkey PRIMARY KEY (scheduler, id);
+
 ALTER TABLE ONLY cmb.reactive_marks
     ADD CONSTRAINT reactive_marks_pkey PRIMARY KEY (scheduler, name);
 
@@ -925,11 +947,15 @@ CREATE UNIQUE INDEX reactive_launches_run_key ON cmb.reactive_launches USING btr
 
 CREATE INDEX reactive_launches_task ON cmb.reactive_launches USING btree (scheduler, task, values_hash);
 
+CREATE INDEX reactive_marks_by_hand ON cmb.reactive_marks USING btree (scheduler) WHERE by_hand;
+
 CREATE INDEX reactive_tasks_backoff ON cmb.reactive_tasks USING btree (scheduler, backoff_until) WHERE (status = 'backoff'::text);
 
-CREATE INDEX reactive_tasks_launched ON cmb.reactive_tasks USING btree (scheduler) WHERE (status = 'launched'::text);
+CREATE INDEX reactive_tasks_launched ON cmb.reactive_tasks USING btree (scheduler, name) WHERE (status = 'launched'::text);
 
 CREATE INDEX reactive_tasks_ready ON cmb.reactive_tasks USING btree (scheduler, priority DESC, name) WHERE ((status = 'ready'::text) AND defined);
+
+CREATE INDEX reactive_tasks_shown ON cmb.reactive_tasks USING btree (scheduler, COALESCE(shown_at, '-infinity'::timestamp with time zone), priority DESC, name) WHERE ((status = 'waiting'::text) AND defined);
 
 CREATE INDEX reactive_tasks_wake ON cmb.reactive_tasks USING btree (scheduler, wake_at) WHERE (wake_at IS NOT NULL);
 

@@ -15,6 +15,7 @@ from cmb_dagster.ctl.store import check_values, values_from_json
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveInput
+from cmb_dagster.reactive.explanations import Explanation, stored_trigger
 from cmb_dagster.reactive.models import ReactiveStatus, SchedulerState, SeenRun, TaskState
 from cmb_dagster.triggers import evaluate, parameters, trigger_from_dict
 
@@ -133,4 +134,9 @@ def claim_launch_log(database: DatabaseSource, scheduler: str, run_key: str, run
     nobody wrote it yet; None when it was written already (or no such launch is recorded)."""
     with _connection(database) as conn:
         row = conn.execute(sql.CLAIM_LAUNCH_LOG, {"scheduler": scheduler, "run_key": run_key}).fetchone()
-    return None if row is None else SeenRun(row[0], run_id, run_key, values_from_json(row[1]), row[2] or "")
+    if row is None:
+        return None
+    task, values, text, facts, trigger, trigger_hash, timezone = row
+    defined = stored_trigger(trigger) if facts is not None else None
+    why = Explanation.stored(text, facts, defined, trigger_hash, timezone or "UTC")
+    return SeenRun(task, run_id, run_key, values_from_json(values), str(why))

@@ -28,6 +28,12 @@ Time alone turns a trigger from false to true only through a ``Settle`` whose qu
 conditions only decay), and a passed deadline launches a task with ``on_deadline='run'``: an evaluation stores
 when that can happen (``wake_at``) and the tick marks the tasks whose time came. Tasks whose inputs did not
 change and whose wake time did not come need no evaluation: there is no periodic full scan.
+
+A tick reads no more than what changed: it knows the marks its own steps write and those left by its previous tick,
+and the number of runs in flight, while the ticks follow one another in its process alone (each stores a token the
+next finds, and the scheduler's lease stayed with the process). That is a cache, kept in memory: lost, or another
+tick ran in between, the next tick reads the marks and the runs in flight from the tables. Explanations are stored
+as the facts of each evaluation and rendered when read (cmb_dagster/reactive/explanations.py).
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 import psycopg
@@ -55,13 +64,14 @@ from cmb_dagster.ctl.store import (
     values_from_json,
     values_to_json,
 )
-from cmb_dagster.database import Database
+from cmb_dagster.database import Database, OwnConnection
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import check_text, to_json
 from cmb_dagster.isolation import Call, UserCode, describe_error, sanitize
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.admin import current_values
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady, SchedulerConflict
+from cmb_dagster.reactive.explanations import Explanation, stored_facts
 from cmb_dagster.reactive.models import (
     ABOVE_HIGHEST_PRIORITY,
     LOWEST_PRIORITY,
@@ -70,6 +80,7 @@ from cmb_dagster.reactive.models import (
     LaunchOptions,
     ManualLookup,
     Partitioner,
+    RunInfo,
     RunLookup,
     RunState,
     SchedulerSettings,
@@ -78,7 +89,7 @@ from cmb_dagster.reactive.models import (
     TickReport,
     sorted_keys,
 )
-from cmb_dagster.triggers import evaluate, parameters
+from cmb_dagster.triggers import Settle, evaluate, parameters
 from cmb_dagster.workers import Lease, Leases
 
 log = logging.getLogger("cmb_dagster.reactive")
@@ -110,7 +121,7 @@ class _LaunchError(Exception):
 class _Evaluation:
     name: str
     status: str  # ready, waiting, error
-    explanation: str
+    explanation: Explanation
     values: dict[ParameterKey, datetime]
     last: dict[ParameterKey, datetime]
     wake_at: datetime | None = None  # waiting: when time alone can make it ready
@@ -147,7 +158,24 @@ class _Wait:
     """A ready task whose partition does not exist yet: it waits (no attempt counted), evaluated again next tick."""
 
     evaluation: _Evaluation
-    explanation: str
+    explanation: Explanation
+
+
+@dataclass
+class _Known:
+    """What the scheduler's tables hold beyond what a tick reads anew, as the tick of ``token`` left them: valid
+    while no other tick ran (the next tick finds that token stored) and no other process held the scheduler's lease
+    (its ``fence`` is this one's, or the next). ``marked``: tasks left marked for evaluation (besides marks by
+    hand); ``in_flight``: tasks with a run in flight; ``ready``: whether tasks may be stored as ready."""
+
+    token: str
+    fence: int
+    marked: set[str]
+    in_flight: int
+    ready: bool
+
+    def valid_for(self, lease: Lease, token: str | None) -> bool:
+        return token == self.token and lease.fence in (self.fence, self.fence + 1)
 
 
 @dataclass(frozen=True)
@@ -167,7 +195,10 @@ def values_hash(values: Mapping[ParameterKey, datetime], partition_key: str | No
 
 def _encoded_values(values: Mapping[ParameterKey, datetime], partition_key: str | None = None) -> tuple[str, str]:
     """``values`` in UTC as stored JSON text, and :func:`values_hash` of them (one encoding for both)."""
-    text = json.dumps(values_to_json({k: v.astimezone(UTC) for k, v in values.items()}), sort_keys=True)
+    nested: dict[str, dict[str, str]] = {}  # as values_to_json, the keys sorted by json.dumps
+    for (entity, parameter), value in values.items():
+        nested.setdefault(entity, {})[parameter] = value.astimezone(UTC).isoformat()
+    text = json.dumps(nested, sort_keys=True)
     hashed = text if partition_key is None else text + "\n" + partition_key
     return text, hashlib.sha256(hashed.encode()).hexdigest()[:12]
 
@@ -212,6 +243,8 @@ class TaskScheduler:
                 f"partitioners or launch options for unknown reactive task(s): {', '.join(unknown)}"
             )
         self.reads = {task.name: tuple(sorted(parameters(task.trigger))) for task in tasks}  # task -> CTL parameters
+        self.settles = {task.name: _settle_keys(task.trigger) for task in tasks}  # parameters whose change time counts
+        self.trigger_hashes = {task.name: task.trigger_hash for task in tasks}
         self.index: dict[ParameterKey, list[str]] = defaultdict(list)
         self.downstream: dict[str, list[str]] = defaultdict(list)  # entity (asset key) -> tasks it is upstream of
         for task in tasks:
@@ -231,6 +264,9 @@ class TaskScheduler:
 
         spec = pubsub.ConsumerSpec(consumer_id=f"reactive.{name}", branch_id=CTL_BRANCH_ID, handler=mark_changed)
         self.consumer = pubsub.ConsumerWorker(database, spec)  # read batch by batch, within the tick
+        # the tick's connection: statements planned as they run (a plan cached while the tables were small would
+        # stay), and no JIT (without statistics, estimates of bulk statements trigger compiles of 100s of ms)
+        self._own = OwnConnection(database, custom_plans=True, settings={"jit": "off"})
         self._lease: Lease | None = None
         self._report: TickReport | None = None
         self._ticking = threading.Lock()  # the lease is per owner: keep this process's ticks apart too
@@ -238,6 +274,11 @@ class TaskScheduler:
         self._deadline = 0.0  # time.monotonic() when the tick's time box ends
         self._user_code_until: float | None = None  # after it the tick starts no user code (None: none started)
         self._renew_at = 0.0  # when the tick's lease is renewed while user code runs
+        self._known: _Known | None = None  # what the tables hold, as this process's last tick left them
+        self._marked: set[str] = set()  # tasks the tick being run marked for evaluation
+        self._single: set[str] = set()  # those of them with a mark of their own (the others are in batches)
+        self._batches: set[int] = set()  # the batches of marks the tick being run evaluates
+        self._left: set[str] = set()  # tasks the tick being run leaves marked (not evaluated, or evaluated again)
 
     # -- the tick -----------------------------------------------------------------------------
 
@@ -276,23 +317,36 @@ class TaskScheduler:
             self._lease, self._report = lease, report
             self._deadline, self._user_code_until = deadline, None
             self._renew_at = time.monotonic() + self.leases.ttl / 3
+            known, self._known = self._known, None  # a tick that raises leaves nothing known
+            token = uuid.uuid4().hex
             try:
-                # one connection for the tick, one transaction per step
-                with cyclic_collection_paused(), self.database.connection() as conn:
-                    self._sync_definitions(conn, lease, now, report)
+                # one connection for the tick, one transaction per step (a single statement commits alone)
+                with cyclic_collection_paused():
+                    conn = self._own.get()
+                    synced, previous = self._sync_definitions(conn, lease, now, report, token)
+                    if synced or known is None or not known.valid_for(lease, previous):
+                        known = None  # read the marks and the runs in flight from the tables
                     self._read_changes(deadline, report)
-                    in_flight = self._follow_runs(conn, lease, runs, now, report)
+                    in_flight = self._follow_runs(conn, lease, runs, now, report, known)
                     if manual is not None:
                         self._record_manual_runs(conn, lease, manual, now, report)
-                    fresh, failures = self._evaluate_marked(conn, lease, now, deadline, report)
+                    fresh, failures = self._evaluate_marked(conn, lease, now, deadline, report, known)
                     hold = self._hold(conn, in_flight, busy or {}, fresh)
-                    self._launch_ready(conn, lease, now, len(in_flight), hold, fresh, failures, report)
+                    running, ready = self._launch_ready(
+                        conn, lease, now, len(in_flight), hold, fresh, failures, report, known is None or known.ready
+                    )
                     self._remind_waiting(conn, lease, now, report)
-                    with conn.transaction():
-                        done = {"scheduler": self.name, "now": now, "seconds": time.monotonic() - started}
+                    done = {"scheduler": self.name, "now": now, "seconds": time.monotonic() - started}
+                    if self._batches:
+                        batches = {"left": sorted(self._left), "batches": sorted(self._batches)}
+                        conn.execute(sql.END_TICK, {**done, **batches})
+                    else:  # every task left marked has a mark of its own
                         conn.execute(sql.SAVE_TICK, done)
+                self._known = _Known(token, lease.fence, self._left, running, ready)
             finally:
                 self._lease, self._report = None, None
+                # freed within this tick, not at the start of the next
+                self._marked, self._single, self._batches, self._left = set(), set(), set(), set()
                 if not held_by_caller:
                     self.leases.release([self.name])
         finally:
@@ -300,16 +354,26 @@ class TaskScheduler:
             report.seconds = time.monotonic() - started
         return report
 
-    def _sync_definitions(self, conn: psycopg.Connection, lease: Lease, now: datetime, report: TickReport) -> None:
-        params = {"scheduler": self.name, "location": self.location, "now": now}
+    def _sync_definitions(
+        self, conn: psycopg.Connection, lease: Lease, now: datetime, report: TickReport, token: str
+    ) -> tuple[bool, str | None]:
+        """Start the tick of ``token`` and store the tasks' definitions unless stored already; whether they were (new
+        and changed tasks are marked), and the token of the tick before."""
+        params = {"scheduler": self.name, "location": self.location, "now": now, "token": token}
+        row = conn.execute(sql.START_TICK, {**params, "hash": self.definitions_hash}).fetchone()
+        previous = None if row is None else row[3]
+        if row is not None:
+            self._refuse_a_foreign_name(*row[:3], now)
+        if row is not None and row[0] == self.definitions_hash:
+            if self.location is not None and row[1] != self.location:
+                conn.execute(sql.MOVE_SCHEDULER, params)
+            return False, previous
         with conn.transaction():
-            row = conn.execute(sql.SCHEDULER_ROW, params).fetchone()
+            row = conn.execute(sql.LOCK_SCHEDULER_ROW, params).fetchone()
             if row is not None:
                 self._refuse_a_foreign_name(*row, now)
             if row is not None and row[0] == self.definitions_hash:
-                if self.location is not None and row[1] != self.location:
-                    conn.execute(sql.MOVE_SCHEDULER, params)
-                return
+                return False, previous
             Leases.check(conn, lease)
             if row is None:
                 others = conn.execute(sql.OTHER_SCHEDULERS_WITH_STATE, params).fetchall()
@@ -338,6 +402,7 @@ class TaskScheduler:
             )
             conn.execute(sql.UNDEFINE_MISSING_TASKS, {**params, "names": [t.name for t in specs]})
         report.definitions_synced = True
+        return True, previous
 
     def _refuse_a_foreign_name(
         self, definitions_hash: str, location: str | None, ticked_at: datetime | None, now: datetime
@@ -384,84 +449,119 @@ class TaskScheduler:
                 notes.update(dict.fromkeys(names, note))
         params = {"scheduler": self.name}
         if affected:
-            conn.execute(sql.MARK_TASKS, {**params, "names": sorted(affected)})
+            self._batches.add(conn.execute(sql.MARK_TASKS, {**params, "names": sorted(affected)}).fetchone()[0])
+            self._marked |= affected
         if notes:
             conn.execute(sql.NOTE_BACKWARDS, {**params, "names": list(notes), "notes": list(notes.values())})
         self._report.changes += len(changes)
 
     def _follow_runs(
-        self, conn: psycopg.Connection, lease: Lease, runs: RunLookup, now: datetime, report: TickReport
+        self,
+        conn: psycopg.Connection,
+        lease: Lease,
+        runs: RunLookup,
+        now: datetime,
+        report: TickReport,
+        known: _Known | None,
     ) -> dict[str, tuple[ParameterKey, ...]]:
-        """Handle finished runs; re-request lost launches; end backoffs. Return the tasks in flight and what they
-        produce."""
+        """Handle finished runs (none are read when no run is known to be in flight); re-request lost launches; end
+        backoffs and wake tasks whose time came. Return the tasks in flight and what they produce."""
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
-        with conn.transaction():
-            launched = conn.execute(sql.LAUNCHED_TASKS, params).fetchall()
-            found = runs(self.name, [row[1] for row in launched]) if launched else {}
-            finished: list[tuple[str, str, str, bool, datetime | None]] = []
-            seen: list[tuple[str, str]] = []
-            lost: list[Launch] = []
-            for name, run_key, run_id, launched_at, attempts, ready_values, explanation, _, partition in launched:
-                run = found.get(run_key)
-                if run is None:
-                    if launched_at <= now - self.settings.launch_grace:
-                        attempt = int(run_key.rsplit(":", 1)[1])
-                        lost.append(
-                            Launch(
-                                name,
-                                run_key,
-                                attempt,
-                                values_from_json(ready_values),
-                                explanation or "",
-                                relaunch=True,
-                                partition_key=partition,
-                            )
-                        )
-                    else:
-                        report.note(name, "in progress", f"run {run_key} requested at {launched_at}, not yet created")
-                elif run.state is RunState.ACTIVE:
-                    if run.run_id != run_id:
-                        seen.append((name, run.run_id))
-                    report.note(name, "in progress", f"run {run.run_id} ({run_key}) is queued or running")
-                if run is not None and run.run_id != run_id:
-                    report.seen_runs.append(
-                        SeenRun(name, run.run_id, run_key, values_from_json(ready_values), explanation or "")
-                    )
-                if run is None or run.state is RunState.ACTIVE:
-                    continue
-                if run.state is RunState.SUCCESS:
-                    finished.append((name, run_key, run.run_id, True, None))
-                    report.note(name, "succeeded", f"run {run.run_id} succeeded: its CTL values are now last-seen")
-                else:
-                    backoff = self._backoff(attempts)
-                    finished.append((name, run_key, run.run_id, False, now + backoff))
-                    report.note(
-                        name,
-                        "failed",
-                        f"run {run.run_id} failed (failure {attempts + 1} in a row); trigger stays armed, "
-                        f"retry after {backoff} at {now + backoff}",
-                    )
-            if seen or finished:
-                Leases.check(conn, lease)
-            if seen:
-                names, run_ids = [s[0] for s in seen], [s[1] for s in seen]
-                conn.execute(sql.NOTE_RUN_IDS, {**params, "names": names, "run_ids": run_ids})
-            if finished:
-                rows = [
-                    {"name": n, "run_key": k, "run_id": i, "success": ok, "backoff_until": b.isoformat() if b else None}
-                    for n, k, i, ok, b in finished
-                ]
-                conn.execute(sql.FINISH_RUNS, {**params, "rows": json.dumps(rows)})
-            conn.execute(sql.END_BACKOFFS, params)
-            conn.execute(sql.WAKE_TASKS, params)
+        launched: list[tuple[Any, ...]] = []
+        finished: list[tuple[str, str, str, bool, datetime | None]] = []
+        lost: list[Launch] = []
+        if known is None or known.in_flight:
+            with conn.transaction():
+                launched = conn.execute(sql.LAUNCHED_TASKS, params).fetchall()
+                found = runs(self.name, [row[1] for row in launched]) if launched else {}
+                self._finish(conn, lease, params, launched, found, finished, lost, report)
+        self._marked.update(name for name, _, _, success, _ in finished if success)  # in a batch
+        for statement in (sql.END_BACKOFFS, sql.WAKE_TASKS):  # the tasks each marks (and those marked by hand)
+            self._single.update(row[0] for row in conn.execute(statement, params))
+        self._marked |= self._single
         self._relaunch(lost, report)
         done = {f[0] for f in finished}
         return {row[0]: sorted_keys(row[7]) for row in launched if row[0] not in done}
 
+    def _finish(
+        self,
+        conn: psycopg.Connection,
+        lease: Lease,
+        params: dict[str, Any],
+        launched: Sequence[tuple[Any, ...]],
+        found: Mapping[str, RunInfo],
+        finished: list[tuple[str, str, str, bool, datetime | None]],
+        lost: list[Launch],
+        report: TickReport,
+    ) -> None:
+        """Inside the transaction that read the ``launched`` tasks: note the runs ``found`` for them, record those
+        that finished (appended to ``finished``) and collect the launches whose run never appeared (``lost``)."""
+        now = params["now"]
+        seen: list[tuple[str, str]] = []
+        for name, run_key, run_id, launched_at, attempts, ready_values, text, _, partition, facts in launched:
+            run = found.get(run_key)
+            if run is None:
+                if launched_at <= now - self.settings.launch_grace:
+                    attempt = int(run_key.rsplit(":", 1)[1])
+                    lost.append(
+                        Launch(
+                            name,
+                            run_key,
+                            attempt,
+                            values_from_json(ready_values),
+                            self._explained(name, text, facts),
+                            relaunch=True,
+                            partition_key=partition,
+                        )
+                    )
+                else:
+                    report.note(name, "in progress", f"run {run_key} requested at {launched_at}, not yet created")
+            elif run.state is RunState.ACTIVE:
+                if run.run_id != run_id:
+                    seen.append((name, run.run_id))
+                report.note(name, "in progress", f"run {run.run_id} ({run_key}) is queued or running")
+            if run is not None and run.run_id != run_id:
+                why = self._explained(name, text, facts)
+                report.seen_runs.append(SeenRun(name, run.run_id, run_key, values_from_json(ready_values), why))
+            if run is None or run.state is RunState.ACTIVE:
+                continue
+            if run.state is RunState.SUCCESS:
+                finished.append((name, run_key, run.run_id, True, None))
+                report.note(name, "succeeded", f"run {run.run_id} succeeded: its CTL values are now last-seen")
+            else:
+                backoff = self._backoff(attempts)
+                finished.append((name, run_key, run.run_id, False, now + backoff))
+                report.note(
+                    name,
+                    "failed",
+                    f"run {run.run_id} failed (failure {attempts + 1} in a row); trigger stays armed, "
+                    f"retry after {backoff} at {now + backoff}",
+                )
+        if seen or finished:
+            Leases.check(conn, lease)
+        if seen:
+            names, run_ids = [s[0] for s in seen], [s[1] for s in seen]
+            conn.execute(sql.NOTE_RUN_IDS, {**params, "names": names, "run_ids": run_ids})
+        if finished:
+            rows = [
+                {"name": n, "run_key": k, "run_id": i, "success": ok, "backoff_until": b.isoformat() if b else None}
+                for n, k, i, ok, b in finished
+            ]
+            batch = conn.execute(sql.FINISH_RUNS, {**params, "rows": json.dumps(rows)}).fetchone()
+            if batch is not None:
+                self._batches.add(batch[0])
+
+    def _explained(self, name: str, text: str | None, facts: Mapping[str, Any] | None) -> Explanation:
+        """A task's explanation as stored (``text`` and ``facts``), rendered with its trigger when read."""
+        spec = self.tasks.get(name)
+        if spec is None:
+            return Explanation.stored(text, facts, None, None, "UTC")
+        return Explanation.stored(text, facts, spec.trigger, self.trigger_hashes[name], spec.timezone)
+
     def _relaunch(self, lost: Sequence[Launch], report: TickReport) -> None:
         """Request again the runs that never appeared, with the run config and tags their user code gives now."""
         shapes = self._shape(
-            [_UserCall(_Evaluation(launch.task, "ready", launch.reason, launch.values, {}), False) for launch in lost]
+            [_UserCall(_Evaluation(x.task, "ready", _explanation(x.why), x.values, {}), False) for x in lost]
         )
         for launch, shape in zip(lost, shapes, strict=True):
             if shape is None:
@@ -508,6 +608,8 @@ class TaskScheduler:
             Leases.check(conn, lease)
             recorded = conn.execute(sql.RECORD_MANUAL_RUNS, {**params, "rows": json.dumps(rows)}).fetchall()
             conn.execute(sql.SAVE_MANUAL_AFTER, {**params, "after": max(r.finished_at for r in found)})
+        self._single.update(task for task, _, _ in recorded)
+        self._marked |= self._single
         for task, run_id, values in recorded:
             report.manual += 1
             report.note(
@@ -541,20 +643,34 @@ class TaskScheduler:
         return None if row is None else _Hold(task=row[0], priority=row[1], producer=producers[row[0]])
 
     def _evaluate_marked(
-        self, conn: psycopg.Connection, lease: Lease, now: datetime, deadline: float, report: TickReport
+        self,
+        conn: psycopg.Connection,
+        lease: Lease,
+        now: datetime,
+        deadline: float,
+        report: TickReport,
+        known: _Known | None,
     ) -> tuple[dict[str, _Evaluation], dict[str, int]]:
         """Evaluate the marked tasks in batches, highest priority first, until none is left or the time box ends;
-        return the ready ones and their failed runs in a row."""
+        return the ready ones and their failed runs in a row. The marked tasks are those the tick knows of (its own
+        marks, those its last tick left) and those marked by hand; all marks are read when it knows none."""
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
         ready: dict[str, _Evaluation] = {}
         failures: dict[str, int] = {}
-        with conn.transaction():
-            marked = [row[0] for row in conn.execute(sql.MARKED_TASKS, params)]
+        if known is None:
+            self._single.update(row[0] for row in conn.execute(sql.MARKED_TASKS, params))
+            for batch, names in conn.execute(sql.MARK_BATCHES, params).fetchall():
+                self._batches.add(batch)
+                self._marked.update(names)
+        else:
+            self._single |= known.marked
+        marked = sorted(self._marked | self._single, key=self._rank)
         size = self.settings.batch_size
+        read = self._read(conn, marked, now)  # the CTL values of every batch, in one statement
         for start in range(0, len(marked), size):
             with conn.transaction():
                 rows = conn.execute(sql.TASKS_TO_EVALUATE, {**params, "names": marked[start : start + size]}).fetchall()
-                evaluations = self._evaluate(conn, [_Stored(r[0], r[1], r[2], r[5], r[6]) for r in rows], now)
+                evaluations = [self._evaluate_one(_Stored(r[0], r[1], r[2], r[5], r[6]), read) for r in rows]
                 Leases.check(conn, lease)
                 # ready tasks stay marked: the launch step launches or saves them (a crash meanwhile re-evaluates them)
                 self._save(conn, params, [e for e in evaluations if e.status != "ready"])
@@ -568,6 +684,7 @@ class TaskScheduler:
                     report.note(e.name, e.status, e.explanation)
             if start + size < len(marked) and time.monotonic() >= deadline:
                 report.complete = False
+                self._left.update(marked[start + size :])
                 break
         return ready, failures
 
@@ -581,20 +698,25 @@ class TaskScheduler:
         fresh: Mapping[str, _Evaluation],
         failures: Mapping[str, int],
         report: TickReport,
-    ) -> None:
+        stored: bool,
+    ) -> tuple[int, bool]:
         """Launch ready tasks by priority under the cap and above a hold: those evaluated in this tick (not saved
-        yet) and those left ready by earlier ticks (evaluated again first); the rest are saved as ready.
-        Their user code runs between transactions."""
+        yet) and those left ready by earlier ticks (evaluated again first; ``stored``: there may be some); the rest
+        are saved as ready. Their user code runs between transactions. Return the runs now in flight and whether
+        tasks may be left stored as ready."""
         cap = self.settings.max_concurrent_runs
         params: dict[str, Any] = {"scheduler": self.name, "now": now}
         floor = hold.priority if hold else LOWEST_PRIORITY
         launchable = {"min_priority": floor, "max_priority": ABOVE_HIGHEST_PRIORITY}
         pending = sorted((e for e in fresh.values() if self.tasks[e.name].priority >= floor), key=self._order)
         unsaved = [e for e in fresh.values() if self.tasks[e.name].priority < floor]
-        while in_flight < cap:
-            with conn.transaction():
+        cut = False  # the tick's time for user code ran out
+        while in_flight < cap and (stored or pending):
+            with conn.transaction() if stored else nullcontext():
                 limit = cap - in_flight
-                rows = conn.execute(sql.READY_TASKS, {**params, **launchable, "limit": limit}).fetchall()
+                rows = []
+                if stored:
+                    rows = conn.execute(sql.READY_TASKS, {**params, **launchable, "limit": limit}).fetchall()
                 rows = [r for r in rows if r[0] not in fresh]  # ready before and evaluated again in this tick
                 if not rows and not pending:
                     break
@@ -611,20 +733,21 @@ class TaskScheduler:
                     Leases.check(conn, lease)
                     self._save(conn, params, gone)
             for e in gone:
-                report.note(e.name, e.status, "no longer fires now that a slot is free: " + e.explanation)
+                report.note(e.name, e.status, e.explanation.prefixed("no longer fires now that a slot is free: "))
             shapes = self._shape([_UserCall(e, True) for e in ready])
             launches = self._launch(conn, lease, params, list(zip(ready, shapes, strict=True)), attempts_so_far, report)
             report.launches.extend(launches)
             for launch in launches:
-                report.note(launch.task, "launched", f"run_key {launch.run_key}: {launch.reason}")
+                report.note(launch.task, "launched", _explanation(launch.why).prefixed(f"run_key {launch.run_key}: "))
             in_flight += len(launches)
             later = [e for e, shape in zip(ready, shapes, strict=True) if shape is None]
             if later:
                 unsaved.extend(later)
-                report.complete = False
+                report.complete, cut = False, True
                 for e in later:
                     report.note(e.name, "ready", "waits for the next tick: this tick's time for user code is spent")
                 break
+        left = bool(pending or unsaved) or (stored and (in_flight >= cap or hold is not None or cut))
         if pending or unsaved:
             with conn.transaction():
                 Leases.check(conn, lease)
@@ -636,17 +759,28 @@ class TaskScheduler:
         if in_flight >= cap:
             why = f"ready, waits for a slot: {in_flight}/{cap} reactive runs queued or running"
             self._note_not_launched(conn, {**params, **launchable}, "capped", why, report)
+        return in_flight, left
 
     def _remind_waiting(self, conn: psycopg.Connection, lease: Lease, now: datetime, report: TickReport) -> None:
         """Show again the waiting tasks whose explanation (what blocks them) the tick log has not shown for an hour
         (a task whose state changes is shown on that tick)."""
         params = {"scheduler": self.name, "now": now, "since": now - REMIND_AFTER, "limit": REMINDERS_PER_TICK}
+        if not conn.execute(sql.REMINDERS_DUE, params).fetchone()[0]:
+            return
         with conn.transaction():
             Leases.check(conn, lease)
             rows = conn.execute(sql.REMIND_WAITING, params).fetchall()
-        for name, explanation, evaluated_at, _ in sorted(rows, key=lambda r: (-r[3], r[0])):
+        for name, text, facts, evaluated_at, _ in sorted(rows, key=lambda r: (-r[4], r[0])):
             since = f" since {evaluated_at:%Y-%m-%d %H:%M:%S %Z}" if evaluated_at else ""
-            report.note(name, "still waiting", f"unchanged{since}: {explanation or 'not evaluated yet'}")
+            if text is None and facts is None:
+                report.note(name, "still waiting", f"unchanged{since}: not evaluated yet")
+            else:
+                report.note(name, "still waiting", self._explained(name, text, facts).prefixed(f"unchanged{since}: "))
+
+    def close(self) -> None:
+        """Close the connections kept between ticks (the next tick opens them again)."""
+        self._own.close()
+        self.consumer.close()
 
     def never_set(self, keys: Sequence[ParameterKey]) -> set[ParameterKey]:
         """Those of ``keys`` that have no CTL value (none was ever set)."""
@@ -662,6 +796,11 @@ class TaskScheduler:
 
     def _order(self, evaluation: _Evaluation) -> tuple[int, str]:
         return -self.tasks[evaluation.name].priority, evaluation.name
+
+    def _rank(self, name: str) -> tuple[int, str]:
+        """Highest priority first (a task this code does not define: last)."""
+        spec = self.tasks.get(name)
+        return -(spec.priority if spec is not None else LOWEST_PRIORITY), name
 
     def _note_not_launched(
         self, conn: psycopg.Connection, params: dict[str, Any], action: str, why: str, report: TickReport
@@ -781,7 +920,7 @@ class TaskScheduler:
                 f"waiting for partition {sanitize(str(exc.partition_key))}: it does not exist yet{detail}; "
                 "evaluated again on the next ticks (no failed attempt counted)"
             )
-            return _Wait(item.evaluation, why + "\n" + item.evaluation.explanation)
+            return _Wait(item.evaluation, item.evaluation.explanation.prefixed(why + "\n"))
         except BaseException as exc:  # noqa: BLE001 - raised in the thread of user code (SystemExit too), or TimedOut
             raise _LaunchError(f"{item.step} raised {describe_error(exc)}") from None
         e = item.evaluation
@@ -792,7 +931,7 @@ class TaskScheduler:
             except InvalidInput as exc:
                 why = describe_error(exc)
                 raise _LaunchError(f"choosing the partition returned an unusable result: {why}") from None
-            explanation = f"partition {key} (commits {_values_text(values)} on success)\n{e.explanation}"
+            explanation = e.explanation.prefixed(f"partition {key} (commits {_values_text(values)} on success)\n")
             e = _Evaluation(e.name, e.status, explanation, values, e.last)
         try:
             to_json({"run_config": run_config, "tags": tags}, "run config and tags")
@@ -824,11 +963,14 @@ class TaskScheduler:
             if isinstance(shape, str):
                 backoff = self._backoff(attempts_so_far.get(candidate.name, 0))
                 why = f"error: {shape}; not launched, retry after {backoff} at {params['now'] + backoff}"
+                explanation = candidate.explanation.prefixed(why + "\n")
                 refused.append(
                     {
                         "name": candidate.name,
-                        "explanation": why + "\n" + candidate.explanation,
+                        "explanation": explanation.text,
+                        "facts": explanation.facts,
                         "backoff_until": (params["now"] + backoff).isoformat(),
+                        "unmark": candidate.name in self._single,
                     }
                 )
                 report.note(candidate.name, "error", why)
@@ -839,8 +981,12 @@ class TaskScheduler:
             if refused:
                 conn.execute(sql.LAUNCH_REFUSED, {**params, "rows": json.dumps(refused)})
             if waits:
-                rows = [{"name": w.evaluation.name, "explanation": w.explanation} for w in waits]
+                rows = [
+                    {"name": w.evaluation.name, "explanation": w.explanation.text, "facts": w.explanation.facts}
+                    for w in waits
+                ]
                 shown = dict(conn.execute(sql.WAIT_FOR_PARTITION, {**params, "rows": json.dumps(rows)}).fetchall())
+                self._left.update(shown)  # still marked: evaluated again next tick
                 for w in waits:
                     if shown.get(w.evaluation.name):  # its state changed: shown now (unchanged: hourly)
                         report.note(w.evaluation.name, "waiting", w.explanation)
@@ -864,12 +1010,14 @@ class TaskScheduler:
             ).fetchall()
         }
         planned = []
+        reasons: dict[str, Explanation] = {}
         for s in shaped:
             e = s.evaluation
             attempt = previous.get((e.name, hashes[e.name]), 0) + 1
             reason = e.explanation
             if attempts_so_far.get(e.name):
-                reason = f"retry after {attempts_so_far[e.name]} failed run(s); " + reason
+                reason = reason.prefixed(f"retry after {attempts_so_far[e.name]} failed run(s); ")
+            reasons[e.name] = reason
             planned.append(
                 Launch(
                     e.name,
@@ -889,8 +1037,10 @@ class TaskScheduler:
             "values": [encoded[p.task][0] for p in planned],
             "hashes": [hashes[p.task] for p in planned],
             "attempts": [p.attempt for p in planned],
-            "reasons": [p.reason for p in planned],
+            "reasons": [reasons[p.task].text for p in planned],
+            "facts": json.dumps([reasons[p.task].facts for p in planned]),
             "partition_keys": [p.partition_key for p in planned],
+            "unmarks": [p.task in self._single for p in planned],
         }
         launched = {row[0] for row in conn.execute(sql.MARK_LAUNCHED, {**params, **columns}).fetchall()}
         return [p for p in planned if p.task in launched]
@@ -898,46 +1048,48 @@ class TaskScheduler:
     # -- evaluation ---------------------------------------------------------------------------
 
     def _evaluate(self, conn: psycopg.Connection, rows: Sequence[_Stored], now: datetime) -> list[_Evaluation]:
-        keys = sorted({key for row in rows for key in self.reads.get(row.name, ())})
-        current, changed = current_values(conn, keys)
-        return [self._evaluate_one(row, current, changed, now) for row in rows]
+        read = self._read(conn, [row.name for row in rows], now)
+        return [self._evaluate_one(row, read) for row in rows]
 
-    def _evaluate_one(
-        self,
-        row: _Stored,
-        current: Mapping[ParameterKey, datetime],
-        changed: Mapping[ParameterKey, datetime],
-        now: datetime,
-    ) -> _Evaluation:
-        name, last = row.name, values_from_json(row.last)
+    def _read(self, conn: psycopg.Connection, names: Sequence[str], now: datetime) -> _Read:
+        """The current values of the CTL parameters the tasks ``names`` read."""
+        keys = sorted({key for name in names for key in self.reads.get(name, ())})
+        current, changed = current_values(conn, keys)
+        return _Read(now, current, changed)
+
+    def _evaluate_one(self, row: _Stored, read: _Read) -> _Evaluation:
+        name, now, last = row.name, read.now, _last_values(row.last)
         spec = self.tasks.get(name)
         if spec is None:
             why = "not defined in this process's code (another version synced it)"
-            return _Evaluation(name, "error", why, {}, last)
+            return _Evaluation(name, "error", Explanation(why), {}, last)
         try:
             result = evaluate(
-                spec.trigger, now=now, current=current, last=last, timezone=spec.timezone, changed=changed
+                spec.trigger, now=now, current=read.current, last=last, timezone=spec.timezone, changed=read.changed
             )
-            explanation = result.explanation
         except Exception as exc:  # noqa: BLE001 - one bad task must not break the tick
             error = describe_error(exc)
             log.warning("reactive task %s: evaluating %r raised %s", name, spec.trigger, error)
-            return _Evaluation(name, "error", f"evaluating the trigger raised {error}", {}, last)
-        if row.backwards_note:
-            explanation += f"\nnote: {row.backwards_note}"
+            return _Evaluation(name, "error", Explanation(f"evaluating the trigger raised {error}"), {}, last)
+        facts = stored_facts(
+            self.trigger_hashes[name],
+            read.at,
+            read.values(self.reads[name], self.settles[name], row.last or {}),
+            row.backwards_note,
+        )
+        explanation = Explanation("", facts, spec.trigger, spec.timezone)
         if result.fired and any(last.get(key) != value for key, value in result.used.items()):
             return _Evaluation(name, "ready", explanation, dict(result.used), last)
-        if result.fired:
-            explanation += "\nbut its last successful run already saw exactly these values: waiting for a change"
         wake_at = result.wake_at
         if spec.deadline is not None and spec.on_deadline == "run" and row.deadline_since is not None:
             state = spec.deadline.state(now, spec.timezone, row.last_success_at, row.deadline_since)
             if state.late:
                 why = (
                     f"deadline {spec.deadline.describe(spec.timezone)} passed at {state.due_at} without a successful "
-                    f"run since {state.since}: launched anyway (on_deadline='run'), though its trigger waits"
+                    f"run since {state.since}: launched anyway (on_deadline='run'), though its trigger waits\n"
                 )
-                return _Evaluation(name, "ready", why + "\n" + explanation, dict(result.used), last, None, state.due_at)
+                late = explanation.prefixed(why)
+                return _Evaluation(name, "ready", late, dict(result.used), last, None, state.due_at)
             wake_at = state.due_at if wake_at is None else min(wake_at, state.due_at)  # met or not: the next follows it
         return _Evaluation(name, "waiting", explanation, {}, last, wake_at)
 
@@ -949,12 +1101,63 @@ class TaskScheduler:
                 "name": e.name,
                 "status": e.status,
                 "ready_values": values_to_json(e.values) if e.values else None,
-                "explanation": e.explanation,
+                "explanation": e.explanation.text,
+                "facts": e.explanation.facts,
                 "wake_at": e.wake_at.isoformat() if e.wake_at else None,
+                "unmark": e.name in self._single,
             }
             for e in evaluations
         ]
         conn.execute(sql.SAVE_EVALUATIONS, {**params, "rows": json.dumps(rows)})
+
+
+class _Read:
+    """What a tick's evaluations read: the time, the current CTL values and when each was set, and both as stored
+    (ISO 8601, once per parameter)."""
+
+    __slots__ = ("at", "changed", "changed_text", "current", "current_text", "now")
+
+    def __init__(
+        self, now: datetime, current: Mapping[ParameterKey, datetime], changed: Mapping[ParameterKey, datetime]
+    ) -> None:
+        self.now, self.at = now, now.isoformat()
+        self.current, self.changed = current, changed
+        self.current_text = {key: value.isoformat() for key, value in current.items()}
+        self.changed_text = {key: value.isoformat() for key, value in changed.items()}
+
+    def values(
+        self, keys: Sequence[ParameterKey], settles: Sequence[ParameterKey], last: Mapping[str, Mapping[str, str]]
+    ) -> list[list[str | None]]:
+        """The facts' values of a task reading ``keys``: ``[entity, parameter, current, last]``, and when it was set
+        for a parameter of ``settles``; ``last`` as stored."""
+        found: list[list[str | None]] = []
+        for key in keys:
+            entity, parameter = key
+            row = [entity, parameter, self.current_text.get(key), last.get(entity, {}).get(parameter)]
+            if key in settles:
+                row.append(self.changed_text.get(key))
+            found.append(row)
+        return found
+
+
+def _settle_keys(trigger: Any) -> tuple[ParameterKey, ...]:
+    """The parameters a trigger's Settle conditions watch (their change times are part of its evaluation)."""
+    children = getattr(trigger, "triggers", (trigger,))
+    return tuple(sorted({child.key for child in children if isinstance(child, Settle)}))
+
+
+@lru_cache(maxsize=1 << 16)
+def _moment(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+def _last_values(stored: Mapping[str, Mapping[str, str]] | None) -> dict[ParameterKey, datetime]:
+    """:func:`values_from_json`, each value parsed once (many tasks saw the same values)."""
+    return {(e, p): _moment(v) for e, parameters in (stored or {}).items() for p, v in parameters.items()}
+
+
+def _explanation(why: str | Explanation) -> Explanation:
+    return why if isinstance(why, Explanation) else Explanation(why)
 
 
 def _values_text(values: Mapping[ParameterKey, datetime]) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
+from functools import cached_property
 from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError, computed_field, model_validator
@@ -21,6 +22,7 @@ from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options
 from cmb_dagster.reactive.deadlines import Deadline, DeadlineState, OnDeadline
 from cmb_dagster.reactive.errors import InvalidReactiveInput
+from cmb_dagster.reactive.explanations import Explanation, stored_trigger
 from cmb_dagster.triggers import Trigger, parameters
 from cmb_dagster.triggers.chunks import get_zone
 
@@ -317,18 +319,24 @@ LaunchOptions = Callable[[Mapping[ParameterKey, datetime]], tuple[Mapping[str, A
 
 @dataclass(frozen=True)
 class Launch:
-    """A run to request: the task, its run_key and the CTL values it runs on (its trigger's inputs)."""
+    """A run to request: the task, its run_key and the CTL values it runs on (its trigger's inputs); ``why`` it
+    runs is rendered when read (``reason``)."""
 
     task: str
     run_key: str
     attempt: int
     values: dict[ParameterKey, datetime]
-    reason: str
+    why: str | Explanation
     relaunch: bool = False
     partition_key: str | None = None
     run_config: Mapping[str, Any] | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
     deadline: datetime | None = None  # the passed deadline this run was launched for (on_deadline='run')
+
+    @property
+    def reason(self) -> str:
+        """Why the task runs: its trigger's evaluation, and the retry or partition it runs for."""
+        return str(self.why)
 
 
 Launcher = Callable[[Sequence[Launch]], None]
@@ -343,16 +351,25 @@ class SeenRun:
     run_id: str
     run_key: str
     values: dict[ParameterKey, datetime]
-    reason: str
+    why: str | Explanation
+
+    @property
+    def reason(self) -> str:
+        """Why the run was launched (rendered when read)."""
+        return str(self.why)
 
 
 @dataclass(frozen=True)
 class TaskEvent:
-    """What the tick did with one task, and why."""
+    """What the tick did with one task, and why (rendered when read: ``detail``)."""
 
     task: str
     action: str  # launched, relaunched, ready, waiting, error, in progress, succeeded, failed, capped, held
-    detail: str
+    why: str | Explanation
+
+    @property
+    def detail(self) -> str:
+        return str(self.why)
 
     def line(self) -> str:
         return f"{self.task}: {self.action} - {self.detail}"
@@ -375,7 +392,7 @@ class TickReport:
     definitions_synced: bool = False
     seconds: float = 0.0
 
-    def note(self, task: str, action: str, detail: str) -> None:
+    def note(self, task: str, action: str, detail: str | Explanation) -> None:
         self.events.append(TaskEvent(task, action, detail))
 
     @property
@@ -416,7 +433,8 @@ TASK_STATUSES = ("waiting", "ready", "launched", "backoff")
 
 
 class TaskState(BaseModel):
-    """A reactive task's state as stored: status, last-seen values, run in flight, last explanation."""
+    """A reactive task's state as stored: status, last-seen values, run in flight, last explanation (rendered from
+    its stored facts when read)."""
 
     scheduler: str
     name: str
@@ -433,7 +451,13 @@ class TaskState(BaseModel):
     launched_at: datetime | None
     attempts: int
     backoff_until: datetime | None
-    explanation: str | None
+    stored_explanation: str | None = Field(
+        default=None, exclude=True, description="The explanation's text, or the lines before its facts' text."
+    )
+    facts: dict[str, Any] | None = Field(
+        default=None, description="What its last evaluation read: the trigger's hash, when, the values."
+    )
+    trigger_hash: str | None = Field(default=None, exclude=True)
     evaluated_at: datetime | None
     backwards_note: str | None
     last_success_at: datetime | None
@@ -443,6 +467,15 @@ class TaskState(BaseModel):
     wake_at: datetime | None = None  # when time alone can make it launch (a Settle, a deadline that runs it)
     deadline: dict[str, Any] | None = None  # its Deadline's fields and on_deadline
     deadline_since: datetime | None = None  # when the deadline was defined: earlier deadlines are not enforced
+
+    @computed_field  # type: ignore[prop-decorator]
+    @cached_property
+    def explanation(self) -> str | None:
+        """Why its trigger fired or waits at its last evaluation (or why it was launched)."""
+        if self.stored_explanation is None and self.facts is None:
+            return None
+        trigger = stored_trigger(self.trigger) if self.facts is not None else None
+        return str(Explanation.stored(self.stored_explanation, self.facts, trigger, self.trigger_hash, self.timezone))
 
     def deadline_state(self, now: datetime) -> DeadlineState | None:
         """Where the task stands against its deadline at ``now`` (None: it has none)."""

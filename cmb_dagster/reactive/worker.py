@@ -74,7 +74,7 @@ class ReactiveWorker(EngineWorker):
         return [loop]
 
     def finish(self) -> None:
-        self.engine.consumer.close()  # the connection its CTL change reader keeps between batches
+        self.engine.close()  # the connections its tick and its CTL change reader keep between ticks
 
     def _tick(self, lease: Lease) -> int:
         """One tick under the loop's lease; how many tasks it evaluated or launched (0: nothing to do)."""

@@ -84,23 +84,25 @@ class _Inputs:
 
     def changed_of(self, key: ParameterKey) -> datetime | None:
         value = self.changed.get(key)
-        return None if value is None else _require_aware(value, f"changed[{key!r}]")
+        return None if value is None else _require_aware(value, "changed", key)
 
     def current_of(self, key: ParameterKey) -> datetime | None:
         value = self.current.get(key)
-        return None if value is None else _require_aware(value, f"current[{key!r}]")
+        return None if value is None else _require_aware(value, "current", key)
 
     def last_of(self, key: ParameterKey) -> datetime | None:
         value = self.last.get(key)
-        return None if value is None else _require_aware(value, f"last[{key!r}]")
+        return None if value is None else _require_aware(value, "last", key)
 
 
-def _require_aware(value: datetime, name: str) -> datetime:
+def _require_aware(value: datetime, name: str, key: ParameterKey | None = None) -> datetime:
+    """``value``, if an aware datetime; its error names ``name`` (``name[key]`` with a key), written only then."""
+    if isinstance(value, datetime) and value.utcoffset() is not None:
+        return value
+    shown = name if key is None else f"{name}[{key!r}]"
     if not isinstance(value, datetime):
-        raise TypeError(f"{name} must be a timezone-aware datetime, got {value!r}")
-    if value.utcoffset() is None:
-        raise ValueError(f"{name} is a naive datetime ({value}); pass timezone-aware datetimes")
-    return value
+        raise TypeError(f"{shown} must be a timezone-aware datetime, got {value!r}")
+    raise ValueError(f"{shown} is a naive datetime ({value}); pass timezone-aware datetimes")
 
 
 def _utc(value: datetime) -> datetime:
