@@ -1,17 +1,19 @@
 """Every query of the event queue engine.
 
-The hot path is three statements: EMIT (one insert for any number of events, plus one NOTIFY), CLAIM_DUE (a
-batch claimed in one statement) and DELETE_DONE (the events a batch finished, sent as they finish, before their
-locks can lapse). An event is *ready* (``turn`` set) or *waiting* (delayed, retried later, claimed, held). EMIT
-makes an event due now ready at once; each claim first stages the waiting events that came due (index
-eventqueue_events_waiting), then walks the ready ones in (priority, turn) order on index eventqueue_events_ready
-and stops after ``limit`` rows, so neither needs planner statistics. A turn is the event's place in a round-robin
-over its handler's keys: after the events of its key already ready, no earlier than the head of its priority.
-Keys whose rate or concurrency limit is reached are passed over, and of the rows read, each limited key gets as
-many as its tokens and free slots allow (cmb_dagster/flow.py: the same tables and expressions). The handler filter
-is written ``array_position(...) IS NOT NULL`` on purpose: without statistics the planner takes ``handler =
-ANY(...)`` to keep 0.5% of the rows and prefers reading every ready row and sorting them; an IS NOT NULL test is
-estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
+The hot path is two statements: EMIT (one insert for any number of events, plus one NOTIFY) and CLAIM_DUE (a batch
+claimed in one statement, which first deletes the events the worker finished since its last claim: one statement and
+one commit per batch). DELETE_DONE deletes finished events alone, while handlers run (before their locks can lapse)
+and before a worker sleeps. Arrays of ids and times are sent in binary (the text form of 100 timestamps costs the
+client more than the statement costs the server). An event is *ready* (``turn`` set) or *waiting* (delayed, retried
+later, claimed, held). EMIT makes an event due now ready at once; each claim first stages the waiting events that
+came due (index eventqueue_events_waiting), then walks the ready ones in (priority, turn) order on index
+eventqueue_events_ready and stops after ``limit`` rows, so neither needs planner statistics. A turn is the event's
+place in a round-robin over its handler's keys: after the events of its key already ready, no earlier than the head
+of its priority. Keys whose rate or concurrency limit is reached are passed over, and of the rows read, each limited
+key gets as many as its tokens and free slots allow (cmb_dagster/flow.py: the same tables and expressions). The
+handler filter is written ``array_position(...) IS NOT NULL`` on purpose: without statistics the planner takes
+``handler = ANY(...)`` to keep 0.5% of the rows and prefers reading every ready row and sorting them; an IS NOT NULL
+test is estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
 """
 
 from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
@@ -51,6 +53,27 @@ def _free_slots(rows: str) -> str:
     WHERE d.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || d.handler AND s.key = d.flow_key
       AND s.slot = d.flow_slot AND s.item = d.id::text
     RETURNING d.handler"""
+
+
+# The events of ``ids`` whose lock is still the one the worker took (``locked``, in the same order), found by id
+# whatever the table's statistics say (a plan that joins a list of ids to a table it takes for empty reads all of it).
+def _held(ids: str, locked: str) -> str:
+    position = f"array_position({ids}::bigint[], e.id)"
+    return f"e.id = ANY({ids}::bigint[]) AND e.locked_at = ({locked}::timestamptz[])[{position}]"
+
+
+# The finished events go, each only while the lock the worker took is still its own (a worker that was stopped
+# or cut off past the lock's expiry leaves an event another worker claimed since to that worker), and the slots
+# they held are free (_FREED tells the workers waiting for one). A claim begins with them (an empty list when the
+# worker's handlers have limits: the slots it frees must be free for the claim that follows).
+_DONE = f"""done AS (
+    DELETE FROM eventqueue_events e
+    WHERE {_held("%(done)b", "%(done_locked)b")}
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot
+), freed AS (
+    {_free_slots("done")}
+)"""
+_FREED = "SELECT pg_notify(current_schema() || '.eventqueue', handler) FROM (SELECT DISTINCT handler FROM freed) AS f"
 
 
 # -- emit -------------------------------------------------------------------------------------------
@@ -198,19 +221,18 @@ limits AS MATERIALIZED (
     FROM admitted a JOIN offered o ON o.id = a.id JOIN eventqueue_handlers h ON h.name = o.handler
     WHERE a.slot IS NOT NULL AND s.scope = o.scope AND s.key = o.flow_key AND s.slot = a.slot
 ), candidates AS (
-    SELECT o.id, o.seen_locked_at, o.take, a.slot AS flow_slot,
+    SELECT o.id, o.seen_locked_at, o.crashes, o.take, a.slot AS flow_slot,
            CASE WHEN o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits) AND a.id IS NULL
                 THEN 'throttled' ELSE o.decision END AS decision
     FROM offered o LEFT JOIN admitted a ON a.id = o.id
 )"""
 
-# What a claim does with its candidates: held ones are parked (visible_at = 'infinity'); one that has
-# already begun max_crashes runs that never ended goes to the dead letters; the others are claimed
-# (compare-and-set on locked_at), their crashes counted up before any handler runs. Each claim also
-# returns the newest rule it read ('rules' row): a worker acknowledges that rule once no event claimed
-# before it is still to start.
+# What a claim does with its candidates: held ones are parked (visible_at = 'infinity'); one that has already begun
+# max_crashes runs that never ended goes to the dead letters; the others are claimed (compare-and-set on locked_at),
+# their crashes counted up before any handler runs. Each claim also returns the newest rule it read ('rules' row): a
+# worker acknowledges that rule once no event claimed before it is still to start.
 _UNLIMITED = """
-candidates AS (SELECT o.id, o.seen_locked_at, o.take, NULL::int AS flow_slot, o.decision FROM offered o)"""
+candidates AS (SELECT o.id, o.seen_locked_at, o.crashes, o.take, NULL::int AS flow_slot, o.decision FROM offered o)"""
 
 
 def _apply(limited: bool) -> str:
@@ -229,7 +251,7 @@ FROM can WHERE missing"""
 ), crashed AS (
     DELETE FROM eventqueue_events e
     USING candidates c, eventqueue_handlers h
-    WHERE e.id = c.id AND c.decision = 'claim' AND h.name = e.handler AND e.crashes >= h.max_crashes
+    WHERE e.id = c.id AND c.decision = 'claim' AND c.crashes > 0 AND h.name = e.handler AND e.crashes >= h.max_crashes
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.crashes,
               e.priority, e.batch_count
 ), dead AS (
@@ -262,11 +284,14 @@ WHERE decision NOT IN ('claim', 'pause', 'block')
 UNION ALL
 SELECT 'lock_claim_failed', c.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM candidates c
-WHERE c.decision = 'claim' AND c.take AND NOT EXISTS (SELECT 1 FROM claimed WHERE claimed.id = c.id)
-  AND NOT EXISTS (SELECT 1 FROM crashed WHERE crashed.id = c.id)
+WHERE c.decision = 'claim' AND c.take AND c.id NOT IN (SELECT id FROM claimed)  -- hashed: one pass over each
+  AND c.id NOT IN (SELECT id FROM crashed)
 UNION ALL
 SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM rules{missing if limited else ""}
+FROM rules
+UNION ALL
+SELECT 'freed', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM ({_FREED}) AS n{missing if limited else ""}
 """
 
 
@@ -280,7 +305,7 @@ FROM rules{missing if limited else ""}
 def claim_due(limited: bool) -> str:
     """The claim of a batch, with the flow limits applied when ``limited``."""
     return f"""
-WITH {_AT_LIMIT + ", " if limited else ""}due AS (
+WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}due AS (
     SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
            '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
     FROM eventqueue_events e
@@ -347,8 +372,8 @@ FROM at_limit HAVING count(*) > 0"""
 def claim_ids(limited: bool) -> str:
     """The claim of named events, with the flow limits applied when ``limited``."""
     return f"""
-WITH offered AS (
-    SELECT e.id, e.locked_at AS seen_locked_at, true AS take, e.priority, e.turn, e.handler, e.flow_key,
+WITH {_DONE}, offered AS (
+    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, true AS take, e.priority, e.turn, e.handler, e.flow_key,
            '{SCOPE_PREFIX}' || e.handler AS scope,
            coalesce({_RULE},
                     CASE WHEN e.delay_until > now() THEN 'delay_not_yet'
@@ -373,19 +398,9 @@ WHERE turn IS NULL AND array_position(%(handlers)s::text[], handler) IS NOT NULL
 ORDER BY visible_at LIMIT 1
 """
 
-# The finished events go, each only while the lock the worker took is still its own (a worker that was stopped
-# or cut off past the lock's expiry leaves an event another worker claimed since to that worker), and the slots
-# they held are free (workers waiting for one are told).
 DELETE_DONE = f"""
-WITH done AS (
-    DELETE FROM eventqueue_events e
-    USING unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at)
-    WHERE e.id = u.id AND e.locked_at = u.locked_at
-    RETURNING e.id, e.handler, e.flow_key, e.flow_slot
-), freed AS (
-    {_free_slots("done")}
-)
-SELECT pg_notify(current_schema() || '.eventqueue', handler) FROM (SELECT DISTINCT handler FROM freed) AS f
+WITH {_DONE}
+{_FREED}
 """
 
 # The worker still runs these events (or has them to start, or to delete): their locks last another expiry. Returns
@@ -393,8 +408,8 @@ SELECT pg_notify(current_schema() || '.eventqueue', handler) FROM (SELECT DISTIN
 EXTEND_LOCKS = f"""
 WITH extended AS (
     UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => h.lock_expiry_seconds)
-    FROM unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at), eventqueue_handlers h
-    WHERE e.id = u.id AND e.locked_at = u.locked_at AND h.name = e.handler
+    FROM eventqueue_handlers h
+    WHERE {_held("%(ids)s", "%(locked)s")} AND h.name = e.handler
     RETURNING e.id, e.handler, e.flow_key, e.flow_slot, h.lock_expiry_seconds
 ), slots AS (
     UPDATE flow_slots s SET expires_at = now() + make_interval(secs => x.lock_expiry_seconds)
@@ -412,9 +427,8 @@ WITH rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
 ), parked AS (
     SELECT e.id, e.handler, e.flow_key, e.flow_slot
-    FROM eventqueue_events e JOIN unnest(%(ids)s::bigint[], %(locked)s::timestamptz[]) AS u(id, locked_at)
-         ON e.id = u.id AND e.locked_at = u.locked_at
-    WHERE {_RULE} IS NOT NULL
+    FROM eventqueue_events e
+    WHERE {_held("%(ids)s", "%(locked)s")} AND {_RULE} IS NOT NULL
     FOR UPDATE OF e
 ), held AS (
     UPDATE eventqueue_events e

@@ -178,18 +178,25 @@ class EventWorker(EngineWorker):
     def run_once(self) -> int:
         """Claim one batch of due events and process it; return how many events it claimed or held."""
         with self._lock:
-            self._settle_set_aside()
-            params = {"handlers": self.names, "limit": self.settings.batch_size}
-            if self._came_due:
-                self._stage()
-            claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
-            if self._came_due and len(edges) < self.settings.batch_size:  # they take their turns in this batch
-                self._stage()
-                rest = {**params, "limit": self.settings.batch_size - len(edges)}
-                more, more_edges = self._claim(sql.CLAIM_DUE[self.limited], rest)
-                claimed, edges = claimed + more, {**edges, **more_edges}
-            self._process(claimed, edges)
-            return len(edges)
+            count = self._batch()
+            self._flush()
+            return count
+
+    def _batch(self) -> int:
+        """Claim one batch and process it (holding ``_lock``); the events it finished are deleted by the next
+        claim, or a flush."""
+        self._settle_set_aside()
+        params = {"handlers": self.names, "limit": self.settings.batch_size}
+        if self._came_due:
+            self._stage()
+        claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
+        if self._came_due and len(edges) < self.settings.batch_size:  # they take their turns in this batch
+            self._stage()
+            rest = {**params, "limit": self.settings.batch_size - len(edges)}
+            more, more_edges = self._claim(sql.CLAIM_DUE[self.limited], rest)
+            claimed, edges = claimed + more, {**edges, **more_edges}
+        self._process(claimed, edges)
+        return len(edges)
 
     def dequeue(self, ids: Iterable[int]) -> dict[int, list[Edge]]:
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
@@ -202,6 +209,7 @@ class EventWorker(EngineWorker):
                 for i in missing:
                     edges[i] = [Edge.LOCK_CLAIM_FAILED if i in present else Edge.EVENT_MISSING]
             self._process(claimed, edges)
+            self._flush()
             return edges
 
     def _stage(self) -> None:
@@ -210,18 +218,23 @@ class EventWorker(EngineWorker):
         self._came_due = staged == STAGE_LIMIT  # more may have come due
 
     def _claim(self, query: str, params: Mapping[str, Any]) -> tuple[list[Claimed], dict[int, list[Edge]]]:
-        """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took. Keys
-        whose flow-control rows do not exist yet get them, and the claim runs again."""
+        """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took. The
+        claim first deletes the events finished since the last one (those with limits are deleted before it: the
+        slots they free are then free for it). Keys whose flow-control rows do not exist yet get them, and the
+        claim runs again."""
         self._apply_new_rules()
+        if self.limited:
+            self._flush()
         now = time.monotonic()  # before the database's clock is read: a claim's local deadline errs early
-        rows = self._execute(query, params)
+        rows = self._execute(query, {**params, **self._finished()})
+        self._deleted()
         missing = [(row[2], row[3]) for row in rows if row[0] == "flow_missing"]
         if missing:
             conn = self._connection()
             with conn.transaction():
                 flow.ensure(conn, missing)
             now = time.monotonic()
-            rows = self._execute(query, params)
+            rows = self._execute(query, {**params, **self._finished()})
         claimed = []
         edges: dict[int, list[Edge]] = {}
         self._came_due, self._flow_wait = False, None
@@ -233,7 +246,7 @@ class EventWorker(EngineWorker):
                 self._came_due = True
             elif decision == "flow_wait":
                 self._flow_wait = value or 0.0  # 0: keys wait for a slot only
-            elif decision == "flow_missing":
+            elif decision in ("flow_missing", "freed"):
                 continue
             elif decision == "claim":
                 priority, key, batch_count = row[11:]
@@ -264,7 +277,8 @@ class EventWorker(EngineWorker):
             for call in calls:
                 self._settle(call, edges)
         finally:
-            self._flush()
+            if self._done and self.limited:  # the slots they hold are free for the next claim at once
+                self._flush()
 
     def _call(self, item: Claimed) -> None:
         """Run the event's handler (in the thread of user code)."""
@@ -336,11 +350,12 @@ class EventWorker(EngineWorker):
 
     # -- while handlers run ---------------------------------------------------------------------------
 
-    def _housekeeping(self) -> None:
-        """Apply new rules to the events not started, delete the finished ones, renew the locks still
-        held and the worker's lease (from the worker's thread, while handlers run)."""
+    def _housekeeping(self, *, flush: bool = True) -> None:
+        """Apply new rules to the events not started, delete the finished ones (``flush``), renew the locks
+        still held and the worker's lease (from the worker's thread, while handlers run)."""
         self._apply_new_rules()
-        self._flush()
+        if flush:
+            self._flush()
         self._renew_locks()
         if self._loop is not None:
             self._loop.keep_alive()
@@ -350,13 +365,18 @@ class EventWorker(EngineWorker):
         if not self._done:
             return
         try:
-            self._execute(
-                sql.DELETE_DONE,
-                {"ids": [item.event.id for item in self._done], "locked": [item.locked_at for item in self._done]},
-            )
+            self._execute(sql.DELETE_DONE, self._finished())
         except psycopg.Error as exc:
             log.warning("could not delete %d finished events (%s); retrying", len(self._done), exc)
             return
+        self._deleted()
+
+    def _finished(self) -> dict[str, list[Any]]:
+        """The finished events, as the parameters of a statement that deletes them."""
+        return {"done": [item.event.id for item in self._done], "done_locked": [item.locked_at for item in self._done]}
+
+    def _deleted(self) -> None:
+        """The finished events were deleted."""
         for item in self._done:
             self._held.pop(item.event.id, None)
         self._done = []
@@ -418,7 +438,6 @@ class EventWorker(EngineWorker):
         """Record the calls set aside that ended since (or passed their timeout)."""
         for call in self.user_code.collect():
             self._settle(call, {})
-        self._flush()
 
     # -- cron ---------------------------------------------------------------------------------------
 
@@ -469,8 +488,9 @@ class EventWorker(EngineWorker):
         if self.registry.crons and time.monotonic() >= self._next_cron:
             self._next_cron = time.monotonic() + self.settings.cron_interval
             self.fire_crons()
-        count = self.run_once()
-        self._housekeeping()
+        with self._lock:
+            count = self._batch()  # the loop's next claim deletes the events it finished
+        self._housekeeping(flush=count == 0)
         if count == 0 and self._loop is not None:
             self._loop.idle_sleep = self._sleep_for()
         return count
@@ -513,6 +533,7 @@ class EventWorker(EngineWorker):
                 time.sleep(0.05)
             with self._lock:
                 self._settle_set_aside()
+                self._flush()
             self._execute(sql.FORGET_WORKER, {"owner": self.owner})
         except psycopg.Error as exc:
             log.warning(

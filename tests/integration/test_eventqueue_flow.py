@@ -21,6 +21,13 @@ from cmb_dagster.eventqueue import (
 from cmb_dagster.eventqueue.worker import STAGE_LIMIT
 
 SETTINGS = WorkerSettings(listen=False, sweep_interval=0.1, batch_size=100)
+CLAIM_PARAMETERS = {
+    "handlers": ["plain", "tenants", "limited"],
+    "limit": 100,
+    "stage_limit": STAGE_LIMIT,
+    "done": [],
+    "done_locked": [],
+}
 
 
 @pytest.fixture
@@ -123,10 +130,9 @@ def test_the_claim_reads_a_batch_through_indexes_over_a_100000_event_backlog(db,
         if statistics:
             conn.execute("VACUUM ANALYZE eventqueue_events")
         conn.execute("SET jit = off")
-        params = {"handlers": ["plain", "tenants", "limited"], "limit": 100, "stage_limit": STAGE_LIMIT}
         for query in (sql.CLAIM_DUE[True], sql.CLAIM_DUE[False], sql.STAGE, sql.NEXT_VISIBLE):
             with conn.transaction(force_rollback=True):
-                (plan,) = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, params).fetchone()[0]
+                (plan,) = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, CLAIM_PARAMETERS).fetchone()[0]
             assert rows_read(plan["Plan"], "eventqueue_events") < 1_000, json.dumps(plan, indent=1)
     # an emit reads its keys' last turns through the index, once per key (not per event), in a statement planned
     # for its values each time, as a prepared one would not be (psycopg prepares a statement run five times)

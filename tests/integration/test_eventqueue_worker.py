@@ -25,6 +25,7 @@ from cmb_dagster.eventqueue import (
     register,
     replay,
     rules,
+    sql,
     status,
     unblock,
     unpause,
@@ -116,6 +117,22 @@ def test_notification_wakes_worker_at_once(db):
         wait_until(lambda: recorder.seen[event_id], timeout=10, what="event run")
         assert recorder.started[event_id] - started < 5  # long before the 30 s sweep
     assert queued(db) == 0
+
+
+def test_a_busy_worker_deletes_the_events_a_batch_finished_with_its_next_claim(db):
+    """One statement per batch: each claim deletes what the batch before it finished; nothing is left once idle."""
+    recorder = Recorder()
+    settings = WorkerSettings(listen=False, batch_size=50, sweep_interval=0.2)
+    worker = worker_for(db, registry_with(recorder, "h"), settings)
+    emit_many([{"namespace": "ns", "handler": "h", "value": i} for i in range(500)], db=db)
+    statements = []
+    execute = worker._execute
+    worker._execute = lambda query, params: statements.append(query) or execute(query, params)
+    with Running(worker):
+        wait_until(lambda: len(recorder.seen) == 500 and queued(db) == 0, timeout=30, what="the backlog run, deleted")
+    assert set(recorder.seen.values()) == {1}
+    assert statements.count(sql.CLAIM_DUE[False]) >= 10
+    assert statements.count(sql.DELETE_DONE) <= 1
 
 
 def test_notifications_off_events_still_run_within_sweep_and_listener_reconnects(db):
