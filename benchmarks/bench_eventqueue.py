@@ -66,10 +66,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import psycopg
+from proc_cpu import cpu_seconds, find_postmaster, postgres_cpu_seconds
 from psycopg import sql
 
 HERE = Path(__file__).resolve()
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PEER_CONCURRENCY = 10  # procrastinate's async sub-workers per worker process
 PRODUCERS = 8  # threads, one connection each: a commit (fsync) per event caps what one producer can send
 LOAD_BATCH = 1_000  # events a transaction when loading a backlog
@@ -156,45 +156,6 @@ def run_procrastinate_worker(url: str, out: str, listen: bool, poll: float) -> N
 # -- measures -------------------------------------------------------------------------------------------
 
 
-def _stat(pid: int | str) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = _stat(pid)
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK if fields else 0.0
-
-
-def postmaster_of(url: str) -> str | None:
-    """The pid of the server's postmaster if it runs on this machine (the parent of our backend), else None."""
-    with psycopg.connect(url) as conn:
-        fields = _stat(conn.info.backend_pid)
-    if fields is None or not Path(f"/proc/{fields[1]}/comm").read_text().strip().startswith("postgres"):
-        return None
-    return fields[1]
-
-
-def server_cpu(postmaster: str | None) -> float | None:
-    """CPU seconds of the server so far: its postmaster's own and its children's, live and ended."""
-    if postmaster is None:
-        return None
-    total = 0.0
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        fields = _stat(proc.name)
-        if fields is None:
-            continue
-        if proc.name == postmaster:
-            total += sum(int(f) for f in fields[11:15]) / CLK_TCK  # utime, stime and those of ended children
-        elif fields[1] == postmaster:
-            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
-
-
 @dataclass
 class Snapshot:
     at: float
@@ -203,8 +164,10 @@ class Snapshot:
     server: float | None
 
     @classmethod
-    def take(cls, procs: list[subprocess.Popen[bytes]], postmaster: str | None) -> Snapshot:
-        return cls(time.time(), os.getloadavg()[0], sum(cpu_seconds(p.pid) for p in procs), server_cpu(postmaster))
+    def take(cls, procs: list[subprocess.Popen[bytes]], postmaster: int | None) -> Snapshot:
+        return cls(
+            time.time(), os.getloadavg()[0], sum(cpu_seconds(p.pid) for p in procs), postgres_cpu_seconds(postmaster)
+        )
 
 
 def usage(before: Snapshot, after: Snapshot, workers: int) -> dict[str, float | None]:
@@ -410,7 +373,7 @@ def load(conn: psycopg.Connection, table: str, n: int, send: Callable[[int], obj
             conn.execute(f"ANALYZE {table}")
 
 
-def throughput(engine: str, url: str, postmaster: str | None, n_events: int, n_workers: int, poll: float) -> dict:
+def throughput(engine: str, url: str, postmaster: int | None, n_events: int, n_workers: int, poll: float) -> dict:
     reset(url)
     preload(engine, url, n_events)
     analyze(url)
@@ -478,7 +441,7 @@ def produce(engine: str, url: str, rate: float, n: int) -> float:
 
 
 def latency(
-    engine: str, url: str, postmaster: str | None, rate: float, seconds: float, listen: bool, poll: float
+    engine: str, url: str, postmaster: int | None, rate: float, seconds: float, listen: bool, poll: float
 ) -> dict:
     reset(url)
     n = int(rate * seconds)
@@ -578,7 +541,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the workers and drop the database on the way out
     server = args.url or Database.from_settings().url
     info = server_info(server)
-    postmaster = postmaster_of(server)
+    postmaster = find_postmaster(server)
     name = f"cmb_bench_eventqueue_{secrets.token_hex(4)}"
     poll = args.poll_interval
     backlog = {"cmb": args.events, "procrastinate": args.peer_events}
