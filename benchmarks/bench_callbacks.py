@@ -61,7 +61,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proc_cpu import cpu_seconds, find_postmaster, postgres_cpu_seconds  # noqa: E402
+from proc_cpu import Meter, find_postmaster  # noqa: E402
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings  # noqa: E402
 from cmb_dagster.callbacks.sink import CallbackSink  # noqa: E402
@@ -118,40 +118,6 @@ def wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
 
 
 # -- CPU -----------------------------------------------------------------------------------------
-
-
-class Meter:
-    """Wall time and CPU seconds, between entry and exit, of named processes and of the Postgres server."""
-
-    def __init__(self, postmaster: int | None, **pids: int) -> None:
-        self.postmaster, self.pids = postmaster, pids
-
-    def _read(self) -> dict[str, float | None]:
-        return {
-            **{name: cpu_seconds(pid) for name, pid in self.pids.items()},
-            "postgres": postgres_cpu_seconds(self.postmaster),
-        }
-
-    def __enter__(self) -> Self:
-        self.before, self.started = self._read(), time.monotonic()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.monotonic() - self.started
-        after = self._read()
-        self.cpu = {
-            name: None if after[name] is None else after[name] - self.before[name]  # type: ignore[operator]
-            for name in after
-        }
-
-    def figures(self, items: int) -> dict[str, float | None]:
-        """Per side: CPU seconds, ms per item and cores (CPU over the wall time)."""
-        out: dict[str, float | None] = {}
-        for name, cpu in self.cpu.items():
-            out[f"{name}_cpu_s"] = None if cpu is None else round(cpu, 2)
-            out[f"{name}_cpu_ms_per_event"] = None if cpu is None else round(1000 * cpu / max(items, 1), 3)
-            out[f"{name}_cores"] = None if cpu is None else round(cpu / self.wall, 2)
-        return out
 
 
 def cpu_text(figures: dict[str, Any], *names: str) -> str:

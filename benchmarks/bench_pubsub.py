@@ -34,12 +34,12 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Self
+from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
 import psycopg
-from proc_cpu import find_postmaster, postgres_cpu_seconds
+from proc_cpu import Meter, find_postmaster
 from psycopg import sql
 
 from cmb_dagster.database import Database
@@ -86,35 +86,6 @@ def handler(conn: psycopg.Connection, events: list) -> None:
 
 
 # -- CPU -----------------------------------------------------------------------------------------
-
-
-class Meter:
-    """Wall time, this process's CPU seconds (the consumer's) and the Postgres server's, between entry and exit."""
-
-    def __init__(self, postmaster: int | None) -> None:
-        self.postmaster = postmaster
-
-    def __enter__(self) -> Self:
-        self.started, self.process, self.server = time.monotonic(), time.process_time(), self._server()
-        return self
-
-    def _server(self) -> float | None:
-        return postgres_cpu_seconds(self.postmaster)
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.monotonic() - self.started
-        self.cpu = {"consumer": time.process_time() - self.process, "postgres": None}
-        if (server := self._server()) is not None and self.server is not None:
-            self.cpu["postgres"] = server - self.server
-
-    def figures(self, events: int, **others: float) -> dict[str, Any]:
-        """CPU seconds, µs per event and cores of the consumer, the Postgres server and ``others`` (CPU seconds)."""
-        out: dict[str, Any] = {}
-        for name, cpu in {**self.cpu, **others}.items():
-            out[f"{name}_cpu_s"] = None if cpu is None else round(cpu, 2)
-            out[f"{name}_cpu_us_per_event"] = None if cpu is None else round(1e6 * cpu / max(events, 1), 1)
-            out[f"{name}_cores"] = None if cpu is None else round(cpu / self.wall, 2)
-        return out
 
 
 def cpu_text(figures: dict[str, Any], *names: str) -> str:
@@ -209,7 +180,7 @@ def with_producer(db: Database, raw: bool, batch: int, seconds: float, postmaste
     """Consumed per second while a producer process inserts at full speed (producer-bound once it keeps up)."""
     reset(db)
     proc, queue = start_producer(db.url, raw, seconds)
-    with Meter(postmaster) as meter:
+    with Meter(postmaster, consumer=os.getpid()) as meter:
         until = time.monotonic() + seconds
         consumed = raw_consumer_loop(db, batch, until) if raw else our_consumer_loop(db, batch, until, f"tp{batch}")
     produced, _, producer_cpu = queue.get(timeout=60)
@@ -217,7 +188,7 @@ def with_producer(db: Database, raw: bool, batch: int, seconds: float, postmaste
     figures = {
         "consumed_per_s": round(consumed / meter.wall),
         "produced_per_s": round(produced / seconds),
-        **meter.figures(consumed, producer=producer_cpu),
+        **meter.figures(consumed, unit="us", producer=producer_cpu),
     }
     figures["kept_up"] = figures["consumed_per_s"] >= 0.95 * figures["produced_per_s"]
     return figures
@@ -230,7 +201,7 @@ def drain(db: Database, raw: bool, batch: int, backlog: int, postmaster: int | N
         for start in range(0, backlog, LOAD_ROWS_PER_STATEMENT):
             conn.execute(INSERT_RAW if raw else INSERT_ORDERS, {"n": min(LOAD_ROWS_PER_STATEMENT, backlog - start)})
     vacuum_analyze(db)
-    with Meter(postmaster) as meter:
+    with Meter(postmaster, consumer=os.getpid()) as meter:
         until = time.monotonic() + 600
         if raw:
             consumed = raw_consumer_loop(db, batch, until, backlog)
@@ -241,7 +212,7 @@ def drain(db: Database, raw: bool, batch: int, backlog: int, postmaster: int | N
         "seconds": round(meter.wall, 2),
         "complete": consumed >= backlog,
         "under_5s": meter.wall < MIN_DRAIN_S,
-        **meter.figures(consumed),
+        **meter.figures(consumed, unit="us"),
     }
 
 
@@ -258,7 +229,7 @@ def lag(db: Database, seconds: float, rate: float, postmaster: int | None) -> di
     consumer = ConsumerWorker(db, ConsumerSpec(consumer_id="lag", handler=timing_handler))
     proc, queue = start_producer(db.url, False, seconds, rate)
     runner = threading.Thread(target=consumer.run)
-    with Meter(postmaster) as meter:
+    with Meter(postmaster, consumer=os.getpid()) as meter:
         runner.start()
         produced, commits, producer_cpu = queue.get(timeout=seconds + 60)
         proc.join(30)
@@ -282,7 +253,7 @@ def lag(db: Database, seconds: float, rate: float, postmaster: int | None) -> di
         "p50_s": round(lags[len(lags) // 2], 4),
         "p99_s": round(lags[int(len(lags) * 0.99)], 4),
         "max_s": round(lags[-1], 4),
-        **meter.figures(produced, producer=producer_cpu),
+        **meter.figures(produced, unit="us", producer=producer_cpu),
     }
 
 

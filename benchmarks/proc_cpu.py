@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Any, Literal, Self
 
 import psycopg
 
@@ -53,3 +55,39 @@ def postgres_cpu_seconds(postmaster: int | None) -> float | None:
         elif int(fields[1]) == postmaster:
             ticks += int(fields[11]) + int(fields[12])
     return ticks / CLOCK_TICKS
+
+
+class Meter:
+    """Wall time and CPU seconds, between entry and exit, of named processes and of the Postgres server."""
+
+    def __init__(self, postmaster: int | None, **pids: int) -> None:
+        self.postmaster, self.pids = postmaster, pids
+
+    def _read(self) -> dict[str, float | None]:
+        return {
+            **{name: cpu_seconds(pid) for name, pid in self.pids.items()},
+            "postgres": postgres_cpu_seconds(self.postmaster),
+        }
+
+    def __enter__(self) -> Self:
+        self.before, self.started = self._read(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.monotonic() - self.started
+        after = self._read()
+        self.cpu = {
+            name: None if after[name] is None else after[name] - self.before[name]  # type: ignore[operator]
+            for name in after
+        }
+
+    def figures(self, items: int, *, unit: Literal["ms", "us"] = "ms", **others: float) -> dict[str, Any]:
+        """Per side, and per one of ``others`` (CPU seconds measured elsewhere): CPU seconds, CPU per item in
+        ``unit`` and cores (CPU over the wall time)."""
+        scale, digits = {"ms": (1e3, 3), "us": (1e6, 1)}[unit]
+        out: dict[str, Any] = {}
+        for name, cpu in {**self.cpu, **others}.items():
+            out[f"{name}_cpu_s"] = None if cpu is None else round(cpu, 2)
+            out[f"{name}_cpu_{unit}_per_event"] = None if cpu is None else round(scale * cpu / max(items, 1), digits)
+            out[f"{name}_cores"] = None if cpu is None else round(cpu / self.wall, 2)
+        return out
