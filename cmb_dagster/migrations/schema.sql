@@ -17,6 +17,17 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION cmb.pubsub_filter_error(doc jsonb, filter jsonpath, vars jsonb) RETURNS text
+    LANGUAGE plpgsql STABLE
+    AS $$
+BEGIN
+    PERFORM jsonb_path_match_tz(doc, filter, vars, true);
+    RETURN NULL;
+EXCEPTION WHEN OTHERS THEN
+    RETURN SQLERRM;
+END
+$$;
+
 CREATE FUNCTION cmb.pubsub_restore_problem(stored pg_snapshot) RETURNS text
     LANGUAGE sql
     SET search_path TO 'cmb', 'public'
@@ -492,6 +503,8 @@ CREATE TABLE cmb.pubsub_backfills (
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     finished_at timestamp with time zone,
+    rows_skipped bigint DEFAULT 0 NOT NULL,
+    last_skip text,
     CONSTRAINT pubsub_backfills_batch_size_check CHECK (((batch_size >= 1) AND (batch_size <= 100000))),
     CONSTRAINT pubsub_backfills_state_check CHECK ((state = ANY (ARRAY['running'::text, 'failed'::text, 'done'::text])))
 );
@@ -939,7 +952,7 @@ CREATE INDEX flow_slots_taken ON cmb.flow_slots USING btree (scope, key) WHERE (
 
 CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
 
-CREATE UNIQUE INDEX pubsub_backfills_unfinished ON cmb.pubsub_backfills USING btree (table_name, branch_id, topic, md5(COALESCE(predicate, ''::text))) WHERE (state <> 'done'::text);
+CREATE UNIQUE INDEX pubsub_backfills_asked ON cmb.pubsub_backfills USING btree (table_name, branch_id, topic, md5(COALESCE(predicate, ''::text)));
 
 CREATE INDEX pubsub_dead_letters_parked ON cmb.pubsub_dead_letters USING btree (consumer_id, branch_id) WHERE (replayed_at IS NULL);
 

@@ -79,13 +79,15 @@ def _backfills(
             last_key=lk,
             rows_done=rd,
             batches=n,
+            rows_skipped=rs,
+            last_skip=ls,
             state=st,
             error=e,
             started_at=sa,
             updated_at=ua,
             finished_at=fa,
         )
-        for i, t, b, tp, w, bs, kc, lk, rd, n, st, e, sa, ua, fa in conn.cursor(row_factory=tuple_row).execute(
+        for i, t, b, tp, w, bs, kc, lk, rd, n, rs, ls, st, e, sa, ua, fa in conn.cursor(row_factory=tuple_row).execute(
             sql.BACKFILLS, params
         )
     ]

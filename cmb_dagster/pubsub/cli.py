@@ -25,7 +25,8 @@ from cmb_dagster.pubsub.admin import (
 )
 from cmb_dagster.pubsub.backfill import backfill
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
-from cmb_dagster.pubsub.models import MAX_PREDICATE_LENGTH, MAX_TOPIC_LENGTH, MAX_TOPICS, BackfillProgress, ConsumerSpec
+from cmb_dagster.pubsub.filters import MAX_FILTER_LENGTH
+from cmb_dagster.pubsub.models import MAX_TOPIC_LENGTH, MAX_TOPICS, BackfillProgress, ConsumerSpec
 from cmb_dagster.pubsub.worker import ConsumerWorker
 from cmb_dagster.workers import stop_workers_on_signals
 
@@ -106,8 +107,8 @@ def pubsub() -> None:
 @click.option(
     "--where",
     default=None,
-    help=f"Deliver only events this SQL expression over the event (payload, key, topic, op) is true for "
-    f"(at most {MAX_PREDICATE_LENGTH} characters).",
+    help="Deliver only events this SQL/JSON path predicate is true for ($ is the payload; $topic, $op, $key), "
+    f"e.g. '$.kind == \"refund\"' (at most {MAX_FILTER_LENGTH} characters).",
 )
 @liveness_options
 def consume(
@@ -177,6 +178,8 @@ def _describe(progress: BackfillProgress) -> str:
     )
     if progress.where:
         line += f"  where {progress.where}"
+    if progress.rows_skipped:
+        line += f"\n  ! passed over {progress.rows_skipped} rows the filter raised on (the last: {progress.last_skip})"
     return line + (f"\n  ! {progress.error}" if progress.error else "")
 
 
@@ -207,13 +210,17 @@ def rewind_command(consumer_id: str, branch_id: int, point: str) -> None:
 
 
 @pubsub.command("backfill")
-@click.argument("table")
+@click.option(
+    "--table",
+    required=True,
+    help="The table (a name the catalog finds, e.g. public.orders or '\"Orders\"'), readable by the role.",
+)
 @click.option("--branch", "branch_id", default=0, show_default=True, type=BRANCH, help="Branch the events go to.")
 @click.option(
     "--where",
     default=None,
-    help=f"Only the rows this SQL expression over the table's columns is true for (at most {MAX_PREDICATE_LENGTH} "
-    "characters).",
+    help="Only the rows this SQL/JSON path predicate over the row ($) is true for, e.g. '$.status == \"paid\"' "
+    f"(at most {MAX_FILTER_LENGTH} characters).",
 )
 @click.option(
     "--batch-size",
@@ -230,8 +237,9 @@ def rewind_command(consumer_id: str, branch_id: int, point: str) -> None:
     type=FloatRange(0.001, 60),
     help="Seconds a batch waits for a row a writer holds before it is tried again.",
 )
+@click.option("--again", is_flag=True, help="Publish the rows again when the same backfill is done already.")
 def backfill_command(
-    table: str, branch_id: int, where: str | None, batch_size: int, topic: str | None, lock_timeout: float
+    table: str, branch_id: int, where: str | None, batch_size: int, topic: str | None, lock_timeout: float, again: bool
 ) -> None:
     """Publish a table's existing rows as snapshot events; run it again to resume after a crash."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -243,6 +251,7 @@ def backfill_command(
         batch_size=batch_size,
         topic=topic,
         lock_timeout=lock_timeout,
+        again=again,
         on_progress=lambda progress: click.echo(_describe(progress), err=True),
     )
     click.echo(f"backfill {done.id} of {done.table}: {done.rows_done} rows in {done.batches} batches, {done.state}")

@@ -6,8 +6,9 @@ external asset ``pubsub/<consumer_id>/branch_<id>`` whose ``lag_events``, ``lag_
 """
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 from dagster import (
@@ -182,19 +183,24 @@ def trim_job(*, prefix: str = "cmb_") -> JobDefinition:
     return trim_events
 
 
-class BackfillConfig(Config):
-    table: str = Field(min_length=1, max_length=500, description="The table, optionally schema-qualified.")
-    branch_id: int = Field(default=0, ge=BIGINT[0], le=BIGINT[1], description="The branch the events go to.")
-    where: str | None = Field(default=None, description="Only the rows this SQL expression is true for.")
-    batch_size: int = Field(default=1000, ge=1, le=100_000, description="Rows per batch (one transaction each).")
-    topic: str | None = Field(default=None, description="Default: 'schema.table'.")
-
-
-def backfill_job(*, prefix: str = "cmb_") -> JobDefinition:
-    """A job publishing a table's existing rows as snapshot events (:func:`cmb_dagster.pubsub.backfill`); its
-    progress goes to the run's log and, at the end, to the op's metadata. Launching it again resumes a backfill
-    that was interrupted."""
+def backfill_job(tables: Sequence[str], *, prefix: str = "cmb_") -> JobDefinition:
+    """A job publishing the existing rows of one of ``tables`` (those the code location allows) as snapshot events
+    (:func:`cmb_dagster.pubsub.backfill`); its progress goes to the run's log and, at the end, to the op's metadata.
+    Launching it again resumes a backfill that was interrupted, and publishes a done one again only with ``again``."""
     description = "Publishes a table's existing rows into a branch as pub/sub snapshot events, resumably."
+    table_choice = Enum("BackfillTable", {table: table for table in tables})  # type: ignore[misc]
+
+    class BackfillConfig(Config):
+        table: table_choice = Field(description="One of the tables the code location's pub/sub options name.")  # type: ignore[valid-type]
+        branch_id: int = Field(default=0, ge=BIGINT[0], le=BIGINT[1], description="The branch the events go to.")
+        where: str | None = Field(
+            default=None,
+            description="Only the rows this SQL/JSON path predicate over the row ($) is true for, e.g. "
+            '$.status == "paid".',
+        )
+        batch_size: int = Field(default=1000, ge=1, le=100_000, description="Rows per batch (one transaction each).")
+        topic: str | None = Field(default=None, description="Default: 'schema.table'.")
+        again: bool = Field(default=False, description="Publish the rows again when this backfill is done already.")
 
     @op(name=f"{prefix}pubsub_backfill_op", description=description)
     def backfill_op(context: OpExecutionContext, config: BackfillConfig, cmb: CmbResource) -> None:
@@ -206,15 +212,22 @@ def backfill_job(*, prefix: str = "cmb_") -> JobDefinition:
 
         done = backfill(
             cmb.database,
-            config.table,
+            config.table.value,
             config.branch_id,
             where=config.where,
             batch_size=config.batch_size,
             topic=config.topic,
+            again=config.again,
             on_progress=report,
         )
         context.add_output_metadata(
-            {"backfill_id": done.id, "rows_done": done.rows_done, "batches": done.batches, "state": done.state}
+            {
+                "backfill_id": done.id,
+                "rows_done": done.rows_done,
+                "rows_skipped": done.rows_skipped,
+                "batches": done.batches,
+                "state": done.state,
+            }
         )
 
     @job(name=f"{prefix}pubsub_backfill", description=description)
@@ -232,7 +245,7 @@ def pubsub_definitions(
     translator: CmbTranslator = DEFAULT_TRANSLATOR,
 ) -> Definitions:
     """Per consumer: a job, the sensor keeping one run of it going, its lag asset; the status sensor observing
-    every consumer's lag; the trim schedule; the backfill job."""
+    every consumer's lag; the trim schedule; the backfill job of the tables ``options.backfill_tables`` names."""
     specs = options.consumers
     jobs = [consumer_job(spec, prefix=prefix, translator=translator) for spec in specs]
     names = [j.name for j in jobs]
@@ -240,7 +253,7 @@ def pubsub_definitions(
     if duplicates:
         raise InvalidPubSubInput(f"consumers: two consumers map to the job name {duplicates[0]!r}; rename one")
     trim_events = trim_job(prefix=prefix)
-    backfill_rows = backfill_job(prefix=prefix)
+    backfills = [backfill_job(options.backfill_tables, prefix=prefix)] if options.backfill_tables else []
     trim_schedule = ScheduleDefinition(
         name=f"{prefix}pubsub_trim_schedule",
         job=trim_events,
@@ -257,7 +270,7 @@ def pubsub_definitions(
         return found
 
     engine = Definitions(
-        jobs=[*jobs, trim_events, backfill_rows],
+        jobs=[*jobs, trim_events, *backfills],
         sensors=[keep_running_sensor(j) for j in jobs],
         schedules=[trim_schedule],
         resources={"cmb": resource or CmbResource()},

@@ -3,25 +3,23 @@ and delivered to the handler, failures narrowed down to the event that causes th
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal
 
 import psycopg
 from psycopg.rows import tuple_row
-from psycopg.sql import SQL, Composed
 
 from cmb_dagster.database import Database
-from cmb_dagster.inputs import shorten
 from cmb_dagster.isolation import UserCode, describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
-from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, InvalidPubSubInput, StreamRestored
-from cmb_dagster.pubsub.models import ConsumerKey, ConsumerSpec, Event, Handler, Watermark, predicate_problem
+from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
+from cmb_dagster.pubsub.filters import EVENT_VARIABLES, FILTER_ERRORS, check_filter
+from cmb_dagster.pubsub.models import ConsumerKey, ConsumerSpec, Event, Handler, Watermark
 from cmb_dagster.workers import Lease, Leases
 
 log = logging.getLogger("cmb_dagster.pubsub")
@@ -80,6 +78,7 @@ class Batch:
     after: Watermark
     changed: bool  # False: nothing new, nothing to store
     scanned: int = 0  # events read past, delivered or filtered out
+    raised: tuple[tuple[int, int, str], ...] = ()  # (id, txid, error) of the events the filter raised on
 
 
 def read_batch(
@@ -90,14 +89,17 @@ def read_batch(
     order: Order = "snapshot",
     topics: Sequence[str] | None = None,
     where: str | None = None,
+    judge_each: bool = False,
 ) -> Batch:
     """The next ``limit`` events after ``watermark``: those whose transactions the current snapshot shows
     committed and the stored one does not (docs/pubsub.md, "How a batch is read").
 
     ``order="txid"``: only events of transactions below the oldest one still running, so every
     delivered sequence is in txid order (a transaction left open holds the consumer back). ``topics`` and
-    ``where`` (a predicate checked by :func:`check_predicate`) filter the events read; the watermark moves
-    past those filtered out.
+    ``where`` (an SQL/JSON path predicate, :mod:`cmb_dagster.pubsub.filters`) filter the events read; the
+    watermark moves past those filtered out. The filtered read raises one of ``FILTER_ERRORS`` when the filter
+    raised on one of the events; ``judge_each`` reads them judging each apart, and returns those it raised on in
+    ``raised`` (read past, not delivered).
     """
     params = {
         "branch_id": watermark.branch_id,
@@ -109,14 +111,20 @@ def read_batch(
         "txid": str(watermark.txid) if watermark.target else "0",
         "event_id": watermark.event_id if watermark.target else 0,
         "topics": None if topics is None else list(topics),
+        "filter": where,
     }
+    raised: tuple[tuple[int, int, str], ...] = ()
     if topics is None and where is None:
         target, found = conn.execute(sql.READ_BATCH, params, prepare=True).fetchone()
         rows = json.loads(found) if found else []
         scanned, rows = len(rows), rows[:limit]
         last = (rows[-1][1], rows[-1][0]) if rows else None
     else:
-        target, found, scanned, last = conn.execute(read_batch_query(where), params, prepare=True).fetchone()
+        if judge_each:
+            target, found, scanned, last, errors = conn.execute(sql.READ_JUDGED_BATCH, params).fetchone()
+            raised = tuple((event_id, int(txid), error) for event_id, txid, error in json.loads(errors or "[]"))
+        else:
+            target, found, scanned, last = conn.execute(sql.READ_FILTERED_BATCH, params, prepare=True).fetchone()
         rows = json.loads(found) if found else []
         last = json.loads(last) if last else None
     if target is None:  # order="txid" and no transaction ended beyond the stored snapshot
@@ -137,36 +145,8 @@ def read_batch(
         }
     )
     passed = min(scanned, limit)
-    return Batch(events=events, after=after, changed=bool(passed) or watermark.target is not None, scanned=passed)
-
-
-@functools.lru_cache(maxsize=256)
-def read_batch_query(where: str | None) -> Composed:
-    """The filtered batch query (``sql.READ_FILTERED_BATCH``) with the predicate ``where`` (None: none)."""
-    return SQL(sql.READ_FILTERED_BATCH).format(filter=SQL(where) if where else SQL("TRUE"))  # type: ignore[arg-type]
-
-
-def check_predicate(
-    db: Database, statement: Composed, params: dict[str, Any], *, field: str, predicate: str | None
-) -> None:
-    """Raise :class:`InvalidPubSubInput` naming ``field`` unless ``statement``, with ``predicate`` composed in,
-    is a valid query (the predicate one expression of the right type over the columns it can see).
-
-    The statement is only planned (EXPLAIN without ANALYZE: nothing of it runs), in a transaction of its own
-    that is rolled back; the rule on the text (:func:`cmb_dagster.pubsub.models.predicate_problem`) is checked
-    first."""
-    if predicate is None:
-        return
-    problem = predicate_problem(predicate)
-    if problem:
-        raise InvalidPubSubInput(f"{field}: {problem}")
-    with db.connection() as conn:
-        try:
-            conn.execute(SQL("EXPLAIN ") + statement, params)
-            conn.rollback()
-        except psycopg.Error as exc:
-            reason = (exc.diag.message_primary or str(exc)).strip()
-            raise InvalidPubSubInput(f"{field}: {shorten(predicate)} is not a valid filter here ({reason})") from None
+    changed = bool(passed) or watermark.target is not None
+    return Batch(events=events, after=after, changed=changed, scanned=passed, raised=raised)
 
 
 def snapshot_before(snapshot: str, txid: int) -> str:
@@ -260,6 +240,7 @@ class Delivery:
         self.keep_alive = keep_alive
         self.user_code = UserCode(f"pubsub:{self.partition}", set_aside_after=None)
         self._registered = False
+        self._judge_each = False  # the filter raised on the next batch: judge its events one by one
         self._retry_limit = 0  # after a failed batch: the size of the next ones, halved at each failure
         self._retry_left = 0  # events of the failed batch not delivered since
         self._careful = 0  # after a takeover from a dead worker: events to deliver alone, each start counted first
@@ -280,12 +261,12 @@ class Delivery:
 
     def register(self) -> Watermark:
         """Register the consumer (watermark where ``start`` says, handler path) and return its watermark;
-        raises :class:`StreamRestored` after a restore. Waits while another transaction holds the watermark."""
+        raises :class:`StreamRestored` after a restore, :class:`InvalidPubSubInput` for a filter Postgres refuses.
+        Waits while another transaction holds the watermark."""
         spec, path = self.spec, self.spec.handler_path
-        if not self._registered:
-            check_predicate(self.db, read_batch_query(spec.where), self._probe, field="where", predicate=spec.where)
         with self.db.connection() as conn:
             if not self._registered:
+                check_filter(conn, spec.where, field="where", variables=EVENT_VARIABLES)
                 params = {"consumer_id": spec.consumer_id, "branch_id": spec.branch_id}
                 reads = {"topics": None if spec.topics is None else list(spec.topics), "filter": spec.where}
                 created = conn.execute(
@@ -300,20 +281,6 @@ class Delivery:
                         conn.execute(sql.REGISTER_CONSUMER, {**params, **reads, "handler": path})
             self._registered = True
             return lock_watermark(conn, spec.consumer_id, spec.branch_id)
-
-    @property
-    def _probe(self) -> dict[str, Any]:
-        """Parameters of a batch query, for planning it once with the consumer's filter."""
-        return {
-            "branch_id": self.spec.branch_id,
-            "snapshot": "1:1:",
-            "target": None,
-            "strict": self.spec.order == "txid",
-            "limit": 2,
-            "txid": "0",
-            "event_id": 0,
-            "topics": None if self.spec.topics is None else list(self.spec.topics),
-        }
 
     def close(self) -> None:
         """Close the connection kept between batches (the next batch opens another)."""
@@ -389,7 +356,27 @@ class Delivery:
     # -- delivering -------------------------------------------------------------------------------
 
     def batch(self, lease: Lease | None) -> int:
-        """Deliver one batch (under ``lease``, if given); return how many events it settled (0: nothing new)."""
+        """Deliver one batch (under ``lease``, if given); return how many events it settled (0: nothing new).
+
+        When the filter raises on an event of the batch, the batch is read again judging each event apart: the
+        events it raised on are parked (by name, with the error) and the others go on."""
+        try:
+            return self._batch(lease)
+        except FILTER_ERRORS as exc:
+            if self.spec.where is None:
+                raise
+            log.warning(
+                "%s: the filter raised on an event of the next batch (%s); judging its events one by one",
+                self.label,
+                describe_error(exc),
+            )
+            self._judge_each = True
+            try:
+                return self._batch(lease)
+            finally:
+                self._judge_each = False
+
+    def _batch(self, lease: Lease | None) -> int:
         if not self._registered:
             self.register()
         if lease is not None and lease.inherited and lease.fence != self._inherited_fence:
@@ -422,8 +409,27 @@ class Delivery:
         return batch.scanned
 
     def _read(self, conn: psycopg.Connection, watermark: Watermark, limit: int) -> Batch:
+        """The next batch; the events the filter raised on (when judging each) are parked in its transaction."""
         spec = self.spec
-        return read_batch(conn, watermark, limit, order=spec.order, topics=spec.topics, where=spec.where)
+        batch = read_batch(
+            conn, watermark, limit, order=spec.order, topics=spec.topics, where=spec.where, judge_each=self._judge_each
+        )
+        for event_id, txid, error in batch.raised:
+            conn.execute(
+                sql.PARK_EVENT,
+                {
+                    "consumer_id": spec.consumer_id,
+                    "branch_id": spec.branch_id,
+                    "event_id": event_id,
+                    "txid": str(txid),
+                    "error": f"the consumer's filter raised on this event: {error}",
+                    "traceback": "",
+                    "attempts": 1,
+                    "first_failed_at": datetime.now(UTC),
+                },
+            )
+            log.warning("%s: parked event %s: the filter raised on it (%s)", self.label, event_id, error)
+        return batch
 
     def _call_handler(self, conn: psycopg.Connection, events: list[Event]) -> None:
         """The handler on ``events`` in the thread of user code; past ``handler_timeout`` the transaction is

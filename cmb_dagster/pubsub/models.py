@@ -20,6 +20,7 @@ from cmb_dagster.inputs import BIGINT, shorten
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
+from cmb_dagster.pubsub.filters import EVENT_VARIABLES, ROW_VARIABLES, filter_problem
 from cmb_dagster.workers import PARTITION_BACKOFF
 
 CONSUMER_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$"
@@ -30,9 +31,6 @@ HANDLER_PATH = re.compile(rf"^(?=.{{3,{MAX_HANDLER_PATH}}}\Z){_DOTTED_NAME}:{_DO
 ZERO_SNAPSHOT = "1:1:"  # shows no txid committed: a new consumer starts from the first event
 MAX_TOPIC_LENGTH = 500
 MAX_TOPICS = 100
-MAX_PREDICATE_LENGTH = 2000
-_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
-_PREDICATE_REFUSED = {";": "a ';'", "--": "a '--' comment", "/*": "a '/*' comment", "\x00": "the character U+0000"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +62,20 @@ class Event:
 Handler = Callable[[psycopg.Connection, list[Event]], None]
 
 
-def _one_expression(predicate: str) -> str:
-    problem = predicate_problem(predicate)
-    if problem:
-        raise ValueError(problem)
-    return predicate
+def _filter(variables: tuple[str, ...]) -> AfterValidator:
+    def check(text: str) -> str:
+        problem = filter_problem(text, variables)
+        if problem:
+            raise ValueError(problem)
+        return text
+
+    return AfterValidator(check)
 
 
-Predicate = Annotated[str, AfterValidator(_one_expression)]
-"""A filter: one SQL expression (see :func:`predicate_problem`)."""
+EventFilter = Annotated[str, _filter(EVENT_VARIABLES)]
+"""A consumer's filter: an SQL/JSON path predicate over the event's payload (``$``), ``$topic``, ``$op``, ``$key``."""
+RowFilter = Annotated[str, _filter(ROW_VARIABLES)]
+"""A backfill's filter: an SQL/JSON path predicate over the row (``$``)."""
 
 
 class Watermark(BaseModel):
@@ -140,7 +143,7 @@ class BackfillProgress(BaseModel):
     """One backfill (:func:`cmb_dagster.pubsub.backfill`): what it publishes, and how far it got.
 
     ``state``: ``running`` (working, or interrupted: the same call resumes it after ``last_key``), ``failed``
-    (``error``; the same call resumes it) or ``done``."""
+    (``error``; the same call resumes it) or ``done`` (the same call with ``again=True`` starts it over)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -154,6 +157,8 @@ class BackfillProgress(BaseModel):
     last_key: dict[str, Any] | None  # the key of the last row published
     rows_done: int
     batches: int
+    rows_skipped: int = 0  # rows passed over because the filter raised on them
+    last_skip: str | None = None  # the last such row's key and the error
     state: Literal["running", "failed", "done"]
     error: str | None
     started_at: datetime
@@ -268,10 +273,10 @@ class ConsumerSpec(ConsumerKey):
         max_length=MAX_TOPICS,
         description="Deliver only events of these topics (None: every topic).",
     )
-    where: Predicate | None = Field(
+    where: EventFilter | None = Field(
         default=None,
-        description="Deliver only events for which this SQL expression over the event's columns (payload, key, topic, "
-        "op, id, txid, created_at) is true; checked against the database when the consumer registers.",
+        description="Deliver only events this SQL/JSON path predicate is true for: $ is the payload, $topic, $op and "
+        "$key the event's; parsed by the database when the consumer registers.",
     )
 
     @field_validator("topics")
@@ -303,8 +308,8 @@ class BackfillSpec(Options):
 
     table: str = Field(min_length=1, max_length=500, description="The table, optionally schema-qualified.")
     branch_id: int = Field(default=0, ge=BIGINT[0], le=BIGINT[1], description="The branch the events go to.")
-    where: Predicate | None = Field(
-        default=None, description="Only the rows this SQL expression over the table's columns is true for."
+    where: RowFilter | None = Field(
+        default=None, description="Only the rows this SQL/JSON path predicate over the row ($) is true for."
     )
     batch_size: int = Field(default=1000, ge=1, le=100_000, description="Rows per batch (one transaction each).")
     topic: str | None = Field(
@@ -354,19 +359,35 @@ class PubSubChecks(Checks):
 
 
 class PubSubOptions(Options):
-    """What ``cmb_definitions(pubsub=...)`` adds: per consumer a job kept running and a lag asset; the trim schedule.
+    """What ``cmb_definitions(pubsub=...)`` adds: per consumer a job kept running and a lag asset; the trim schedule;
+    the backfill job of the tables it names.
 
-    Defaults: no consumer; trim at minute 17 of every hour.
+    Defaults: no consumer; trim at minute 17 of every hour; no backfill job.
     """
 
     error: ClassVar[type[InvalidPubSubInput]] = InvalidPubSubInput
 
     consumers: list[ConsumerSpec] = Field(default_factory=list, description="Consumers, each run by a job.")
+    backfill_tables: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_TOPICS,
+        description="Tables the backfill job may publish ('schema.table'); none: no backfill job.",
+    )
     trim_cron: str = Field(default="17 * * * *", description="When delivered events are trimmed.")
     observe_interval_seconds: int = Field(
         default=60, ge=5, le=86400, description="How often the status sensor observes the consumers' lag."
     )
     checks: PubSubChecks = Field(default_factory=PubSubChecks, description="Limits of the asset checks.")
+
+    @field_validator("backfill_tables")
+    @classmethod
+    def _tables_are_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for table in value:
+            if not 1 <= len(table) <= MAX_TOPIC_LENGTH or "\x00" in table:
+                raise ValueError(f"each table must be a name of 1 to {MAX_TOPIC_LENGTH} characters, not U+0000")
+        if len(set(value)) != len(value):
+            raise ValueError("a table is named twice")
+        return value
 
     @field_validator("trim_cron")
     @classmethod
@@ -389,24 +410,6 @@ class CaptureSpec(Options):
     columns: tuple[str, ...] | None = Field(default=None, description="Payload columns; default: the whole row.")
     topic: str | None = Field(default=None, description="Default: 'schema.table'.")
     ops: tuple[Literal["insert", "update", "delete"], ...] = Field(default=("insert", "update"), min_length=1)
-
-
-def predicate_problem(predicate: str) -> str | None:
-    """Why ``predicate`` cannot be a filter (a ``where`` of a consumer or a backfill), or None.
-
-    Rule: one SQL expression of at most 2000 characters, without ``;`` or comments (so it cannot end the
-    statement it is placed in); the database then checks it against the query it filters
-    (:func:`cmb_dagster.pubsub.engine.check_predicate`)."""
-    if not predicate.strip():
-        return "must be an SQL expression, not empty"
-    if len(predicate) > MAX_PREDICATE_LENGTH:
-        return f"{len(predicate)} characters, at most {MAX_PREDICATE_LENGTH} allowed"
-    for text, what in _PREDICATE_REFUSED.items():
-        if text in predicate:
-            return f"must be one SQL expression, without {what}"
-    if _LONE_SURROGATE.search(predicate):
-        return "lone surrogate characters are not valid Unicode"
-    return None
 
 
 def handler_path(handler: Handler) -> str | None:

@@ -156,25 +156,47 @@ SELECT (SELECT t::text FROM target),
         FROM {_NEXT_EVENTS} AS b)
 """
 
-# A consumer's filter (%(topics)s, and {filter}, its predicate or TRUE) applies to the events read: a batch reads
-# up to %(limit)s - 1 events, delivers those the filter keeps, and returns how many it read and the position of
-# the last one, so the watermark moves past filtered-out events and a batch's work stays bounded. (Consumers
-# without a filter read with READ_BATCH: numbering and keeping the events read costs them a third of their speed.)
-READ_FILTERED_BATCH = f"""
-WITH {_TARGET}, scanned AS MATERIALIZED (
+# A consumer's filter (%(topics)s, and %(filter)s, an SQL/JSON path predicate over the payload with the variables
+# $topic, $op and $key) applies to the events read: a batch reads up to %(limit)s - 1 events, delivers those the
+# filter keeps, and returns how many it read and the position of the last one, so the watermark moves past
+# filtered-out events and a batch's work stays bounded. (Consumers without a filter read with READ_BATCH: numbering
+# and keeping the events read costs them a third of their speed.) The path is parsed once per statement (an
+# InitPlan) and evaluated silently: an event on which it meets a missing field, a wrong type, a bad number or date
+# does not match. READ_JUDGED_BATCH, for a batch on which the filter raised anyway, judges each event apart
+# (pubsub_filter_error) and also returns the events it raised on, as [id, txid, error].
+_FILTER = "filter AS MATERIALIZED (SELECT %(filter)s::jsonpath AS path)"
+_EVENT_VARIABLES = "jsonb_build_object('topic', b.topic, 'op', b.op, 'key', b.key)"
+_EVENT_MATCHES = f"""(%(filter)s::text IS NULL
+                OR jsonb_path_match_tz(b.payload, (SELECT path FROM filter), {_EVENT_VARIABLES}, true))"""
+_SCANNED = f"""scanned AS MATERIALIZED (
     SELECT b.*, row_number() OVER (ORDER BY b.txid, b.id) AS cmb_n FROM {_NEXT_EVENTS} AS b
-)
+)"""
+_LAST_SCANNED = """(SELECT json_build_array(b.txid::text, b.id)::text FROM scanned b WHERE b.cmb_n < %(limit)s
+        ORDER BY b.cmb_n DESC LIMIT 1)"""
+_OF_TOPICS = "(%(topics)s::text[] IS NULL OR b.topic = ANY (%(topics)s::text[]))"
+
+READ_FILTERED_BATCH = f"""
+WITH {_TARGET}, {_FILTER}, {_SCANNED}
 SELECT (SELECT t::text FROM target),
        (SELECT json_agg({_EVENT_ARRAY} ORDER BY b.txid, b.id)::text
         FROM scanned b
-        WHERE b.cmb_n < %(limit)s
-          AND (%(topics)s::text[] IS NULL OR b.topic = ANY (%(topics)s::text[]))
-          AND (
-{{filter}}
-              )),
+        WHERE b.cmb_n < %(limit)s AND {_OF_TOPICS} AND {_EVENT_MATCHES}),
        (SELECT count(*) FROM scanned),
-       (SELECT json_build_array(b.txid::text, b.id)::text FROM scanned b WHERE b.cmb_n < %(limit)s
-        ORDER BY b.cmb_n DESC LIMIT 1)
+       {_LAST_SCANNED}
+"""
+
+READ_JUDGED_BATCH = f"""
+WITH {_TARGET}, {_FILTER}, {_SCANNED}, judged AS MATERIALIZED (
+    SELECT b.*, pubsub_filter_error(b.payload, (SELECT path FROM filter), {_EVENT_VARIABLES}) AS cmb_error
+    FROM scanned b WHERE b.cmb_n < %(limit)s AND {_OF_TOPICS}
+)
+SELECT (SELECT t::text FROM target),
+       (SELECT json_agg({_EVENT_ARRAY} ORDER BY b.txid, b.id)::text
+        FROM judged b WHERE CASE WHEN b.cmb_error IS NULL THEN {_EVENT_MATCHES} END),
+       (SELECT count(*) FROM scanned),
+       {_LAST_SCANNED},
+       (SELECT json_agg(json_build_array(b.id, b.txid::text, b.cmb_error) ORDER BY b.txid, b.id)::text
+        FROM judged b WHERE b.cmb_error IS NOT NULL)
 """
 
 # -- failures and dead letters -------------------------------------------------------------------
@@ -256,6 +278,19 @@ INSERT INTO {events} (branch_id, topic, op, key, payload)
 VALUES (%(branch_id)s, %(topic)s, 'publish', %(key)s::jsonb, %(payload)s::jsonb)
 RETURNING id
 """)
+
+# What a backfill would read: the table %(table)s names (a name Postgres parses, found in the catalog), whether it
+# lives in a schema of cmb (this deployment's, %(schema)s, or another's: a schema holding cmb's migrations and
+# stream) or of the system, and whether the current role may read it.
+BACKFILL_SOURCE = """
+SELECT n.nspname, c.relname, c.relkind,
+       n.nspname IN (%(schema)s, 'information_schema') OR n.nspname LIKE 'pg\\_%%'
+           OR (SELECT count(*) FROM pg_class k
+               WHERE k.relnamespace = n.oid AND k.relname IN ('schema_migrations', 'pubsub_events')) = 2,
+       has_table_privilege(c.oid, 'SELECT')
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(%(table)s)
+"""
 
 TABLE_INFO = """
 SELECT n.nspname, c.relname, c.relkind
@@ -443,25 +478,31 @@ WHERE consumer_id = %(consumer_id)s AND branch_id = %(branch_id)s
 
 # -- backfilling ---------------------------------------------------------------------------------
 
-# Starts a backfill, or finds the unfinished one of the same table, branch, topic and predicate (and takes the
-# new batch size); returns its id.
+# Starts a backfill, or finds the one of the same table, branch, topic and filter: an unfinished one resumes (with
+# the new batch size), a done one stays done unless %(again)s, which starts it over. Returns its id and state.
 START_BACKFILL = """
-WITH created AS (
+WITH asked AS (
     INSERT INTO pubsub_backfills (table_name, branch_id, topic, predicate, batch_size, key_columns)
     VALUES (%(table)s, %(branch_id)s, %(topic)s, %(predicate)s, %(batch_size)s, %(key_columns)s)
-    ON CONFLICT (table_name, branch_id, topic, md5(coalesce(predicate, ''))) WHERE state <> 'done' DO NOTHING
-    RETURNING id
+    ON CONFLICT (table_name, branch_id, topic, md5(coalesce(predicate, ''))) DO UPDATE
+    SET batch_size = EXCLUDED.batch_size, state = 'running', error = NULL, updated_at = now(),
+        key_columns = CASE WHEN pubsub_backfills.state = 'done' THEN EXCLUDED.key_columns
+                           ELSE pubsub_backfills.key_columns END,
+        last_key = CASE WHEN pubsub_backfills.state = 'done' THEN NULL ELSE pubsub_backfills.last_key END,
+        rows_done = CASE WHEN pubsub_backfills.state = 'done' THEN 0 ELSE pubsub_backfills.rows_done END,
+        batches = CASE WHEN pubsub_backfills.state = 'done' THEN 0 ELSE pubsub_backfills.batches END,
+        rows_skipped = CASE WHEN pubsub_backfills.state = 'done' THEN 0 ELSE pubsub_backfills.rows_skipped END,
+        last_skip = CASE WHEN pubsub_backfills.state = 'done' THEN NULL ELSE pubsub_backfills.last_skip END,
+        started_at = CASE WHEN pubsub_backfills.state = 'done' THEN now() ELSE pubsub_backfills.started_at END,
+        finished_at = NULL
+    WHERE pubsub_backfills.state <> 'done' OR %(again)s
+    RETURNING id, state
 )
-SELECT id FROM created
+SELECT id, state FROM asked
 UNION ALL
-SELECT id FROM pubsub_backfills
+SELECT id, state FROM pubsub_backfills
 WHERE table_name = %(table)s AND branch_id = %(branch_id)s AND topic = %(topic)s
-  AND predicate IS NOT DISTINCT FROM %(predicate)s AND state <> 'done'
-"""
-
-RESUME_BACKFILL = """
-UPDATE pubsub_backfills SET batch_size = %(batch_size)s, state = 'running', error = NULL, updated_at = now()
-WHERE id = %(id)s AND state <> 'done'
+  AND predicate IS NOT DISTINCT FROM %(predicate)s AND NOT EXISTS (SELECT 1 FROM asked)
 """
 
 LOCK_BACKFILL = "SELECT last_key, state FROM pubsub_backfills WHERE id = %(id)s FOR UPDATE"
@@ -471,31 +512,61 @@ LOCK_TIMEOUT = "SELECT set_config('lock_timeout', %(timeout)s, true)"
 # One batch: the next %(limit)s rows after the last key (its columns from %(last_key)s, a JSON object of the
 # key), locked FOR SHARE, each written as a snapshot event (the event's id, drawn after the row lock is
 # held, is its version: docs/pubsub.md, "Backfill"); returns how many and the key of the last one.
-# {after} is TRUE on the first batch, else the row comparison of the key columns with those of `last`
-# (InitPlans: the primary key's index serves it); {where} is the backfill's predicate or TRUE.
-BACKFILL_BATCH = SQL("""
-WITH last AS MATERIALIZED (
-    SELECT * FROM jsonb_populate_record(NULL::{table}, %(last_key)s::jsonb)
-), locked AS MATERIALIZED (
-    SELECT r AS cmb_row FROM {table} AS r
-    WHERE {after}
-      AND (
-{where}
-          )
-    ORDER BY {key_order} LIMIT %(limit)s
-    FOR SHARE OF r
-), written AS (
+# {table}, {after} and the key expressions are identifiers the catalog named; {after} is TRUE on the first batch,
+# else the row comparison of the key columns with those of `last` (InitPlans: the primary key's index serves it).
+# %(where)s is the backfill's filter (an SQL/JSON path predicate over the row, evaluated silently) or NULL.
+_LAST_KEY = "last AS MATERIALIZED (SELECT * FROM jsonb_populate_record(NULL::{table}, %(last_key)s::jsonb))"
+_ROW_FILTER = "filter AS MATERIALIZED (SELECT %(where)s::jsonpath AS path)"
+_NO_VARIABLES = "'{{}}'"  # (braces doubled: the statement is formatted with identifiers)
+_ROW_MATCHES = f"""(%(where)s::text IS NULL
+          OR jsonb_path_match_tz(to_jsonb(r), (SELECT path FROM filter), {_NO_VARIABLES}, true))"""
+_ROW_FILTER_ERROR = f"pubsub_filter_error(to_jsonb(r), (SELECT path FROM filter), {_NO_VARIABLES})"
+_WRITE_SNAPSHOTS = """written AS (
     INSERT INTO pubsub_events (branch_id, topic, op, key, payload)
     SELECT %(branch_id)s, %(topic)s, 'snapshot', {key_object}, to_jsonb(cmb_row) FROM locked
     RETURNING 1
-)
+)"""
+
+BACKFILL_BATCH = SQL(f"""
+WITH {_LAST_KEY}, {_ROW_FILTER}, locked AS MATERIALIZED (
+    SELECT r AS cmb_row FROM {{table}} AS r
+    WHERE {{after}} AND {_ROW_MATCHES}
+    ORDER BY {{key_order}} LIMIT %(limit)s
+    FOR SHARE OF r
+), {_WRITE_SNAPSHOTS}
 SELECT (SELECT count(*) FROM written),
-       (SELECT {key_object} FROM locked ORDER BY {last_order} LIMIT 1)
+       (SELECT {{key_object}} FROM locked ORDER BY {{last_order}} LIMIT 1),
+       0, NULL::text, (SELECT count(*) FROM locked) < %(limit)s
+""")
+
+# A batch on which the filter raised anyway: the next %(limit)s rows after the last key are judged one by one
+# (pubsub_filter_error); those it matches are locked and written as above (judged again on the version the lock
+# reads), those it raised on are passed over and counted, with the last one's key and error. The batch ends at
+# the last row judged, matched or not.
+BACKFILL_JUDGED_BATCH = SQL(f"""
+WITH {_LAST_KEY}, {_ROW_FILTER}, judged AS MATERIALIZED (
+    SELECT r AS cmb_row, {_ROW_FILTER_ERROR} AS cmb_error
+    FROM {{table}} AS r
+    WHERE {{after}}
+    ORDER BY {{key_order}} LIMIT %(limit)s
+), locked AS MATERIALIZED (
+    SELECT r AS cmb_row FROM {{table}} AS r
+    WHERE ({{key_order}}) IN (SELECT {{judged_key}} FROM judged WHERE cmb_error IS NULL)
+      AND CASE WHEN {_ROW_FILTER_ERROR} IS NULL THEN {_ROW_MATCHES} END  -- CASE: judged first, whatever the costs
+    FOR SHARE OF r
+), {_WRITE_SNAPSHOTS}
+SELECT (SELECT count(*) FROM written),
+       (SELECT {{key_object}} FROM judged ORDER BY {{last_order}} LIMIT 1),
+       (SELECT count(*) FROM judged WHERE cmb_error IS NOT NULL),
+       (SELECT format('key %%s: %%s', {{key_object}}, cmb_error) FROM judged WHERE cmb_error IS NOT NULL
+        ORDER BY {{last_order}} LIMIT 1),
+       (SELECT count(*) FROM judged) < %(limit)s
 """)
 
 BACKFILL_PROGRESS = """
 UPDATE pubsub_backfills
 SET last_key = coalesce(%(last_key)s::jsonb, last_key), rows_done = rows_done + %(rows)s, batches = batches + 1,
+    rows_skipped = rows_skipped + %(skipped)s, last_skip = coalesce(%(skip)s, last_skip),
     updated_at = now(),
     state = CASE WHEN %(finished)s THEN 'done' ELSE 'running' END,
     finished_at = CASE WHEN %(finished)s THEN now() END
@@ -508,8 +579,8 @@ WHERE id = %(id)s AND state <> 'done'
 """
 
 BACKFILLS = """
-SELECT id, table_name, branch_id, topic, predicate, batch_size, key_columns, last_key, rows_done, batches, state,
-       error, started_at, updated_at, finished_at
+SELECT id, table_name, branch_id, topic, predicate, batch_size, key_columns, last_key, rows_done, batches,
+       rows_skipped, last_skip, state, error, started_at, updated_at, finished_at
 FROM pubsub_backfills
 WHERE (%(id)s::bigint IS NULL OR id = %(id)s) AND (%(all)s OR state <> 'done' OR finished_at > now() - interval '1 day')
 ORDER BY id DESC LIMIT %(limit)s

@@ -215,21 +215,12 @@ def test_callbacks_zombie_calls_nothing_of_the_buckets_it_lost(db, database_url,
 
 # The consumer's filter: each event read waits for a shared advisory lock, so a test holding it exclusively stops
 # the consumer's read mid-batch (between its lease check and its handler).
-READ_GATE_KEY = 4242
-READ_GATE = f"""
-CREATE FUNCTION public.read_gate() RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared({READ_GATE_KEY});
-    RETURN true;
-END $$;
-"""
-
-
-def read_waiting_at_gate(db: Database) -> bool:
+def batch_waiting_at_gate(db: Database) -> bool:
+    """Whether a consumer's batch waits for the watermark a gate holds (its lease already checked)."""
     with db.connection() as conn:
         return conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_database d ON d.oid = l.database"
-            " WHERE d.datname = current_database() AND l.locktype = 'advisory' AND NOT l.granted)"
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND query LIKE '%%pubsub_watermarks%%FOR NO KEY UPDATE%%')"
         ).fetchone()[0]
 
 
@@ -249,22 +240,21 @@ def test_pubsub_zombie_delivers_nothing_of_the_consumer_it_lost(db, database_url
 
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (item int NOT NULL, pid int NOT NULL)")
-        conn.execute(READ_GATE)
     publish_range(range(100))
     env = worker_env(database_url, tmp_path)
     args = ["pubsub", "consume", "results", "--handler", "multihost_handlers:pubsub_record", "--batch-size", "10",
-            "--lease-ttl", str(TTL), "--handler-timeout", "1", "--where", "public.read_gate()"]  # fmt: skip
+            "--lease-ttl", str(TTL), "--handler-timeout", "1"]  # fmt: skip
     victim = start(workers, tmp_path, args, env)
     wait_until(lambda: len(results()) == 100, 60, "the victim delivered the first events")
     other = start(workers, tmp_path, args, env)
-    with psycopg.connect(database_url, autocommit=True) as gate:
-        gate.execute("SELECT pg_advisory_lock(%s)", (READ_GATE_KEY,))
+    with psycopg.connect(database_url) as gate:
+        gate.execute("SELECT 1 FROM cmb.pubsub_watermarks WHERE consumer_id = 'results' FOR UPDATE")
         publish_range(range(100, 300))
-        wait_until(lambda: read_waiting_at_gate(db), 30, "the victim's read of a batch waits at the gate")
+        wait_until(lambda: batch_waiting_at_gate(db), 30, "the victim's batch waits at the gate")
         stopped_at = victim.signal(signal.SIGSTOP)
         lost = held_by(db, kind, victim)
         assert set(lost) == {partition}, lost
-        gate.execute("SELECT pg_advisory_unlock(%s)", (READ_GATE_KEY,))  # the read ends; its transaction stays open
+        gate.rollback()  # the batch locks the watermark; its transaction stays open
     # the stopped consumer's transaction (its lease checked, its watermark locked) is ended by the server
     wait_until(lambda: take_over(db, kind, lost, other), 30, "the other worker took the consumer over")
     print(f"pubsub: taken over {time.time() - stopped_at:.1f}s after the stop")

@@ -19,7 +19,7 @@ from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, install_capture, st
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 ROWS = 100_000
-BACKFILL = [*CLI, "pubsub", "backfill", "public.source", "--batch-size", "2000"]
+BACKFILL = [*CLI, "pubsub", "backfill", "--table", "public.source", "--batch-size", "2000"]
 
 
 def apply_by_version(conn, events):

@@ -5,8 +5,10 @@ import re
 import threading
 
 import pytest
+from psycopg.conninfo import make_conninfo
 from waiting import wait_until
 
+from cmb_dagster.database import Database
 from cmb_dagster.pubsub import (
     ConsumerSpec,
     ConsumerWorker,
@@ -67,7 +69,7 @@ def test_a_snapshot_waits_for_a_writer_of_its_row_so_its_id_orders_it_after_that
 def test_a_where_and_batches_publish_the_matching_rows_once_and_progress_shows(items):
     db = items
     progress = []
-    done = backfill(db, "items", 3, where="kind = 'even'", batch_size=2, on_progress=progress.append)
+    done = backfill(db, "items", 3, where='$.kind == "even"', batch_size=2, on_progress=progress.append)
     assert (done.rows_done, done.batches, done.state, done.last_key) == (5, 3, "done", {"id": 10})
     assert [p.rows_done for p in progress] == [2, 4, 5]
     with db.connection() as conn:
@@ -76,10 +78,27 @@ def test_a_where_and_batches_publish_the_matching_rows_once_and_progress_shows(i
         ).fetchall()
     assert rows == [(str(i), "public.items", "snapshot", "even") for i in (2, 4, 6, 8, 10)]
     listed = status(db).backfills
-    assert [(b.id, b.table, b.where, b.state) for b in listed] == [(done.id, "public.items", "kind = 'even'", "done")]
+    assert [(b.id, b.table, b.where, b.state) for b in listed] == [
+        (done.id, "public.items", '$.kind == "even"', "done")
+    ]
     assert backfills(db) == listed
-    again = backfill(db, "items", 3, where="kind = 'even'", batch_size=2)  # a done backfill: a new one
-    assert again.id != done.id and again.rows_done == 5
+
+
+def snapshot_count(db, branch_id):
+    with db.connection() as conn:
+        return conn.execute(
+            "SELECT count(*) FROM pubsub_events WHERE branch_id = %s AND op = 'snapshot'", (branch_id,)
+        ).fetchone()[0]
+
+
+def test_a_done_backfill_is_not_run_again_unless_asked(items):
+    db = items
+    done = backfill(db, "items", 3, where='$.kind == "even"')
+    same = backfill(db, "public.items", 3, where='$.kind == "even"')
+    assert (same.id, same.state, same.rows_done, snapshot_count(db, 3)) == (done.id, "done", 5, 5)
+    again = backfill(db, "items", 3, where='$.kind == "even"', again=True)
+    assert (again.id, again.state, again.rows_done, snapshot_count(db, 3)) == (done.id, "done", 5, 10)
+    assert again.started_at > done.started_at and len(backfills(db, include_done=True)) == 1  # one row per backfill
 
 
 def test_an_interrupted_backfill_resumes_after_its_last_batch_and_concurrent_calls_take_turns(items):
@@ -114,16 +133,87 @@ def test_bad_backfills_are_refused_naming_the_field_and_write_nothing(items):
     cases = {
         "table: no table named 'nothing'": dict(table="nothing"),
         "table: public.loose has no primary key": dict(table="public.loose"),
-        "where: must be one SQL expression, without a ';'": dict(table="items", where="true; DROP TABLE items"),
-        "where: must be one SQL expression, without a '--' comment": dict(table="items", where="true --"),
-        "where: 'v + 1' is not a valid filter here": dict(table="items", where="v + 1"),
-        "where: 'nope = 1' is not a valid filter here": dict(table="items", where="nope = 1"),
+        "table: 'a b' is not a table name": dict(table="a b"),
+        "table: 'items; DROP TABLE items' is not a table name": dict(table="items; DROP TABLE items"),
+        "where: 'true; DROP TABLE items' is not an SQL/JSON path predicate": dict(
+            table="items", where="true; DROP TABLE items"
+        ),
+        "where: \"kind = 'even'\" is not an SQL/JSON path predicate": dict(table="items", where="kind = 'even'"),
+        "where: $op is not a variable here (variables: none": dict(table="items", where='$op == "insert"'),
+        "where: '$.v + 1' is not an SQL/JSON path predicate": dict(table="items", where="$.v + 1"),
         "batch_size": dict(table="items", batch_size=0),
     }
     for message, kwargs in cases.items():
         with pytest.raises(InvalidPubSubInput, match=re.escape(message)):
             backfill(db, **kwargs)
     assert backfills(db, include_done=True) == []
+    assert snapshot_count(db, 0) == 0
+
+
+def test_an_injected_filter_runs_nothing_and_writes_nothing(items):
+    """The issue's string passed every check of the SQL filter and emptied a table through the batch's WITH."""
+    db = items
+    with db.connection() as conn:
+        conn.execute("CREATE TABLE public.victim (v int)")
+        conn.execute("INSERT INTO public.victim VALUES (1), (2)")
+    injected = (
+        'TRUE) ORDER BY "id" LIMIT 1000 FOR SHARE OF r), x AS (DELETE FROM public.victim RETURNING 1), '
+        "y AS (SELECT 1 FROM public.victim WHERE (TRUE"
+    )
+    for where in (injected, "(SELECT count(*) FROM public.victim) > 0", "pg_sleep(5) IS NOT NULL"):
+        with pytest.raises(InvalidPubSubInput, match="where: .* is not an SQL/JSON path predicate"):
+            backfill(db, "public.items", where=where)
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM public.victim").fetchone()[0] == 2
+    assert backfills(db, include_done=True) == [] and snapshot_count(db, 0) == 0
+
+
+def test_cmbs_own_tables_the_systems_and_unreadable_ones_are_never_a_source(items, database_url):
+    db = items
+    with db.connection() as conn:
+        conn.execute("CREATE SCHEMA other_tenant")
+    Database(database_url, schema="other_tenant").upgrade()  # a second cmb deployment in the same database
+    with db.connection() as conn:
+        conn.execute("DROP ROLE IF EXISTS cmb_test_reader")
+        conn.execute("CREATE ROLE cmb_test_reader LOGIN")
+        conn.execute("GRANT USAGE ON SCHEMA cmb TO cmb_test_reader")
+        conn.execute("GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA cmb TO cmb_test_reader")
+        conn.execute("GRANT USAGE ON ALL SEQUENCES IN SCHEMA cmb TO cmb_test_reader")
+        conn.execute("CREATE TABLE public.private (id int PRIMARY KEY)")
+    refused = {
+        "cmb.callback_signing_secrets": "belongs to cmb or the system",
+        "callback_signing_secrets": "belongs to cmb or the system",  # found on cmb's search_path
+        "other_tenant.pubsub_events": "belongs to cmb or the system",
+        "pg_authid": "belongs to cmb or the system",
+        "information_schema.sql_features": "belongs to cmb or the system",
+    }
+    for table, message in refused.items():
+        with pytest.raises(InvalidPubSubInput, match=f"table: .* {message}"):
+            backfill(db, table)
+    reader = Database(make_conninfo(database_url, user="cmb_test_reader"))
+    try:
+        with pytest.raises(InvalidPubSubInput, match=r"table: the role may not read public.private \(SELECT\)"):
+            backfill(reader, "public.private")
+    finally:
+        reader.close()
+        with db.connection() as conn:
+            conn.execute("DROP OWNED BY cmb_test_reader")
+            conn.execute("DROP ROLE cmb_test_reader")
+    assert backfills(db, include_done=True) == [] and snapshot_count(db, 0) == 0
+
+
+def test_a_row_the_filter_raises_on_is_passed_over_named_and_the_rest_is_published(items):
+    db = items
+    with db.connection() as conn:
+        conn.execute("ALTER TABLE public.items ADD COLUMN due text")
+        conn.execute("UPDATE public.items SET due = 'soon' WHERE id = 7")
+    where = '$.due.datetime("TH") < "2020-01-01".datetime() || $.v == 1'
+    done = backfill(db, "items", 2, where=where, batch_size=4)
+    assert (done.state, done.rows_done, done.rows_skipped) == ("done", 9, 1)
+    assert done.last_skip.startswith('key {"id": 7}: invalid datetime format separator')
+    with db.connection() as conn:
+        keys = conn.execute("SELECT (key->>'id')::int FROM pubsub_events WHERE branch_id = 2 ORDER BY 1").fetchall()
+    assert [k for (k,) in keys] == [1, 2, 3, 4, 5, 6, 8, 9, 10]
 
 
 def apply_by_version(conn, events):
@@ -165,12 +255,23 @@ def test_a_consumer_applying_by_version_ends_equal_to_the_table(items):
         assert conn.execute("SELECT count(*) FROM public.copy WHERE NOT deleted").fetchone()[0] == 9
 
 
-def test_the_backfill_job_reports_its_progress_in_the_ui(items, resource):
-    from cmb_dagster.pubsub.dagster_defs import backfill_job
+def test_the_backfill_job_reports_its_progress_in_the_ui_and_reads_only_the_tables_its_options_name(items, resource):
+    from dagster import DagsterInvalidConfigError
 
-    result = backfill_job().execute_in_process(
-        run_config={"ops": {"cmb_pubsub_backfill_op": {"config": {"table": "public.items", "batch_size": 4}}}},
-        resources={"cmb": resource},
+    from cmb_dagster.pubsub import PubSubOptions
+    from cmb_dagster.pubsub.dagster_defs import pubsub_definitions
+
+    assert pubsub_definitions(PubSubOptions()).jobs == [] or all(
+        j.name != "cmb_pubsub_backfill" for j in pubsub_definitions(PubSubOptions()).jobs
+    )
+    definitions = pubsub_definitions(PubSubOptions(backfill_tables=["public.items"]), resource=resource)
+    job = definitions.get_job_def("cmb_pubsub_backfill")
+    with pytest.raises(DagsterInvalidConfigError, match="cmb.callback_signing_secrets"):
+        job.execute_in_process(
+            run_config={"ops": {"cmb_pubsub_backfill_op": {"config": {"table": "cmb.callback_signing_secrets"}}}}
+        )
+    result = job.execute_in_process(
+        run_config={"ops": {"cmb_pubsub_backfill_op": {"config": {"table": "public.items", "batch_size": 4}}}}
     )
     assert result.success
     [materialization] = [e for e in result.all_events if e.event_type_value == "STEP_OUTPUT"]
