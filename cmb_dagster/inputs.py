@@ -5,6 +5,9 @@ naming the field, before anything is written.
 The payload limit (``CMB_MAX_PAYLOAD_BYTES``, 4 MiB by default) bounds every JSON value an engine
 accepts: an entity's payload and a stage's state, an event's value, a published payload, a
 callback's context.
+
+What Postgres still refuses of the input (text the database's encoding cannot hold, a key past what an
+index holds, a value past what a jsonb holds) reaches the caller the same way: :func:`refused_input`.
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import psycopg
+from psycopg.pq import TransactionStatus
+
 from cmb_dagster.errors import ConfigError, InvalidInput
+from cmb_dagster.isolation import is_item_error
 
 MAX_PAYLOAD_ENV = "CMB_MAX_PAYLOAD_BYTES"
 DEFAULT_MAX_PAYLOAD_BYTES = 4 * 1024 * 1024
@@ -119,3 +128,27 @@ def check_seconds(
     if seconds > high:
         raise error(f"{field}: {seconds:g} s is more than the {high:g} s allowed")
     return float(seconds)
+
+
+@contextmanager
+def refused_input(error: type[InvalidInput], field: str, *, conn: psycopg.Connection | None = None) -> Iterator[None]:
+    """Raise ``error`` naming ``field``, the original chained, when Postgres (or psycopg, before sending) refuses
+    the data of the block (:func:`~cmb_dagster.isolation.is_item_error`); other errors pass unchanged. ``conn``:
+    the caller's connection, whose transaction the refusal may have aborted (the message then says so). Also a
+    decorator."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_item_error(exc):
+            raise
+        raise error(_refusal(field, exc, conn)) from exc
+
+
+def _refusal(field: str, exc: BaseException, conn: psycopg.Connection | None) -> str:
+    reason = (exc.diag.message_primary if isinstance(exc, psycopg.Error) else None) or str(exc) or type(exc).__name__
+    reason = " ".join(reason.split())
+    if len(reason) > 300:
+        reason = f"{reason[:299]}…"
+    if conn is not None and conn.info.transaction_status == TransactionStatus.INERROR:
+        return f"{field}: refused by the database ({reason}); the transaction of conn is aborted: roll it back"
+    return f"{field}: refused by the database ({reason}); nothing was written"

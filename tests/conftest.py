@@ -101,6 +101,23 @@ def db(database_url: str) -> Iterator[Database]:
     database.close()
 
 
+@pytest.fixture(scope="module")
+def latin1_db(server_url: str) -> Iterator[Database]:
+    """A migrated database in LATIN1, an encoding that holds little of Unicode (the server refuses the rest),
+    shared by the tests of a module."""
+    name = f"cmb_test_latin1_{uuid.uuid4().hex[:12]}"
+    create = sql.SQL("CREATE DATABASE {} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(create.format(sql.Identifier(name)))
+    database = Database(with_dbname(server_url, name))
+    try:
+        database.upgrade()
+        yield database
+    finally:
+        database.close()
+        _drop_database(server_url, name)
+
+
 @pytest.fixture
 def server_home() -> Iterator[Path]:
     """A folder for a server of the test's own (``embedded_url(server_home / "pg")``), outside pytest's temporary

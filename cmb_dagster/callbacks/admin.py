@@ -16,9 +16,6 @@ from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
 from cmb_dagster.callbacks.models import (
     MAX_BUCKETS,
-    MAX_GROUP_LENGTH,
-    MAX_KEY_LENGTH,
-    MAX_OWNER_LENGTH,
     BucketSetCounts,
     CallbackCounts,
     CallbackEvent,
@@ -27,13 +24,14 @@ from cmb_dagster.callbacks.models import (
     DeadLetters,
     LimitUse,
     SigningSecretInfo,
+    check_key,
     check_url,
     validated,
 )
 from cmb_dagster.callbacks.signing import check_secret, new_secret
 from cmb_dagster.callbacks.worker import move_stranded_events
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.inputs import check_text
+from cmb_dagster.inputs import refused_input
 
 
 class _BucketCount(BaseModel):
@@ -174,6 +172,7 @@ def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
 # -- dead letters and replay ----------------------------------------------------------------------------
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def failed(database: DatabaseSource, **selection: Any) -> list[CallbackEvent]:
     """The dead letters (events failed for good) of a :class:`DeadLetters` selection, oldest failure first, with
     their last error, status code and response excerpt."""
@@ -183,6 +182,7 @@ def failed(database: DatabaseSource, **selection: Any) -> list[CallbackEvent]:
     return [CallbackEvent.model_validate(row) for row in rows]
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def replay(database: DatabaseSource, **selection: Any) -> int:
     """Send the dead letters of a :class:`DeadLetters` selection again (``limit`` at most, oldest failure first);
     return how many.
@@ -199,30 +199,32 @@ def replay(database: DatabaseSource, **selection: Any) -> int:
 
 def _dead_letters(selection: dict[str, Any]) -> DeadLetters:
     chosen = validated(DeadLetters, selection)
-    lengths = {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH, "event_key": MAX_KEY_LENGTH}
-    for name, max_length in lengths.items():
+    for name in ("owner_client_id", "group_key", "event_key"):
         if (value := getattr(chosen, name)) is not None:
-            check_text(value, name, max_length=max_length, error=InvalidCallbackInput)
+            check_key(value, name)
     return chosen
 
 
 # -- failure hooks per owner ----------------------------------------------------------------------------
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def set_failure_hook(
     database: DatabaseSource, owner_client_id: str, url: str | None, settings: CallbackSettings | None = None
 ) -> None:
     """Call ``url`` (an http(s) URL the settings allow, or ``dagster://<job>``) once when an event of the owner
     without its own ``on_failure`` fails for good; None: no hook."""
-    _check_owner(owner_client_id)
+    check_key(owner_client_id, "owner_client_id")
     if url is not None:
         check_url(url, settings or CallbackSettings(), "on_failure")
     with Database.of(database).connection() as conn:
         conn.execute(sql.SET_OWNER_HOOK, {"owner": owner_client_id, "url": url})
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def failure_hook(database: DatabaseSource, owner_client_id: str) -> str | None:
     """The owner's failure hook (None: none)."""
+    check_key(owner_client_id, "owner_client_id")
     with Database.of(database).connection() as conn:
         row = conn.execute(sql.GET_OWNER_HOOK, {"owner": owner_client_id}).fetchone()
     return None if row is None else row[0]
@@ -234,6 +236,7 @@ MAX_PREVIOUS_VALID_FOR = 366 * 86400.0  # seconds a rotated-out secret may stay 
 SECRETS_LISTED = 100
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def rotate_secret(
     database: DatabaseSource,
     owner_client_id: str,
@@ -248,7 +251,7 @@ def rotate_secret(
     seconds (None: until :func:`retire_secrets`); older ones are retired. Workers sign with it within
     ``CallbackSettings.secrets_refresh``.
     """
-    _check_owner(owner_client_id)
+    check_key(owner_client_id, "owner_client_id")
     secret = new_secret() if secret is None else check_secret(secret)
     if previous_valid_for is not None and not 0 <= previous_valid_for <= MAX_PREVIOUS_VALID_FOR:
         raise InvalidCallbackInput(f"previous_valid_for: must be 0 to {MAX_PREVIOUS_VALID_FOR:g} seconds or None")
@@ -261,24 +264,23 @@ def rotate_secret(
     return secret
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def retire_secrets(database: DatabaseSource, owner_client_id: str, *, keep_newest: bool = True) -> int:
     """Retire the owner's active secrets but the newest (``keep_newest=False``: all of them, and its callbacks go
     unsigned); return how many. Workers stop signing with them within ``CallbackSettings.secrets_refresh``."""
-    _check_owner(owner_client_id)
+    check_key(owner_client_id, "owner_client_id")
     params = {"owner": owner_client_id, "all": not keep_newest}
     with Database.of(database).connection() as conn:
         conn.execute(sql.LOCK_OWNER_SECRETS, params)
         return conn.execute(sql.RETIRE_SECRETS, params).rowcount
 
 
+@refused_input(InvalidCallbackInput, "arguments")
 def signing_secrets(database: DatabaseSource, owner_client_id: str) -> list[SigningSecretInfo]:
     """The owner's secrets, newest first (at most ``SECRETS_LISTED``): when made, expiring or retired, and whether
     active; never the secrets themselves."""
+    check_key(owner_client_id, "owner_client_id")
     with Database.of(database).connection() as conn:
         cursor = conn.cursor(row_factory=dict_row)
         rows = cursor.execute(sql.LIST_SECRETS, {"owner": owner_client_id, "limit": SECRETS_LISTED}).fetchall()
     return [SigningSecretInfo.model_validate(row) for row in rows]
-
-
-def _check_owner(owner_client_id: str) -> None:
-    check_text(owner_client_id, "owner_client_id", max_length=MAX_OWNER_LENGTH, error=InvalidCallbackInput)

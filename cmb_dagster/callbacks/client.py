@@ -35,6 +35,7 @@ from cmb_dagster.callbacks.models import (
     NewSchedule,
     RetryPolicy,
     check_context,
+    check_key,
     check_many,
     check_run_at,
     check_url,
@@ -49,9 +50,11 @@ from cmb_dagster.callbacks.writer import (
     insert_new_events,
 )
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import check_int, refused_input
 
 CLEAN_BATCH = 10_000
 CREATE_CHUNK = 250  # events per insert statement of create_many
+MAX_LISTED = 100_000  # events one list() returns at most
 
 
 @dataclass(frozen=True)
@@ -124,15 +127,18 @@ class CallbackClient:
         connection, a lock or the commit) raises CallbackTimeout.
         """
         event = self._new(locals())
-        if self._writer is None:
-            return self.create_many([event])[0]
-        return self._writer.write(event)
+        with refused_input(InvalidCallbackInput, "event"):
+            return self._insert([event])[0] if self._writer is None else self._writer.write(event)
 
     def create_many(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
         """Create several events in one transaction: all of them, or (on any error) none.
 
         Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
         """
+        with refused_input(InvalidCallbackInput, "events"):
+            return self._insert(events)
+
+    def _insert(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
         soon, lock_timeout = self.settings.wake_within, self.settings.create_timeout
         with cyclic_collection_paused():  # a batch's thousands of objects are freed when it returns
             events = list(events)
@@ -152,6 +158,7 @@ class CallbackClient:
                             raise result
         return results  # type: ignore[return-value]
 
+    @refused_input(InvalidCallbackInput, "arguments")
     def get(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
         """The event with these keys (CallbackNotFound if there is none)."""
         with self.db.connection() as conn:
@@ -161,6 +168,7 @@ class CallbackClient:
             raise CallbackNotFound(_missing(owner_client_id, group_key, event_key))
         return CallbackEvent.model_validate(row)
 
+    @refused_input(InvalidCallbackInput, "arguments")
     def list(
         self,
         owner_client_id: str | None = None,
@@ -171,11 +179,17 @@ class CallbackClient:
         """Events by run_at, filtered by owner, group and status."""
         if status is not None:
             status = validated(_StatusFilter, {"status": status}).status.value
-        params = {"owner": owner_client_id, "group": group_key, "status": status, "limit": limit}
+        params = {
+            "owner": None if owner_client_id is None else check_key(owner_client_id, "owner_client_id"),
+            "group": None if group_key is None else check_key(group_key, "group_key"),
+            "status": status,
+            "limit": check_int(limit, "limit", low=1, high=MAX_LISTED, error=InvalidCallbackInput),
+        }
         with self.db.connection() as conn:
             rows = conn.cursor(row_factory=dict_row).execute(sql.LIST_EVENTS, params).fetchall()
         return [CallbackEvent.model_validate(r) for r in rows]
 
+    @refused_input(InvalidCallbackInput, "arguments")
     def update(
         self,
         owner_client_id: str,
@@ -227,6 +241,7 @@ class CallbackClient:
                 conn.execute(sql.NOTIFY, {"payload": f"{after['bucket_id']}:{after['run_at'].timestamp()}"})
         return CallbackEvent.model_validate(after)
 
+    @refused_input(InvalidCallbackInput, "arguments")
     def cancel(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
         """Cancel a pending event (CallbackInvalidState for any other status)."""
         with self.db.connection() as conn:
@@ -241,6 +256,7 @@ class CallbackClient:
             _log(conn, "cancel", before, after)
         return CallbackEvent.model_validate(after)
 
+    @refused_input(InvalidCallbackInput, "arguments")
     def delete(self, owner_client_id: str, group_key: str, event_key: str, *, force: bool = False) -> None:
         """Delete an event; a pending one due within a minute only with ``force=True``."""
         with self.db.connection() as conn:
@@ -310,6 +326,7 @@ class CallbackClient:
 
     # -- schedules ---------------------------------------------------------------------------------
 
+    @refused_input(InvalidCallbackInput, "schedule")
     def create_schedule(
         self,
         owner_client_id: str,
@@ -369,7 +386,7 @@ class CallbackClient:
         with self.db.connection() as conn:
             row = (
                 conn.cursor(row_factory=dict_row)
-                .execute(sql.GET_SCHEDULE, _keys(owner_client_id, group_key, schedule_key))
+                .execute(sql.GET_SCHEDULE, _keys(owner_client_id, group_key, schedule_key, "schedule_key"))
                 .fetchone()
             )
         if row is None:
@@ -379,7 +396,8 @@ class CallbackClient:
     def list_schedules(self, owner_client_id: str | None = None) -> list[CallbackSchedule]:
         """Schedules, optionally of one owner."""
         with self.db.connection() as conn:
-            rows = conn.cursor(row_factory=dict_row).execute(sql.LIST_SCHEDULES, {"owner": owner_client_id}).fetchall()
+            owner = None if owner_client_id is None else check_key(owner_client_id, "owner_client_id")
+            rows = conn.cursor(row_factory=dict_row).execute(sql.LIST_SCHEDULES, {"owner": owner}).fetchall()
         return [CallbackSchedule.model_validate(r) for r in rows]
 
     def pause_schedule(self, owner_client_id: str, group_key: str, schedule_key: str) -> None:
@@ -456,7 +474,7 @@ class CallbackClient:
 
     def _change_schedule(self, owner: str, group: str, key: str, statement: str) -> None:
         with self.db.connection() as conn:
-            row = conn.execute(sql.LOCK_SCHEDULE, _keys(owner, group, key)).fetchone()
+            row = conn.execute(sql.LOCK_SCHEDULE, _keys(owner, group, key, "schedule_key")).fetchone()
             if row is None:
                 raise CallbackNotFound(f"no schedule {owner}/{group}/{key}")
             if statement in (sql.PAUSE_SCHEDULE, sql.DELETE_SCHEDULE):
@@ -496,8 +514,13 @@ def _log(conn: psycopg.Connection, action: str, before: dict[str, Any], after: d
     )
 
 
-def _keys(owner: str, group: str, key: str) -> dict[str, str]:
-    return {"owner": owner, "group": group, "key": key}
+def _keys(owner: str, group: str, key: str, key_field: str = "event_key") -> dict[str, str]:
+    """The keys of an event (or a schedule, ``key_field`` naming its key) to look up, checked."""
+    return {
+        "owner": check_key(owner, "owner_client_id"),
+        "group": check_key(group, "group_key"),
+        "key": check_key(key, key_field),
+    }
 
 
 def _name(owner: str, group: str, key: str) -> str:

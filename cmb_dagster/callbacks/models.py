@@ -568,9 +568,7 @@ class NewCallback(BaseModel):
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
-        _check_keys(
-            self, {"owner_client_id": MAX_OWNER_LENGTH, "group_key": MAX_GROUP_LENGTH, "event_key": MAX_KEY_LENGTH}
-        )
+        _check_keys(self, ("owner_client_id", "group_key", "event_key"))
         if self.group_key == HOOK_GROUP:
             raise InvalidCallbackInput(f"group_key: {HOOK_GROUP!r} is the group of failure hooks")
         check_run_at(self.run_at)
@@ -614,10 +612,23 @@ def _contexts_fit(contexts: list[Any], settings: CallbackSettings) -> bool:
     return True
 
 
-def _check_keys(model: BaseModel, lengths: dict[str, int]) -> None:
-    """The keys of ``model`` (field: longest length) as Postgres text can store them."""
-    for name, max_length in lengths.items():
-        check_text(getattr(model, name), name, max_length=max_length, error=InvalidCallbackInput)
+KEY_LENGTHS = {
+    "owner_client_id": MAX_OWNER_LENGTH,
+    "group_key": MAX_GROUP_LENGTH,
+    "event_key": MAX_KEY_LENGTH,
+    "schedule_key": MAX_SCHEDULE_KEY_LENGTH,
+}
+"""The longest value of each key of an event or a schedule."""
+
+
+def check_key(value: object, field: str) -> str:
+    """``value`` as the key ``field`` (of :data:`KEY_LENGTHS`): text Postgres can store, within its length."""
+    return check_text(value, field, max_length=KEY_LENGTHS[field], error=InvalidCallbackInput)
+
+
+def _check_keys(model: BaseModel, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        check_key(getattr(model, name), name)
 
 
 def _encodes(text: str) -> bool:
@@ -707,14 +718,7 @@ class NewSchedule(BaseModel):
 
     def check(self, settings: CallbackSettings) -> NewSchedule:
         """Apply the settings' URL policy and context limit; return self."""
-        _check_keys(
-            self,
-            {
-                "owner_client_id": MAX_OWNER_LENGTH,
-                "group_key": MAX_GROUP_LENGTH,
-                "schedule_key": MAX_SCHEDULE_KEY_LENGTH,
-            },
-        )
+        _check_keys(self, ("owner_client_id", "group_key", "schedule_key"))
         check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self

@@ -24,7 +24,7 @@ from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, Moment, ParameterKey, check_name
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.inputs import shorten
+from cmb_dagster.inputs import refused_input, shorten
 from cmb_dagster.models import describe
 
 log = logging.getLogger("cmb_dagster.ctl")
@@ -118,11 +118,17 @@ class CtlStore:
             "by": self.actor if by is None else check_name(by, "by"),
             "only_forward": bool(only_forward),
         }
-        with self._connection(conn) as c, c.transaction():
+        # in a transaction of its own, or a savepoint of the caller's: a refusal leaves the caller's transaction usable
+        with refused_input(InvalidCtlInput, "values", conn=conn), self._connection(conn) as c, c.transaction():
             changes = [CtlChange(**row) for row in _dict_rows(c.execute(sql.SET_VALUES, params))]
             if changes:
                 payload = {"changes": [change.payload() for change in changes]}
-                pubsub.publish(c, CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema)
+                try:
+                    pubsub.publish(c, CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema)
+                except pubsub.InvalidPubSubInput as exc:
+                    raise InvalidCtlInput(
+                        f"values: the change event of {len(changes)} changes is refused ({exc}); set fewer at once"
+                    ) from exc
         for change in changes:
             if change.backwards:
                 log.warning(
@@ -252,13 +258,14 @@ def check_values(values: object) -> dict[ParameterKey, datetime]:
     checked = {}
     for key, value in values.items():
         try:
-            checked[_check_key(key)] = _moment(value)
+            checked[check_key(key)] = _moment(value)
         except InvalidCtlInput as exc:
             raise InvalidCtlInput(f"invalid CTL value for {shorten(key)}: {exc}; nothing was written") from None
     return checked
 
 
-def _check_key(key: object) -> ParameterKey:
+def check_key(key: object) -> ParameterKey:
+    """``key`` as an (entity, parameter) pair of CTL names."""
     if not (isinstance(key, tuple | list) and len(key) == 2):
         raise InvalidCtlInput(f"key: expected an (entity, parameter) pair, got {shorten(key)}")
     return check_name(key[0], "entity"), check_name(key[1], "parameter")
@@ -272,7 +279,7 @@ def _check_keys(pairs: Iterable[ParameterKey]) -> list[ParameterKey]:
     checked = []
     for key in keys:
         try:
-            checked.append(_check_key(key))
+            checked.append(check_key(key))
         except InvalidCtlInput as exc:
             raise InvalidCtlInput(f"invalid CTL key {shorten(key)}: {exc}") from None
     return checked

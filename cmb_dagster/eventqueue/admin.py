@@ -16,12 +16,14 @@ from cmb_dagster.eventqueue.errors import InvalidEventQueueInput, NotDead, Unkno
 from cmb_dagster.eventqueue.handlers import HandlerRegistry, scope
 from cmb_dagster.eventqueue.models import DEFAULT_MODULE, DeadEvent, EventQueueStatus, HandlerStatus, Rule, check_name
 from cmb_dagster.eventqueue.worker import WORKER_KIND
-from cmb_dagster.inputs import check_seconds
+from cmb_dagster.inputs import BIGINT, check_int, check_seconds, refused_input
 
 log = logging.getLogger("cmb_dagster.eventqueue")
 
 WAIT_FOR_WORKERS = 30.0
 """Seconds pause() and block() wait at most for the live workers to apply a new rule."""
+MAX_LISTED = 100_000
+"""Dead letters one call lists at most."""
 
 
 def pause(
@@ -74,6 +76,7 @@ def _rule_params(conn: psycopg.Connection, rule_type: str, namespace: str, handl
     return params
 
 
+@refused_input(InvalidEventQueueInput, "arguments")
 def _add_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str, wait: float) -> bool:
     check_seconds(wait, "wait", high=3600, error=InvalidEventQueueInput)
     database = Database.of(db)
@@ -106,6 +109,7 @@ def _wait_for_workers(database: Database, rule: int, wait: float) -> None:
         )
 
 
+@refused_input(InvalidEventQueueInput, "arguments")
 def _drop_rule(db: DatabaseSource, rule_type: str, namespace: str, handler: str, event_space: str) -> int:
     with Database.of(db).connection() as conn:
         params = _rule_params(conn, rule_type, namespace, handler, event_space)
@@ -129,25 +133,30 @@ def status(db: DatabaseSource) -> EventQueueStatus:
         return EventQueueStatus(handlers=handlers, keys=keys)
 
 
+@refused_input(InvalidEventQueueInput, "arguments")
 def dead_letters(db: DatabaseSource, handler: str | None = None, limit: int = 100) -> list[DeadEvent]:
-    """Dead-lettered events (of ``handler``), oldest first."""
+    """Dead-lettered events (of ``handler``), oldest first, at most ``limit`` (1..100,000)."""
+    params = {
+        "handler": _handler_filter(handler),
+        "limit": check_int(limit, "limit", low=1, high=MAX_LISTED, error=InvalidEventQueueInput),
+    }
     with Database.of(db).connection() as conn:
-        return [DeadEvent(*row) for row in conn.execute(sql.LIST_DEAD, {"handler": handler, "limit": limit})]
+        return [DeadEvent(*row) for row in conn.execute(sql.LIST_DEAD, params)]
 
 
+@refused_input(InvalidEventQueueInput, "arguments")
 def replay(db: DatabaseSource, ids: Iterable[int] | None = None, *, handler: str | None = None) -> list[int]:
     """Move dead-lettered events back into the queue with their ids, retries reset; return their ids.
 
     ``ids``: these events (each must be dead, else :class:`NotDead` and nothing moves); ``None``: all of
     them (of ``handler`` when given).
     """
-    id_list = None if ids is None else list(ids)
-    if id_list is not None:
-        bad = [i for i in id_list if isinstance(i, bool) or not isinstance(i, int)]
-        if bad:
-            raise InvalidEventQueueInput(f"ids: expected event ids (integers), got {bad[0]!r}")
+    id_list: list[int] | None = None
+    if ids is not None:
+        id_list = [check_int(i, "ids", low=1, high=BIGINT[1], error=InvalidEventQueueInput) for i in ids]
         if not id_list:
             return []
+    handler = _handler_filter(handler)
     with Database.of(db).connection() as conn:
         if id_list is not None:
             found = {r[0] for r in conn.execute(sql.LOCK_DEAD_IDS, {"ids": id_list})}
@@ -158,9 +167,14 @@ def replay(db: DatabaseSource, ids: Iterable[int] | None = None, *, handler: str
         return list(replayed or [])
 
 
+@refused_input(InvalidEventQueueInput, "handlers")
 def register(db: DatabaseSource, handlers: object) -> list[str]:
     """Record handlers (a registry, ``"module:attr"`` or a list) in the database; return their names."""
     registry = HandlerRegistry.of(handlers)
     with Database.of(db).connection() as conn:
         registry.register(conn)
     return registry.names
+
+
+def _handler_filter(handler: object) -> str | None:
+    return None if handler is None else check_name("handler", handler)

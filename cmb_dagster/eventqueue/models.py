@@ -24,8 +24,10 @@ CRON_MODULE = "cron"  # the event space of events emitted by cron handlers
 DEFAULT_MODIFIER = "_"
 MAX_NAME_LENGTH = 200
 MAX_PRIORITY = 1000
-MAX_BATCH_BYTES = 64 * 1024 * 1024
-"""Largest debounced batch (its events' JSON as stored); an event that would pass it begins a new batch."""
+MAX_BATCH_BYTES = 32 * 1024 * 1024
+"""Largest debounced batch as its handler receives it (the JSON text of its events); an event that would pass it
+begins a new batch, and an event larger than it alone is a batch of one. Stored as jsonb a batch can take four
+times its text (an array of small numbers), and one jsonb holds less than 256 MiB."""
 KEY_FIELDS = ("value", "namespace", "module", "modifier")
 """What a handler's key path may start with; only ``value`` may go on (``value.account.id``)."""
 RETRY_BACKOFF = Backoff(first=1.0, factor=2, max=300.0)

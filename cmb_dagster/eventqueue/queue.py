@@ -20,6 +20,7 @@ from cmb_dagster.eventqueue.models import (
     delay_seconds,
     to_json,
 )
+from cmb_dagster.inputs import refused_input
 
 _FIELDS = {"namespace", "handler", "value", "module", "modifier", "delay", "priority"}
 
@@ -95,11 +96,12 @@ def _emit(
         "payload": next(iter(handlers)) if len(handlers) == 1 else "",
         "max_batch_bytes": MAX_BATCH_BYTES,
     }
-    if conn is not None:
-        return _insert(conn, params)
-    database = Database.of(db) if db is not None else Database.shared()
-    with database.connection(autocommit=True) as own:  # one statement: one round trip with its commit
-        return _insert(own, params)
+    with refused_input(InvalidEventQueueInput, "events" if prefixed else "event", conn=conn):
+        if conn is not None:
+            return _insert(conn, params)
+        database = Database.of(db) if db is not None else Database.shared()
+        with database.connection(autocommit=True) as own:  # one statement: one round trip with its commit
+            return _insert(own, params)
 
 
 def _insert(conn: psycopg.Connection, params: dict[str, Any]) -> list[int]:

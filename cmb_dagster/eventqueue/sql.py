@@ -21,10 +21,18 @@ from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
 # The flow-control scope of handler %(handler)s's events.
 SCOPE_PREFIX = "eventqueue/"
 
-# The key of an event (columns of ``e``) under its handler's key path (``h``), cut to the flow module's bound.
-_FLOW_KEY = """left(coalesce(CASE h.key_path[1] WHEN 'value' THEN e.value #>> h.key_path[2:]
+
+def _flow_key(value: str) -> str:
+    """The key of an event (columns of ``e``, its value ``value``) under its handler's key path (``h``), cut to the
+    flow module's bound."""
+    return f"""left(coalesce(CASE h.key_path[1] WHEN 'value' THEN ({value}) #>> h.key_path[2:]
                                        WHEN 'namespace' THEN e.namespace WHEN 'module' THEN e.module
                                        WHEN 'modifier' THEN e.modifier END, ''), 500)"""
+
+
+_FLOW_KEY = _flow_key("e.value")
+# A dead-lettered batch's key is its first member's (the events of a batch share their key).
+_DEAD_FLOW_KEY = _flow_key("CASE WHEN e.batch_count IS NULL THEN e.value ELSE e.value -> 0 -> 'value' END")
 
 
 def _turns(rows: str) -> str:
@@ -79,7 +87,14 @@ _FREED = "SELECT pg_notify(current_schema() || '.eventqueue', handler) FROM (SEL
 # -- emit -------------------------------------------------------------------------------------------
 
 # Nothing is inserted when any handler is unknown (the first unknown one is returned instead). Each event gets
-# its id first (in the order given); events of a debounced handler join their key's open batch or begin one.
+# its id first (in the order given); events of a debounced handler join their key's newest batch or begin one. A
+# batch is capped on its count (max_batch) and on its size as its handler receives it (batch_bytes: the length of
+# its JSON text, each member's text and the ', ' or bracket beside it). The events of one key in this emit are cut
+# into pieces by both: by size, each event goes with the others whose offset (the size of the key's events before
+# it) falls in the same span of max_batch_bytes less the largest member, so no piece passes the cap. The first
+# piece joins the key's newest unclaimed batch when that one is open (never failed, not held) and both fit; the
+# others begin batches. Only the newest: an older batch with room left would receive events after a newer one's.
+# Each member is built once (members is materialized); the windows that cut the pieces read only narrow rows.
 EMIT = f"""
 WITH v AS (
     SELECT v.*, nextval(pg_get_serial_sequence('eventqueue_events', 'id')) AS id
@@ -105,45 +120,60 @@ WITH v AS (
     FROM keyed k LEFT JOIN turns t ON t.n = k.n
     WHERE k.debounce_seconds IS NULL
     ORDER BY k.n
-), chunked AS (
-    SELECT k.*, (row_number() OVER (PARTITION BY handler, flow_key ORDER BY n) - 1) / max_batch AS chunk
-    FROM keyed k WHERE debounce_seconds IS NOT NULL
+), members AS MATERIALIZED (
+    SELECT k.n, k.handler, k.flow_key, k.debounce_seconds, k.max_wait_seconds, k.max_batch, m.member,
+           octet_length(m.member::text) + 2 AS bytes
+    FROM keyed k CROSS JOIN LATERAL (
+        SELECT jsonb_build_object('id', k.id, 'namespace', k.namespace, 'module', k.module, 'modifier', k.modifier,
+                                  'value', k.value, 'enqueued_at', now()) AS member
+        OFFSET 0  -- not pulled up: built once, not once for each use
+    ) AS m
+    WHERE k.debounce_seconds IS NOT NULL
+), spans AS (
+    SELECT m.n, m.handler, m.flow_key, m.max_batch,
+           (sum(m.bytes) OVER (PARTITION BY m.handler, m.flow_key ORDER BY m.n) - m.bytes)
+           / greatest(%(max_batch_bytes)s - max(m.bytes) OVER (PARTITION BY m.handler, m.flow_key), 1) AS span
+    FROM members m
+), pieces AS (
+    SELECT s.n, s.span, (row_number() OVER (PARTITION BY s.handler, s.flow_key, s.span ORDER BY s.n) - 1) / s.max_batch
+                        AS piece
+    FROM spans s
 ), groups AS (
-    SELECT handler, flow_key, chunk, min(debounce_seconds) AS debounce, min(max_wait_seconds) AS max_wait,
-           min(max_batch) AS max_batch, count(*) AS n, min(n) AS first,
-           jsonb_agg(jsonb_build_object('id', id, 'namespace', namespace, 'module', module, 'modifier', modifier,
-                                        'value', value, 'enqueued_at', now()) ORDER BY n) AS batch
-    FROM chunked
-    GROUP BY handler, flow_key, chunk
+    SELECT m.handler, m.flow_key, p.span = 0 AND p.piece = 0 AS leading, min(m.debounce_seconds) AS debounce,
+           min(m.max_wait_seconds) AS max_wait, min(m.max_batch) AS max_batch, count(*) AS n, sum(m.bytes) AS bytes,
+           min(m.n) AS first, jsonb_agg(m.member ORDER BY m.n) AS batch
+    FROM pieces p JOIN members m USING (n)
+    GROUP BY m.handler, m.flow_key, p.span, p.piece
 ), open AS (
-    SELECT g.handler, g.flow_key, o.id, g.batch, g.n,
+    SELECT g.handler, g.flow_key, o.id, g.batch, g.n, g.bytes,
            CASE WHEN g.max_wait IS NULL THEN now() + make_interval(secs => g.debounce)
                 ELSE least(now() + make_interval(secs => g.debounce),
                            o.enqueued_at + make_interval(secs => g.max_wait)) END AS due
     FROM groups g CROSS JOIN LATERAL (
-        SELECT e.id, e.enqueued_at FROM eventqueue_events e
-        WHERE e.handler = g.handler AND e.flow_key = g.flow_key AND e.batch_count IS NOT NULL
-          AND e.locked_at IS NULL AND e.retries = 0 AND e.crashes = 0 AND e.visible_at < 'infinity'
-          AND e.batch_count + g.n <= g.max_batch
-          AND pg_column_size(e.value) + pg_column_size(g.batch) <= %(max_batch_bytes)s
+        SELECT e.id, e.enqueued_at, e.retries, e.crashes, e.visible_at, e.batch_count, e.batch_bytes
+        FROM eventqueue_events e
+        WHERE e.handler = g.handler AND e.flow_key = g.flow_key AND e.batch_count IS NOT NULL AND e.locked_at IS NULL
         ORDER BY e.id DESC LIMIT 1
         FOR UPDATE OF e
     ) AS o
-    WHERE g.chunk = 0
+    WHERE g.leading AND o.retries = 0 AND o.crashes = 0 AND o.visible_at < 'infinity'
+      AND o.batch_count + g.n <= g.max_batch AND o.batch_bytes + g.bytes <= %(max_batch_bytes)s
 ), appended AS (
     UPDATE eventqueue_events e
-    SET value = e.value || o.batch, batch_count = e.batch_count + o.n, visible_at = o.due, delay_until = o.due,
-        turn = CASE WHEN o.due > now() THEN NULL ELSE e.turn END
+    SET value = e.value || o.batch, batch_count = e.batch_count + o.n, batch_bytes = e.batch_bytes + o.bytes,
+        visible_at = o.due, delay_until = o.due, turn = CASE WHEN o.due > now() THEN NULL ELSE e.turn END
     FROM open o
     WHERE e.id = o.id
     RETURNING e.handler, e.flow_key
 ), begun AS (
     INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, delay_until, visible_at, flow_key,
-                                   priority, batch_count)
-    SELECT k.id, k.namespace, k.module, k.handler, k.modifier, g.batch, d.due, d.due, k.flow_key, k.priority, g.n
+                                   priority, batch_count, batch_bytes)
+    SELECT k.id, k.namespace, k.module, k.handler, k.modifier, g.batch, d.due, d.due, k.flow_key, k.priority, g.n,
+           g.bytes
     FROM groups g JOIN keyed k ON k.n = g.first,
          LATERAL (SELECT now() + make_interval(secs => least(g.debounce, coalesce(g.max_wait, g.debounce))) AS due) d
-    WHERE g.chunk > 0 OR NOT EXISTS (SELECT 1 FROM appended a WHERE a.handler = g.handler AND a.flow_key = g.flow_key)
+    WHERE NOT g.leading
+       OR NOT EXISTS (SELECT 1 FROM appended a WHERE a.handler = g.handler AND a.flow_key = g.flow_key)
 )
 SELECT (SELECT handler FROM unknown),
        (SELECT array_agg(id ORDER BY n) FROM v),
@@ -587,7 +617,7 @@ ORDER BY h.name
 
 LIST_DEAD = f"""
 SELECT e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.priority,
-       {_FLOW_KEY}, e.died_at, e.error, e.traceback
+       {_DEAD_FLOW_KEY}, e.died_at, e.error, e.traceback
 FROM eventqueue_dead e LEFT JOIN eventqueue_handlers h ON h.name = e.handler
 WHERE (%(handler)s::text IS NULL OR e.handler = %(handler)s)
 ORDER BY e.id LIMIT %(limit)s
@@ -603,9 +633,9 @@ WITH moved AS (
     RETURNING id, namespace, module, handler, modifier, value, enqueued_at, priority, batch_count
 ), inserted AS (
     INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, enqueued_at, priority, flow_key,
-                                   batch_count)
-    SELECT e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.enqueued_at, e.priority, {_FLOW_KEY},
-           e.batch_count
+                                   batch_count, batch_bytes)
+    SELECT e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.enqueued_at, e.priority, {_DEAD_FLOW_KEY},
+           e.batch_count, CASE WHEN e.batch_count IS NOT NULL THEN octet_length(e.value::text) END
     FROM moved e JOIN eventqueue_handlers h ON h.name = e.handler
     RETURNING id
 )

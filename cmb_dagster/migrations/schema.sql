@@ -368,7 +368,8 @@ CREATE TABLE cmb.eventqueue_events (
     priority smallint DEFAULT 0 NOT NULL,
     turn bigint,
     flow_slot integer,
-    batch_count integer
+    batch_count integer,
+    batch_bytes bigint
 )
 WITH (fillfactor='80');
 

@@ -14,7 +14,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.inputs import check_int, check_text, shorten
+from cmb_dagster.inputs import check_int, check_text, refused_input, shorten
 from cmb_dagster.isolation import describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
 from cmb_dagster.pubsub.engine import lock_watermark, rewound
@@ -37,6 +37,7 @@ log = logging.getLogger("cmb_dagster.pubsub")
 DEFAULT_RETAIN = timedelta(days=7)
 
 
+@refused_input(InvalidPubSubInput, "arguments")
 def status(db: DatabaseSource, consumer_id: str | None = None, branch_id: int | None = None) -> PubSubStatus:
     """The lag of every registered consumer (or of one consumer id, or of one consumer of one branch)."""
     with Database.of(db).connection() as conn:
@@ -102,7 +103,7 @@ def consumer_lag(conn: psycopg.Connection, consumer_id: str | None = None, branc
 
 
 def _lags(conn: psycopg.Connection, consumer_id: str | None, branch_id: int | None) -> list[Lag]:
-    params = {"consumer_id": consumer_id, "branch_id": branch_id, "lease_kind": LEASE_KIND}
+    params = {**_selection(consumer_id, branch_id), "lease_kind": LEASE_KIND}
     rows = conn.cursor(row_factory=tuple_row).execute(sql.LAG, params)
     return [
         Lag(
@@ -170,6 +171,7 @@ def reset(conn: psycopg.Connection) -> tuple[int, int]:
     return old, new
 
 
+@refused_input(InvalidPubSubInput, "arguments")
 def dead_letters(
     conn: psycopg.Connection,
     consumer_id: str | None = None,
@@ -179,10 +181,11 @@ def dead_letters(
 ) -> list[DeadLetter]:
     """The events consumers parked (of one consumer id, or of one consumer of one branch); replayed
     ones too with ``include_replayed``."""
-    params = {"consumer_id": consumer_id, "branch_id": branch_id, "all": include_replayed}
+    params = {**_selection(consumer_id, branch_id), "all": include_replayed}
     return [_dead_letter(row) for row in conn.cursor(row_factory=tuple_row).execute(sql.DEAD_LETTERS, params)]
 
 
+@refused_input(InvalidPubSubInput, "arguments")
 def replay(
     database: DatabaseSource,
     consumer_id: str,
@@ -205,7 +208,7 @@ def replay(
     if handler is None:
         handler = registered_handler(db, key.consumer_id, key.branch_id)
     run = load_handler(handler) if isinstance(handler, str) else handler
-    ids = None if event_ids is None else [int(i) for i in event_ids]
+    ids = None if event_ids is None else [check_int(i, "event_ids", low=1, error=InvalidPubSubInput) for i in event_ids]
     replayed = failed = 0
     after = 0
     while True:
@@ -243,6 +246,7 @@ def replay(
             )
 
 
+@refused_input(InvalidPubSubInput, "arguments")
 def reset_consumer(
     database: DatabaseSource, consumer_id: str, branch_id: int = 0, *, to: int | datetime, by: str | None = None
 ) -> Watermark:
@@ -313,6 +317,14 @@ def reset_consumer(
         )
     log.warning("%s rewound %s", label, description)
     return after
+
+
+def _selection(consumer_id: object, branch_id: object) -> dict[str, object]:
+    """The consumer id and branch a read is narrowed to (each optional), checked."""
+    return {
+        "consumer_id": None if consumer_id is None else ConsumerKey(consumer_id=consumer_id).consumer_id,
+        "branch_id": None if branch_id is None else check_int(branch_id, "branch_id", error=InvalidPubSubInput),
+    }
 
 
 def _operator() -> str:

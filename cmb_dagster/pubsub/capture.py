@@ -10,7 +10,7 @@ import psycopg
 from psycopg.sql import SQL, Composable, Identifier
 from psycopg.sql import Literal as SQLLiteral
 
-from cmb_dagster.inputs import check_int, check_text, to_json
+from cmb_dagster.inputs import check_int, check_text, refused_input, to_json
 from cmb_dagster.pubsub import sql
 from cmb_dagster.pubsub.errors import InvalidPubSubInput, StreamRestored
 from cmb_dagster.pubsub.models import CaptureSpec
@@ -144,7 +144,8 @@ def publish(
         "payload": to_json(payload, "payload", error=InvalidPubSubInput),
     }
     try:
-        return conn.execute(sql.PUBLISH.format(events=events), params).fetchone()[0]
+        with refused_input(InvalidPubSubInput, "event", conn=conn):
+            return conn.execute(sql.PUBLISH.format(events=events), params).fetchone()[0]
     except psycopg.errors.ObjectNotInPrerequisiteState as exc:
         raise StreamRestored(f"{exc.diag.message_primary}; stop the producers, run it once, then start again") from None
     except psycopg.errors.UndefinedTable:

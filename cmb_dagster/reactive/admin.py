@@ -11,13 +11,17 @@ import psycopg
 
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import ParameterKey
-from cmb_dagster.ctl.store import check_values, values_from_json
+from cmb_dagster.ctl.store import check_key, check_values, values_from_json
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import check_text, refused_input
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.errors import InvalidReactiveInput
 from cmb_dagster.reactive.explanations import Explanation, stored_trigger
 from cmb_dagster.reactive.models import ReactiveStatus, SchedulerState, SeenRun, TaskState
 from cmb_dagster.triggers import evaluate, parameters, trigger_from_dict
+
+MAX_NAME_LENGTH = 1000
+"""Longest scheduler or task name an operator function looks up."""
 
 
 @contextmanager
@@ -31,9 +35,13 @@ def _connection(source: DatabaseSource) -> Iterator[psycopg.Connection]:
             database.close()
 
 
+@refused_input(InvalidReactiveInput, "arguments")
 def status(database: DatabaseSource, scheduler: str | None = None, name: str | None = None) -> ReactiveStatus:
     """The stored state of reactive tasks (all, one scheduler's, or one task's) and of the schedulers."""
-    params = {"scheduler": scheduler, "name": name}
+    params = {
+        "scheduler": None if scheduler is None else _name(scheduler, "scheduler"),
+        "name": None if name is None else _name(name, "name"),
+    }
     with _connection(database) as conn:
         cursor = conn.execute(sql.TASK_STATUS, params)
         columns = [c.name for c in cursor.description or ()]
@@ -56,6 +64,7 @@ def current_values(
     return {(e, p): value for e, p, value, _ in rows}, {(e, p): changed for e, p, _, changed in rows}
 
 
+@refused_input(InvalidReactiveInput, "arguments")
 def waits_on(database: DatabaseSource, task: TaskState, now: datetime) -> list[str]:
     """What the task's trigger waits on at ``now``, one line per CTL trigger that does not fire (from CTL only)."""
     trigger = trigger_from_dict(task.trigger)
@@ -80,6 +89,7 @@ def task_states(database: DatabaseSource, scheduler: str | None = None, name: st
     return status(database, scheduler, name).tasks
 
 
+@refused_input(InvalidReactiveInput, "arguments")
 def forget_last_values(
     database: DatabaseSource, scheduler: str, name: str, parameter: ParameterKey | None = None
 ) -> bool:
@@ -88,19 +98,26 @@ def forget_last_values(
     The task is evaluated again on the next tick (a backoff ends); a Delta-type trigger then fires as on a first
     release.
     """
-    path = list(parameter) if parameter else None
+    params = {
+        "scheduler": _name(scheduler, "scheduler"),
+        "name": _name(name, "name"),
+        "parameter": list(_parameter(parameter)) if parameter else None,
+    }
     with _connection(database) as conn:
-        row = conn.execute(sql.FORGET_LAST_VALUES, {"scheduler": scheduler, "name": name, "parameter": path}).fetchone()
+        row = conn.execute(sql.FORGET_LAST_VALUES, params).fetchone()
     return row is not None
 
 
+@refused_input(InvalidReactiveInput, "arguments")
 def retry_task(database: DatabaseSource, scheduler: str, name: str) -> bool:
     """Let a task parked for the crashes of its user code (or backing off) run again: it is evaluated on the
     next tick. False when there is no such task."""
+    params = {"scheduler": _name(scheduler, "scheduler"), "name": _name(name, "name")}
     with _connection(database) as conn:
-        return conn.execute(sql.RETRY_TASK, {"scheduler": scheduler, "name": name}).fetchone() is not None
+        return conn.execute(sql.RETRY_TASK, params).fetchone() is not None
 
 
+@refused_input(InvalidReactiveInput, "arguments")
 def set_last_value(
     database: DatabaseSource, scheduler: str, name: str, parameter: ParameterKey, value: datetime
 ) -> dict[str, dict[str, str]] | None:
@@ -116,7 +133,13 @@ def set_last_value(
         raise InvalidReactiveInput(
             f"set-last: --parameter ENTITY PARAMETER and an aware --value are needed ({exc})"
         ) from None
-    params = {"scheduler": scheduler, "name": name, "entity": key[0], "parameter": key[1], "value": moment.isoformat()}
+    params = {
+        "scheduler": _name(scheduler, "scheduler"),
+        "name": _name(name, "name"),
+        "entity": key[0],
+        "parameter": key[1],
+        "value": moment.isoformat(),
+    }
     with _connection(database) as conn:
         row = conn.execute(sql.SET_LAST_VALUE, params).fetchone()
     return None if row is None else row[0]
@@ -140,3 +163,15 @@ def claim_launch_log(database: DatabaseSource, scheduler: str, run_key: str, run
     defined = stored_trigger(trigger) if facts is not None else None
     why = Explanation.stored(text, facts, defined, trigger_hash, timezone or "UTC")
     return SeenRun(task, run_id, run_key, values_from_json(values), str(why))
+
+
+def _name(value: object, field: str) -> str:
+    return check_text(value, field, max_length=MAX_NAME_LENGTH, error=InvalidReactiveInput)
+
+
+def _parameter(parameter: object) -> ParameterKey:
+    """``parameter`` as an (entity, parameter) pair of CTL names."""
+    try:
+        return check_key(parameter)
+    except InvalidCtlInput as exc:
+        raise InvalidReactiveInput(f"parameter: {exc}") from None

@@ -6,6 +6,7 @@ import psycopg
 
 from cmb_dagster import flow
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.inputs import check_int, refused_input
 from cmb_dagster.stages import sql
 from cmb_dagster.stages.errors import InvalidStageInput
 from cmb_dagster.stages.models import (
@@ -16,7 +17,11 @@ from cmb_dagster.stages.models import (
     StagesStatus,
     StageStatus,
     check_entity_id,
+    check_stage_name,
 )
+
+MAX_LISTED = 100_000
+"""Queue entries one listing returns at most."""
 
 
 def status(source: DatabaseSource) -> StagesStatus:
@@ -75,6 +80,7 @@ def _limits(conn: psycopg.Connection) -> dict[str, StageLimits]:
     return found
 
 
+@refused_input(InvalidStageInput, "arguments")
 def entries(
     source: DatabaseSource,
     *,
@@ -83,25 +89,34 @@ def entries(
     problems: bool = False,
     limit: int = 100,
 ) -> list[QueueEntry]:
-    """Queue entries (earliest due first); ``problems``: only failing or parked ones."""
+    """Queue entries (earliest due first), at most ``limit`` (1..100,000); ``problems``: only failing or parked
+    ones."""
     db = Database.of(source)
-    if entity_id is not None:
-        check_entity_id(entity_id)
+    params = {
+        **_selection(stage, entity_id),
+        "problems": problems,
+        "limit": check_int(limit, "limit", low=1, high=MAX_LISTED, error=InvalidStageInput),
+    }
     with db.connection() as conn:
-        rows = conn.execute(
-            sql.LIST_ENTRIES, {"stage": stage, "entity": entity_id, "problems": problems, "limit": limit}
-        ).fetchall()
+        rows = conn.execute(sql.LIST_ENTRIES, params).fetchall()
     keys = list(QueueEntry.model_fields)
     return [QueueEntry(**dict(zip(keys, row, strict=True))) for row in rows]
 
 
+@refused_input(InvalidStageInput, "arguments")
 def retry(source: DatabaseSource, *, stage: str | None = None, entity_id: str | None = None) -> int:
     """Put parked entries (all, or of one stage / entity) back in their queue, due now; return how many."""
-    db = Database.of(source)
-    if entity_id is not None:
-        check_entity_id(entity_id)
-    with db.connection() as conn:
-        return conn.execute(sql.RETRY, {"stage": stage, "entity": entity_id}).rowcount
+    params = _selection(stage, entity_id)
+    with Database.of(source).connection() as conn:
+        return conn.execute(sql.RETRY, params).rowcount
+
+
+def _selection(stage: str | None, entity_id: str | None) -> dict[str, str | None]:
+    """The stage and entity a listing or a retry is narrowed to (each optional), checked."""
+    return {
+        "stage": None if stage is None else check_stage_name(stage),
+        "entity": None if entity_id is None else check_entity_id(entity_id),
+    }
 
 
 def shard_count(source: DatabaseSource) -> int:

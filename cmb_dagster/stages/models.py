@@ -13,7 +13,7 @@ from croniter import croniter
 from pydantic import BaseModel, Field, field_validator
 
 from cmb_dagster.health import Checks, Threshold, Verdict
-from cmb_dagster.inputs import check_text, to_json
+from cmb_dagster.inputs import check_text, shorten, to_json
 from cmb_dagster.models import Options, deprecated_iteration
 from cmb_dagster.stages.errors import InvalidStageInput
 
@@ -251,6 +251,13 @@ class QueueEntry(BaseModel):
 def check_entity_id(entity_id: Any) -> str:
     """``entity_id`` if it is a storable id of 1 to 256 characters."""
     return check_text(entity_id, "entity_id", max_length=MAX_ENTITY_ID_LENGTH, error=InvalidStageInput)
+
+
+def check_stage_name(stage: Any) -> str:
+    """``stage`` if it can name a stage (``STAGE_NAME_PATTERN``)."""
+    if not isinstance(stage, str) or not STAGE_NAME_PATTERN.match(stage):
+        raise InvalidStageInput(f"stage: {shorten(stage)} is not a stage name ({STAGE_NAME_PATTERN.pattern})")
+    return stage
 
 
 def dump_payload(payload: Any, what: str = "payload") -> str:

@@ -16,7 +16,7 @@ import psycopg
 from pydantic import ValidationError
 
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.inputs import check_int, to_json
+from cmb_dagster.inputs import check_int, refused_input, to_json
 from cmb_dagster.models import describe
 from cmb_dagster.notifications import channel_name
 from cmb_dagster.pubsub import install_capture
@@ -88,7 +88,8 @@ class StageStore:
         if not ids:
             return {}
         self._ensure_capture()
-        with self.db.connection() as conn:
+        field = "entity" if len(ids) == 1 else "entities"
+        with refused_input(InvalidStageInput, field), self.db.connection() as conn:
             shard_count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
             old = {row[0]: row[2] for row in conn.execute(sql.LOCK_ENTITIES, {"ids": ids})}
             written = dict(conn.execute(sql.UPSERT_ENTITIES, {"ids": ids, "payloads": texts}).fetchall())
@@ -111,7 +112,7 @@ class StageStore:
             )
         dump_payload(dict(patch), "patch")
         self._ensure_capture()
-        with self.db.connection() as conn:
+        with refused_input(InvalidStageInput, "patch"), self.db.connection() as conn:
             shard_count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
             row = conn.execute(sql.LOCK_ENTITIES, {"ids": [entity_id]}).fetchone()
             if row is None:
@@ -171,7 +172,7 @@ class StageStore:
         if not isinstance(new_state, spec.state_model):
             raise InvalidStageInput(f"new_state: must be a {spec.state_model.__name__}, not {type(new_state).__name__}")
         text = to_json(new_state.model_dump(mode="json"), "new_state", error=InvalidStageInput)
-        with self.db.connection() as conn:
+        with refused_input(InvalidStageInput, "new_state"), self.db.connection() as conn:
             if conn.execute(sql.LOCK_ENTITY, {"id": entity_id}).fetchone() is None:
                 raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
             stored = conn.execute(
