@@ -112,6 +112,11 @@ ORDER BY asset, check_name
 
 # -- flow control (cmb_dagster/flow.py) ---------------------------------------------------------------
 
+# Locks on a key's rows: takers lock the free slots they take FOR NO KEY UPDATE (SKIP LOCKED) and its bucket FOR
+# UPDATE (waiting, in (scope, key) order); FLOW_ENSURE key-share-locks the key's top slot row before it adds more
+# after it, which conflicts with the sweep alone (FOR UPDATE, SKIP LOCKED): the sweep never waits for anyone, and a
+# key's slot rows are always 0..n-1, deleted or made whole.
+#
 # SQL expressions the engines' claims share. FLOW_AVAILABLE: bucket b's tokens now, refilled at limits l's
 # rate up to its burst. FLOW_SLOT_FREE: slot s holds nothing live.
 FLOW_AVAILABLE = "least(l.burst, b.tokens + l.rate * extract(epoch FROM clock_timestamp() - b.refilled_at))"
@@ -122,6 +127,17 @@ def flow_empty_until(left: str) -> str:
     """SQL: when a bucket with ``left`` tokens (an expression) at its scope's rate ``l.rate`` has one again."""
     return f"""CASE WHEN {left} < 1 THEN clock_timestamp() + make_interval(secs => (1 - {left}) / l.rate)
                      ELSE '-infinity' END"""
+
+
+def flow_slots_lacking(scope: str, key: str, concurrency: str) -> str:
+    """SQL: whether a key (``scope``, ``key``: expressions) that found fewer free slots than it wanted is to have
+    FLOW_ENSURE run and be taken again: it has fewer slot rows than ``concurrency``, or none of its slots is held, the
+    free ones being locked by a sweep (FLOW_ENSURE waits for it, then makes the key again if it was removed) or by
+    takers starting at the same time."""
+    return f"""(coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = {scope} AND s.key = {key}
+                          ORDER BY s.slot DESC LIMIT 1), 0) < {concurrency}
+            OR NOT EXISTS (SELECT 1 FROM flow_slots s WHERE s.scope = {scope} AND s.key = {key} AND s.item IS NOT NULL
+                             AND NOT {FLOW_SLOT_FREE}))"""
 
 
 # Each scope's limits as registered (upsert), and the scopes given without limits forgotten.
@@ -141,7 +157,8 @@ WHERE (f.rate, f.burst, f.concurrency) IS DISTINCT FROM (EXCLUDED.rate, EXCLUDED
 """
 
 # The bucket of (scope, key) pairs, made full where missing; and more free slots where all are taken: slot rows
-# are made as they are needed (64 at first, then twice as many), up to the scope's concurrency.
+# are made as they are needed (64 at first, then twice as many), up to the scope's concurrency. The top slot row
+# is key-share-locked: a sweep deleting the key meanwhile is waited for (its rows are then made again from 0).
 FLOW_ENSURE = """
 WITH pairs AS (
     SELECT DISTINCT p.scope, p.key, l.rate, l.burst, l.concurrency
@@ -152,7 +169,7 @@ WITH pairs AS (
     ON CONFLICT DO NOTHING
 ), made AS (
     SELECT p.*, coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = p.scope AND s.key = p.key
-                          ORDER BY s.slot DESC LIMIT 1), 0) AS n
+                          ORDER BY s.slot DESC LIMIT 1 FOR KEY SHARE), 0) AS n
     FROM pairs p WHERE p.concurrency IS NOT NULL
 )
 INSERT INTO flow_slots (scope, key, slot)
@@ -162,8 +179,8 @@ ON CONFLICT DO NOTHING
 
 # Up to %(want)s grants for (scope, key): a free slot each (under a concurrency limit) and a token each (under a
 # rate limit), given to %(items)s in order; returns the grants, the slots given, when nothing was granted for
-# want of tokens the seconds until the next token, and whether the key lacks its bucket or slot rows (FLOW_ENSURE
-# makes them, then the take runs again).
+# want of tokens the seconds until the next token, and whether the key lacks its bucket (as locked: a sweep may
+# have removed it meanwhile) or slot rows (flow_slots_lacking): FLOW_ENSURE makes them, then the take runs again.
 FLOW_TAKE = f"""
 WITH l AS MATERIALIZED (
     SELECT rate, burst, concurrency FROM flow_limits WHERE scope = %(scope)s
@@ -171,7 +188,7 @@ WITH l AS MATERIALIZED (
     SELECT s.slot FROM flow_slots s, l
     WHERE s.scope = %(scope)s AND s.key = %(key)s AND s.slot < l.concurrency AND {FLOW_SLOT_FREE}
     ORDER BY s.slot LIMIT %(want)s
-    FOR UPDATE OF s SKIP LOCKED
+    FOR NO KEY UPDATE OF s SKIP LOCKED
 ), can AS (
     SELECT CASE WHEN l.concurrency IS NULL THEN %(want)s ELSE (SELECT count(*) FROM free) END AS n FROM l
 ), now_ AS (
@@ -201,8 +218,7 @@ SELECT coalesce((SELECT n FROM granted), 0)::int, ARRAY(SELECT slot FROM slots O
        CASE WHEN coalesce((SELECT n FROM granted), 0) = 0 THEN (SELECT wait FROM bucket) END,
        (SELECT (l.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM now_))
                OR (l.concurrency IS NOT NULL AND (SELECT count(*) FROM free) < %(want)s
-                   AND coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = %(scope)s AND s.key = %(key)s
-                                 ORDER BY s.slot DESC LIMIT 1), 0) < l.concurrency)
+                   AND {flow_slots_lacking("%(scope)s", "%(key)s", "l.concurrency")})
         FROM l)
 """
 
