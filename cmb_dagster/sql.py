@@ -248,3 +248,75 @@ JOIN flow_limits l ON l.scope = k.scope
 ORDER BY k.scope, k.key
 LIMIT %(limit)s
 """
+
+# The sweep (flow.sweep), first statement: of the keys walked in (scope, key) order from %(scope)s, %(key)s on
+# (those with a bucket or slot rows: the buckets' keys by their primary key, the slots' keys by a skip scan of
+# theirs, so the walk reads %(limit)s keys whatever the statistics), those idle - a full bucket (or none, or no rate
+# limit any more), no slot held - get their bucket and every slot row locked, skipping those another transaction
+# holds. Returns ('idle', scope, key, whether it has a bucket, its slot rows) for the idle keys whose rows are all
+# locked, and ('next', scope, key) for the key the next batch starts at, if any.
+FLOW_SWEEP_LOCK = f"""
+WITH RECURSIVE slot_keys(scope, key, n) AS (
+    (SELECT s.scope, s.key, 1 FROM flow_slots s WHERE (s.scope, s.key) >= (%(scope)s, %(key)s)
+     ORDER BY s.scope, s.key, s.slot LIMIT 1)
+    UNION ALL
+    SELECT nxt.scope, nxt.key, k.n + 1
+    FROM slot_keys k CROSS JOIN LATERAL (
+        SELECT s.scope, s.key FROM flow_slots s WHERE (s.scope, s.key) > (k.scope, k.key)
+        ORDER BY s.scope, s.key, s.slot LIMIT 1
+    ) AS nxt
+    WHERE k.n <= %(limit)s
+), walked AS MATERIALIZED (
+    SELECT scope, key, row_number() OVER (ORDER BY scope, key) AS n
+    FROM (SELECT scope, key FROM slot_keys
+          UNION
+          (SELECT b.scope, b.key FROM flow_buckets b WHERE (b.scope, b.key) >= (%(scope)s, %(key)s)
+           ORDER BY b.scope, b.key LIMIT %(limit)s + 1)) AS k
+    ORDER BY scope, key LIMIT %(limit)s + 1
+), idle AS MATERIALIZED (  -- as this statement sees them
+    SELECT w.scope, w.key, l.rate, l.burst
+    FROM walked w LEFT JOIN flow_limits l ON l.scope = w.scope
+    WHERE w.n <= %(limit)s
+      AND NOT EXISTS (SELECT 1 FROM flow_slots s WHERE s.scope = w.scope AND s.key = w.key AND s.item IS NOT NULL
+                        AND NOT {FLOW_SLOT_FREE})
+      AND NOT EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = w.scope AND b.key = w.key AND l.rate IS NOT NULL
+                        AND {FLOW_AVAILABLE} < l.burst)
+), locked AS MATERIALIZED (  -- each one's bucket, locked where it is still full (rechecked on its newest version)
+    SELECT l.scope, l.key, b.key IS NOT NULL AS bucket
+    FROM idle l LEFT JOIN LATERAL (
+        SELECT b.key FROM flow_buckets b
+        WHERE b.scope = l.scope AND b.key = l.key AND (l.rate IS NULL OR {FLOW_AVAILABLE} >= l.burst)
+        FOR UPDATE OF b SKIP LOCKED
+    ) AS b ON true
+    WHERE b.key IS NOT NULL OR NOT EXISTS (SELECT 1 FROM flow_buckets x WHERE x.scope = l.scope AND x.key = l.key)
+), slots AS MATERIALIZED (  -- then its free slot rows
+    SELECT k.scope, k.key, k.bucket, f.locked,
+           (SELECT count(*) FROM flow_slots s WHERE s.scope = k.scope AND s.key = k.key) AS seen
+    FROM locked k CROSS JOIN LATERAL (
+        SELECT count(*) AS locked
+        FROM (SELECT 1 FROM flow_slots s WHERE s.scope = k.scope AND s.key = k.key AND {FLOW_SLOT_FREE}
+              FOR UPDATE OF s SKIP LOCKED) AS s
+    ) AS f
+)
+SELECT 'idle', scope, key, bucket, locked::int FROM slots WHERE locked = seen
+UNION ALL
+SELECT 'next', scope, key, NULL, NULL FROM walked WHERE n = %(limit)s + 1
+"""
+
+# The sweep, second statement (a later snapshot, same transaction): the rows of the keys locked by the first,
+# deleted, where no row was added since (a bucket or slot rows made meanwhile: the key is left whole). Returns how
+# many keys were removed.
+FLOW_SWEEP_DELETE = """
+WITH idle AS MATERIALIZED (
+    SELECT g.scope, g.key
+    FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(buckets)s::bool[], %(slots)s::int[])
+        AS g(scope, key, bucket, slots)
+    WHERE EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = g.scope AND b.key = g.key) = g.bucket
+      AND (SELECT count(*) FROM flow_slots s WHERE s.scope = g.scope AND s.key = g.key) = g.slots
+), buckets AS (
+    DELETE FROM flow_buckets b USING idle i WHERE b.scope = i.scope AND b.key = i.key
+), slots AS (
+    DELETE FROM flow_slots s USING idle i WHERE s.scope = i.scope AND s.key = i.key
+)
+SELECT count(*)::int FROM idle
+"""
