@@ -7,25 +7,44 @@ from the work (an account, a tenant, a host). :func:`register` records each scop
 (:func:`release`), and the slot of a holder that died frees itself when its time-to-live passes (a holder renews
 it with :func:`renew` while it works). The event queue's claim uses the same tables and SQL expressions in its
 one statement (``cmb_dagster.sql.FLOW_AVAILABLE``, ``FLOW_SLOT_FREE``).
+
+A key's rows are made when it is first taken and removed by :func:`sweep` once it is idle (its bucket full again,
+no slot held): the tables hold the keys in use, not every key ever seen. An idle key is what a new one is, so its
+limits are unchanged by the removal. Every worker loop calls :func:`sweep_when_due`, which walks the keys a batch at
+a time, once per process.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import threading
+import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from pydantic import Field, model_validator
 
 from cmb_dagster import sql
+from cmb_dagster.database import Database
+from cmb_dagster.errors import CmbError
 from cmb_dagster.models import Options
+
+log = logging.getLogger("cmb_dagster.flow")
 
 MAX_KEY_LENGTH = 500
 """Longest key kept: a longer one is cut to this length."""
 MAX_CONCURRENCY = 10_000
+SWEEP_BATCH = 500
+"""Keys a sweep examines in one transaction."""
+SWEEP_INTERVAL = 60.0
+"""Seconds between two walks of a process over a database's keys (:func:`sweep_when_due`)."""
+SWEEP_PAUSE = 1.0
+"""Seconds between two batches of one walk."""
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d*(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -172,3 +191,64 @@ def usage(conn: psycopg.Connection, scopes: Sequence[str], *, limit: int = 1000)
     """The keys of ``scopes`` with a bucket or slots, their limits and use now (at most ``limit`` keys)."""
     rows = conn.execute(sql.FLOW_USAGE, {"scopes": list(scopes), "limit": limit}).fetchall()
     return [KeyUse(*row) for row in rows]
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What one batch of :func:`sweep` did: the keys whose rows it removed, and the key the next batch starts at
+    (None: the batch reached the last key)."""
+
+    removed: int
+    next: tuple[str, str] | None
+
+
+def sweep(conn: psycopg.Connection, *, start: tuple[str, str] = ("", ""), limit: int = SWEEP_BATCH) -> Swept:
+    """Remove the rows of the idle keys (bucket full, no slot held) among the ``limit`` keys from ``start`` on in
+    (scope, key) order, in one transaction of its own. A removed key is made again, full and free, when next taken;
+    a key taken, made or locked by another transaction meanwhile is left as it is, and nobody waits for the sweep
+    longer than this transaction."""
+    with conn.transaction():
+        rows = conn.execute(sql.FLOW_SWEEP_LOCK, {"scope": start[0], "key": start[1], "limit": limit}).fetchall()
+        idle = [row for row in rows if row[0] == "idle"]
+        removed = 0
+        if idle:
+            params = {
+                name: [row[i] for row in idle] for i, name in enumerate(("scopes", "keys", "buckets", "slots"), 1)
+            }
+            removed = conn.execute(sql.FLOW_SWEEP_DELETE, params).fetchone()[0]
+    return Swept(removed, next(((row[1], row[2]) for row in rows if row[0] == "next"), None))
+
+
+@dataclass
+class _Walk:
+    """A process's walk over the keys of one database: when its next batch is due, and where it starts."""
+
+    due: float
+    start: tuple[str, str] = ("", "")
+    running: threading.Lock = field(default_factory=threading.Lock)
+
+
+_walks: weakref.WeakKeyDictionary[Database, _Walk] = weakref.WeakKeyDictionary()
+_walks_lock = threading.Lock()
+
+
+def sweep_when_due(db: Database) -> None:
+    """Sweep the next batch of ``db``'s keys if it is due: the worker loops of a process share one walk over every
+    key, its batches :data:`SWEEP_PAUSE` apart, a walk every :data:`SWEEP_INTERVAL` seconds (the first that long
+    after the first call). A failure is logged; the next walk tries again."""
+    now = time.monotonic()
+    with _walks_lock:
+        walk = _walks.setdefault(db, _Walk(due=now + SWEEP_INTERVAL))
+    if now < walk.due or not walk.running.acquire(blocking=False):
+        return
+    try:
+        swept = Swept(0, None)
+        try:
+            with db.connection(timeout=1.0, autocommit=True) as conn:  # a worker loop's wait for it, at most
+                swept = sweep(conn, start=walk.start)
+        except (psycopg.Error, CmbError) as exc:
+            log.warning("flow control: could not remove idle keys (%s); trying again in %.0fs", exc, SWEEP_INTERVAL)
+        walk.start = swept.next or ("", "")
+        walk.due = time.monotonic() + (SWEEP_INTERVAL if swept.next is None else SWEEP_PAUSE)
+    finally:
+        walk.running.release()

@@ -112,6 +112,11 @@ ORDER BY asset, check_name
 
 # -- flow control (cmb_dagster/flow.py) ---------------------------------------------------------------
 
+# Locks on a key's rows: takers lock the free slots they take FOR NO KEY UPDATE (SKIP LOCKED) and its bucket FOR
+# UPDATE (waiting, in (scope, key) order); FLOW_ENSURE key-share-locks the key's top slot row before it adds more
+# after it, which conflicts with the sweep alone (FOR UPDATE, SKIP LOCKED): the sweep never waits for anyone, and a
+# key's slot rows are always 0..n-1, deleted or made whole.
+#
 # SQL expressions the engines' claims share. FLOW_AVAILABLE: bucket b's tokens now, refilled at limits l's
 # rate up to its burst. FLOW_SLOT_FREE: slot s holds nothing live.
 FLOW_AVAILABLE = "least(l.burst, b.tokens + l.rate * extract(epoch FROM clock_timestamp() - b.refilled_at))"
@@ -122,6 +127,17 @@ def flow_empty_until(left: str) -> str:
     """SQL: when a bucket with ``left`` tokens (an expression) at its scope's rate ``l.rate`` has one again."""
     return f"""CASE WHEN {left} < 1 THEN clock_timestamp() + make_interval(secs => (1 - {left}) / l.rate)
                      ELSE '-infinity' END"""
+
+
+def flow_slots_lacking(scope: str, key: str, concurrency: str) -> str:
+    """SQL: whether a key (``scope``, ``key``: expressions) that found fewer free slots than it wanted is to have
+    FLOW_ENSURE run and be taken again: it has fewer slot rows than ``concurrency``, or none of its slots is held, the
+    free ones being locked by a sweep (FLOW_ENSURE waits for it, then makes the key again if it was removed) or by
+    takers starting at the same time."""
+    return f"""(coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = {scope} AND s.key = {key}
+                          ORDER BY s.slot DESC LIMIT 1), 0) < {concurrency}
+            OR NOT EXISTS (SELECT 1 FROM flow_slots s WHERE s.scope = {scope} AND s.key = {key} AND s.item IS NOT NULL
+                             AND NOT {FLOW_SLOT_FREE}))"""
 
 
 # Each scope's limits as registered (upsert), and the scopes given without limits forgotten.
@@ -141,7 +157,8 @@ WHERE (f.rate, f.burst, f.concurrency) IS DISTINCT FROM (EXCLUDED.rate, EXCLUDED
 """
 
 # The bucket of (scope, key) pairs, made full where missing; and more free slots where all are taken: slot rows
-# are made as they are needed (64 at first, then twice as many), up to the scope's concurrency.
+# are made as they are needed (64 at first, then twice as many), up to the scope's concurrency. The top slot row
+# is key-share-locked: a sweep deleting the key meanwhile is waited for (its rows are then made again from 0).
 FLOW_ENSURE = """
 WITH pairs AS (
     SELECT DISTINCT p.scope, p.key, l.rate, l.burst, l.concurrency
@@ -152,7 +169,7 @@ WITH pairs AS (
     ON CONFLICT DO NOTHING
 ), made AS (
     SELECT p.*, coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = p.scope AND s.key = p.key
-                          ORDER BY s.slot DESC LIMIT 1), 0) AS n
+                          ORDER BY s.slot DESC LIMIT 1 FOR KEY SHARE), 0) AS n
     FROM pairs p WHERE p.concurrency IS NOT NULL
 )
 INSERT INTO flow_slots (scope, key, slot)
@@ -162,8 +179,8 @@ ON CONFLICT DO NOTHING
 
 # Up to %(want)s grants for (scope, key): a free slot each (under a concurrency limit) and a token each (under a
 # rate limit), given to %(items)s in order; returns the grants, the slots given, when nothing was granted for
-# want of tokens the seconds until the next token, and whether the key lacks its bucket or slot rows (FLOW_ENSURE
-# makes them, then the take runs again).
+# want of tokens the seconds until the next token, and whether the key lacks its bucket (as locked: a sweep may
+# have removed it meanwhile) or slot rows (flow_slots_lacking): FLOW_ENSURE makes them, then the take runs again.
 FLOW_TAKE = f"""
 WITH l AS MATERIALIZED (
     SELECT rate, burst, concurrency FROM flow_limits WHERE scope = %(scope)s
@@ -171,7 +188,7 @@ WITH l AS MATERIALIZED (
     SELECT s.slot FROM flow_slots s, l
     WHERE s.scope = %(scope)s AND s.key = %(key)s AND s.slot < l.concurrency AND {FLOW_SLOT_FREE}
     ORDER BY s.slot LIMIT %(want)s
-    FOR UPDATE OF s SKIP LOCKED
+    FOR NO KEY UPDATE OF s SKIP LOCKED
 ), can AS (
     SELECT CASE WHEN l.concurrency IS NULL THEN %(want)s ELSE (SELECT count(*) FROM free) END AS n FROM l
 ), now_ AS (
@@ -201,8 +218,7 @@ SELECT coalesce((SELECT n FROM granted), 0)::int, ARRAY(SELECT slot FROM slots O
        CASE WHEN coalesce((SELECT n FROM granted), 0) = 0 THEN (SELECT wait FROM bucket) END,
        (SELECT (l.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM now_))
                OR (l.concurrency IS NOT NULL AND (SELECT count(*) FROM free) < %(want)s
-                   AND coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = %(scope)s AND s.key = %(key)s
-                                 ORDER BY s.slot DESC LIMIT 1), 0) < l.concurrency)
+                   AND {flow_slots_lacking("%(scope)s", "%(key)s", "l.concurrency")})
         FROM l)
 """
 
@@ -231,4 +247,76 @@ FROM (SELECT scope, key FROM flow_buckets WHERE scope = ANY(%(scopes)s)
 JOIN flow_limits l ON l.scope = k.scope
 ORDER BY k.scope, k.key
 LIMIT %(limit)s
+"""
+
+# The sweep (flow.sweep), first statement: of the keys walked in (scope, key) order from %(scope)s, %(key)s on
+# (those with a bucket or slot rows: the buckets' keys by their primary key, the slots' keys by a skip scan of
+# theirs, so the walk reads %(limit)s keys whatever the statistics), those idle - a full bucket (or none, or no rate
+# limit any more), no slot held - get their bucket and every slot row locked, skipping those another transaction
+# holds. Returns ('idle', scope, key, whether it has a bucket, its slot rows) for the idle keys whose rows are all
+# locked, and ('next', scope, key) for the key the next batch starts at, if any.
+FLOW_SWEEP_LOCK = f"""
+WITH RECURSIVE slot_keys(scope, key, n) AS (
+    (SELECT s.scope, s.key, 1 FROM flow_slots s WHERE (s.scope, s.key) >= (%(scope)s, %(key)s)
+     ORDER BY s.scope, s.key, s.slot LIMIT 1)
+    UNION ALL
+    SELECT nxt.scope, nxt.key, k.n + 1
+    FROM slot_keys k CROSS JOIN LATERAL (
+        SELECT s.scope, s.key FROM flow_slots s WHERE (s.scope, s.key) > (k.scope, k.key)
+        ORDER BY s.scope, s.key, s.slot LIMIT 1
+    ) AS nxt
+    WHERE k.n <= %(limit)s
+), walked AS MATERIALIZED (
+    SELECT scope, key, row_number() OVER (ORDER BY scope, key) AS n
+    FROM (SELECT scope, key FROM slot_keys
+          UNION
+          (SELECT b.scope, b.key FROM flow_buckets b WHERE (b.scope, b.key) >= (%(scope)s, %(key)s)
+           ORDER BY b.scope, b.key LIMIT %(limit)s + 1)) AS k
+    ORDER BY scope, key LIMIT %(limit)s + 1
+), idle AS MATERIALIZED (  -- as this statement sees them
+    SELECT w.scope, w.key, l.rate, l.burst
+    FROM walked w LEFT JOIN flow_limits l ON l.scope = w.scope
+    WHERE w.n <= %(limit)s
+      AND NOT EXISTS (SELECT 1 FROM flow_slots s WHERE s.scope = w.scope AND s.key = w.key AND s.item IS NOT NULL
+                        AND NOT {FLOW_SLOT_FREE})
+      AND NOT EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = w.scope AND b.key = w.key AND l.rate IS NOT NULL
+                        AND {FLOW_AVAILABLE} < l.burst)
+), locked AS MATERIALIZED (  -- each one's bucket, locked where it is still full (rechecked on its newest version)
+    SELECT l.scope, l.key, b.key IS NOT NULL AS bucket
+    FROM idle l LEFT JOIN LATERAL (
+        SELECT b.key FROM flow_buckets b
+        WHERE b.scope = l.scope AND b.key = l.key AND (l.rate IS NULL OR {FLOW_AVAILABLE} >= l.burst)
+        FOR UPDATE OF b SKIP LOCKED
+    ) AS b ON true
+    WHERE b.key IS NOT NULL OR NOT EXISTS (SELECT 1 FROM flow_buckets x WHERE x.scope = l.scope AND x.key = l.key)
+), slots AS MATERIALIZED (  -- then its free slot rows
+    SELECT k.scope, k.key, k.bucket, f.locked,
+           (SELECT count(*) FROM flow_slots s WHERE s.scope = k.scope AND s.key = k.key) AS seen
+    FROM locked k CROSS JOIN LATERAL (
+        SELECT count(*) AS locked
+        FROM (SELECT 1 FROM flow_slots s WHERE s.scope = k.scope AND s.key = k.key AND {FLOW_SLOT_FREE}
+              FOR UPDATE OF s SKIP LOCKED) AS s
+    ) AS f
+)
+SELECT 'idle', scope, key, bucket, locked::int FROM slots WHERE locked = seen
+UNION ALL
+SELECT 'next', scope, key, NULL, NULL FROM walked WHERE n = %(limit)s + 1
+"""
+
+# The sweep, second statement (a later snapshot, same transaction): the rows of the keys locked by the first,
+# deleted, where no row was added since (a bucket or slot rows made meanwhile: the key is left whole). Returns how
+# many keys were removed.
+FLOW_SWEEP_DELETE = """
+WITH idle AS MATERIALIZED (
+    SELECT g.scope, g.key
+    FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(buckets)s::bool[], %(slots)s::int[])
+        AS g(scope, key, bucket, slots)
+    WHERE EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = g.scope AND b.key = g.key) = g.bucket
+      AND (SELECT count(*) FROM flow_slots s WHERE s.scope = g.scope AND s.key = g.key) = g.slots
+), buckets AS (
+    DELETE FROM flow_buckets b USING idle i WHERE b.scope = i.scope AND b.key = i.key
+), slots AS (
+    DELETE FROM flow_slots s USING idle i WHERE s.scope = i.scope AND s.key = i.key
+)
+SELECT count(*)::int FROM idle
 """

@@ -28,7 +28,7 @@ from datetime import datetime
 
 import psycopg
 
-from cmb_dagster import sql
+from cmb_dagster import flow, sql
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.errors import CmbError
 from cmb_dagster.isolation import WorkerStuck
@@ -362,6 +362,7 @@ class Worker:
                     report.steps += 1
                     report.items += count
                     handled += count
+                flow.sweep_when_due(self.leases.db)  # housekeeping shared by the engines: one walk per process
                 if self.on_progress is not None:
                     report.seconds = time.monotonic() - started
                     self.on_progress(report)

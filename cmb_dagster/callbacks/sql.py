@@ -1,6 +1,6 @@
 """Every SQL statement of the callbacks engine (tables: migrations/0004_callbacks.sql)."""
 
-from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
+from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until, flow_slots_lacking
 
 EVENT_COLUMNS = """
     event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
@@ -617,8 +617,9 @@ FLOW_SCOPES = "SELECT scope FROM flow_limits WHERE scope LIKE 'callbacks/%%' ORD
 # %(want)s of them need a slot from here (the others have one the worker holds already). Free slots are taken
 # (skipping those locked by another taker) for at most as many calls as the key's tokens allow, given to the
 # holder %(holder)s (item: holder || slot) for %(ttl)s seconds. Buckets are locked in (scope, key) order, so
-# takers never deadlock. Returns, per key of a registered scope: the calls granted, the slots taken, and, when
-# none was granted for want of tokens, the seconds until the next one.
+# takers never deadlock. Returns, per key of a registered scope: the calls granted, the slots taken, when none was
+# granted for want of tokens the seconds until the next one, and whether the key lacks its bucket or slot rows
+# (FLOW_ENSURE makes them, then the take runs again: a key new, or removed while idle, is taken like a full one).
 FLOW_TAKE_MANY = f"""
 WITH l AS MATERIALIZED (
     SELECT w.scope, w.key, w.want, w.items, f.rate, f.burst, f.concurrency
@@ -630,7 +631,7 @@ WITH l AS MATERIALIZED (
         SELECT s.scope, s.key, s.slot FROM flow_slots s
         WHERE s.scope = l.scope AND s.key = l.key AND s.slot < l.concurrency AND {FLOW_SLOT_FREE}
         ORDER BY s.slot LIMIT l.want
-        FOR UPDATE OF s SKIP LOCKED
+        FOR NO KEY UPDATE OF s SKIP LOCKED
     ) AS f
 ), can AS MATERIALIZED (
     SELECT l.*, CASE WHEN l.concurrency IS NULL THEN l.items
@@ -652,7 +653,10 @@ WITH l AS MATERIALIZED (
     SELECT c.scope, c.key, c.items - c.want AS held,
            CASE WHEN c.rate IS NULL THEN c.n ELSE coalesce(least(floor(greatest(t.avail, 0)), t.n), 0) END::int AS n,
            CASE WHEN c.rate IS NOT NULL AND coalesce(floor(greatest(t.avail, 0)), 0) < 1
-                THEN greatest((1 - t.avail) / t.rate, 0) END AS wait
+                THEN greatest((1 - t.avail) / t.rate, 0) END AS wait,
+           (c.rate IS NOT NULL AND t.key IS NULL)
+           OR (c.concurrency IS NOT NULL AND c.n < c.items
+               AND {flow_slots_lacking("c.scope", "c.key", "c.concurrency")}) AS missing
     FROM can c LEFT JOIN now_ t ON t.scope = c.scope AND t.key = c.key
 ), slots AS (
     UPDATE flow_slots s
@@ -662,7 +666,7 @@ WITH l AS MATERIALIZED (
     RETURNING s.scope, s.key, s.slot
 )
 SELECT g.scope, g.key, g.n,
-       ARRAY(SELECT s.slot FROM slots s WHERE s.scope = g.scope AND s.key = g.key ORDER BY s.slot), g.wait
+       ARRAY(SELECT s.slot FROM slots s WHERE s.scope = g.scope AND s.key = g.key ORDER BY s.slot), g.wait, g.missing
 FROM granted g
 """
 

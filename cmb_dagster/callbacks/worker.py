@@ -68,7 +68,7 @@ COMMIT_BATCH = 500
 REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls not logged one by one)
 FAILURES_LOGGED_PER_WINDOW = 20
 MOVE_BATCH = 5000  # events of a removed bucket moved per transaction (inserts wait for each one)
-MAX_KEYS_REMEMBERED = 100_000  # keys of limits whose rows a worker knows exist
+MAX_KEYS_REMEMBERED = 100_000  # owners whose signing secrets a worker remembers
 
 
 Position = tuple[datetime, int]
@@ -142,7 +142,6 @@ class HeldSlots:
         self._lock = threading.Lock()
         self._free: dict[FlowKey, list[int]] = {}
         self._busy: dict[FlowKey, set[int]] = {}
-        self._ensured: set[FlowKey] = set()
         self.renewed_at = time.monotonic()
 
     def assign(self, deliveries: list[Delivery]) -> tuple[dict[FlowKey, list[Delivery]], list[Delivery]]:
@@ -165,19 +164,6 @@ class HeldSlots:
         for ds in asking.values():
             ds.sort(key=lambda d: d.slot is None)
         return asking, waiting
-
-    def unensured(self, keys: list[FlowKey]) -> list[FlowKey]:
-        with self._lock:
-            return [key for key in keys if key not in self._ensured]
-
-    def ensured(self, keys: list[FlowKey], short: list[FlowKey]) -> None:
-        """The rows of ``keys`` exist, except maybe for ``short`` (they got fewer calls than asked: their rows are
-        made again where missing before their next take)."""
-        with self._lock:
-            if len(self._ensured) > MAX_KEYS_REMEMBERED:
-                self._ensured.clear()  # made again where missing: it costs one statement per key
-            self._ensured.update(keys)
-            self._ensured.difference_update(short)
 
     def rated(self, key: FlowKey) -> bool:
         """Whether calls of ``key`` need a token each (their scope has a rate limit)."""
@@ -333,30 +319,12 @@ class BucketGate:
             for d in deliveries:
                 d.secrets = self._secrets.of(d.owner_client_id)
             taken: dict[FlowKey, tuple[int, list[int]]] = {}
-            short: list[FlowKey] = []
             need = {k: ds for k, ds in asking.items() if self._slots.rated(k) or any(d.slot is None for d in ds)}
             new: list[Delivery] = []
             if need:
-                keys = sorted(need)
-                if fresh := self._slots.unensured(keys):
-                    await conn.execute(
-                        root_sql.FLOW_ENSURE, {"scopes": [k[0] for k in fresh], "keys": [k[1] for k in fresh]}
-                    )
-                cursor = await conn.execute(
-                    sql.FLOW_TAKE_MANY,
-                    {
-                        "scopes": [k[0] for k in keys],
-                        "keys": [k[1] for k in keys],
-                        "want": [sum(d.slot is None for d in need[k]) for k in keys],
-                        "items": [len(need[k]) for k in keys],
-                        "holder": self._slots.holder,
-                        "ttl": self._slots.ttl,
-                    },
-                )
-                for scope, key, granted, slots, key_wait in await cursor.fetchall():
-                    taken[(scope, key)] = (granted, slots)
-                    if granted < len(need[(scope, key)]):  # slots held elsewhere free at any time; tokens come later
-                        short.append((scope, key))
+                for key, (granted, slots, key_wait) in (await self._take(conn, need)).items():
+                    taken[key] = (granted, slots)
+                    if granted < len(need[key]):  # slots held elsewhere free at any time; tokens come later
                         key_wait = SLOT_RECHECK if key_wait is None else key_wait
                         wait = key_wait if wait is None else min(wait, key_wait)
             refused: list[Delivery] = []
@@ -387,13 +355,50 @@ class BucketGate:
             go = [d for d in passing if d.event_id in let_through]
             if go:
                 start(go)
-        if need:
-            self._slots.ensured(list(need), short)
         for d in refused:
             self._slots.free(d)
             d.slot = None
         gone = [d for d in passing if d.event_id not in pending and d.event_id not in let_through]
         return gone, waiting + refused, wait
+
+    async def _take(
+        self, conn: psycopg.AsyncConnection, need: dict[FlowKey, list[Delivery]]
+    ) -> dict[FlowKey, tuple[int, list[int], float | None]]:
+        """flow.take for each key of ``need`` (its deliveries, those holding a slot first): the deliveries granted,
+        the slots taken and the seconds until a token. Keys lacking their rows get them made and are taken again
+        for the deliveries not granted yet."""
+        taken = await self._take_many(conn, need)
+        lacking = sorted(key for key, (_, _, _, missing) in taken.items() if missing)
+        if lacking:
+            await conn.execute(
+                root_sql.FLOW_ENSURE, {"scopes": [k[0] for k in lacking], "keys": [k[1] for k in lacking]}
+            )
+            more = await self._take_many(conn, {key: need[key][taken[key][0] :] for key in lacking})
+            for key, (granted, slots, wait, _) in more.items():
+                taken[key] = (taken[key][0] + granted, taken[key][1] + slots, wait, False)
+        return {key: (granted, slots, wait) for key, (granted, slots, wait, _) in taken.items()}
+
+    async def _take_many(
+        self, conn: psycopg.AsyncConnection, need: dict[FlowKey, list[Delivery]]
+    ) -> dict[FlowKey, tuple[int, list[int], float | None, bool]]:
+        """One FLOW_TAKE_MANY: per key, the deliveries granted, the slots taken, the seconds until a token and
+        whether the key lacks rows."""
+        keys = sorted(need)
+        cursor = await conn.execute(
+            sql.FLOW_TAKE_MANY,
+            {
+                "scopes": [k[0] for k in keys],
+                "keys": [k[1] for k in keys],
+                "want": [sum(d.slot is None for d in need[k]) for k in keys],
+                "items": [len(need[k]) for k in keys],
+                "holder": self._slots.holder,
+                "ttl": self._slots.ttl,
+            },
+        )
+        return {
+            (scope, key): (granted, slots, wait, missing)
+            for scope, key, granted, slots, wait, missing in await cursor.fetchall()
+        }
 
     async def close(self) -> None:
         await self._conn.close()

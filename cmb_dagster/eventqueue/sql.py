@@ -16,7 +16,7 @@ handler filter is written ``array_position(...) IS NOT NULL`` on purpose: withou
 test is estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
 """
 
-from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until
+from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until, flow_slots_lacking
 
 # The flow-control scope of handler %(handler)s's events.
 SCOPE_PREFIX = "eventqueue/"
@@ -191,7 +191,8 @@ _RULE = """
 # The flow limits of the claim's candidates (``offered``: id, scope, flow_key, priority, turn, decision, take):
 # of each limited key's candidates in order, as many as its tokens and free slots allow are granted (taking
 # them), the others are 'throttled'. ``candidates`` adds the slot granted; 'flow_missing' names the limited keys
-# whose bucket or slots do not exist yet (the worker makes them).
+# whose bucket (as locked) or slots do not exist, yet or any more, or whose free slots a sweep holds (the worker
+# makes them, waiting for the sweep, and claims again).
 _ADMIT = f"""
 limits AS MATERIALIZED (
     SELECT l.scope, l.rate, l.burst, l.concurrency FROM flow_limits l
@@ -210,18 +211,15 @@ limits AS MATERIALIZED (
         SELECT s.slot FROM flow_slots s
         WHERE s.scope = w.scope AND s.key = w.key AND s.slot < w.concurrency AND {FLOW_SLOT_FREE}
         ORDER BY s.slot LIMIT w.n
-        FOR UPDATE OF s SKIP LOCKED
+        FOR NO KEY UPDATE OF s SKIP LOCKED
     ) AS f
     WHERE w.concurrency IS NOT NULL
 ), can AS (
     SELECT w.scope, w.key, w.rate,
            CASE WHEN w.concurrency IS NULL THEN w.n
                 ELSE least(w.n, (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key)) END AS n,
-           (w.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM flow_buckets b WHERE b.scope = w.scope AND b.key = w.key))
-           OR (w.concurrency IS NOT NULL
-               AND (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key) < w.n
-               AND coalesce((SELECT s.slot + 1 FROM flow_slots s WHERE s.scope = w.scope AND s.key = w.key
-                             ORDER BY s.slot DESC LIMIT 1), 0) < w.concurrency) AS missing
+           w.concurrency IS NOT NULL AND (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key) < w.n
+           AND {flow_slots_lacking("w.scope", "w.key", "w.concurrency")} AS slots_missing
     FROM wanted w
 ), bucket_now AS (
     SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail
@@ -269,8 +267,10 @@ def _apply(limited: bool) -> str:
     """The end of a claim: its candidates (admitted by the flow limits when ``limited``), applied."""
     missing = """
 UNION ALL
-SELECT 'flow_missing', NULL, scope, key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM can WHERE missing"""
+SELECT 'flow_missing', NULL, c.scope, c.key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM can c
+WHERE c.slots_missing
+   OR (c.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM bucket_now b WHERE b.scope = c.scope AND b.key = c.key))"""
     return f"""
 {_ADMIT if limited else _UNLIMITED}, rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
