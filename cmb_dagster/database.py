@@ -12,7 +12,7 @@ import math
 import select
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeAlias
 
@@ -101,14 +101,15 @@ class Database:
     def of(cls, source: DatabaseSource, *, schema: str | None = None) -> Database:
         """The Database behind ``source``: a Database as is, a libpq URL, or a psycopg pool of yours.
 
-        A pool stays yours (``close`` leaves it open); each borrowed connection gets the cmb schema
-        first on its search_path. ``schema`` defaults to ``CMB_SCHEMA``.
+        A URL gives the one Database of this process for that URL and schema: every call shares its pool, which
+        is closed at exit. A pool stays yours (``close`` leaves it open); each borrowed connection gets the cmb
+        schema first on its search_path. ``schema`` defaults to ``CMB_SCHEMA``.
         """
         if isinstance(source, Database):
             return source
         schema = schema or Settings.from_env().schema_name
         if isinstance(source, str):
-            return cls(source, schema=schema)
+            return _one_per_process(("url", source, schema), lambda: cls(source, schema=schema))
         if isinstance(source, ConnectionPool):
             database = cls(source.conninfo, schema=schema)
             database._pool = source
@@ -128,11 +129,8 @@ class Database:
     def shared(cls, url: str | None = None, schema: str | None = None) -> Database:
         """One Database per (url, schema) in this process, so ops and sensors reuse one pool."""
         settings = Settings.from_env(database_url=url, schema_name=schema)
-        key = (settings.database_url, settings.direct_database_url, settings.schema_name, str(settings.home))
-        with _SHARED_LOCK:
-            if key not in _SHARED:
-                _SHARED[key] = cls.from_settings(settings)
-            return _SHARED[key]
+        key = ("settings", settings.database_url, settings.direct_database_url, settings.schema_name)
+        return _one_per_process((*key, str(settings.home)), lambda: cls.from_settings(settings))
 
     def bounded(self, timeout: float) -> Database:
         """This database for a reader that must answer in time (the metrics): a pool of its own of one
@@ -452,9 +450,18 @@ class OwnAsyncConnection:
             await conn.close()
 
 
-_SHARED: dict[tuple[str | None, str | None, str, str], Database] = {}
+_SHARED: dict[tuple[str | None, ...], Database] = {}  # Database.of's, by URL, and Database.shared's, by settings
 _SHARED_LOCK = threading.Lock()
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()  # the Databases whose pool this process opened
+
+
+def _one_per_process(key: tuple[str | None, ...], build: Callable[[], Database]) -> Database:
+    """The Database kept under ``key``, built the first time it is asked for."""
+    with _SHARED_LOCK:
+        database = _SHARED.get(key)
+        if database is None:
+            database = _SHARED[key] = build()
+        return database
 
 
 @atexit.register
