@@ -302,6 +302,7 @@ class _Reading:
             self._read[engine] = (families, seconds, failed)
 
     def finish(self) -> None:
+        """Every read has ended (or none will start)."""
         self.ended = time.monotonic()
         self.done.set()
 
@@ -365,7 +366,7 @@ def serve(db: Database, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, b
     collector = StatusCollector(db, bucket_sets=bucket_sets)
     registry.register(collector)
     family, *_, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})
+    server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})  # read when binding
     server = make_server(address[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, name="cmb-metrics-http", daemon=True)
     thread.start()
