@@ -27,6 +27,7 @@ from cmb_dagster.ctl.cli import ctl
 from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
 from cmb_dagster.eventqueue.cli import events
+from cmb_dagster.isolation import escaped
 from cmb_dagster.pubsub.cli import pubsub
 from cmb_dagster.reactive.cli import reactive
 from cmb_dagster.secrets import scrub, secrets_of
@@ -126,17 +127,20 @@ def main() -> None:
 
 def output_scrubber() -> Callable[[str], str]:
     """A function that removes from a text the secrets of CMB_DATABASE_URL, CMB_DIRECT_DATABASE_URL,
-    CMB_DAGSTER_STORAGE_URL, PGPASSWORD and of any URL or ``password=`` the text quotes itself."""
+    CMB_DAGSTER_STORAGE_URL, PGPASSWORD and of any URL or ``password=`` the text quotes itself, and writes a NUL
+    as ``\\0`` (:func:`~cmb_dagster.isolation.escaped`: text from user code, e.g. an exception's message, may
+    hold one, and a terminal or a log collector would be handed the raw byte)."""
     sources = [os.environ.get(name) for name in SECRET_ENV]
     hidden = set().union(*(secrets_of(source) for source in sources))
     if os.environ.get("PGPASSWORD"):
         hidden.add(os.environ["PGPASSWORD"])
-    return lambda text: scrub(text, *sources, secrets=hidden)
+    return lambda text: escaped(scrub(text, *sources, secrets=hidden))
 
 
 @contextlib.contextmanager
 def scrubbed_logs(clean: Callable[[str], str]) -> Iterator[None]:
-    """Log records made meanwhile (messages, tracebacks, stacks) carry no secret, whatever their handler."""
+    """Log records made meanwhile (messages, tracebacks, stacks), cmb's and user code's, are ``clean``-ed
+    (:func:`output_scrubber`: no secret, no NUL), whatever their handler."""
     previous = logging.getLogRecordFactory()
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:

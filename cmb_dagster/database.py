@@ -8,10 +8,11 @@ statement) and a direct one to the server for what lives in a session: LISTEN, l
 from __future__ import annotations
 
 import atexit
+import math
 import select
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TypeAlias
 
@@ -26,6 +27,9 @@ from cmb_dagster.secrets import mask, scrub
 from cmb_dagster.settings import Settings, check_schema_name
 
 CONNECT_TIMEOUT_S = 5
+
+POOL_WAIT_S = 30.0
+"""Seconds a borrow waits for a pooled connection (psycopg_pool's default) unless the Database has a ``timeout``."""
 
 NETWORK_TIMEOUT_S = 2
 """A connection whose peer stopped answering for this many seconds is closed, by both ends.
@@ -61,6 +65,10 @@ class Database:
     With a ``direct_url`` other than ``url``, ``url`` is :attr:`pooled` (a PgBouncer in transaction mode):
     work goes there (:meth:`connection`, :meth:`connect`); sessions go to ``direct_url``
     (:meth:`direct_connection`, :meth:`connect_direct`).
+
+    With a ``timeout`` (seconds, for readers that must answer in time: see :meth:`bounded`), connecting, waiting
+    for a pooled connection and each statement give up after it; without, connecting gives up after
+    :data:`CONNECT_TIMEOUT_S`, a borrow after :data:`POOL_WAIT_S`, and statements run as long as they take.
     """
 
     def __init__(
@@ -71,6 +79,7 @@ class Database:
         schema: str = "cmb",
         max_pool_size: int = 10,
         migrate: bool = True,
+        timeout: float | None = None,
     ) -> None:
         check_url(url)
         self.url = url
@@ -80,6 +89,7 @@ class Database:
         except ValueError as exc:
             raise ConfigError(f"schema: {exc}") from None
         self.max_pool_size = max_pool_size
+        self.timeout = timeout
         self._migrate = migrate
         self._ready = False
         self._pool: ConnectionPool | None = None
@@ -91,14 +101,15 @@ class Database:
     def of(cls, source: DatabaseSource, *, schema: str | None = None) -> Database:
         """The Database behind ``source``: a Database as is, a libpq URL, or a psycopg pool of yours.
 
-        A pool stays yours (``close`` leaves it open); each borrowed connection gets the cmb schema
-        first on its search_path. ``schema`` defaults to ``CMB_SCHEMA``.
+        A URL gives the one Database of this process for that URL and schema: every call shares its pool, which
+        is closed at exit. A pool stays yours (``close`` leaves it open); each borrowed connection gets the cmb
+        schema first on its search_path. ``schema`` defaults to ``CMB_SCHEMA``.
         """
         if isinstance(source, Database):
             return source
         schema = schema or Settings.from_env().schema_name
         if isinstance(source, str):
-            return cls(source, schema=schema)
+            return _one_per_process(("url", source, schema), lambda: cls(source, schema=schema))
         if isinstance(source, ConnectionPool):
             database = cls(source.conninfo, schema=schema)
             database._pool = source
@@ -118,11 +129,21 @@ class Database:
     def shared(cls, url: str | None = None, schema: str | None = None) -> Database:
         """One Database per (url, schema) in this process, so ops and sensors reuse one pool."""
         settings = Settings.from_env(database_url=url, schema_name=schema)
-        key = (settings.database_url, settings.direct_database_url, settings.schema_name, str(settings.home))
-        with _SHARED_LOCK:
-            if key not in _SHARED:
-                _SHARED[key] = cls.from_settings(settings)
-            return _SHARED[key]
+        key = ("settings", settings.database_url, settings.direct_database_url, settings.schema_name)
+        return _one_per_process((*key, str(settings.home)), lambda: cls.from_settings(settings))
+
+    def bounded(self, timeout: float) -> Database:
+        """This database for a reader that must answer in time (the metrics): a pool of its own of one
+        connection, where connecting, waiting for the connection and each statement give up after ``timeout``
+        seconds (connecting after 2 s at least, libpq's floor). It never migrates (a migration must not be cut
+        short). Through a pooler, the pooler's ``query_timeout`` bounds statements (a session setting would stay
+        on its server connection). A Database over a pool of yours is returned as is: the pool keeps your
+        settings."""
+        if self._external_pool:
+            return self
+        return Database(
+            self.url, direct_url=self.direct_url, schema=self.schema, max_pool_size=1, migrate=False, timeout=timeout
+        )
 
     # -- connections -------------------------------------------------------------------------
 
@@ -155,18 +176,20 @@ class Database:
 
     def _connect_kwargs(self, *, pooled: bool) -> dict[str, object]:
         """Bounded connect and network timeouts (:data:`NETWORK_TIMEOUT_S`) unless the URL sets its own; for a
-        server, the cmb schema first on the search_path and the server's side of the network timeouts; for a
-        pooler, no statement prepared."""
+        server, the cmb schema first on the search_path, the server's side of the network timeouts and the
+        :attr:`timeout` of statements; for a pooler, no statement prepared."""
         given = conninfo_to_dict(self.url if pooled else self.direct_url)
         network = [(client, server, value) for client, server, value in _NETWORK_SETTINGS if client not in given]
-        kwargs: dict[str, object] = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1}
+        connect_timeout = CONNECT_TIMEOUT_S if self.timeout is None else max(2, math.ceil(self.timeout))
+        kwargs: dict[str, object] = {"connect_timeout": connect_timeout, "keepalives": 1}
         kwargs.update({c: v for c, _, v in network})
         if pooled:
             kwargs["prepare_threshold"] = None
         else:
-            kwargs["options"] = " ".join(
-                [f"-c search_path={self.schema},public", *(f"-c {s}={v}" for _, s, v in network)]
-            )
+            settings = [f"-c {s}={v}" for _, s, v in network]
+            if self.timeout is not None:
+                settings.append(f"-c statement_timeout={math.ceil(self.timeout * 1000)}")
+            kwargs["options"] = " ".join([f"-c search_path={self.schema},public", *settings])
         return kwargs
 
     def connect(self, *, autocommit: bool = False) -> psycopg.Connection:
@@ -191,6 +214,7 @@ class Database:
                     kwargs=self.connect_kwargs,
                     min_size=1,
                     max_size=self.max_pool_size,
+                    timeout=POOL_WAIT_S if self.timeout is None else self.timeout,
                     open=True,
                     check=check_connection,  # survive a server restart
                     name=f"cmb:{self.schema}",
@@ -212,6 +236,7 @@ class Database:
                     kwargs=self._connect_kwargs(pooled=False),
                     min_size=1,
                     max_size=DIRECT_POOL_SIZE,
+                    timeout=POOL_WAIT_S if self.timeout is None else self.timeout,
                     open=True,
                     check=check_connection,
                     name=f"cmb:{self.schema}:direct",
@@ -221,8 +246,9 @@ class Database:
 
     @contextmanager
     def connection(self, timeout: float | None = None, *, autocommit: bool = False) -> Iterator[psycopg.Connection]:
-        """Borrow a pooled work connection (waiting ``timeout`` seconds at most, else the pool's 30 s; then
-        psycopg_pool.PoolTimeout); the block's work commits on success and rolls back on error.
+        """Borrow a pooled work connection (waiting ``timeout`` seconds at most, else the Database's :attr:`timeout`
+        or :data:`POOL_WAIT_S`; then psycopg_pool.PoolTimeout); the block's work commits on success and rolls back
+        on error.
 
         With ``autocommit``, each statement outside ``conn.transaction()`` commits alone, in the round trip that
         sends it (for work that is one statement); a pool given to :meth:`of` keeps its transaction, in which the
@@ -424,9 +450,18 @@ class OwnAsyncConnection:
             await conn.close()
 
 
-_SHARED: dict[tuple[str | None, str | None, str, str], Database] = {}
+_SHARED: dict[tuple[str | None, ...], Database] = {}  # Database.of's, by URL, and Database.shared's, by settings
 _SHARED_LOCK = threading.Lock()
 _OPEN: weakref.WeakSet[Database] = weakref.WeakSet()  # the Databases whose pool this process opened
+
+
+def _one_per_process(key: tuple[str | None, ...], build: Callable[[], Database]) -> Database:
+    """The Database kept under ``key``, built the first time it is asked for."""
+    with _SHARED_LOCK:
+        database = _SHARED.get(key)
+        if database is None:
+            database = _SHARED[key] = build()
+        return database
 
 
 @atexit.register

@@ -3,7 +3,8 @@
 Every engine that calls user code or writes what user code returned follows it:
 
 - **Text from user code is sanitised before it is stored or logged** (:func:`describe_error`,
-  :func:`sanitize`): no NUL, no lone surrogate, a bounded length, so recording a failure cannot fail.
+  :func:`sanitize`): no NUL, no lone surrogate, a bounded length, so recording a failure cannot fail. A
+  ``cmb-dagster`` command escapes every log line and error it writes the same way, tracebacks included.
 - **A write of many items that fails on the data of one is split until that item is alone**
   (:func:`split_until_alone`); the others commit, the failing one is recorded as failed on its own.
 - **User code runs in a thread of its own, under a deadline** (:class:`UserCode`): a call still running
@@ -60,12 +61,17 @@ class WorkerStuck(CmbError):
     stops so that its process can be restarted (Postgres keeps every item; nothing is lost)."""
 
 
-def sanitize(text: str, limit: int = ERROR_TEXT_LIMIT) -> str:
-    """``text`` as Postgres text and logs can hold it: NUL written ``\\0``, lone surrogates replaced by
-    U+FFFD, at most ``limit`` characters."""
+def escaped(text: str) -> str:
+    """``text`` as Postgres text and logs can hold it: NUL written ``\\0``, lone surrogates replaced by U+FFFD."""
     text = text.replace("\x00", "\\0")
     if _LONE_SURROGATE.search(text):
         text = _LONE_SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def sanitize(text: str, limit: int = ERROR_TEXT_LIMIT) -> str:
+    """``text`` :func:`escaped`, at most ``limit`` characters."""
+    text = escaped(text)
     if len(text) > limit:
         text = text[: limit - 1] + "…"
     return text

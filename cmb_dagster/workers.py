@@ -442,6 +442,7 @@ class EngineWorker:
     A subclass returns its loops from :meth:`loops` (the first runs in the calling thread, any other in a
     thread of its own, all for the same duration) and may clean up in :meth:`finish`. A stop asked while
     before or while the worker starts (its loops are being built) is kept: :meth:`run` then returns at once.
+    An error that ends any loop ends the worker: the others stop, and :meth:`run` raises it.
     """
 
     def __init__(self, db: DatabaseSource, *, owner: str | None = None) -> None:
@@ -460,7 +461,11 @@ class EngineWorker:
     def run(
         self, duration: float | None = None, *, on_progress: Callable[[WorkerReport], None] | None = None
     ) -> WorkerReport:
-        """Work for ``duration`` seconds (None: until :meth:`stop`); report what the main loop did."""
+        """Work for ``duration`` seconds (None: until :meth:`stop`); report what the main loop did.
+
+        Raises what ended a loop (e.g. :class:`~cmb_dagster.isolation.WorkerStuck`) once every loop has stopped
+        and released its leases, so that the process ends and is restarted; a loop of its own thread that
+        failed is logged with its traceback at once."""
         try:
             loops = self._loops = self.loops()
             main, *others = loops
@@ -470,23 +475,38 @@ class EngineWorker:
             if self._stopping.is_set():
                 for loop in loops:
                     loop.stop()
+            failed: list[BaseException] = []
             threads = [
-                threading.Thread(target=loop.run, args=(duration,), name=f"cmb-{loop.leases.kind}", daemon=True)
+                threading.Thread(
+                    target=self._run_other, args=(loop, duration, failed), name=f"cmb-{loop.leases.kind}", daemon=True
+                )
                 for loop in others
             ]
             for thread in threads:
                 thread.start()
             try:
-                return main.run(duration)
+                report = main.run(duration)
             finally:
                 for loop in others:
                     loop.stop()
                 for thread in threads:
                     thread.join()
+            if failed:
+                raise failed[0]
+            return report
         finally:
             self._loops = []
             self._stopping.clear()
             self.finish()
+
+    def _run_other(self, loop: Worker, duration: float | None, failed: list[BaseException]) -> None:
+        """Run a loop of its own thread; an error that ends it stops the worker, whose :meth:`run` raises it."""
+        try:
+            loop.run(duration)
+        except BaseException as exc:  # raised again by run(), in its caller's thread
+            log.exception("the %s loop stopped on an error; the worker stops", loop.leases.kind)
+            failed.append(exc)
+            self.stop()
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish the current step and return (safe from a signal handler and any thread)."""

@@ -81,17 +81,14 @@ class CallbackClient:
         schema: str | None = None,
         buffered: bool = True,
     ) -> None:
-        self._owns_db = not isinstance(database, Database)
         self.db = Database.of(database, schema=schema)
         self.settings = settings or CallbackSettings()
         self._writer = EventWriter(self.db, self.settings) if buffered else None
 
     def close(self) -> None:
-        """Stop the write buffer (and close the database if this client opened it)."""
+        """Stop the write buffer (a database given by URL is the process's shared one: it stays open)."""
         if self._writer is not None:
             self._writer.close()
-        if self._owns_db:
-            self.db.close()
 
     def __enter__(self) -> Self:
         return self

@@ -332,7 +332,9 @@ class CallbackSettings(Options):
         patterns = self.allowed_hosts if self.allowed_hosts is not None else (ANY_PUBLIC_HOST,)
         address = _address(host)
         if address is not None:
-            return self.address_allowed(address) and any(_name_matches(p, host, address) for p in patterns)
+            judged = carried_ipv4(address) or (address,)  # an entry that opens them opens this spelling too
+            listed = all(any(_name_matches(p, host, a) for p in patterns) for a in judged)
+            return listed and self.address_allowed(address)
         if host in patterns:
             return True
         if host in _LOCAL_NAMES or host.endswith(".localhost"):
@@ -340,14 +342,55 @@ class CallbackSettings(Options):
         return any(_name_matches(p, host, None) for p in patterns)
 
     def address_allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        """Whether a call may connect to ``address``: a public one, or one this setting opens explicitly."""
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        """Whether a call may connect to ``address``: a public one, or one this setting opens explicitly. An IPv6
+        address that carries IPv4 ones (:func:`carried_ipv4`) is judged by each of those: a call to it reaches them."""
+        return all(self._one_address_allowed(a) for a in carried_ipv4(address) or (address,))
+
+    def _one_address_allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         for pattern in self.allowed_hosts or ():
             network = _network(pattern)
             if network is not None and address.version == network.version and address in network:
                 return True
         return address.is_global and not address.is_multicast
+
+
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # RFC 4291 (deprecated): ::a.b.c.d, but :: and ::1 are IPv6's own
+_IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # RFC 2765 (SIIT): ::ffff:0:a.b.c.d
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052, the well-known prefix
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: a network's own NAT64 prefix within it
+_LOCAL_NAT64_LENGTHS = (48, 56, 64, 96)  # the RFC 6052 prefix lengths that fit within it: the network's choice
+
+
+def carried_ipv4(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 addresses an IPv6 ``address`` carries, which a call to it reaches through a translator or a tunnel:
+    IPv4-mapped, IPv4-compatible, IPv4-translated, NAT64 (64:ff9b::/96; 64:ff9b:1::/48 read at each prefix length
+    a network may use there), 6to4 (2002::/16), Teredo (2001::/32: its server and its client); () for any other.
+
+    The standard library reads the mapped, 6to4 and Teredo forms (``ipv4_mapped``, ``sixtofour``, ``teredo``) but
+    not the others, and calls some of them global by their IPv6 range alone (``::127.0.0.1``, ``64:ff9b::7f00:1``)."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return ()
+    if address.ipv4_mapped is not None:
+        return (address.ipv4_mapped,)
+    if address.sixtofour is not None:
+        return (address.sixtofour,)
+    if address.teredo is not None:
+        return address.teredo
+    value = int(address)
+    if address in _NAT64 or address in _IPV4_TRANSLATED or (address in _IPV4_COMPATIBLE and value > 1):
+        return (ipaddress.IPv4Address(value & 0xFFFFFFFF),)
+    if address in _LOCAL_NAT64:
+        return tuple(_nat64_ipv4(value, length) for length in _LOCAL_NAT64_LENGTHS)
+    return ()
+
+
+def _nat64_ipv4(value: int, prefix_length: int) -> ipaddress.IPv4Address:
+    """The IPv4 address after a NAT64 prefix of ``prefix_length`` bits in the IPv6 address ``value`` (RFC 6052 2.2:
+    bits 64 to 71 are zero and carry none of it)."""
+    if prefix_length == 96:
+        return ipaddress.IPv4Address(value & 0xFFFFFFFF)
+    without_bits_64_to_71 = (value >> 64 << 56) | (value & (1 << 56) - 1)  # 120 bits
+    return ipaddress.IPv4Address(without_bits_64_to_71 >> (120 - prefix_length - 32) & 0xFFFFFFFF)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import datetime
 
 import psycopg
@@ -24,17 +23,6 @@ MAX_NAME_LENGTH = 1000
 """Longest scheduler or task name an operator function looks up."""
 
 
-@contextmanager
-def _connection(source: DatabaseSource) -> Iterator[psycopg.Connection]:
-    database = Database.of(source)
-    try:
-        with database.connection() as conn:
-            yield conn
-    finally:
-        if database is not source:
-            database.close()
-
-
 @refused_input(InvalidReactiveInput, "arguments")
 def status(database: DatabaseSource, scheduler: str | None = None, name: str | None = None) -> ReactiveStatus:
     """The stored state of reactive tasks (all, one scheduler's, or one task's) and of the schedulers."""
@@ -42,7 +30,7 @@ def status(database: DatabaseSource, scheduler: str | None = None, name: str | N
         "scheduler": None if scheduler is None else _name(scheduler, "scheduler"),
         "name": None if name is None else _name(name, "name"),
     }
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         cursor = conn.execute(sql.TASK_STATUS, params)
         columns = [c.name for c in cursor.description or ()]
         tasks = [TaskState(**dict(zip(columns, row, strict=True))) for row in cursor.fetchall()]
@@ -68,7 +56,7 @@ def current_values(
 def waits_on(database: DatabaseSource, task: TaskState, now: datetime) -> list[str]:
     """What the task's trigger waits on at ``now``, one line per CTL trigger that does not fire (from CTL only)."""
     trigger = trigger_from_dict(task.trigger)
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         current, changed = current_values(conn, sorted(parameters(trigger)))
     result = evaluate(
         trigger,
@@ -103,7 +91,7 @@ def forget_last_values(
         "name": _name(name, "name"),
         "parameter": list(_parameter(parameter)) if parameter else None,
     }
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         row = conn.execute(sql.FORGET_LAST_VALUES, params).fetchone()
     return row is not None
 
@@ -113,7 +101,7 @@ def retry_task(database: DatabaseSource, scheduler: str, name: str) -> bool:
     """Let a task parked for the crashes of its user code (or backing off) run again: it is evaluated on the
     next tick. False when there is no such task."""
     params = {"scheduler": _name(scheduler, "scheduler"), "name": _name(name, "name")}
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         return conn.execute(sql.RETRY_TASK, params).fetchone() is not None
 
 
@@ -140,14 +128,14 @@ def set_last_value(
         "parameter": key[1],
         "value": moment.isoformat(),
     }
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         row = conn.execute(sql.SET_LAST_VALUE, params).fetchone()
     return None if row is None else row[0]
 
 
 def launch_values(database: DatabaseSource, scheduler: str, run_key: str) -> dict[ParameterKey, datetime]:
     """The CTL values a reactive run was launched on, by its run_key (empty when no such launch is recorded)."""
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         row = conn.execute(sql.LAUNCH_VALUES, {"scheduler": scheduler, "run_key": run_key}).fetchone()
     return values_from_json(row[0]) if row else {}
 
@@ -155,7 +143,7 @@ def launch_values(database: DatabaseSource, scheduler: str, run_key: str) -> dic
 def claim_launch_log(database: DatabaseSource, scheduler: str, run_key: str, run_id: str) -> SeenRun | None:
     """What to write into the log of run ``run_id`` of launch ``run_key`` (why it runs, on which values), if
     nobody wrote it yet; None when it was written already (or no such launch is recorded)."""
-    with _connection(database) as conn:
+    with Database.of(database).connection() as conn:
         row = conn.execute(sql.CLAIM_LAUNCH_LOG, {"scheduler": scheduler, "run_key": run_key}).fetchone()
     if row is None:
         return None

@@ -335,3 +335,42 @@ def test_item7_out_of_range_values_end_in_one_line_naming_the_parameter(database
         result = subprocess.CompletedProcess(args, invoked.exit_code, invoked.stdout, invoked.stderr)
         check_one_line_error(result, args)
         assert named in result.stderr, (args, result.stderr)
+
+
+NUL_HANDLERS = """
+import logging
+
+from cmb_dagster.eventqueue import HandlerRegistry
+
+handlers = HandlerRegistry()
+
+
+@handlers.handler("nul", max_retries=0)
+def nul(event):
+    try:
+        raise ValueError("a NUL\\x00from the handler")
+    except ValueError:
+        logging.getLogger("shop.handlers").exception("event %s failed on %s", event.id, "its NUL\\x00key")
+        raise
+"""
+
+
+def test_no_raw_nul_reaches_a_worker_process_stderr(database_url, tmp_path):
+    (tmp_path / "nul_handlers.py").write_text(NUL_HANDLERS)
+    (tmp_path / "nul_at_import.py").write_text('raise ValueError("a NUL\\x00at import")\n')
+    env = {**os.environ, "CMB_DATABASE_URL": database_url, "PYTHONPATH": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([*CLI, *args], env=env, capture_output=True, timeout=120)
+
+    assert run("events", "register", "--handlers", "nul_handlers:handlers").returncode == 0
+    assert run("events", "emit", "ns", "nul", "1").returncode == 0
+    worker = run("events", "worker", "--handlers", "nul_handlers:handlers", "--duration", "3")
+    assert worker.returncode == 0, worker.stderr
+    assert b"\x00" not in worker.stderr
+    # the handler's own log line and its traceback, the worker's line about the event: each escaped
+    assert worker.stderr.count(b"a NUL\\0from the handler") >= 2 and b"its NUL\\0key" in worker.stderr
+    for debug in ([], ["--debug"]):  # the error that ends the command, then with its traceback
+        failed = run(*debug, "events", "worker", "--handlers", "nul_at_import:handlers")
+        assert failed.returncode == 1
+        assert b"\x00" not in failed.stderr and b"a NUL\\0at import" in failed.stderr

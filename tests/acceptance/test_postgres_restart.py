@@ -1,18 +1,27 @@
 """A Postgres restart while workers run (a dedicated embedded server, stopped for two seconds): stage and event
-queue workers reconnect by themselves, lose nothing and apply nothing twice."""
+queue workers reconnect by themselves, lose nothing and apply nothing twice. While it is stopped or frozen, the
+metrics endpoint answers in time, every engine counted in ``cmb_scrape_errors``, and reads them again once it is
+back."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import psutil
+from scrapes import ANSWER_WITHIN_S, failed_engines, parse, scrape, timed_scrapes
 from test_callbacks_crash import pg_ctl
 from waiting import wait_until
 
 from cmb_dagster.database import Database
-from cmb_dagster.embedded import embedded_url, stop_embedded
+from cmb_dagster.embedded import data_dir, embedded_url, stop_embedded
 from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegistry, WorkerSettings, emit_many
+from cmb_dagster.metrics import CACHE_S, ENGINES, MetricsServer, serve
 from cmb_dagster.stages import Entity, MergePatch, Stage, StageOptions, StageResult, StageStore, StageWorker
 
 
@@ -87,3 +96,54 @@ def test_event_queue_workers_ride_out_a_postgres_restart(server_home):
         thread.join(30)
         db.close()
         stop_embedded(home)
+
+
+@contextmanager
+def metrics_of_own_server(home: Path) -> Iterator[MetricsServer]:
+    """The metrics endpoint of a server of the test's own under ``home``, once it has read every engine."""
+    db = Database(embedded_url(home))
+    db.ensure_ready()  # migrated (the metrics never migrate)
+    server = serve(db, port=0)
+    try:
+        assert failed_engines(parse(scrape(server.url))) == set()
+        yield server
+    finally:
+        server.stop()
+        db.close()
+        stop_embedded(home)
+
+
+def assert_every_engine_failed_in_time(server: MetricsServer) -> None:
+    time.sleep(CACHE_S)  # the reading before the outage no longer answers
+    for seconds, samples in timed_scrapes(server.url, 20):
+        assert seconds < ANSWER_WITHIN_S
+        assert failed_engines(samples) == set(ENGINES)
+
+
+def assert_every_engine_read_again(server: MetricsServer) -> None:
+    wait_until(lambda: not failed_engines(parse(scrape(server.url))), 60, "every engine read again", interval=0.5)
+
+
+def test_the_metrics_answer_in_time_while_postgres_is_stopped(server_home, caplog):
+    home = server_home / "pg"
+    with metrics_of_own_server(home) as server:
+        pg_ctl(home, "stop")
+        assert_every_engine_failed_in_time(server)
+        assert "the database did not answer" in caplog.text  # the engines after the first were not asked
+        pg_ctl(home, "restart")
+        assert_every_engine_read_again(server)
+
+
+def test_the_metrics_answer_in_time_while_postgres_is_frozen(server_home):
+    home = server_home / "pg"
+    with metrics_of_own_server(home) as server:
+        postmaster = psutil.Process(int((data_dir(home) / "postmaster.pid").read_text().split()[0]))
+        frozen = [postmaster, *postmaster.children()]  # connections stay open; nothing answers on them
+        for process in frozen:
+            process.send_signal(signal.SIGSTOP)
+        try:
+            assert_every_engine_failed_in_time(server)
+        finally:
+            for process in frozen:
+                process.send_signal(signal.SIGCONT)
+        assert_every_engine_read_again(server)

@@ -9,6 +9,8 @@ from cmb_dagster import migrations
 from cmb_dagster.database import Database
 from cmb_dagster.embedded import embedded_url
 from cmb_dagster.errors import DatabaseUnavailable, EmbeddedServerError, SchemaTooNew
+from cmb_dagster.eventqueue import HandlerRegistry, emit, register
+from cmb_dagster.eventqueue import admin as eventqueue_admin
 
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 
@@ -119,3 +121,22 @@ def test_a_migration_missing_below_the_newest_is_applied(database_url):
     assert applied(database_url) == [(m.version, m.name) for m in migrations.available()]
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM cmb.leases").fetchone() == (0,)
+
+
+def test_a_url_given_for_a_database_is_one_pool_for_the_process(db, database_url):
+    registry = HandlerRegistry()
+    registry.add("h", lambda event: None)
+    register(db, registry)
+    shared = Database.of(database_url, schema=db.schema)
+    try:
+        for i in range(40):
+            emit("ns", "h", i, db=database_url)
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            connections = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()[0]
+        assert connections <= shared.max_pool_size  # the shared pool's and the fixture's, not one pool per emit
+        assert [h.queued for h in eventqueue_admin.status(database_url).handlers] == [40]
+        assert Database.of(database_url, schema=db.schema) is shared
+    finally:
+        shared.close()

@@ -1,6 +1,7 @@
 """The metrics endpoint: a real HTTP server on 127.0.0.1 scraped while real engines write real rows; the figures
 match each engine's status, an engine that fails leaves the others, every statement it runs is index-driven
-without statistics, no secret is served, and ``cmb-dagster metrics`` runs as a child process."""
+without statistics, a scrape answers in time with the database host gone or a table locked, concurrent scrapes
+share one reading, no secret is served, and ``cmb-dagster metrics`` runs as a child process."""
 
 from __future__ import annotations
 
@@ -10,29 +11,32 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
 from plans import rows_read
-from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 from runs import RunStorage
+from scrapes import ANSWER_WITHIN_S, failed_engines, names, parse, scrape, timed_scrapes, value
 from stages_helpers import Step, drain, pipeline
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient
 from cmb_dagster.callbacks import admin as callbacks_admin
 from cmb_dagster.ctl import CtlStore
-from cmb_dagster.database import Database
+from cmb_dagster.database import CONNECT_TIMEOUT_S, Database
 from cmb_dagster.errors import ConfigError
 from cmb_dagster.eventqueue import HandlerRegistry, emit, register
 from cmb_dagster.eventqueue import admin as eventqueue_admin
-from cmb_dagster.metrics import ENGINES, MetricsServer, StatusCollector, check_host, serve
+from cmb_dagster.metrics import CACHE_S, ENGINES, READ_TIMEOUT_S, MetricsServer, StatusCollector, check_host, serve
 from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, publish
 from cmb_dagster.pubsub import admin as pubsub_admin
 from cmb_dagster.reactive import ReactiveWorker, SchedulerSettings, TaskSpec
@@ -42,7 +46,6 @@ from cmb_dagster.stages import admin as stages_admin
 from cmb_dagster.triggers import Delta
 from cmb_dagster.workers import Leases
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 BIG_TABLES = {
     "callback_events",
     "stage_queue",
@@ -56,28 +59,6 @@ BIG_TABLES = {
     "reactive_launches",
 }
 """Tables that grow with the work done: a statement of the metrics must never scan one whole."""
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        assert response.status == 200
-        return response.read().decode()
-
-
-def parse(text: str) -> Samples:
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, frozenset(labels.items()))]
-
-
-def names(samples: Samples) -> set[str]:
-    return {name for name, _ in samples}
 
 
 @pytest.fixture
@@ -374,6 +355,62 @@ def test_every_statement_of_a_scrape_reads_big_tables_through_indexes(db, statis
         conn.execute("SET jit = off")
         (plan,) = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, params).fetchone()[0]
         assert rows_read(plan["Plan"], "callback_events") < 12_000, json.dumps(plan, indent=1)
+
+
+# -- a database away, slow or scraped by many at once --------------------------------------------------------------
+
+
+def test_concurrent_scrapes_share_one_reading_and_all_get_in(db, served):
+    write_through_the_engines(db)
+    began = time.monotonic()
+    answers = timed_scrapes(served.url, 200)  # more than a listening socket's default queue takes
+    elapsed = time.monotonic() - began
+    for seconds, samples in answers:
+        assert seconds < ANSWER_WITHIN_S
+        assert failed_engines(samples) == set()
+        assert value(samples, "cmb_eventqueue_queued", handler="h", kind="python") == 3
+    readings = {  # each reading times its reads anew: the same durations are the same reading
+        tuple(sorted((labels, v) for (name, labels), v in samples.items() if name == "cmb_scrape_duration_seconds"))
+        for _, samples in answers
+    }
+    assert len(readings) <= 1 + elapsed / CACHE_S
+
+
+def test_a_scrape_answers_in_time_when_the_database_host_is_gone():
+    with socket.socket() as gone:  # a host that takes the connection and never answers
+        gone.bind(("127.0.0.1", 0))
+        gone.listen(100)
+        host, port = gone.getsockname()
+        away = Database(f"postgresql://postgres@{host}:{port}/postgres")
+        server = serve(away, port=0)
+        try:
+            for seconds, samples in timed_scrapes(server.url, 20):
+                assert seconds < ANSWER_WITHIN_S
+                assert failed_engines(samples) == set(ENGINES)
+                # the first engine gave up connecting after its own timeout, shorter than the other connections'
+                assert value(samples, "cmb_scrape_duration_seconds", engine="callbacks") < CONNECT_TIMEOUT_S
+        finally:
+            server.stop()
+            away.close()
+
+
+@contextmanager
+def locked(db: Database, tables: list[str]) -> Iterator[None]:
+    """The tables locked against any read (as a migration locks what it alters) while the block runs."""
+    with psycopg.connect(db.url, **db.connect_kwargs) as conn:
+        names = sql.SQL(", ").join(sql.Identifier(db.schema, table) for table in tables)
+        conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(names))
+        yield
+        conn.rollback()
+
+
+def test_a_locked_table_fails_its_engine_alone_after_the_statement_timeout(db, served, caplog):
+    with locked(db, ["reactive_tasks"]):
+        ((seconds, samples),) = timed_scrapes(served.url, 1)
+    assert seconds < ANSWER_WITHIN_S
+    assert failed_engines(samples) == {"reactive"}
+    assert value(samples, "cmb_scrape_duration_seconds", engine="reactive") >= READ_TIMEOUT_S * 0.9
+    assert "canceling statement due to statement timeout" in caplog.text
 
 
 # -- secrets, bounds, the command ---------------------------------------------------------------------------------

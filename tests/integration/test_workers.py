@@ -4,9 +4,13 @@ import threading
 import time
 
 import pytest
+from stages_helpers import pipeline
 from waiting import wait_until
 
-from cmb_dagster.workers import EngineWorker, LeaseLost, Leases, Worker, stop_workers_on_signals
+from cmb_dagster.isolation import WorkerStuck
+from cmb_dagster.stages import StageOptions, StageWorker
+from cmb_dagster.stages.models import LEASE_KIND
+from cmb_dagster.workers import EngineWorker, LeaseLost, Leases, Worker, list_leases, stop_workers_on_signals
 
 
 def test_a_partition_has_one_owner_until_its_lease_expires(db):
@@ -207,3 +211,21 @@ def test_a_stop_asked_while_an_engine_worker_starts_is_kept(db):
     started = time.monotonic()
     report = worker.run(30)
     assert time.monotonic() - started < 5 and report.steps == 0
+
+
+def test_a_loop_of_its_own_thread_that_fails_stops_its_worker_which_raises_the_error(db, caplog):
+    worker = StageWorker(db, StageOptions(stages=pipeline(), shard_count=2, idle_sleep=0.05))
+
+    def stuck(lease):  # as the consumers' user code piling up past its time limit ends their loop
+        raise WorkerStuck(f"{lease.partition}: calls of user code still running past their time limit")
+
+    worker.consumer_step = stuck  # the loop of its own thread: the pub/sub consumers of worker 0
+    started = time.monotonic()
+    with pytest.raises(WorkerStuck, match="past their time limit"):
+        worker.run(duration=20)
+    assert time.monotonic() - started < 15  # at once, not when its time is up
+    (failure,) = [r for r in caplog.records if "loop stopped on an error" in r.getMessage()]
+    assert failure.exc_info is not None and failure.exc_info[0] is WorkerStuck  # logged with its traceback
+    leases = [lease for lease in list_leases(db) if lease.kind == LEASE_KIND]
+    assert {lease.partition for lease in leases} >= {"capture", *worker.shard_partitions()}
+    assert {lease.expires_in for lease in leases} == {float("-inf")}  # every loop released its partitions
