@@ -44,7 +44,9 @@ SWEEP_BATCH = 500
 SWEEP_INTERVAL = 60.0
 """Seconds between two walks of a process over a database's keys (:func:`sweep_when_due`)."""
 SWEEP_PAUSE = 1.0
-"""Seconds between two batches of one walk."""
+"""Seconds between two batches of one walk; :data:`SWEEP_BURST_PAUSE` after a batch that removed half its keys or
+more (a burst of keys to clear: 100,000 take about half a minute)."""
+SWEEP_BURST_PAUSE = 0.1
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/\s*(\d*(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -232,15 +234,18 @@ _walks: weakref.WeakKeyDictionary[Database, _Walk] = weakref.WeakKeyDictionary()
 _walks_lock = threading.Lock()
 
 
-def sweep_when_due(db: Database) -> None:
-    """Sweep the next batch of ``db``'s keys if it is due: the worker loops of a process share one walk over every
-    key, its batches :data:`SWEEP_PAUSE` apart, a walk every :data:`SWEEP_INTERVAL` seconds (the first that long
-    after the first call). A failure is logged; the next walk tries again."""
+def sweep_when_due(db: Database) -> float:
+    """Sweep the next batch of ``db``'s keys if it is due, and return the seconds until the next one is: the worker
+    loops of a process share one walk over every key, its batches :data:`SWEEP_PAUSE` (or
+    :data:`SWEEP_BURST_PAUSE`) apart, a walk every :data:`SWEEP_INTERVAL` seconds (the first that long after the
+    first call). A failure is logged; the next walk tries again."""
     now = time.monotonic()
     with _walks_lock:
         walk = _walks.setdefault(db, _Walk(due=now + SWEEP_INTERVAL))
-    if now < walk.due or not walk.running.acquire(blocking=False):
-        return
+    if now < walk.due:
+        return walk.due - now
+    if not walk.running.acquire(blocking=False):  # another loop of this process sweeps now
+        return SWEEP_BURST_PAUSE
     try:
         swept = Swept(0, None)
         try:
@@ -249,6 +254,8 @@ def sweep_when_due(db: Database) -> None:
         except (psycopg.Error, CmbError) as exc:
             log.warning("flow control: could not remove idle keys (%s); trying again in %.0fs", exc, SWEEP_INTERVAL)
         walk.start = swept.next or ("", "")
-        walk.due = time.monotonic() + (SWEEP_INTERVAL if swept.next is None else SWEEP_PAUSE)
+        pause = SWEEP_BURST_PAUSE if swept.removed * 2 >= SWEEP_BATCH else SWEEP_PAUSE
+        walk.due = time.monotonic() + (SWEEP_INTERVAL if swept.next is None else pause)
+        return walk.due - time.monotonic()
     finally:
         walk.running.release()

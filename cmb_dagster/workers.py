@@ -30,7 +30,7 @@ import psycopg
 
 from cmb_dagster import flow, sql
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.errors import CmbError
+from cmb_dagster.errors import CmbError, DatabaseUnavailable
 from cmb_dagster.isolation import WorkerStuck
 from cmb_dagster.models import Backoff
 from cmb_dagster.notifications import Listener, OnNotify, channel_name
@@ -362,12 +362,12 @@ class Worker:
                     report.steps += 1
                     report.items += count
                     handled += count
-                flow.sweep_when_due(self.leases.db)  # housekeeping shared by the engines: one walk per process
+                sweep_in = flow.sweep_when_due(self.leases.db)  # housekeeping shared by the engines: one walk
                 if self.on_progress is not None:
                     report.seconds = time.monotonic() - started
                     self.on_progress(report)
                 if handled == 0:
-                    wait = self.idle_sleep if self._held else self.leases.ttl / 3
+                    wait = min(self.idle_sleep if self._held else self.leases.ttl / 3, sweep_in)
                     if deadline is not None:
                         wait = max(0.0, min(wait, deadline - time.monotonic()))
                     self._wake.wait(wait)
@@ -467,7 +467,10 @@ class EngineWorker:
         and released its leases, so that the process ends and is restarted; a loop of its own thread that
         failed is logged with its traceback at once."""
         try:
-            loops = self._loops = self.loops()
+            started = time.monotonic()
+            loops = self._loops = self._start(duration)
+            if not loops:  # stopped, or the time was up, while the database was away
+                return WorkerReport(owner=self.owner, seconds=time.monotonic() - started)
             main, *others = loops
             main.on_progress = on_progress
             for loop in loops:
@@ -498,6 +501,23 @@ class EngineWorker:
             self._loops = []
             self._stopping.clear()
             self.finish()
+
+    def _start(self, duration: float | None) -> list[Worker]:
+        """The loops of this run (:meth:`loops`), built once the database answers: a worker started while it is
+        away (a restart, a failover) waits for it, backing off, until it is stopped or ``duration`` has passed."""
+        deadline = None if duration is None else time.monotonic() + duration
+        attempt = 0
+        while True:
+            try:
+                return self.loops()
+            except (psycopg.OperationalError, DatabaseUnavailable) as exc:
+                log.warning("the database does not answer (%s); the worker starts once it does", exc)
+                delay = PARTITION_BACKOFF.delay(attempt)
+                if deadline is not None:
+                    delay = min(delay, deadline - time.monotonic())
+                if delay <= 0 or self._stopping.wait(delay):
+                    return []
+                attempt += 1
 
     def _run_other(self, loop: Worker, duration: float | None, failed: list[BaseException]) -> None:
         """Run a loop of its own thread; an error that ends it stops the worker, whose :meth:`run` raises it."""

@@ -213,6 +213,7 @@ def test_callbacks_zombie_calls_nothing_of_the_buckets_it_lost(db, database_url,
 
 # -- pub/sub -------------------------------------------------------------------------------------------------------
 
+
 # The consumer's filter: each event read waits for a shared advisory lock, so a test holding it exclusively stops
 # the consumer's read mid-batch (between its lease check and its handler).
 def batch_waiting_at_gate(db: Database) -> bool:

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+from running import Running
 from scrapes import ANSWER_WITHIN_S, failed_engines, parse, scrape, timed_scrapes
 from test_callbacks_crash import pg_ctl
 from waiting import wait_until
@@ -94,6 +95,44 @@ def test_event_queue_workers_ride_out_a_postgres_restart(server_home):
     finally:
         worker.stop()
         thread.join(30)
+        db.close()
+        stop_embedded(home)
+
+
+def test_workers_started_while_postgres_is_stopped_start_once_it_answers(server_home):
+    """A worker process started during a restart or a failover waits for the database instead of dying (each
+    engine reads the database while it builds its loops: a consumer registers, stages set up, callbacks record
+    their limits)."""
+    from cmb_dagster.callbacks import CallbackSettings, CallbackWorker
+    from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, publish
+
+    home = server_home / "pg"
+    Database(embedded_url(home)).upgrade()
+    pg_ctl(home, "stop")
+    db = Database(embedded_url(home))  # as in a process starting now: it has not reached the database yet
+    delivered: list[int] = []
+    consumer = ConsumerWorker(
+        db, ConsumerSpec(consumer_id="late", handler=lambda conn, events: delivered.extend(e.id for e in events))
+    )
+    stages = StageWorker(db, StageOptions(stages=[Count()], shard_count=2, idle_sleep=0.2))
+    callbacks = CallbackWorker(db, CallbackSettings(poll_interval=0.2))
+    try:
+        with Running(consumer, stages, callbacks) as running:
+            wait_until(lambda: all(t.is_alive() for t in running.threads), 5, "the workers running")
+            time.sleep(1.5)  # each tried to start and was told the database is away
+            assert all(thread.is_alive() for thread in running.threads)
+            pg_ctl(home, "restart")  # (restart: it starts a stopped server with the options it had)
+            with db.connection() as conn:
+                event = publish(conn, 0, {"n": 1})
+            StageStore(db, [Count()]).put("e1", {})
+            wait_until(lambda: delivered == [event], 60, "the consumer delivered an event")
+            with db.connection() as conn:
+                wait_until(
+                    lambda: conn.execute("SELECT count(*) FROM stage_entities WHERE payload ? 'n'").fetchone()[0],
+                    60,
+                    "the stage ran",
+                )
+    finally:
         db.close()
         stop_embedded(home)
 
