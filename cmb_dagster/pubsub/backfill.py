@@ -160,7 +160,8 @@ def _source(conn: psycopg.Connection, table: str, cmb_schema: str) -> tuple[str,
             info = conn.execute(sql.BACKFILL_SOURCE, {"table": table, "schema": cmb_schema}).fetchone()
     except (psycopg.DataError, psycopg.ProgrammingError, psycopg.NotSupportedError) as exc:  # not a name: "a b",
         # too many dots, another database's: Postgres's parser says why
-        raise InvalidPubSubInput(f"table: {shorten(table)} is not a table name ({exc.diag.message_primary})") from None
+        reason = exc.diag.message_primary
+        raise InvalidPubSubInput(f"table: no table named {shorten(table)} on the search_path ({reason})") from None
     if info is None or info[2] not in ("r", "p"):
         raise InvalidPubSubInput(f"table: no table named {shorten(table)} on the search_path")
     table_schema, table_name, _, reserved, readable = info

@@ -133,8 +133,8 @@ def test_bad_backfills_are_refused_naming_the_field_and_write_nothing(items):
     cases = {
         "table: no table named 'nothing'": dict(table="nothing"),
         "table: public.loose has no primary key": dict(table="public.loose"),
-        "table: 'a b' is not a table name": dict(table="a b"),
-        "table: 'items; DROP TABLE items' is not a table name": dict(table="items; DROP TABLE items"),
+        "table: no table named 'a b'": dict(table="a b"),
+        "table: no table named 'items; DROP TABLE items'": dict(table="items; DROP TABLE items"),
         "where: 'true; DROP TABLE items' is not an SQL/JSON path predicate": dict(
             table="items", where="true; DROP TABLE items"
         ),
