@@ -381,7 +381,7 @@ SELECT count(*) FROM staged
 _AT_LIMIT = f"""at_limit AS MATERIALIZED (
     SELECT b.scope, b.key, extract(epoch FROM b.empty_until - clock_timestamp())::float8 AS wait
     FROM flow_buckets b
-    WHERE b.empty_until > clock_timestamp()
+    WHERE b.empty_until > now() AND b.empty_until > clock_timestamp()  -- now(): a range of the index on empty_until
       AND b.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
     UNION ALL
     SELECT s.scope, s.key, NULL
