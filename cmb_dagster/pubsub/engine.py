@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
 import psycopg
 from psycopg.rows import tuple_row
@@ -52,6 +52,12 @@ def lock_watermark(conn: psycopg.Connection, consumer_id: str, branch_id: int, *
         conn.execute(sql.CREATE_WATERMARK, params)
     else:  # pragma: no cover - the row was created and deleted between our two statements
         raise ConsumerBusy(f"consumer {key.consumer_id!r} of branch {key.branch_id} was dropped while locking it")
+    return _watermark(row)
+
+
+def _watermark(row: tuple[Any, ...]) -> Watermark:
+    """The watermark a LOCK_WATERMARK row holds; raises :class:`StreamRestored` when its txids are another
+    cluster's."""
     consumer, branch, snapshot, target, txid, event_id, delivered, handler, failing, attempts, crashes, problem = row
     if problem:
         raise StreamRestored(f"consumer {consumer!r} of branch {branch}: {problem}; {RESET_HINT}")
@@ -347,11 +353,23 @@ class Delivery:
             if lease is None:
                 yield conn, lock_watermark(conn, self.spec.consumer_id, self.spec.branch_id, wait=self.spec.wait)
                 return
-            with conn.pipeline():  # the lease check travels with the watermark's lock: one round trip
+            spec = self.spec
+            params = {"consumer_id": spec.consumer_id, "branch_id": spec.branch_id}
+            # The lease check travels with the watermark's lock, one round trip, and a Sync with them: once they
+            # ran, the transaction is idle, so the server ends it if this process stops (SIGSTOP) meanwhile
+            # (idle_in_transaction_session_timeout); before a Sync it would wait for the process forever.
+            with conn.pipeline() as pipeline:
                 held = Leases.check_many(conn, [lease])
-                watermark = lock_watermark(conn, self.spec.consumer_id, self.spec.branch_id, wait=self.spec.wait)
+                locking = conn.cursor(row_factory=tuple_row).execute(
+                    sql.LOCK_WATERMARK if spec.wait else sql.LOCK_WATERMARK_OR_SKIP, params
+                )
+                pipeline.sync()
+                row = locking.fetchone()
             held()
-            yield conn, watermark
+            if row is None:  # dropped meanwhile, or busy: as a batch without a lease finds it
+                yield conn, lock_watermark(conn, spec.consumer_id, spec.branch_id, wait=spec.wait)
+                return
+            yield conn, _watermark(row)
 
     # -- delivering -------------------------------------------------------------------------------
 
