@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+
+import psycopg
 
 from cmb_dagster.callbacks import CallbackSettings, CallbackWorker
 from cmb_dagster.database import Database
+from cmb_dagster.errors import CmbError
 from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegistry, WorkerSettings
 from cmb_dagster.models import Backoff
 from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker
@@ -76,7 +80,12 @@ if __name__ == "__main__":
     engine, url, log = sys.argv[1:4]
     db = Database(url)
     built = worker(engine, db, log)
-    if engine == "eventqueue":
-        built.register()
+    if engine == "eventqueue":  # the producer's first events need the handlers; a restart may be under way
+        for _ in range(300):
+            try:
+                built.register()
+                break
+            except (psycopg.OperationalError, CmbError):
+                time.sleep(0.2)
     print(f"{engine} worker {os.getpid()} ready", flush=True)
     built.run()
