@@ -1,36 +1,51 @@
-"""Event queue benchmark: cmb_dagster.eventqueue vs procrastinate, same Postgres, same no-op task.
+"""Event queue benchmark: cmb_dagster.eventqueue vs procrastinate, same Postgres, same task.
 
-Measures, each engine with its own worker processes:
-- throughput with 1 and 4 worker processes over a backlog loaded beforehand (handler starts per second);
-- latency from emit to handler start (p50/p99) with one worker: at a steady --rate with LISTEN/NOTIFY on, at
-  --low-rate with it on, and at --rate with notifications off (polling only).
+Two kinds of run, each engine with its own worker processes:
+- the full no-op run (no --wait): throughput with 1 and 4 worker processes over a backlog loaded beforehand
+  (handler starts per second); latency from emit to handler start (p50/p99) with one worker: at a steady --rate
+  with LISTEN/NOTIFY on, at --low-rate with it on, and at --rate with notifications off (polling only);
+- a run whose handlers wait (--wait SECONDS, --kind sync|async): one worker a side drains a backlog, the sides
+  taking turns --rounds times; handler ends per second, median and each round, against the ideal rate
+  concurrency / wait. --wait 0 runs a no-op handler of --kind the same way (one worker, rounds).
 
 How each side is set up (the same in every run unless said):
-- cmb: ``EventWorker`` with ``WorkerSettings`` defaults (batch_size 100, handlers run in a thread of user code)
-  except ``sweep_interval`` = --poll-interval and ``listen`` (off in the polling run); the handler is a plain
-  function.
-- procrastinate (the version installed): the task is ``async def``; ``App.run_worker_async`` with
-  ``concurrency`` = PEER_CONCURRENCY, ``fetch_job_polling_interval`` = --poll-interval and ``listen_notify``
-  (off in the polling run), other options at their defaults (``delete_jobs`` "never": a finished job stays as a
-  row marked succeeded); ``PsycopgConnector`` pool ``max_size`` = concurrency + 1, as its docs advise for short
-  jobs (the listening connection is outside the pool).
-- Both handlers append one line (emit time, start time) to a file of the worker's own.
+- cmb: ``EventWorker`` with ``WorkerSettings`` defaults (batch_size 100) except ``concurrency`` = --concurrency,
+  ``sweep_interval`` = --poll-interval and ``listen`` (off in the polling run). The no-op handler is a plain
+  function; with --wait, a function calling ``time.sleep`` (--kind sync) or an ``async def`` awaiting
+  ``asyncio.sleep`` (--kind async).
+- procrastinate (the version installed): ``App.run_worker_async`` with ``concurrency`` = --concurrency (its
+  sub-workers), ``fetch_job_polling_interval`` = --poll-interval and ``listen_notify`` (off in the polling run),
+  other options at their defaults (``delete_jobs`` "never": a finished job stays as a row marked succeeded);
+  ``PsycopgConnector`` pool ``max_size`` = concurrency + 1, as its docs advise for short jobs (the listening
+  connection is outside the pool), at most PEER_POOL_MAX (its docs: the longer the jobs, the smaller the pool
+  may be; one worker fetches one job at a time). The no-op task is ``async def`` (its fastest, and its docs'
+  recommended form for concurrency); with --wait, the task is of --kind, as on our side: procrastinate runs a
+  sync task in a thread of its event loop's default executor (asgiref ``sync_to_async``), sized here to
+  --peer-threads (default --concurrency; asyncio's own default is min(32, cores + 4), which would cap the
+  calls in flight below the concurrency).
+- Both handlers append one line to a file of the worker's own: (emit time, start time) for the no-op, (start,
+  end) for a handler that waits.
 
 How it is measured:
 - Each run starts from truncated tables (VACUUM ANALYZE). A throughput run loads its backlog first (cmb
   ``emit_many``, procrastinate ``batch_defer``, LOAD_BATCH a transaction, with an ANALYZE of the table every
   ANALYZE_EVERY events in place of autovacuum), then ANALYZEs both engines' tables. Each engine has a backlog
-  of its own size (--events, --peer-events), large enough for a drain of MIN_DRAIN seconds or more; a shorter
-  drain is flagged.
+  large enough for a drain of MIN_DRAIN seconds or more; a shorter drain is flagged. No-op: a backlog of each
+  engine's own size (--events, --peer-events). With --wait > 0: the same for both, sized for MIN_DRAIN seconds
+  at the ideal rate (within WAIT_BACKLOG) unless --events is given; a side far below the ideal is given up at
+  the latest of 120 s, a second per 20 events and three times the ideal drain plus 30 s, or after STALL seconds
+  without a record, and its undone events are flagged.
 - Workers start behind a gate: each process imports its engine, builds its worker, opens its connections
   (cmb: registers its handlers; procrastinate: opens its pool) and waits on its stdin; the gate opens for all
-  at once. Throughput counts from the gate to the last handler start, so process start-up is not counted. A
-  latency run opens the gate and waits SETTLE seconds before its producers start.
-- Over the same window (the gate to the moment the driver saw the last start; in a latency run, from just before
-  its producers start to the moment the driver saw its last start or gave up after CATCH_UP seconds):
-  each side's worker CPU share (CPU seconds / wall seconds / workers), the Postgres server's CPU in cores (its
-  postmaster and children, live and ended, read from /proc: the server must run on this machine) and the
-  1-minute load average at the start and the end.
+  at once. Throughput counts from the gate to the last record (the last start for the no-op, the last end for
+  a handler that waits), so process start-up is not counted. A run whose handlers wait also reports the most
+  calls seen in flight at once (from the recorded intervals; flagged below the concurrency). A latency run
+  opens the gate and waits SETTLE seconds before its producers start.
+- Over the same window (the gate to the moment the driver saw the last record; in a latency run, from just
+  before its producers start to the moment the driver saw its last start or gave up after CATCH_UP seconds):
+  each side's worker CPU (process CPU seconds, per event and as a share of a core), the Postgres server's CPU in
+  cores (its postmaster and children, live and ended, read from /proc: the server must run on this machine,
+  and it counts every database's sessions) and the 1-minute load average at the start and the end.
 - Latency producers: PRODUCERS threads with one connection each, one transaction per event on both sides (cmb
   ``emit`` on an autocommit connection, procrastinate ``defer`` through a pool of one connection). A run that
   handled fewer events than it sent, or whose median latency grew from its first quarter of events to its last
@@ -40,6 +55,7 @@ How it is measured:
     .venv/bin/pip install -e '.[bench]'
     .venv/bin/python benchmarks/bench_eventqueue.py [--url postgresql://...] [--events N] [--peer-events N]
         [--seconds S]
+    .venv/bin/python benchmarks/bench_eventqueue.py --wait 0.05 --kind async --concurrency 10 [--rounds 3]
 
 Runs in a database of its own (a random name, dropped at the end). Prints a summary, then one JSON line last.
 benchmarks/README.md keeps the figures of dated runs.
@@ -49,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import select
@@ -63,6 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
@@ -70,11 +88,14 @@ from proc_cpu import cpu_seconds, find_postmaster, postgres_cpu_seconds
 from psycopg import sql
 
 HERE = Path(__file__).resolve()
-PEER_CONCURRENCY = 10  # procrastinate's async sub-workers per worker process
+DEFAULT_CONCURRENCY = 10  # calls one worker runs at once: cmb WorkerSettings.concurrency, procrastinate's
+PEER_POOL_MAX = 30  # procrastinate's pool at concurrency 100: a job holds a connection to fetch and to finish
 PRODUCERS = 8  # threads, one connection each: a commit (fsync) per event caps what one producer can send
 LOAD_BATCH = 1_000  # events a transaction when loading a backlog
 ANALYZE_EVERY = 20_000  # events loaded between two ANALYZEs of the table
 MIN_DRAIN = 5.0  # seconds a throughput drain should last for a steady figure
+WAIT_BACKLOG = (500, 50_000)  # bounds of the backlog of a run whose handlers wait
+STALL = 30.0  # seconds without a handler's record after which a run whose handlers wait is given up
 READY_TIMEOUT = 120.0
 SETTLE = 1.0  # seconds between the gate and the first event of a latency run
 CATCH_UP = 15.0  # seconds a latency run waits for its last events after the producers end
@@ -85,13 +106,73 @@ WATCH = 0.02  # seconds between the driver's looks at the workers' files
 # -- worker processes ---------------------------------------------------------------------------------
 
 
-def _recorder(out: str):  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class Work:
+    """What each handler does and how many calls one worker runs at once, on both sides.
+
+    ``wait`` None: the no-op handler of the full run (it records emit time and start time; cmb's is a function,
+    procrastinate's ``async def``). Otherwise each handler waits ``wait`` seconds (``kind`` sync:
+    ``time.sleep``; async: ``async def`` with ``asyncio.sleep``) and records its start and end."""
+
+    wait: float | None = None
+    kind: str = "sync"
+    concurrency: int = DEFAULT_CONCURRENCY
+    peer_threads: int = DEFAULT_CONCURRENCY  # threads of procrastinate's event loop for sync tasks; 0: asyncio's
+
+    @property
+    def peer_pool(self) -> int:
+        """procrastinate's pool max_size: concurrency + 1 as its docs advise for short jobs, at most PEER_POOL_MAX."""
+        return min(self.concurrency + 1, PEER_POOL_MAX)
+
+    @property
+    def ideal(self) -> float | None:
+        """Events per second of one worker whose calls all overlap and cost nothing but their wait."""
+        return self.concurrency / self.wait if self.wait else None
+
+    def args(self) -> list[str]:
+        """The options that give a worker process this work."""
+        waits = ["--wait", repr(self.wait), "--kind", self.kind, "--peer-threads", str(self.peer_threads)]
+        return [*(waits if self.wait is not None else []), "--concurrency", str(self.concurrency)]
+
+
+def _recorder(out: str) -> Callable[[float, float], None]:
     fd = os.open(os.path.join(out, f"{os.getpid()}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def record(emitted_at: float) -> None:
-        os.write(fd, f"{emitted_at:.6f} {time.time():.6f}\n".encode())
+    def record(first: float, second: float) -> None:
+        os.write(fd, f"{first:.6f} {second:.6f}\n".encode())  # one write a line: threads never interleave
 
     return record
+
+
+def handler(out: str, work: Work, kind: str) -> Callable[[float], Any]:
+    """The handler of one worker, called with the emit time: ``kind`` "sync" gives a function, "async" an
+    ``async def``. It appends (emitted, started) to the worker's file for the no-op, (started, ended) otherwise."""
+    import asyncio
+
+    record, wait = _recorder(out), work.wait
+    if wait is None:
+
+        def noop(t: float) -> None:
+            record(t, time.time())
+
+        async def noop_async(t: float) -> None:
+            record(t, time.time())
+
+        return noop if kind == "sync" else noop_async
+
+    def waits(t: float) -> None:
+        started = time.time()
+        if wait:
+            time.sleep(wait)
+        record(started, time.time())
+
+    async def waits_async(t: float) -> None:
+        started = time.time()
+        if wait:
+            await asyncio.sleep(wait)
+        record(started, time.time())
+
+    return waits if kind == "sync" else waits_async
 
 
 def _ready_then_wait() -> None:
@@ -103,15 +184,24 @@ def _ready_then_wait() -> None:
     sys.stdin.readline()
 
 
-def run_cmb_worker(url: str, out: str, listen: bool, poll: float) -> None:
+def run_cmb_worker(url: str, out: str, listen: bool, poll: float, work: Work) -> None:
     from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegistry, WorkerSettings
 
-    record = _recorder(out)
+    fn = handler(out, work, "sync" if work.wait is None else work.kind)
     registry = HandlerRegistry()
-    registry.add("noop", lambda event: record(event.value["t"]))
-    worker = EventWorker(
-        url, EventQueueOptions(handlers=registry, worker=WorkerSettings(listen=listen, sweep_interval=poll))
-    )
+    if work.kind == "async" and work.wait is not None:
+
+        async def call(event):  # type: ignore[no-untyped-def]
+            await fn(event.value["t"])
+
+    else:
+
+        def call(event):  # type: ignore[no-untyped-def]
+            fn(event.value["t"])
+
+    registry.add("noop", call)
+    settings = WorkerSettings(listen=listen, sweep_interval=poll, concurrency=work.concurrency)
+    worker = EventWorker(url, EventQueueOptions(handlers=registry, worker=settings))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop())
     worker.register()
@@ -129,28 +219,28 @@ def procrastinate_app(url: str, **pool: int):  # type: ignore[no-untyped-def]
     return procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url, **pool))
 
 
-def run_procrastinate_worker(url: str, out: str, listen: bool, poll: float) -> None:
+def run_procrastinate_worker(url: str, out: str, listen: bool, poll: float, work: Work) -> None:
     import asyncio
+    from concurrent.futures import ThreadPoolExecutor
 
-    record = _recorder(out)
-    app = procrastinate_app(url, max_size=PEER_CONCURRENCY + 1)
+    app = procrastinate_app(url, max_size=work.peer_pool)
+    app.task(name="noop")(handler(out, work, "async" if work.wait is None else work.kind))
 
-    @app.task(name="noop")
-    async def noop(t: float) -> None:
-        record(t)
-
-    async def work() -> None:
+    async def run() -> None:
+        if work.wait is not None and work.kind == "sync" and work.peer_threads:
+            # its sync tasks run in the loop's default executor (asgiref sync_to_async)
+            asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=work.peer_threads))
         async with app.open_async():
             await asyncio.to_thread(_ready_then_wait)
             await app.run_worker_async(
                 queues=["default"],
-                concurrency=PEER_CONCURRENCY,
+                concurrency=work.concurrency,
                 listen_notify=listen,
                 fetch_job_polling_interval=poll,
                 wait=True,
             )
 
-    asyncio.run(work())
+    asyncio.run(run())
 
 
 # -- measures -------------------------------------------------------------------------------------------
@@ -203,9 +293,15 @@ class Lines:
             self.offsets[path] = self.offsets.get(path, 0) + end
         return self.count
 
-    def wait(self, n: int, timeout: float) -> int:
+    def wait(self, n: int, timeout: float, stall: float | None = None) -> int:
+        """Wait for ``n`` lines, at most ``timeout`` seconds, and at most ``stall`` seconds without a new line."""
         deadline = time.monotonic() + timeout
+        seen, last_new = 0, time.monotonic()
         while self.update() < n and time.monotonic() < deadline:
+            if self.count > seen:
+                seen, last_new = self.count, time.monotonic()
+            elif stall is not None and time.monotonic() - last_new > stall:
+                break
             time.sleep(WATCH)
         return self.count
 
@@ -284,9 +380,9 @@ class Workers:
     logs: list[Path]
 
     @classmethod
-    def start(cls, engine: str, url: str, out: str, n: int, listen: bool, poll: float) -> Workers:
+    def start(cls, engine: str, url: str, out: str, n: int, listen: bool, poll: float, work: Work) -> Workers:
         command = [sys.executable, str(HERE), "--role", f"{engine}-worker", "--url", url, "--out", out]
-        command += ["--listen", "1" if listen else "0", "--poll-interval", str(poll)]
+        command += ["--listen", "1" if listen else "0", "--poll-interval", str(poll), *work.args()]
         workers = cls([], [Path(out, f"worker-{i}.err") for i in range(n)])
         try:
             for log in workers.logs:
@@ -373,30 +469,51 @@ def load(conn: psycopg.Connection, table: str, n: int, send: Callable[[int], obj
             conn.execute(f"ANALYZE {table}")
 
 
-def throughput(engine: str, url: str, postmaster: int | None, n_events: int, n_workers: int, poll: float) -> dict:
+def in_flight(intervals: list[tuple[float, float]]) -> int:
+    """The most calls running at one moment, from each call's (start, end)."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    peak = running = 0
+    for _, step in edges:  # at equal times an end (-1) sorts first: calls that touch do not overlap
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def throughput(
+    engine: str, url: str, postmaster: int | None, n_events: int, n_workers: int, poll: float, work: Work
+) -> dict:
+    """Drain a backlog loaded beforehand: events/s from the gate to the last handler's record (its start for the
+    no-op, its end for a handler that waits)."""
     reset(url)
     preload(engine, url, n_events)
     analyze(url)
+    # a side far below the ideal is cut at 3x the ideal drain and reported with the events it left undone
+    timeout = max(120.0, n_events / 20, 3 * n_events * (work.wait or 0) / (work.concurrency * n_workers) + 30)
     with tempfile.TemporaryDirectory() as out:
-        workers = Workers.start(engine, url, out, n_workers, listen=True, poll=poll)
+        workers = Workers.start(engine, url, out, n_workers, listen=True, poll=poll, work=work)
         try:
             before = Snapshot.take(workers.procs, postmaster)
             workers.open()
-            Lines(out).wait(n_events, timeout=max(120.0, n_events / 20))
+            Lines(out).wait(n_events, timeout=timeout, stall=None if work.wait is None else STALL + work.wait)
             after = Snapshot.take(workers.procs, postmaster)
         finally:
             errors = workers.stop()
         found = records(out)
     last = max((s for _, s in found), default=float("nan"))
     drain = last - before.at
-    return {
+    run = {
         "events": len(found),
         "backlog": n_events,
         "per_second": round(len(found) / drain, 1) if found else float("nan"),
         "seconds": round(drain, 3),
         **usage(before, after, n_workers),
+        "worker_cpu_ms_per_event": round(1000 * (after.workers - before.workers) / len(found), 3) if found else None,
         "errors": errors,
     }
+    if work.ideal:  # handlers that wait: their calls should overlap
+        run["peak_in_flight"] = in_flight(found)
+        run["share_of_ideal"] = round(run["per_second"] / (work.ideal * n_workers), 3) if found else 0.0
+    return run
 
 
 def produce(engine: str, url: str, rate: float, n: int) -> float:
@@ -441,12 +558,12 @@ def produce(engine: str, url: str, rate: float, n: int) -> float:
 
 
 def latency(
-    engine: str, url: str, postmaster: int | None, rate: float, seconds: float, listen: bool, poll: float
+    engine: str, url: str, postmaster: int | None, rate: float, seconds: float, listen: bool, poll: float, work: Work
 ) -> dict:
     reset(url)
     n = int(rate * seconds)
     with tempfile.TemporaryDirectory() as out:
-        workers = Workers.start(engine, url, out, 1, listen=listen, poll=poll)
+        workers = Workers.start(engine, url, out, 1, listen=listen, poll=poll, work=work)
         try:
             workers.open()
             time.sleep(SETTLE)  # the worker is up and idle
@@ -477,7 +594,7 @@ def latency(
     }
 
 
-def flags(run: dict) -> list[str]:
+def flags(run: dict, concurrency: int) -> list[str]:
     """What weakens a run's figure."""
     if "sent" in run:  # a latency run
         found = [] if run["kept_up"] else ["did not keep up: backlog grew"]
@@ -487,96 +604,87 @@ def flags(run: dict) -> list[str]:
     found = [f"left {run['backlog'] - run['events']} events undone"] if run["events"] < run["backlog"] else []
     if not run["seconds"] >= MIN_DRAIN:
         found.append(f"drained in under {MIN_DRAIN:g}s: noisy")
+    if run.get("peak_in_flight", concurrency) < concurrency:
+        found.append(f"never {concurrency} calls at once")
     return found
 
 
-def setup(poll: float) -> dict[str, object]:
+def setup(poll: float, work: Work) -> dict[str, object]:
     from cmb_dagster.eventqueue import WorkerSettings
 
+    waiting = work.wait is not None
+    listen = "on" if waiting else "on; off in latency_poll"
     return {
-        "producer_threads": PRODUCERS,
+        **({} if waiting else {"producer_threads": PRODUCERS}),
         "cmb": {
-            "worker": "EventWorker, WorkerSettings defaults",
+            "worker": "EventWorker",
+            "concurrency": work.concurrency,
             "batch_size": WorkerSettings().batch_size,
-            "handler": "sync function",
+            "handler": f"{work.kind} def" if waiting else "sync function",
             "sweep_interval": poll,
-            "listen": "on; off in latency_poll",
-            "producer": "emit, autocommit, a connection per thread",
+            "listen": listen,
+            **({} if waiting else {"producer": "emit, autocommit, a connection per thread"}),
         },
         "procrastinate": {
             "version": version("procrastinate"),
             "worker": "App.run_worker_async",
-            "task": "async def",
-            "concurrency": PEER_CONCURRENCY,
-            "pool_max_size": PEER_CONCURRENCY + 1,
+            "task": f"{work.kind} def" if waiting else "async def",
+            "concurrency": work.concurrency,
+            **(
+                {"threads_for_sync_tasks": work.peer_threads or "asyncio default"}
+                if waiting and work.kind == "sync"
+                else {}
+            ),
+            "pool_max_size": work.peer_pool,
             "fetch_job_polling_interval": poll,
-            "listen_notify": "on; off in latency_poll",
+            "listen_notify": listen,
             "delete_jobs": "never (default)",
-            "producer": "defer, a pool of one connection per thread",
+            **({} if waiting else {"producer": "defer, a pool of one connection per thread"}),
         },
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--listen", default="1", help=argparse.SUPPRESS)
-    parser.add_argument("--url", default=None, help="server to run on (default: the cmb database's)")
-    parser.add_argument("--poll-interval", type=float, default=2.0, help="cmb sweep = procrastinate polling (s)")
-    parser.add_argument("--events", type=int, default=250_000, help="cmb's backlog per throughput run")
-    parser.add_argument("--peer-events", type=int, default=6_000, help="procrastinate's backlog per throughput run")
-    parser.add_argument("--rate", type=float, default=500.0, help="events/s of the latency runs")
-    parser.add_argument("--low-rate", type=float, default=50.0, help="a rate both engines can sustain")
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each latency run at --rate")
-    parser.add_argument("--low-seconds", type=float, default=20.0, help="length of the latency run at --low-rate")
-    args = parser.parse_args()
-    if args.role == "cmb-worker":
-        return run_cmb_worker(args.url, args.out, args.listen == "1", args.poll_interval)
-    if args.role == "procrastinate-worker":
-        return run_procrastinate_worker(args.url, args.out, args.listen == "1", args.poll_interval)
-
-    from cmb_dagster.database import Database
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the workers and drop the database on the way out
-    server = args.url or Database.from_settings().url
-    info = server_info(server)
-    postmaster = find_postmaster(server)
-    name = f"cmb_bench_eventqueue_{secrets.token_hex(4)}"
-    poll = args.poll_interval
-    backlog = {"cmb": args.events, "procrastinate": args.peer_events}
-    results: dict[str, dict[str, dict]] = {"cmb": {}, "procrastinate": {}}
-    began = time.monotonic()
-    with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        url = with_db(server, name)
-        prepare(url)
-        for engine in ("cmb", "procrastinate"):
-            for workers in (1, 4):
-                results[engine][f"throughput_{workers}"] = throughput(
-                    engine, url, postmaster, backlog[engine], workers, poll
-                )
-            results[engine]["latency_notify"] = latency(engine, url, postmaster, args.rate, args.seconds, True, poll)
-            results[engine]["latency_notify_low"] = latency(
-                engine, url, postmaster, args.low_rate, args.low_seconds, True, poll
-            )
-            results[engine]["latency_poll"] = latency(engine, url, postmaster, args.rate, args.seconds, False, poll)
-            for run in results[engine].values():
-                run["flags"] = flags(run)
-    finally:
-        with psycopg.connect(server, autocommit=True) as admin:
-            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-    took = time.monotonic() - began
-
-    print(
+def server_line(info: dict[str, str], postmaster: int | None) -> str:
+    return (
         f"server: Postgres {info['server_version']}, autovacuum={info['autovacuum']}, fsync={info['fsync']}, "
         f"synchronous_commit={info['synchronous_commit']}; {os.cpu_count()} cores; server CPU "
         f"{'measured from /proc' if postmaster else 'not measured (the server is not on this machine)'}"
     )
+
+
+def full_run(url: str, postmaster: int | None, args: argparse.Namespace, work: Work) -> dict[str, dict[str, dict]]:
+    """The no-op run: throughput with 1 and 4 workers, then latency at two rates and with polling only."""
+    poll = args.poll_interval
+    backlog = {"cmb": args.events or 250_000, "procrastinate": args.peer_events or 6_000}
+    results: dict[str, dict[str, dict]] = {"cmb": {}, "procrastinate": {}}
+    for engine in ("cmb", "procrastinate"):
+        for workers in (1, 4):
+            results[engine][f"throughput_{workers}"] = throughput(
+                engine, url, postmaster, backlog[engine], workers, poll, work
+            )
+        results[engine]["latency_notify"] = latency(engine, url, postmaster, args.rate, args.seconds, True, poll, work)
+        results[engine]["latency_notify_low"] = latency(
+            engine, url, postmaster, args.low_rate, args.low_seconds, True, poll, work
+        )
+        results[engine]["latency_poll"] = latency(engine, url, postmaster, args.rate, args.seconds, False, poll, work)
+        for run in results[engine].values():
+            run["flags"] = flags(run, work.concurrency)
+    return results
+
+
+def full_report(
+    results: dict[str, dict[str, dict]],
+    info: dict[str, str],
+    postmaster: int | None,
+    args: argparse.Namespace,
+    work: Work,
+    took: float,
+) -> dict:
+    poll = args.poll_interval
+    print(server_line(info, postmaster))
     print(
-        f"cmb: EventWorker defaults, sweep {poll:g}s; procrastinate {version('procrastinate')}: async task, "
-        f"concurrency {PEER_CONCURRENCY}, pool max_size {PEER_CONCURRENCY + 1}, polling {poll:g}s; "
+        f"cmb: EventWorker, concurrency {work.concurrency}, sweep {poll:g}s; procrastinate {version('procrastinate')}: "
+        f"async task, concurrency {work.concurrency}, pool max_size {work.peer_pool}, polling {poll:g}s; "
         f"LISTEN/NOTIFY on for both except in the polling run; {took:.0f}s in all"
     )
     ratios = {}
@@ -599,13 +707,11 @@ def main() -> None:
     for engine in results:
         for key, value in results[engine].items():
             print(f"  {engine:13} {key:18} {value}")
-    report = {
+    return {
         "benchmark": "eventqueue",
-        "server": {**info, "cpu_measured": postmaster is not None},
-        "machine": {"cores": os.cpu_count()},
-        "setup": setup(poll),
         "sizes": {
-            **{f"backlog_{e}": n for e, n in backlog.items()},
+            "backlog_cmb": results["cmb"]["throughput_1"]["backlog"],
+            "backlog_procrastinate": results["procrastinate"]["throughput_1"]["backlog"],
             "rate": args.rate,
             "low_rate": args.low_rate,
             "seconds": args.seconds,
@@ -613,6 +719,204 @@ def main() -> None:
         },
         "results": results,
         "ratios": ratios,
+    }
+
+
+def wait_backlog(work: Work) -> int:
+    """Events that keep one worker busy MIN_DRAIN seconds at the ideal rate, within WAIT_BACKLOG."""
+    assert work.ideal is not None
+    low, high = WAIT_BACKLOG
+    return min(high, max(low, math.ceil(MIN_DRAIN * work.ideal)))
+
+
+def wait_run(url: str, postmaster: int | None, args: argparse.Namespace, work: Work) -> dict[str, list[dict]]:
+    """One worker a side drains its backlog, the sides taking turns, --rounds times."""
+    if work.wait:
+        events = args.events or wait_backlog(work)
+        backlog = {"cmb": events, "procrastinate": args.peer_events or events}
+    else:
+        backlog = {"cmb": args.events or 250_000, "procrastinate": args.peer_events or 6_000}
+    rounds: dict[str, list[dict]] = {"cmb": [], "procrastinate": []}
+    for _ in range(args.rounds):
+        for engine in rounds:
+            run = throughput(engine, url, postmaster, backlog[engine], 1, args.poll_interval, work)
+            run["flags"] = flags(run, work.concurrency)
+            rounds[engine].append(run)
+    return rounds
+
+
+def median_of(runs: list[dict], field: str) -> float | None:
+    values = [r[field] for r in runs if r.get(field) is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def wait_report(
+    rounds: dict[str, list[dict]],
+    info: dict[str, str],
+    postmaster: int | None,
+    args: argparse.Namespace,
+    work: Work,
+    took: float,
+) -> dict:
+    poll = args.poll_interval
+    how = {"sync": "time.sleep", "async": "asyncio.sleep"}[work.kind]
+    wait = f"wait {work.wait * 1000:g} ms ({how})" if work.wait else "no-op"
+    threads = f", its sync tasks in {work.peer_threads or 'the default number of'} threads" * (work.kind == "sync")
+    print(server_line(info, postmaster))
+    print(
+        f"handlers: {work.kind}, {wait}; concurrency {work.concurrency} a side, one worker each; "
+        f"procrastinate {version('procrastinate')}{threads}, pool max_size {work.peer_pool}; polling {poll:g}s, "
+        f"LISTEN/NOTIFY on; backlogs {rounds['cmb'][0]['backlog']} / {rounds['procrastinate'][0]['backlog']}; "
+        f"rounds: {args.rounds}, {took:.0f}s in all"
+    )
+    ideal = work.ideal
+    for i in range(args.rounds):
+        parts = []
+        for engine, runs in rounds.items():
+            run = runs[i]
+            note = f" ({'; '.join(run['flags'])})" if run["flags"] else ""
+            peak = f", peak {run['peak_in_flight']} in flight" if "peak_in_flight" in run else ""
+            parts.append(
+                f"{engine} {run['per_second']:>9}/s in {run['seconds']:.1f}s, CPU {run['worker_cpu_seconds']:.2f}s"
+                f"{peak}{note}"
+            )
+        print(f"  round {i + 1}: " + "   ".join(parts))
+    median = {
+        engine: {
+            field: median_of(runs, field)
+            for field in (
+                "per_second",
+                "share_of_ideal",
+                "worker_cpu_seconds",
+                "worker_cpu_ms_per_event",
+                "server_cpu_seconds",
+            )
+        }
+        for engine, runs in rounds.items()
+    }
+    ours, theirs = median["cmb"]["per_second"], median["procrastinate"]["per_second"]
+    ratio = round(ours / theirs, 2) if ours and theirs else None
+    for engine, m in median.items():
+        share = f" = {m['share_of_ideal']:.0%} of the ideal {ideal:g}/s" if ideal and m["share_of_ideal"] else ""
+        print(
+            f"  median {engine:13} {m['per_second']:>9} events/s{share}; worker CPU {m['worker_cpu_seconds']}s "
+            f"({m['worker_cpu_ms_per_event'] or '-'} ms an event), server CPU {m['server_cpu_seconds']}s"
+        )
+    print(f"  cmb / procrastinate: x{ratio}")
+    return {
+        "benchmark": "eventqueue_wait",
+        "work": {
+            "wait": work.wait,
+            "kind": work.kind,
+            "concurrency": work.concurrency,
+            "peer_threads": work.peer_threads if work.kind == "sync" else None,
+            "peer_pool": work.peer_pool,
+        },
+        "ideal_per_second": ideal,
+        "median": median,
+        "ratio": ratio,
+        "rounds": rounds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--listen", default="1", help=argparse.SUPPRESS)
+    parser.add_argument("--url", default=None, help="server to run on (default: the cmb database's)")
+    parser.add_argument("--poll-interval", type=float, default=2.0, help="cmb sweep = procrastinate polling (s)")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        help="seconds each handler waits (0: a no-op of --kind); runs one worker a side, --rounds times, in place "
+        "of the full no-op run",
+    )
+    parser.add_argument(
+        "--kind",
+        choices=("sync", "async"),
+        default=None,
+        help="with --wait: handlers are functions calling time.sleep (procrastinate runs them in threads) or "
+        "async def calling asyncio.sleep (default sync)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="calls one worker runs at once, each side"
+    )
+    parser.add_argument(
+        "--peer-threads",
+        type=int,
+        default=None,
+        help="with --kind sync: threads of procrastinate's event loop, where its sync tasks run (default: "
+        "--concurrency; 0: asyncio's default, min(32, cores + 4))",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="with --wait: turns of each side (default 3)")
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=None,
+        help="cmb's backlog per throughput run (default 250,000; with --wait > 0: both sides', sized by default "
+        f"for {MIN_DRAIN:g}s at the ideal rate, within {WAIT_BACKLOG[0]}-{WAIT_BACKLOG[1]})",
+    )
+    parser.add_argument(
+        "--peer-events", type=int, default=None, help="procrastinate's backlog per throughput run (default 6,000)"
+    )
+    parser.add_argument("--rate", type=float, default=500.0, help="events/s of the latency runs")
+    parser.add_argument("--low-rate", type=float, default=50.0, help="a rate both engines can sustain")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each latency run at --rate")
+    parser.add_argument("--low-seconds", type=float, default=20.0, help="length of the latency run at --low-rate")
+    args = parser.parse_args()
+    for option, value, low, high in [
+        ("--wait", args.wait, 0, 60),
+        ("--concurrency", args.concurrency, 1, 1_000),
+        ("--peer-threads", args.peer_threads, 0, 1_000),
+        ("--rounds", args.rounds, 1, 20),
+        ("--events", args.events, 1, 10_000_000),
+        ("--peer-events", args.peer_events, 1, 10_000_000),
+    ]:
+        if value is not None and not low <= value <= high:
+            parser.error(f"{option} must be between {low} and {high}")
+    if args.wait is None and (args.kind or args.rounds or args.peer_threads is not None):
+        parser.error("--kind, --rounds and --peer-threads go with --wait (the full no-op run keeps its handlers)")
+    args.kind, args.rounds = args.kind or "sync", args.rounds or 3
+    threads = args.concurrency if args.peer_threads is None else args.peer_threads
+    work = Work(args.wait, args.kind, args.concurrency, threads)
+    if args.role == "cmb-worker":
+        return run_cmb_worker(args.url, args.out, args.listen == "1", args.poll_interval, work)
+    if args.role == "procrastinate-worker":
+        return run_procrastinate_worker(args.url, args.out, args.listen == "1", args.poll_interval, work)
+
+    from cmb_dagster.database import Database
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the workers and drop the database on the way out
+    server = args.url or Database.from_settings().url
+    info = server_info(server)
+    postmaster = find_postmaster(server)
+    name = f"cmb_bench_eventqueue_{secrets.token_hex(4)}"
+    began = time.monotonic()
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        url = with_db(server, name)
+        prepare(url)
+        if work.wait is None:
+            full = full_run(url, postmaster, args, work)
+        else:
+            rounds = wait_run(url, postmaster, args, work)
+    finally:
+        with psycopg.connect(server, autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    took = time.monotonic() - began
+    if work.wait is None:
+        figures = full_report(full, info, postmaster, args, work, took)
+    else:
+        figures = wait_report(rounds, info, postmaster, args, work, took)
+    report = {
+        "benchmark": figures.pop("benchmark"),
+        "server": {**info, "cpu_measured": postmaster is not None},
+        "machine": {"cores": os.cpu_count()},
+        "setup": setup(args.poll_interval, work),
+        **figures,
         "seconds": round(took, 1),
     }
     print(json.dumps(report))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import select
 import threading
 import weakref
@@ -462,6 +463,19 @@ def _one_per_process(key: tuple[str | None, ...], build: Callable[[], Database])
         if database is None:
             database = _SHARED[key] = build()
         return database
+
+
+def _forget_in_child() -> None:
+    # a forked child (user code under isolation="process") must not use or close the parent's connections (their
+    # sockets are shared with the parent) nor wait on its pools' threads (not copied): it opens pools of its own
+    for database in list(_OPEN):
+        _OPEN.discard(database)
+        if not database._external_pool:
+            database._pool = database._direct_pool = None
+            database._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

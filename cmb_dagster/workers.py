@@ -239,7 +239,9 @@ class Worker:
     (a worker run handing over to its successor) and asks for them at once. A step that raises is logged and its
     partition is retried after ``backoff``. ``partitions`` may be a function, asked again at every lease
     renewal, for partitions that can be added while it runs. Partitions for which ``joint`` is true are
-    served together: one call ``joint_step(leases)`` with all of them held (one backoff for the group).
+    served together: one call ``joint_step(leases)`` with all of them held (one backoff for the group). When the
+    loop ends, ``drain`` (if any) runs before the leases are released; it returns False to keep them (work of theirs
+    still runs: they lapse after ``ttl`` instead).
     """
 
     def __init__(
@@ -260,6 +262,7 @@ class Worker:
         on_shutdown: Callable[[], None] | None = None,
         joint: Callable[[str], bool] | None = None,
         joint_step: JointStep | None = None,
+        drain: Callable[[], bool] | None = None,
     ) -> None:
         if (joint is None) != (joint_step is None):
             raise ValueError("joint and joint_step go together")
@@ -270,6 +273,7 @@ class Worker:
         self.step = step
         self.joint = joint
         self.joint_step = joint_step
+        self.drain = drain
         self.idle_sleep = idle_sleep
         self.backoff = backoff
         self.channels = list(channels)
@@ -378,6 +382,8 @@ class Worker:
             if self.listener is not None:
                 self.listener.stop()
                 self.listener = None
+            if self.drain is not None and not self.drain():
+                self._held = {}
             if self._held:
                 try:
                     self.leases.release(self._held)

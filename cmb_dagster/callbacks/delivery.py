@@ -2,12 +2,13 @@
 
 The HTTP client is a small HTTP/1.1 one on asyncio streams, keeping idle connections per target for
 reuse: CPU per call is what limits a worker (one event loop runs every call, no thread per call), and it
-gives the two limits a callback needs: a deadline for the whole call (resolve, connect, send, every read),
-and a cap on the response bytes read. It connects only to addresses the settings allow, checked on the
-address actually connected to (after name resolution).
+gives the two limits a callback needs: a deadline for the whole call (resolve, connect, send, every read: the
+call is cancelled there), and a cap on the response bytes read. It connects only to addresses the settings
+allow, checked on the address actually connected to (after name resolution).
 
-Up to ``concurrency`` calls run at once on one event loop thread. A dispatcher on that loop takes due
-deliveries, highest priority first, as many as there are free call slots, and passes them through the worker's
+The calls run on the worker's :class:`~cmb_dagster.executor.Executor`, up to ``concurrency`` at once: HTTP calls
+on its event loop, ``dagster://`` launches in its threads. A dispatcher on that loop takes due deliveries, highest
+priority first, as many as the executor has free slots, and passes them through the worker's
 *gate* first: one transaction that takes the slots of the limits their destinations need (those it cannot get
 wait in the pool, not counted), re-checks, under row locks, that each event is still pending in the version
 polled (cancel, update and delete wait for that lock) and counts the call in ``attempts``. Only what the gate let
@@ -18,6 +19,7 @@ call of the old version starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import ipaddress
@@ -30,7 +32,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple, Protocol
@@ -38,7 +39,8 @@ from urllib.parse import urlsplit
 
 from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_job_name
 from cmb_dagster.callbacks.signing import signature_headers
-from cmb_dagster.isolation import describe_error, sanitize
+from cmb_dagster.executor import Executor, Task
+from cmb_dagster.isolation import TimedOut, describe_error, sanitize
 from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
 
 log = logging.getLogger("cmb_dagster.callbacks")
@@ -58,6 +60,7 @@ _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"))
 INTERNAL_ERROR_DELAY = 5.0  # seconds: at least this long before an event that hit one of our bugs is retried
 SLOT_RECHECK = 0.05  # seconds: calls waiting for slots other workers hold ask again after this
 PARKED_RECHECK = 1.0  # seconds: calls waiting for slots in use here ask again after this at the latest
+MIN_SHUTDOWN = 1.0  # seconds: the dispatcher and the gate's connection are given at least this to close
 FlowKey = tuple[str, str]  # (scope, key) of the limits a call is under (cmb_dagster.flow)
 
 
@@ -184,7 +187,8 @@ class HttpSender:
         """POST ``body`` with the extra ``headers`` (lines ending in CRLF): notified on 2xx, rejected on a reject
         header, retry otherwise.
 
-        ``settings.timeout`` is a deadline for the whole call: resolving, connecting, sending and every read.
+        The caller bounds the whole call (resolving, connecting, sending and every read) by cancelling it: the
+        pool runs it on its executor, under the deadline ``settings.timeout``.
         """
         target = _target(url)
         if isinstance(target, str):
@@ -193,11 +197,7 @@ class HttpSender:
         if not self.settings.host_allowed(host):
             return Answer(FAILED, f"host {host!r} is not allowed")
         request = b"%s%d\r\n%s\r\n%s" % (head, len(body), headers, body)
-        try:
-            async with asyncio.timeout(self.settings.timeout):
-                return await self._post((scheme, host, port), request)
-        except TimeoutError:
-            return Answer(RETRY, "timed out")
+        return await self._post((scheme, host, port), request)
 
     def close(self) -> None:
         """Drop the idle connections."""
@@ -416,15 +416,18 @@ def _general(exc: BaseException) -> str:
 
 
 class DeliveryPool:
-    """Calls due deliveries, let through the worker's gate, from one event loop, with fast retries.
+    """Calls due deliveries, let through the worker's gate, on an executor of user code, with fast retries.
 
-    On the event loop, a dispatcher waits for the earliest due delivery and for free call slots
-    (``concurrency``), passes as many due deliveries as there are free slots through the gate (one
-    transaction), highest priority first, then earliest due, and starts the calls of those let through; while
-    the gate waits for the database, the calls go on. Those waiting for a slot or a token of their limits are
-    parked until a call under the same limits ends here, or until the time the gate gave (``SLOT_RECHECK`` for
-    slots held elsewhere, the next token, ``PARKED_RECHECK`` at the latest). A fast retry goes back to the heap
-    and through the gate again.
+    The calls run on a :class:`~cmb_dagster.executor.Executor` of ``concurrency`` slots: HTTP calls on its event
+    loop, cancelled at their deadline (``timeout``), ``dagster://`` launches in its threads. On the same loop, a
+    dispatcher waits for the earliest due delivery and for the executor's free slots, passes as many due
+    deliveries as there are free slots through the gate (one transaction), highest priority first, then earliest
+    due, and starts the calls of those let through; while the gate waits for the database, the calls go on.
+    Those waiting for a slot or a token of their limits are parked until a call under the same limits ends here,
+    or until the time the gate gave (``SLOT_RECHECK`` for slots held elsewhere, the next token,
+    ``PARKED_RECHECK`` at the latest). A delivery is held (its executor slot, its limits' slot, its outcome) until
+    its call has really ended, a launch past its deadline too; a fast retry then goes back to the heap and
+    through the gate again.
     """
 
     def __init__(
@@ -440,25 +443,22 @@ class DeliveryPool:
         self.gate = gate
         self.on_broken = on_broken  # told if the dispatcher ends by an error: no delivery would be called after it
         self.broken: BaseException | None = None
-        # launches run one at a time (a run key is looked up, then its run created), on a thread of their own:
-        # one that hangs holds no thread of the loop's executor, which resolves the names of HTTP targets
-        self._launches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cmb-callback-launch")
         self._heap: list[tuple[float, int, Delivery]] = []  # by due time
         self._ready: list[tuple[int, float, int, Delivery]] = []  # due: by priority, then due time
         self._parked: dict[FlowKey, list[tuple[int, float, int, Delivery]]] = {}  # waiting for a slot or a token
         self._parked_count = 0
         self._recheck_at = math.inf  # when the parked deliveries ask the gate again
         self._cond = threading.Condition()  # guards the heap and the counters; close() waits on it
-        self._idle = settings.concurrency
         self._gating = 0
-        self._running = 0
+        self._running = 0  # calls started whose end is not settled yet
         self._closed = False
         self._wake_at = -math.inf  # a submit due before this wakes the dispatcher (-inf: it is not asleep)
         self._wake = asyncio.Event()
-        self._loop = asyncio.new_event_loop()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._caller = threading.Thread(target=self._run_loop, name="cmb-callback-calls", daemon=True)
-        self._caller.start()
+        self._executor = Executor("callbacks", settings.concurrency, on_end=self._settle_ended)
+        self._loop = self._executor.loop
+        self._loop_thread: int | None = None
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._loop.call_soon_threadsafe(self._start_dispatcher)
 
     def submit(self, delivery: Delivery) -> None:
         """Call ``delivery`` at its due time; its ``on_done`` runs when it has an outcome."""
@@ -468,7 +468,7 @@ class DeliveryPool:
             if wake:
                 self._wake_at = -math.inf  # one wake-up is enough
         if wake:
-            self._loop.call_soon_threadsafe(self._wake.set)
+            self._wake_dispatcher()
 
     def abandon_waiting(self) -> None:
         """Give every delivery not started yet back as abandoned (the worker is stopping)."""
@@ -493,23 +493,64 @@ class DeliveryPool:
         with self._cond:
             return len(self._heap) + len(self._ready) + self._parked_count + self._gating + self._running
 
+    def check(self) -> None:
+        """Raise :class:`~cmb_dagster.isolation.WorkerStuck` when every call slot is held by a launch running
+        past twice its deadline (the process is to be restarted)."""
+        self._executor.check()
+
     def close(self, timeout: float = 30.0) -> None:
-        """Abandon waiting deliveries, let the gate and running calls end, stop the event loop."""
+        """Abandon waiting deliveries, let the gate and running calls end (up to ``timeout``), then stop the
+        dispatcher and the executor: calls still running on its loop are cancelled and given back."""
         self.abandon_waiting()
         deadline = time.monotonic() + timeout
         with self._cond:
             self._closed = True
-        try:
-            self._loop.call_soon_threadsafe(self._wake.set)
-        except RuntimeError:  # closed already
-            return
+        self._wake_dispatcher()
         with self._cond:
             while (self._running or self._gating) and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._caller.join(max(0.0, deadline - time.monotonic()))
+        try:
+            stopped = asyncio.run_coroutine_threadsafe(self._stop_dispatcher(), self._loop)
+            stopped.result(max(MIN_SHUTDOWN, deadline - time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - the loop is stopped next anyway
+            log.warning("callback dispatcher did not stop cleanly (%s)", type(exc).__name__)
+        finally:
+            self._executor.close()
 
-    # -- the dispatcher, on the event loop thread ----------------------------------------------------
+    def _wake_dispatcher(self) -> None:
+        """Wake the dispatcher, from any thread."""
+        if threading.get_ident() == self._loop_thread:
+            self._wake.set()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: no dispatcher to wake
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # -- the dispatcher, on the executor's event loop -------------------------------------------------
+
+    def _start_dispatcher(self) -> None:
+        self._loop_thread = threading.get_ident()
+        self._dispatcher = self._loop.create_task(self._dispatch())
+        self._dispatcher.add_done_callback(self._dispatcher_ended)
+
+    async def _stop_dispatcher(self) -> None:
+        """End the dispatcher, drop the idle connections and close the gate's connection."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+        self.sender.close()
+        if self.gate is not None:
+            await self.gate.close()
+
+    def _dispatcher_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.broken = task.exception()
+        with self._cond:  # the deliveries it was passing through the gate are left to the buckets' next holder
+            self._gating = 0
+            self._cond.notify_all()
+        log.error("callback dispatcher stopped by an error; no more calls start", exc_info=self.broken)
+        if self.on_broken is not None:
+            self.on_broken(self.broken)
 
     async def _dispatch(self) -> None:
         while True:
@@ -524,16 +565,16 @@ class DeliveryPool:
                 while self._heap and self._heap[0][0] <= now:
                     _, seq, delivery = heapq.heappop(self._heap)
                     heapq.heappush(self._ready, (-delivery.priority, delivery.due, seq, delivery))
+                free = self._executor.free  # only this dispatcher starts calls: slots only free up meanwhile
                 due: list[Delivery] = []
-                while self._ready and len(due) < self._idle:
+                while self._ready and len(due) < free:
                     due.append(heapq.heappop(self._ready)[3])
                 self._gating += len(due)
-                self._idle -= len(due)
                 if not due:  # asleep until the earliest is due, or a slot frees (a call's end wakes it)
                     self._wake.clear()
-                    self._wake_at = -math.inf if self._idle == 0 else self._heap[0][0] if self._heap else math.inf
+                    self._wake_at = -math.inf if free == 0 else self._heap[0][0] if self._heap else math.inf
                     wake_at = min(self._wake_at, self._recheck_at)
-                    timeout = wake_at - now if wake_at < math.inf and self._idle else None
+                    timeout = wake_at - now if wake_at < math.inf and free else None
             if not due:
                 try:
                     async with asyncio.timeout(timeout):
@@ -543,10 +584,9 @@ class DeliveryPool:
                 with self._cond:
                     self._wake_at = -math.inf
                 continue
-            started, later, waiting, wait = await self._pass_gate(due)
+            later, waiting, wait = await self._pass_gate(due)
             with self._cond:
                 self._gating -= len(due)
-                self._idle += len(due) - started
                 for delivery in later:  # not due yet by the database's clock (clocks drift a little)
                     delivery.due = time.monotonic() + 0.005
                     heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
@@ -580,13 +620,16 @@ class DeliveryPool:
             self._unpark(delivery.flow, 1)
 
     def _start(self, go: list[Delivery]) -> None:
+        """Start the calls of ``go`` on the executor (each in a slot the dispatcher counted as free)."""
         with self._cond:
             self._running += len(go)
-        self._begin(go)
+        for delivery in go:
+            launch = self.launcher is not None and dagster_job_name(delivery.cb_url) is not None
+            self._executor.start(delivery, self._launch if launch else self._post, self.settings.timeout)
 
-    async def _pass_gate(self, due: list[Delivery]) -> tuple[int, list[Delivery], list[Delivery], float | None]:
-        """Start what the gate lets through; return how many started, those not due yet, those waiting for a slot
-        or a token, and the seconds after which to ask again for those (None: when a slot frees here).
+    async def _pass_gate(self, due: list[Delivery]) -> tuple[list[Delivery], list[Delivery], float | None]:
+        """Start what the gate lets through; return those not due yet, those waiting for a slot or a token, and
+        the seconds after which to ask again for those (None: when a slot frees here).
 
         The others are finished here: gone, or given back.
         """
@@ -598,10 +641,10 @@ class DeliveryPool:
             else:
                 ready.append(delivery)
         if not ready:
-            return 0, [], [], None
+            return [], [], None
         if self.gate is None:
             self._start(ready)
-            return len(ready), [], [], None
+            return [], [], None
         started: list[Delivery] = []
 
         def start(go: list[Delivery]) -> None:
@@ -617,7 +660,7 @@ class DeliveryPool:
                 if id(delivery) not in begun:
                     self._free_slot(delivery)
                     self._give_back(delivery)
-            return len(started), [], [], None
+            return [], [], None
         for delivery in gone:
             self._free_slot(delivery)
             self._finish(delivery, GONE, None)
@@ -625,97 +668,30 @@ class DeliveryPool:
         later = [d for d in ready if id(d) not in settled]
         for delivery in later:
             self._free_slot(delivery)
-        return len(started), later, waiting, wait
+        return later, waiting, wait
 
-    # -- the calls, on the event loop thread --------------------------------------------------------
+    # -- the calls, on the executor -------------------------------------------------------------------
 
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        dispatcher = self._loop.create_task(self._dispatch())
-        dispatcher.add_done_callback(self._dispatcher_ended)
-        try:
-            self._loop.run_forever()
-        finally:
-            self.sender.close()
-            for task in (dispatcher, *self._tasks):
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(dispatcher, *self._tasks, return_exceptions=True))
-            if self.gate is not None:
-                self._loop.run_until_complete(self.gate.close())
-            self._loop.close()
-            self._launches.shutdown(wait=False, cancel_futures=True)
-
-    def _dispatcher_ended(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        self.broken = task.exception()
-        with self._cond:  # the deliveries it was passing through the gate are left to the buckets' next holder
-            self._gating = 0
-            self._cond.notify_all()
-        log.error("callback dispatcher stopped by an error; no more calls start", exc_info=self.broken)
-        if self.on_broken is not None:
-            self.on_broken(self.broken)
-
-    def _begin(self, go: list[Delivery]) -> None:
-        for delivery in go:
-            task = self._loop.create_task(self._call(delivery))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _call(self, delivery: Delivery) -> None:
-        try:
-            if time.monotonic() >= delivery.lease_deadline():  # stopped or stalled since the gate: not called
-                self._give_back(delivery)
-                return
-            delivery.tries += 1
-            outcome, error, delivery.status_code, delivery.response = await self._attempt(delivery)
-            if outcome != RETRY:
-                self._finish(delivery, outcome, error)
-                return
-            delivery.error = error
-            if delivery.tries <= delivery.retry.fast_retries and not self._closed:
-                # a fast retry: back to the heap, and through the gate again
-                delivery.due = time.monotonic() + self.settings.backoff.delay(delivery.tries - 1)
-                with self._cond:
-                    heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
-                return
-            delivery.retry_delay = delivery.retry.main_retry_delay(delivery.main_retries)
-            self._finish(delivery, RETRY, error)
-        except Exception as exc:  # our own bug: this event backs off, the others go on
-            log.exception("callback %s crashed", delivery.event_id)
-            try:
-                delay = max(INTERNAL_ERROR_DELAY, delivery.retry.main_retry_delay(delivery.main_retries))
-            except Exception:  # noqa: BLE001
-                delay = INTERNAL_ERROR_DELAY
-            delivery.retry_delay = delay
-            self._finish(delivery, RETRY, f"internal error: {type(exc).__name__}")
-        finally:
-            self._free_slot(delivery)
-            with self._cond:
-                self._running -= 1
-                self._idle += 1
-                if self._closed:
-                    self._cond.notify_all()
-            self._wake.set()  # a free slot (and maybe a fast retry) for the dispatcher
-
-    async def _attempt(self, delivery: Delivery) -> Answer:
-        job_name = dagster_job_name(delivery.cb_url)
-        if job_name is None:
-            body = delivery.body()
-            message_id = delivery.message_id or delivery.event_id
-            headers = signature_headers(message_id, int(time.time()), body, delivery.secrets)
-            return await self.sender.post(delivery.cb_url, body, headers)
-        if self.launcher is None:
+    async def _post(self, delivery: Delivery) -> Answer | None:
+        """The HTTP call of ``delivery``, on the executor's loop (None: not called; a ``dagster://`` event here has
+        no launcher, and is retried)."""
+        if time.monotonic() >= delivery.lease_deadline():  # stopped or stalled since the gate: not called
+            return None
+        delivery.tries += 1
+        if dagster_job_name(delivery.cb_url) is not None:
             return Answer(RETRY, "dagster:// callbacks need a worker with a Dagster launcher (the Dagster worker job)")
-        try:  # at the deadline a launch not started is dropped, one running is left to end; the event is retried
-            async with asyncio.timeout(self.settings.timeout):
-                return Answer(*await self._loop.run_in_executor(self._launches, self._launch, delivery, job_name))
-        except TimeoutError:
-            return Answer(RETRY, "timed out")
+        body = delivery.body()
+        message_id = delivery.message_id or delivery.event_id
+        headers = signature_headers(message_id, int(time.time()), body, delivery.secrets)
+        return await self.sender.post(delivery.cb_url, body, headers)
 
-    def _launch(self, delivery: Delivery, job_name: str) -> tuple[str, str | None]:
-        """Start the Dagster run of a ``dagster://`` event (blocking: on the pool's launch thread)."""
-        assert self.launcher is not None
+    def _launch(self, delivery: Delivery) -> Answer | None:
+        """Start the Dagster run of a ``dagster://`` event, in a thread of the executor (None: not called)."""
+        job_name = dagster_job_name(delivery.cb_url)
+        assert self.launcher is not None and job_name is not None
+        if time.monotonic() >= delivery.lease_deadline():  # stopped or stalled since the gate: not launched
+            return None
+        delivery.tries += 1
         context = json.loads(delivery.context_json or "null")
         context = context if isinstance(context, dict) else {}
         tags = {str(k): str(v) for k, v in (context.get("tags") or {}).items()}
@@ -729,10 +705,57 @@ class DeliveryPool:
                 tags=tags,
             )
         except LookupError as exc:
-            return FAILED, f"no Dagster job {job_name!r}: {describe_error(exc)}"
+            return Answer(FAILED, f"no Dagster job {job_name!r}: {describe_error(exc)}")
         except Exception as exc:  # noqa: BLE001 - any launch failure is retried by the policy
-            return RETRY, f"Dagster launch failed: {describe_error(exc)}"
-        return NOTIFIED, None
+            return Answer(RETRY, f"Dagster launch failed: {describe_error(exc)}")
+        return Answer(NOTIFIED, None)
+
+    def _settle_ended(self) -> None:
+        """Settle the calls that ended (the executor's ``on_end``, on the thread or loop where a call ended)."""
+        for task in self._executor.ended():
+            self._settle(task)
+
+    def _settle(self, task: Task[Delivery]) -> None:
+        """The outcome of a call that has ended: finished, a fast retry (back to the heap), or given back."""
+        delivery = task.item
+        try:
+            try:
+                answer = task.outcome
+            except TimedOut:  # cancelled at its deadline, or a launch that ended past it
+                answer = Answer(RETRY, "timed out")
+            if answer is None:
+                self._give_back(delivery)
+                return
+            outcome, error, delivery.status_code, delivery.response = answer
+            if outcome != RETRY:
+                self._finish(delivery, outcome, error)
+                return
+            delivery.error = error
+            if delivery.tries <= delivery.retry.fast_retries and not self._closed:
+                # a fast retry: back to the heap, and through the gate again
+                delivery.due = time.monotonic() + self.settings.backoff.delay(delivery.tries - 1)
+                with self._cond:
+                    heapq.heappush(self._heap, (delivery.due, delivery._seq, delivery))
+                return
+            delivery.retry_delay = delivery.retry.main_retry_delay(delivery.main_retries)
+            self._finish(delivery, RETRY, error)
+        except asyncio.CancelledError:  # the pool closed before the call ended
+            self._give_back(delivery)
+        except Exception as exc:  # our own bug: this event backs off, the others go on
+            log.exception("callback %s crashed", delivery.event_id)
+            try:
+                delay = max(INTERNAL_ERROR_DELAY, delivery.retry.main_retry_delay(delivery.main_retries))
+            except Exception:  # noqa: BLE001
+                delay = INTERNAL_ERROR_DELAY
+            delivery.retry_delay = delay
+            self._finish(delivery, RETRY, f"internal error: {type(exc).__name__}")
+        finally:
+            self._free_slot(delivery)
+            with self._cond:
+                self._running -= 1
+                if self._closed:
+                    self._cond.notify_all()
+            self._wake_dispatcher()  # a free slot (and maybe a fast retry) for the dispatcher
 
     def _finish(self, delivery: Delivery, outcome: str, error: str | None) -> None:
         """Record ``outcome`` and hand ``delivery`` back; ``error`` may quote the target or the launcher, so it

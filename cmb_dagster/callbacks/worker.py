@@ -69,6 +69,7 @@ REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls no
 FAILURES_LOGGED_PER_WINDOW = 20
 MOVE_BATCH = 5000  # events of a removed bucket moved per transaction (inserts wait for each one)
 MAX_KEYS_REMEMBERED = 100_000  # owners whose signing secrets a worker remembers
+STUCK_CHECK_EVERY = 1.0  # seconds: how often the worker asks whether every call slot is held by a hung launch
 
 
 Position = tuple[datetime, int]
@@ -455,6 +456,7 @@ class CallbackWorker(EngineWorker):
         self.delivered = 0
         self._window_started = time.monotonic()
         self._failures_in_window = self._failures_not_logged = 0
+        self._stuck_check_at = 0.0
 
     def loops(self) -> list[Worker]:
         """One loop over the buckets, with a fresh pool of calls; the limits of the settings registered."""
@@ -558,6 +560,9 @@ class CallbackWorker(EngineWorker):
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
         self._keep_slots(now)
+        if now >= self._stuck_check_at:  # a worker whose every call slot hangs stops (WorkerStuck), releasing all
+            self._stuck_check_at = now + STUCK_CHECK_EVERY
+            self._pool.check()
         return handled
 
     def _keep_slots(self, now: float) -> None:

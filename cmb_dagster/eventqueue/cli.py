@@ -49,13 +49,32 @@ def events() -> None:
     "--sweep-interval", type=FloatRange(0.01, 3600), default=None, help="Seconds between sweeps without notifications."
 )
 @click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY hints.")
+@click.option("--concurrency", type=click.IntRange(1, 1_000), default=None, help="Handler calls at once (default: 10).")
+@click.option(
+    "--isolation",
+    type=click.Choice(["thread", "process"]),
+    default=None,
+    help="process: each sync call in a child process, killed at its timeout (default: thread).",
+)
 @liveness_options
 def worker(
-    handlers_ref: str, duration: float | None, batch_size: int | None, sweep_interval: float | None, listen: bool
+    handlers_ref: str,
+    duration: float | None,
+    batch_size: int | None,
+    sweep_interval: float | None,
+    listen: bool,
+    concurrency: int | None,
+    isolation: str | None,
 ) -> None:
-    """Run handlers as a long-running process (SIGTERM finishes the current batch, then exits)."""
+    """Run handlers as a long-running process (SIGTERM lets the calls running end, then exits)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"batch_size": batch_size, "sweep_interval": sweep_interval, "listen": listen}
+    overrides = {
+        "batch_size": batch_size,
+        "sweep_interval": sweep_interval,
+        "listen": listen,
+        "concurrency": concurrency,
+        "isolation": isolation,
+    }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
     runner = EventWorker(open_database(), EventQueueOptions(handlers=handlers_ref, worker=settings))
     click.echo(f"events worker {runner.owner} serving {', '.join(runner.names)}", err=True)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 
 from cmb_dagster import inputs
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
+from cmb_dagster.executor import Isolation
 from cmb_dagster.flow import FlowLimits, KeyUse, RateLimit
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
@@ -221,7 +222,17 @@ class WorkerSettings(Options):
 
     error = InvalidEventQueueInput
 
-    batch_size: int = Field(default=100, ge=1, le=10_000, description="Events claimed in one statement.")
+    batch_size: int = Field(default=100, ge=1, le=10_000, description="Events claimed in one statement at most.")
+    concurrency: int = Field(
+        default=10,
+        ge=1,
+        le=1_000,
+        description="Handler calls one worker runs at once (async def ones on its event loop, others in threads).",
+    )
+    isolation: Isolation = Field(
+        default="thread",
+        description="'process': each sync call runs in a child process, killed at its timeout.",
+    )
     sweep_interval: float = Field(
         default=2.0, gt=0, le=3600, description="Seconds between sweeps when no notification comes."
     )

@@ -188,22 +188,38 @@ _RULE = """
  ORDER BY r.rule_type LIMIT 1 FOR KEY SHARE)  -- 'block' before 'pause'
 """
 
+
 # The flow limits of the claim's candidates (``offered``: id, scope, flow_key, priority, turn, decision, take):
 # of each limited key's candidates in order, as many as its tokens and free slots allow are granted (taking
 # them), the others are 'throttled'. ``candidates`` adds the slot granted; 'flow_missing' names the limited keys
 # whose bucket (as locked) or slots do not exist, yet or any more, or whose free slots a sweep holds (the worker
-# makes them, waiting for the sweep, and claims again).
-_ADMIT = f"""
+# makes them, waiting for the sweep, and claims again). A key whose limit lets several events run at once keeps
+# them starting in order: its events are taken only by the worker already running some of them, and only when no
+# event of the key ahead of them was skipped (another claim holds it).
+def _admit(read: str) -> str:
+    """The flow-limit CTEs; ``read`` names the CTE of every row the claim read (and locked)."""
+    return f"""
 limits AS MATERIALIZED (
     SELECT l.scope, l.rate, l.burst, l.concurrency FROM flow_limits l
     WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
 ), ranked AS (
     SELECT o.id, o.scope, o.flow_key,
            row_number() OVER (PARTITION BY o.scope, o.flow_key ORDER BY o.priority DESC, o.turn, o.id) AS r
-    FROM offered o WHERE o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits)
-), wanted AS (  -- a worker runs its batch's events one after another: one slot of a key per batch is enough
-    SELECT r.scope, r.flow_key AS key, CASE WHEN l.concurrency IS NULL THEN count(*) ELSE 1 END AS n, l.rate,
-           l.concurrency
+    FROM offered o JOIN limits l USING (scope)
+    WHERE o.decision = 'claim' AND o.take
+      AND NOT (l.concurrency > 1 AND (  -- several of a key at once: they start in order
+          EXISTS (  -- a key another worker runs events of stays with it
+              SELECT 1 FROM eventqueue_events x
+              WHERE x.handler = o.handler AND x.flow_key = o.flow_key AND x.locked_by IS NOT NULL
+                AND x.locked_by IS DISTINCT FROM %(owner)s AND x.visible_at > now())
+          OR EXISTS (  -- an event of the key ahead of it that this claim skipped is being claimed by another
+              SELECT 1 FROM eventqueue_events x
+              WHERE x.handler = o.handler AND x.flow_key = o.flow_key AND x.turn IS NOT NULL
+                AND (x.priority > o.priority OR (x.priority = o.priority AND x.turn < o.turn))
+                AND x.id NOT IN (SELECT id FROM {read}))))
+), wanted AS (  -- a worker starts every event it claims at once: as many slots of a key as it can run now
+    SELECT r.scope, r.flow_key AS key, CASE WHEN l.concurrency IS NULL THEN count(*) ELSE least(count(*), l.concurrency)
+                                       END AS n, l.rate, l.concurrency
     FROM ranked r JOIN limits l USING (scope) GROUP BY r.scope, r.flow_key, l.rate, l.concurrency
 ), free AS MATERIALIZED (
     SELECT w.scope, w.key, f.slot, row_number() OVER (PARTITION BY w.scope, w.key ORDER BY f.slot) AS r
@@ -249,30 +265,36 @@ limits AS MATERIALIZED (
     FROM admitted a JOIN offered o ON o.id = a.id JOIN eventqueue_handlers h ON h.name = o.handler
     WHERE a.slot IS NOT NULL AND s.scope = o.scope AND s.key = o.flow_key AND s.slot = a.slot
 ), candidates AS (
-    SELECT o.id, o.seen_locked_at, o.crashes, o.take, a.slot AS flow_slot,
+    SELECT o.id, o.seen_locked_at, o.crashes, o.take, o.place, a.slot AS flow_slot,
            CASE WHEN o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits) AND a.id IS NULL
                 THEN 'throttled' ELSE o.decision END AS decision
     FROM offered o LEFT JOIN admitted a ON a.id = o.id
 )"""
 
+
 # What a claim does with its candidates: held ones are parked (visible_at = 'infinity'); one that has already begun
-# max_crashes runs that never ended goes to the dead letters; the others are claimed (compare-and-set on locked_at),
-# their crashes counted up before any handler runs. Each claim also returns the newest rule it read ('rules' row): a
-# worker acknowledges that rule once no event claimed before it is still to start.
+# max_crashes runs that never ended goes to the dead letters; the others are claimed (compare-and-set on locked_at)
+# under the worker's lease. A claimed event's crashes are counted when its call starts: in the claim for the first
+# start_now in claim order (place), which start at once, in START for the others. An event whose earlier run never
+# ended (crashes > 0) runs alone in its worker: it starts at once only in a worker with no call running (idle).
+# Each claim also returns the newest rule it read ('rules' row): a worker acknowledges that rule once no event
+# claimed before it is still to start (it releases those it has not started).
 _UNLIMITED = """
-candidates AS (SELECT o.id, o.seen_locked_at, o.crashes, o.take, NULL::int AS flow_slot, o.decision FROM offered o)"""
+candidates AS (
+    SELECT o.id, o.seen_locked_at, o.crashes, o.take, o.place, NULL::int AS flow_slot, o.decision FROM offered o
+)"""
 
 
-def _apply(limited: bool) -> str:
+def _apply(limited: bool, read: str = "offered") -> str:
     """The end of a claim: its candidates (admitted by the flow limits when ``limited``), applied."""
     missing = """
 UNION ALL
-SELECT 'flow_missing', NULL, c.scope, c.key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'flow_missing', NULL, c.scope, c.key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM can c
 WHERE c.slots_missing
    OR (c.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM bucket_now b WHERE b.scope = c.scope AND b.key = c.key))"""
     return f"""
-{_ADMIT if limited else _UNLIMITED}, rules AS MATERIALIZED (
+{_admit(read) if limited else _UNLIMITED}, rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
 ), held AS (
     UPDATE eventqueue_events e SET visible_at = 'infinity', turn = NULL
@@ -293,34 +315,36 @@ WHERE c.slots_missing
     RETURNING id
 ), claimed AS (
     UPDATE eventqueue_events e
-    SET locked_at = now(), visible_at = now() + make_interval(secs => h.lock_expiry_seconds), crashes = e.crashes + 1,
-        turn = NULL, flow_slot = c.flow_slot
+    SET locked_at = now(), visible_at = now() + make_interval(secs => h.lock_expiry_seconds), turn = NULL,
+        crashes = e.crashes + CASE WHEN c.place <= %(start_now)s AND (c.crashes = 0 OR %(idle)s) THEN 1 ELSE 0 END,
+        flow_slot = c.flow_slot,
+        locked_by = %(owner)s, lock_fence = %(fence)s
     FROM candidates c, eventqueue_handlers h
     WHERE e.id = c.id AND c.decision = 'claim' AND c.take AND h.name = e.handler AND e.crashes < h.max_crashes
       AND e.locked_at IS NOT DISTINCT FROM c.seen_locked_at        -- compare-and-set on locked_at
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at,
-              e.locked_at, c.seen_locked_at, e.priority, e.flow_key, e.batch_count
+              e.locked_at, c.seen_locked_at, e.priority, e.flow_key, e.batch_count, c.place, c.crashes
 )
 SELECT 'claim', id, namespace, module, handler, modifier, value, retries, enqueued_at, locked_at, seen_locked_at,
-       priority, flow_key, batch_count
+       priority, flow_key, batch_count, place, crashes
 FROM claimed
 UNION ALL
-SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM held
+SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM held
 UNION ALL
-SELECT 'crashed', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM dead
+SELECT 'crashed', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM dead
 UNION ALL
-SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM candidates
+SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM candidates
 WHERE decision NOT IN ('claim', 'pause', 'block')
 UNION ALL
-SELECT 'lock_claim_failed', c.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'lock_claim_failed', c.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM candidates c
 WHERE c.decision = 'claim' AND c.take AND c.id NOT IN (SELECT id FROM claimed)  -- hashed: one pass over each
   AND c.id NOT IN (SELECT id FROM crashed)
 UNION ALL
-SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM rules
 UNION ALL
-SELECT 'freed', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'freed', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM ({_FREED}) AS n{missing if limited else ""}
 """
 
@@ -340,6 +364,7 @@ WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}due AS (
            '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
     FROM eventqueue_events e
     WHERE e.turn IS NOT NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+      AND coalesce(e.locked_by <> %(owner)s, true)  -- its lock lapsed while its call runs here: not to run again here
       {_NOT_AT_LIMIT if limited else ""}
     ORDER BY e.priority DESC, e.turn, e.id
     LIMIT %(limit)s
@@ -347,12 +372,13 @@ WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}due AS (
 ), suspect AS (
     SELECT id FROM due WHERE decision = 'claim' AND crashes > 0 ORDER BY priority DESC, turn, id LIMIT 1
 ), offered AS (
-    SELECT due.*, NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect) AS take
+    SELECT due.*, NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect) AS take,
+           row_number() OVER (ORDER BY priority DESC, turn, id) AS place
     FROM due
     WHERE decision <> 'claim' OR NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect)
-), {_apply(limited)}
+), {_apply(limited, "due")}
 UNION ALL
-SELECT 'came_due', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'came_due', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.visible_at <= now()
               AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL){_FLOW_WAIT if limited else ""}
 """
@@ -394,7 +420,8 @@ _NOT_AT_LIMIT = f"""AND NOT EXISTS (SELECT 1 FROM at_limit a
                       WHERE a.scope = '{SCOPE_PREFIX}' || e.handler AND a.key = e.flow_key)"""
 _FLOW_WAIT = """
 UNION ALL
-SELECT 'flow_wait', NULL, NULL, NULL, NULL, NULL, to_jsonb(min(wait)), NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'flow_wait', NULL, NULL, NULL, NULL, NULL, to_jsonb(min(wait)),
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM at_limit HAVING count(*) > 0"""
 
 
@@ -403,8 +430,8 @@ def claim_ids(limited: bool) -> str:
     """The claim of named events, with the flow limits applied when ``limited``."""
     return f"""
 WITH {_DONE}, offered AS (
-    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, true AS take, e.priority, e.turn, e.handler, e.flow_key,
-           '{SCOPE_PREFIX}' || e.handler AS scope,
+    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, true AS take, NULL::bigint AS place, e.priority, e.turn,
+           e.handler, e.flow_key, '{SCOPE_PREFIX}' || e.handler AS scope,
            coalesce({_RULE},
                     CASE WHEN e.delay_until > now() THEN 'delay_not_yet'
                          WHEN e.locked_at IS NOT NULL AND e.visible_at > now() THEN 'is_locked'
@@ -433,6 +460,44 @@ WITH {_DONE}
 {_FREED}
 """
 
+# The events held by workers whose liveness lease lapsed (a kill -9, a lost host): visible again at once (they
+# take their turns when staged; the crashes of those whose calls had started are counted), their slots free. Read
+# through eventqueue_events_claimed, which holds the events being run and nothing else. Returns how many.
+RECLAIM_LAPSED = f"""
+WITH lapsed AS (
+    UPDATE eventqueue_events e SET visible_at = now(), locked_by = NULL, lock_fence = NULL
+    WHERE e.locked_by IS NOT NULL AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+      AND e.visible_at > now() AND e.visible_at < 'infinity'
+      AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.kind = %(kind)s AND l.partition = e.locked_by
+                      AND l.fence = e.lock_fence AND l.expires_at > now())
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot
+), freed AS (
+    {_free_slots("lapsed")}
+)
+SELECT count(*) FROM lapsed
+"""
+
+# Claimed events about to start: their crashes counted up (a run that never ends is then charged to them alone), each
+# only while its claim is still this worker's (lock and holder unchanged). Returns the ids that may start.
+START = f"""
+UPDATE eventqueue_events e SET crashes = e.crashes + 1
+WHERE {_held("%(ids)s", "%(locked)s")} AND e.locked_by IS NOT DISTINCT FROM %(owner)s
+RETURNING e.id
+"""
+
+# Claimed events that will not start here (a new rule, the worker stops): visible again at once (they take their turns
+# when staged), their slots free. Returns how many.
+RELEASE = f"""
+WITH released AS (
+    UPDATE eventqueue_events e SET visible_at = now(), locked_by = NULL, lock_fence = NULL
+    WHERE {_held("%(ids)s", "%(locked)s")} AND e.locked_by IS NOT DISTINCT FROM %(owner)s
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot
+), freed AS (
+    {_free_slots("released")}
+)
+SELECT count(*) FROM released
+"""
+
 # The worker still runs these events (or has them to start, or to delete): their locks last another expiry. Returns
 # the events renewed; the others are no longer this worker's (their claim was taken over, or they are gone).
 EXTEND_LOCKS = f"""
@@ -450,29 +515,8 @@ WITH extended AS (
 SELECT id FROM extended
 """
 
-# After a rule changed: of the claimed events not started yet, those a rule now holds are parked and their
-# claim undone; then the worker acknowledges the newest rule (pause() and block() wait for that).
-RECHECK_RULES = f"""
-WITH rules AS MATERIALIZED (
-    SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
-), parked AS (
-    SELECT e.id, e.handler, e.flow_key, e.flow_slot
-    FROM eventqueue_events e
-    WHERE {_held("%(ids)s", "%(locked)s")} AND {_RULE} IS NOT NULL
-    FOR UPDATE OF e
-), held AS (
-    UPDATE eventqueue_events e
-    SET visible_at = 'infinity', locked_at = NULL, crashes = greatest(e.crashes - 1, 0), flow_slot = NULL
-    FROM parked p WHERE e.id = p.id
-    RETURNING e.id
-), freed AS (
-    {_free_slots("parked")}
-), ack AS (
-    INSERT INTO eventqueue_workers AS w (owner, rules_seen) SELECT %(owner)s, newest FROM rules
-    ON CONFLICT (owner) DO UPDATE SET rules_seen = greatest(w.rules_seen, EXCLUDED.rules_seen), seen_at = now()
-)
-SELECT (SELECT newest FROM rules), ARRAY(SELECT id FROM held)
-"""
+# The newest rule: a worker acknowledges it once every event it claimed before has started.
+NEWEST_RULE = "SELECT coalesce(max(id), 0) FROM eventqueue_rules"
 
 ACKNOWLEDGE_RULES = """
 INSERT INTO eventqueue_workers AS w (owner, rules_seen) VALUES (%(owner)s, %(rule)s)
@@ -492,7 +536,8 @@ ORDER BY l.partition
 RETRY = f"""
 WITH retried AS (
     UPDATE eventqueue_events e
-    SET retries = retries + 1, locked_at = NULL, last_error = %(error)s, crashes = 0, flow_slot = NULL,
+    SET retries = retries + 1, locked_at = NULL, locked_by = NULL, lock_fence = NULL, last_error = %(error)s,
+        crashes = 0, flow_slot = NULL,
         delay_until = now() + make_interval(secs => %(delay)s), visible_at = now() + make_interval(secs => %(delay)s)
     FROM (SELECT id, flow_slot FROM eventqueue_events WHERE id = %(id)s AND locked_at = %(locked_at)s FOR UPDATE)
          AS old

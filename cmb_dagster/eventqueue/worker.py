@@ -1,17 +1,20 @@
-"""The dequeue state machine (a flowchart whose edges :class:`Edge` names) and the worker that runs it in batches.
+"""The dequeue state machine (a flowchart whose edges :class:`Edge` names) and the worker that runs it.
 
-A worker claims a batch of due events in one statement (``FOR UPDATE SKIP LOCKED``, compare-and-set on
-``locked_at``, each event's ``crashes`` counted up before any handler runs), runs each event's handler in
-a thread of user code (:class:`~cmb_dagster.isolation.UserCode`), deletes the events that completed as they
-complete, and retries or dead-letters the ones that raised or ran past their ``timeout``. While a batch
-runs, the worker renews the locks of the events it still holds, so a finished event is deleted before its
-lock can lapse, and a slow call is set aside after about a second so that the events after it go on. A
-rule (pause, block) committed while a batch runs is applied to the events not started yet before the
-worker acknowledges it; ``pause()`` returns once every live worker has.
+A worker keeps its executor of user code (:class:`~cmb_dagster.executor.Executor`) full: it claims due events in one
+statement (``FOR UPDATE SKIP LOCKED``, compare-and-set on ``locked_at``): as many as it has free slots, and, for
+handlers without flow limits, as many as calls ended in the last ``AHEAD_SECONDS`` (fast handlers: the next ones
+wait in claim order for a slot). Each event's ``crashes`` is counted up in the statement that lets its call start,
+so a worker's death is charged to the events whose calls were running. It writes the outcomes of the calls that
+ended: the finished events are deleted in batches (with the next claim), the failed ones
+retried or dead-lettered. An event, its lock and its flow slot stay held until its call has really ended. A claimed
+event carries the worker's lease (``locked_by``, ``lock_fence``): the worker renews the locks of the events it
+holds from its loop, which never waits on user code, and the events of a worker whose lease lapsed (kill -9, a lost
+host) are swept back to the queue by the others within the lease's TTL and a sweep.
 
-LISTEN/NOTIFY hints wake it at once; without them it sweeps every ``sweep_interval`` seconds, and sleeps
-no longer than until the next delayed event or lock expiry. Several workers share one queue without
-partitions; each holds only a liveness lease of its own (its one partition is its owner name).
+LISTEN/NOTIFY hints wake it at once; without them it sweeps every ``sweep_interval`` seconds, and sleeps no longer
+than until the next delayed event or lock expiry. Several workers share one queue without partitions; each holds
+only a liveness lease of its own (its one partition is its owner name). A rule (pause, block) committed while
+handlers run holds every event claimed after it; ``pause()`` returns once every live worker has acknowledged it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -37,7 +41,8 @@ from cmb_dagster.eventqueue import sql
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
 from cmb_dagster.eventqueue.handlers import Handler
 from cmb_dagster.eventqueue.models import Event, EventQueueOptions, WorkerSettings, to_json
-from cmb_dagster.isolation import Call, UserCode, describe_error, describe_traceback
+from cmb_dagster.executor import Executor, RemoteError, is_coroutine_function
+from cmb_dagster.isolation import describe_error, describe_traceback
 from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
 from cmb_dagster.notifications import channel_name
 from cmb_dagster.workers import EngineWorker, Lease, Worker
@@ -48,6 +53,12 @@ WORKER_KIND = "eventqueue.worker"
 CHANNEL = "eventqueue"
 RULES_HINT = "rules"  # the NOTIFY payload of a new pause or block rule
 MIN_SLEEP = 0.005
+FILL_COOLDOWN = 0.05
+"""Seconds a worker whose calls run waits for half its slots to free before it fills fewer (a claim costs about as
+much for one event as for a hundred), at most a tenth of how long calls run lately (a slot idles little)."""
+AHEAD_SECONDS = 0.1
+"""Handlers without flow limits: a claim also takes as many events as calls ended in the last this many seconds
+(they wait for a slot, their locks held and renewed, their crashes not counted until they start)."""
 
 
 class Edge(StrEnum):
@@ -87,10 +98,6 @@ class Launcher(Protocol):
     def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str: ...
 
 
-class _ClaimLapsed(Exception):
-    """The worker could not renew an event's lock in time: another worker may run it; this one does not."""
-
-
 @dataclass(eq=False)
 class Claimed:
     """An event this worker holds the lock of, from its claim until it is deleted, retried or released."""
@@ -101,6 +108,9 @@ class Claimed:
     expired: bool  # the claim took over an expired lock
     renewed_at: float  # time.monotonic() of the claim or of the last renewal of its lock
     batch: list[Event]  # the events of a debounced batch, in order (else the event itself)
+    counted: bool  # the claim counted its start (it starts at once); else START counts it when it starts
+    suspect: bool  # an earlier run never ended (its worker died): it runs alone in this worker
+    ended: bool = False  # its call has ended, or it will not run here
 
     @property
     def label(self) -> str:
@@ -110,10 +120,11 @@ class Claimed:
 class EventWorker(EngineWorker):
     """Runs the handlers of ``options.handlers`` for the events emitted to them.
 
-    ``run_once()`` claims and processes one batch; ``dequeue(ids)`` walks the flowchart for named events;
-    ``run(duration)`` loops on the shared worker runtime, woken by notifications, until time is up.
-    ``EventWorker(db, handlers, settings)`` (a registry, a list or ``"module:attr"``, and ``WorkerSettings``)
-    is the deprecated form of ``EventWorker(db, EventQueueOptions(handlers=handlers, worker=settings))``.
+    ``run(duration)`` loops on the shared worker runtime, woken by notifications, until time is up, running up
+    to ``settings.concurrency`` handlers at once; ``run_once()`` runs one batch to its end; ``dequeue(ids)`` walks
+    the flowchart for named events. ``EventWorker(db, handlers, settings)`` (a registry, a list or
+    ``"module:attr"``, and ``WorkerSettings``) is the deprecated form of
+    ``EventWorker(db, EventQueueOptions(handlers=handlers, worker=settings))``.
     """
 
     def __init__(
@@ -137,14 +148,21 @@ class EventWorker(EngineWorker):
         self._next_cron = 0.0
         self._lock = threading.Lock()
         self._loop: Worker | None = None  # the loop of the current run
-        self.user_code = UserCode(f"eventqueue:{self.owner}")
-        self._held: dict[int, Claimed] = {}  # events whose lock this worker holds
+        self._lease: Lease | None = None  # its liveness lease: the events it claims carry it
+        self.executor = Executor(
+            f"eventqueue:{self.owner}", self.settings.concurrency, self.settings.isolation, on_end=self._call_ended
+        )
+        self._held: dict[int, Claimed] = {}  # events whose lock this worker holds: to start, running, outcome unwritten
+        self._waiting: deque[Claimed] = deque()  # claimed, waiting for a slot, in claim order
+        self._alone: Claimed | None = None  # a suspect event running: nothing else starts meanwhile
         self._done: list[Claimed] = []  # finished, not deleted yet
         self._rules_changed = threading.Event()
         self._acknowledged = 0  # the newest rule this worker applies to every event it starts
         self._came_due = True  # waiting events came due: staged before the next claim
         self._flow_wait: float | None = None  # seconds until a key at its rate limit has a token again
         self._tick = min(1.0, min(h.config.lock_expiry for h in self.registry.handlers.values()) / 4)
+        self._next_reclaim = 0.0
+        self._claimed_at = -math.inf  # time.monotonic() of the last claim
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -176,41 +194,133 @@ class EventWorker(EngineWorker):
     # -- the flowchart ----------------------------------------------------------------------------
 
     def run_once(self) -> int:
-        """Claim one batch of due events and process it; return how many events it claimed or held."""
+        """Claim up to ``batch_size`` due events, run their handlers to their end and write the outcomes; return how
+        many events were claimed or held."""
         with self._lock:
-            count = self._batch()
+            count, more = 0, True
+            while True:
+                if more and count < self.settings.batch_size:
+                    taken, asked = self._fill(self.settings.batch_size - count)
+                    count += taken
+                    more = taken >= asked  # fewer: no more due events now
+                else:
+                    self._start_waiting()
+                if not self._waiting and not (more and count < self.settings.batch_size):
+                    break
+                self._wait_for_calls(all_of_them=False)
+            self._wait_for_calls(all_of_them=True)
             self._flush()
             return count
-
-    def _batch(self) -> int:
-        """Claim one batch and process it (holding ``_lock``); the events it finished are deleted by the next
-        claim, or a flush."""
-        self._settle_set_aside()
-        params = {"handlers": self.names, "limit": self.settings.batch_size}
-        if self._came_due:
-            self._stage()
-        claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
-        if self._came_due and len(edges) < self.settings.batch_size:  # they take their turns in this batch
-            self._stage()
-            rest = {**params, "limit": self.settings.batch_size - len(edges)}
-            more, more_edges = self._claim(sql.CLAIM_DUE[self.limited], rest)
-            claimed, edges = claimed + more, {**edges, **more_edges}
-        self._process(claimed, edges)
-        return len(edges)
 
     def dequeue(self, ids: Iterable[int]) -> dict[int, list[Edge]]:
         """Walk the flowchart for each event in ``ids`` (a notification naming them); return the edges taken."""
         with self._lock:
             ids = list(ids)
-            claimed, edges = self._claim(sql.CLAIM_IDS[self.limited], {"ids": ids, "handlers": self.names})
+            params = {"ids": ids, "handlers": self.names, "start_now": 0, "idle": False}
+            claimed, edges = self._claim(sql.CLAIM_IDS[self.limited], params)
             missing = [i for i in ids if i not in edges]
             if missing:  # skipped by SKIP LOCKED (someone holds the row) or gone (done)
                 present = {r[0] for r in self._execute(sql.EXISTING_IDS, {"ids": missing})}
                 for i in missing:
                     edges[i] = [Edge.LOCK_CLAIM_FAILED if i in present else Edge.EVENT_MISSING]
-            self._process(claimed, edges)
+            self._waiting.extend(claimed)
+            while self._waiting or any(not item.ended for item in claimed):
+                self._start_waiting()
+                self._wait_for_calls(all_of_them=False, edges=edges)
             self._flush()
             return edges
+
+    def _fill(self, most: int | None = None) -> tuple[int, int]:
+        """Start claimed events in the free slots, claim more (``most`` at most) and start those that have a slot;
+        return how many events the claim took or held (not those it passed over at a limit) and how many it asked
+        for."""
+        self._start_waiting()
+        size = self._claim_size() if most is None else min(most, self._claim_size())
+        if size <= 0:
+            return 0, 0
+        # with flow limits a claim takes no more than the free slots, and each of its events starts at once
+        start_now = size if self.limited else max(0, self.executor.free - len(self._waiting))
+        params = {"handlers": self.names, "limit": size, "start_now": start_now, "idle": not self.executor.running}
+        self._claimed_at = time.monotonic()
+        if self._came_due:
+            self._stage()
+        claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
+        if self._came_due and len(edges) < size:  # they take their turns in this claim
+            self._stage()
+            counted = sum(item.counted for item in claimed)
+            more, more_edges = self._claim(
+                sql.CLAIM_DUE[self.limited], {**params, "limit": size - len(edges), "start_now": start_now - counted}
+            )
+            claimed, edges = claimed + more, {**edges, **more_edges}
+        for item in claimed:
+            if item.counted:
+                self._begin(item)
+            else:
+                self._waiting.append(item)
+        self._start_waiting()
+        passed_over = (Edge.THROTTLED, Edge.LOCK_CLAIM_FAILED)
+        return sum(1 for taken in edges.values() if taken[0] not in passed_over), size
+
+    def _claim_size(self) -> int:
+        """How many events to claim now: the free slots, and with no flow limits as many as calls ended in the last
+        :data:`AHEAD_SECONDS` (with limits, a key's slot is held only by a call that runs), less those waiting; none
+        while a suspect event runs or waits."""
+        if self._alone is not None or any(item.suspect for item in self._waiting):
+            return 0
+        free = self.executor.free - len(self._waiting)
+        ahead = 0 if self.limited else self.executor.ends_within(AHEAD_SECONDS) - len(self._waiting)
+        return min(self.settings.batch_size, max(free, ahead))
+
+    def _start_waiting(self) -> None:
+        """Start waiting events in the free slots, in claim order, each counting its start (its crash) first; an
+        event whose claim is no longer this worker's is dropped."""
+        if self._alone is not None:
+            if not self._alone.ended:
+                return
+            self._alone = None
+        if self._waiting and self._waiting[0].suspect:  # alone: once no call runs
+            count = 0 if self.executor.running else 1
+        else:
+            count = min(
+                self.executor.free, next((i for i, c in enumerate(self._waiting) if c.suspect), len(self._waiting))
+            )
+        if count <= 0:
+            return
+        batch = [self._waiting.popleft() for _ in range(count)]
+        try:
+            rows = self._execute(sql.START, {**self._claims(batch), "owner": self._holder})
+        except BaseException:
+            self._waiting.extendleft(reversed(batch))
+            raise
+        may_start = {row[0] for row in rows}
+        for item in batch:
+            if item.event.id in may_start:
+                self._begin(item)
+            else:
+                item.ended = True
+                self._held.pop(item.event.id, None)
+
+    def _release_waiting(self) -> None:
+        """Give the waiting events back to the queue (visible at once, their crashes not counted)."""
+        if not self._waiting:
+            return
+        batch = list(self._waiting)
+        self._execute(sql.RELEASE, {**self._claims(batch), "owner": self._holder})
+        self._waiting.clear()
+        for item in batch:
+            item.ended = True
+            self._held.pop(item.event.id, None)
+        self._came_due = True
+
+    @staticmethod
+    def _claims(items: list[Claimed]) -> dict[str, list[Any]]:
+        """The claims of ``items`` as the parameters of a statement that acts on them while they are held."""
+        return {"ids": [item.event.id for item in items], "locked": [item.locked_at for item in items]}
+
+    @property
+    def _holder(self) -> str | None:
+        """The owner name claimed events carry (none outside the loop: ``run_once``, ``dequeue``)."""
+        return self._lease.owner if self._lease else None
 
     def _stage(self) -> None:
         """Make the waiting events that came due ready (they take their turns)."""
@@ -218,15 +328,17 @@ class EventWorker(EngineWorker):
         self._came_due = staged == STAGE_LIMIT  # more may have come due
 
     def _claim(self, query: str, params: Mapping[str, Any]) -> tuple[list[Claimed], dict[int, list[Edge]]]:
-        """Apply new rules, then claim with ``query``: the events claimed, and the edge each event took. The
+        """Acknowledge new rules, then claim with ``query``: the events claimed, and the edge each event took. The
         claim first deletes the events finished since the last one (those with limits are deleted before it: the
         slots they free are then free for it). Keys whose flow-control rows do not exist yet get them, and the
         claim runs again."""
-        self._apply_new_rules()
+        self._acknowledge_new_rules()
         if self.limited:
             self._flush()
+        lease = self._lease
+        holder = {"owner": self._holder, "fence": lease.fence if lease else None}
         now = time.monotonic()  # before the database's clock is read: a claim's local deadline errs early
-        rows = self._execute(query, {**params, **self._finished()})
+        rows = self._execute(query, {**params, **holder, **self._finished()})
         self._deleted()
         missing = [(row[2], row[3]) for row in rows if row[0] == "flow_missing"]
         if missing:
@@ -234,8 +346,11 @@ class EventWorker(EngineWorker):
             with conn.transaction():
                 flow.ensure(conn, missing)
             now = time.monotonic()
-            rows = self._execute(query, {**params, **self._finished()})
-        claimed = []
+            rows = [row for row in rows if row[0] != "flow_missing"]
+            counted = sum(1 for row in rows if row[0] == "claim" and (row[14] or math.inf) <= params["start_now"])
+            again = {**params, "start_now": params["start_now"] - counted}
+            rows += self._execute(query, {**again, **holder, **self._finished()})
+        claimed: list[tuple[float, int, Claimed]] = []  # in claim order: (place, id, event)
         edges: dict[int, list[Edge]] = {}
         self._came_due, self._flow_wait = False, None
         for row in rows:
@@ -249,41 +364,35 @@ class EventWorker(EngineWorker):
             elif decision in ("flow_missing", "freed"):
                 continue
             elif decision == "claim":
-                priority, key, batch_count = row[11:]
+                priority, key, batch_count, place, crashes = row[11:]
                 event = Event(event_id, namespace, module, handler, modifier, value, retries, enqueued, priority, key)
                 batch = _members(event) if batch_count is not None else [event]
-                item = Claimed(event, self.registry.handlers[handler], locked, seen is not None, now, batch)
-                claimed.append(item)
+                suspect = crashes > 0
+                counted = place is not None and place <= params["start_now"] and (not suspect or params["idle"])
+                handler_ = self.registry.handlers[handler]
+                item = Claimed(event, handler_, locked, seen is not None, now, batch, counted, suspect)
+                claimed.append((place or math.inf, event_id, item))
                 self._held[event_id] = item
                 edges[event_id] = [Edge.LOCK_EXPIRED if seen is not None else Edge.LOCK_NONE]
-            else:
+            elif event_id not in edges:
                 edges[event_id] = [_HELD[decision]]
                 if decision == "crashed":
                     log.error(
                         "event %s: its last runs ended with the death of their worker; moved to the dead-letter table",
                         event_id,
                     )
-        return claimed, edges
+        return [item for *_, item in sorted(claimed, key=lambda c: c[:2])], edges
 
-    def _process(self, claimed: list[Claimed], edges: dict[int, list[Edge]]) -> None:
-        try:
-            calls = self.user_code.run(
-                claimed,
-                self._call,
-                lambda c: c.handler.config.timeout,
-                on_wait=self._housekeeping,
-                wait_step=self._tick,
-            )
-            for call in calls:
-                self._settle(call, edges)
-        finally:
-            if self._done and self.limited:  # the slots they hold are free for the next claim at once
-                self._flush()
+    def _begin(self, item: Claimed) -> None:
+        """Start the event's handler in a free slot (a suspect's alone)."""
+        if item.suspect:
+            self._alone = item
+        fn = item.handler.fn
+        function = self._call_async if fn is not None and is_coroutine_function(fn) else self._call
+        self.executor.start(item, function, item.handler.config.timeout)
 
     def _call(self, item: Claimed) -> None:
-        """Run the event's handler (in the thread of user code)."""
-        if time.monotonic() - item.renewed_at > item.handler.config.lock_expiry:
-            raise _ClaimLapsed()
+        """Run the event's handler (in a slot of the executor)."""
         handler, event = item.handler, item.event
         if handler.fn is not None:
             handler.fn(item.batch if handler.config.debounce is not None else event)  # type: ignore[arg-type]
@@ -304,18 +413,46 @@ class EventWorker(EngineWorker):
             handler.job_name or handler.name, run_key=f"eventqueue:{event.id}", run_config=run_config, tags=tags
         )
 
-    def _settle(self, call: Call[Claimed], edges: dict[int, list[Edge]]) -> None:
-        """Record how a call ended: done (deleted with the next flush), or a failure to retry."""
-        item = call.item
-        try:
-            _ = call.outcome  # raises what the call raised
-        except _ClaimLapsed:
-            self._held.pop(item.event.id, None)  # our claim has lapsed: another worker may run it
-        except Exception as exc:  # noqa: BLE001 - a handler's failure is the event's, not the worker's
-            edges.setdefault(item.event.id, []).append(self._retry_check(item, exc))
-        else:
-            self._done.append(item)
-            edges.setdefault(item.event.id, []).append(Edge.EXECUTES_TO_COMPLETION)
+    async def _call_async(self, item: Claimed) -> None:
+        """Run the event's ``async def`` handler (on the executor's event loop)."""
+        await item.handler.fn(item.batch if item.handler.config.debounce is not None else item.event)  # type: ignore[misc]
+
+    def _call_ended(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            loop.wake()
+
+    def _settle_ended(self, edges: dict[int, list[Edge]] | None = None) -> int:
+        """Record how the calls that ended since went: done (deleted with the next claim or flush), or a failure to
+        retry or dead-letter; return how many."""
+        ended = self.executor.ended()
+        for task in ended:
+            item: Claimed = task.item
+            item.ended = True
+            if self._held.get(item.event.id) is not item:
+                continue  # its claim was taken over: the event is another worker's now
+            try:
+                _ = task.outcome  # raises what the call raised
+            except Exception as exc:  # noqa: BLE001 - a handler's failure is the event's, not the worker's
+                edge = self._retry_check(item, exc)
+            else:
+                self._done.append(item)
+                edge = Edge.EXECUTES_TO_COMPLETION
+            if edges is not None:
+                edges.setdefault(item.event.id, []).append(edge)
+        if ended and self._done and self.limited:  # the slots they hold are free for the next claim at once
+            self._flush()
+        return len(ended)
+
+    def _wait_for_calls(self, *, all_of_them: bool, edges: dict[int, list[Edge]] | None = None) -> None:
+        """Wait for one call to end (or all of them), renewing the locks held meanwhile, and record the outcomes."""
+        while self.executor.running:
+            if self.executor.wait(self._tick):
+                self._settle_ended(edges)
+                if not all_of_them:
+                    return
+            self._housekeeping()
+        self._settle_ended(edges)
 
     def _retry_check(self, item: Claimed, exc: BaseException) -> Edge:
         handler = item.handler
@@ -335,7 +472,7 @@ class EventWorker(EngineWorker):
                     error,
                 )
                 return Edge.RETRY_ALLOWED
-            self._execute(sql.KILL, {**params, "traceback": describe_traceback(exc)})
+            self._execute(sql.KILL, {**params, "traceback": _traceback_of(exc)})
             log.error(
                 "event %s (%s) failed %s times; moved to the dead-letter table: %s",
                 item.event.id,
@@ -350,12 +487,10 @@ class EventWorker(EngineWorker):
 
     # -- while handlers run ---------------------------------------------------------------------------
 
-    def _housekeeping(self, *, flush: bool = True) -> None:
-        """Apply new rules to the events not started, delete the finished ones (``flush``), renew the locks
-        still held and the worker's lease (from the worker's thread, while handlers run)."""
-        self._apply_new_rules()
-        if flush:
-            self._flush()
+    def _housekeeping(self) -> None:
+        """Acknowledge new rules, delete the finished events, renew the locks still held and the worker's lease."""
+        self._acknowledge_new_rules()
+        self._flush()
         self._renew_locks()
         if self._loop is not None:
             self._loop.keep_alive()
@@ -382,6 +517,8 @@ class EventWorker(EngineWorker):
         self._done = []
 
     def _renew_locks(self) -> None:
+        """Renew the locks (and flow slots) of the events held a third of their lock's expiry ago; forget those
+        another worker claimed since."""
         now = time.monotonic()
         due = [item for item in self._held.values() if now - item.renewed_at > item.handler.config.lock_expiry / 3]
         if not due:
@@ -397,47 +534,35 @@ class EventWorker(EngineWorker):
         for item in due:
             if item.event.id in renewed:
                 item.renewed_at = now
-            else:  # its claim is another worker's now (or it is gone): its handler does not start here
-                item.renewed_at = -math.inf
+            else:  # its claim is another worker's now (or it is gone): its outcome is not this worker's to write
                 self._held.pop(item.event.id, None)
 
-    def _apply_new_rules(self) -> None:
-        """After a rule changed: park the claimed events not started yet that a rule now holds, then
-        acknowledge the newest rule (from now on, every event started was checked against it)."""
+    def _reclaim_lapsed(self) -> None:
+        """Every third of the lease's TTL: the events held by workers whose lease lapsed go back to the queue."""
+        if time.monotonic() < self._next_reclaim:
+            return
+        self._next_reclaim = time.monotonic() + self.settings.lease_ttl / 3
+        if self._execute(sql.RECLAIM_LAPSED, {"kind": WORKER_KIND, "handlers": self.names})[0][0]:
+            self._came_due = True
+
+    def _acknowledge_new_rules(self) -> None:
+        """After a rule changed: give the waiting events back, then acknowledge the newest rule (every event claimed
+        from now on is checked against it; those claimed before have started)."""
         if not self._rules_changed.is_set():
             return
         self._rules_changed.clear()
         try:
-            with self.user_code.holding() as pending:
-                waiting = [call for call in pending if isinstance(call.item, Claimed)]
-                newest, held = self._execute(
-                    sql.RECHECK_RULES,
-                    {
-                        "owner": self.owner,
-                        "ids": [c.item.event.id for c in waiting],
-                        "locked": [c.item.locked_at for c in waiting],
-                    },
-                )[0]
-                parked = set(held)
-                self.user_code.withdraw([c for c in waiting if c.item.event.id in parked])
+            self._release_waiting()
+            self._acknowledge(self._execute(sql.NEWEST_RULE, {})[0][0])
         except psycopg.Error as exc:
             self._rules_changed.set()
-            log.warning("could not check the claimed events against new rules (%s); retrying", exc)
-            return
-        for event_id in parked:
-            self._held.pop(event_id, None)
-        self._acknowledged = max(self._acknowledged, newest)
+            log.warning("could not acknowledge new rules (%s); retrying", exc)
 
     def _acknowledge(self, newest: int) -> None:
-        """A claim read rules up to ``newest``, and nothing claimed earlier is still to start."""
+        """A claim read rules up to ``newest``, and every event claimed earlier has started."""
         if newest > self._acknowledged:
             self._execute(sql.ACKNOWLEDGE_RULES, {"owner": self.owner, "rule": newest})
             self._acknowledged = newest
-
-    def _settle_set_aside(self) -> None:
-        """Record the calls set aside that ended since (or passed their timeout)."""
-        for call in self.user_code.collect():
-            self._settle(call, {})
 
     # -- cron ---------------------------------------------------------------------------------------
 
@@ -469,7 +594,7 @@ class EventWorker(EngineWorker):
     # -- the loop -----------------------------------------------------------------------------------
 
     def loops(self) -> list[Worker]:
-        """One loop holding this worker's liveness lease, woken by the queue's notifications."""
+        """One loop holding this worker's liveness lease, woken by the queue's notifications and by calls ending."""
         self._loop = Worker(
             self.db,
             WORKER_KIND,
@@ -481,23 +606,44 @@ class EventWorker(EngineWorker):
             on_notify=self._on_notify,
             heartbeat=self.settings.heartbeat,
             channels=[channel_name(self.db, CHANNEL)] if self.settings.listen else [],
+            drain=self._drain,
         )
         return [self._loop]
 
     def _step(self, lease: Lease) -> int:
+        """Write the outcomes of the calls that ended, fill the free slots, renew what is held; never waits on
+        user code. Returns how many events it claimed or held."""
         if self.registry.crons and time.monotonic() >= self._next_cron:
             self._next_cron = time.monotonic() + self.settings.cron_interval
             self.fire_crons()
         with self._lock:
-            count = self._batch()  # the loop's next claim deletes the events it finished
-        self._housekeeping(flush=count == 0)
-        if count == 0 and self._loop is not None:
-            self._loop.idle_sleep = self._sleep_for()
+            self._lease = lease
+            self._settle_ended()
+            self._reclaim_lapsed()
+            fill_in = self._fill_in()
+            count = 0 if fill_in else self._fill()[0]
+            self._renew_locks()
+            if count == 0 and not fill_in and not self._waiting:  # idle: no claim deletes the finished events
+                self._flush()
+        self.executor.check()
+        if count == 0 and self._loop is not None:  # a call that ends wakes the loop
+            self._loop.idle_sleep = fill_in or (self._tick if self._waiting else self._sleep_for())
         return count
 
+    def _fill_in(self) -> float:
+        """Seconds until the free slots are filled: 0 when they are now (none runs, half of them are free, or the
+        cooldown since the last claim has passed); a call that ends wakes the loop before."""
+        free = self.executor.free
+        if free <= 0:
+            return self._tick
+        if free == self.settings.concurrency or 2 * free >= min(self.settings.batch_size, self.settings.concurrency):
+            return 0.0
+        cooldown = min(FILL_COOLDOWN, self.executor.mean_seconds / 10)
+        return max(0.0, self._claimed_at + cooldown - time.monotonic())
+
     def _sleep_for(self) -> float:
-        """Seconds until the next delayed event or lock expiry, at most the sweep interval (shorter while
-        calls set aside run, or events are held: their locks are renewed on the way)."""
+        """Seconds until the next delayed event or lock expiry, at most the sweep interval (at most a tick while
+        events are held: their locks are renewed on the way; a call that ends wakes the loop)."""
         sleep = self.settings.sweep_interval
         if self._came_due:
             return MIN_SLEEP
@@ -506,7 +652,7 @@ class EventWorker(EngineWorker):
         if self.registry.crons:
             sleep = min(sleep, max(MIN_SLEEP, self._next_cron - time.monotonic()))
         if self._held:
-            sleep = min(sleep, self._tick, 0.05 if self.user_code.set_aside else self._tick)
+            sleep = min(sleep, self._tick)
         rows = self._execute(sql.NEXT_VISIBLE, {"handlers": self.names})
         if rows:
             sleep = min(sleep, max(MIN_SLEEP, rows[0][0]))
@@ -515,24 +661,43 @@ class EventWorker(EngineWorker):
     def _on_notify(self, channel: str, payload: str | None) -> None:
         if payload is None or payload == RULES_HINT:  # a new rule, or a reconnect that may have missed one
             self._rules_changed.set()
-            self.user_code.interrupt()
         loop = self._loop
         if loop is not None and (not payload or payload == RULES_HINT or payload in self.registry.handlers):
             loop.wake()
 
-    def finish(self) -> None:
-        """After the loop: wait for the calls set aside (within their timeouts, renewing their locks), record
-        how they ended, forget this worker's acknowledgement of rules, and close its connection."""
-        self._loop = None
-        deadline = time.monotonic() + max((c.timeout - c.seconds for c in self.user_code.set_aside), default=0.0)
+    def _drain(self) -> bool:
+        """When the loop ends, before its lease is released: let the calls running end within their deadlines
+        (renewing locks and lease) and write their outcomes. False when some still run: the lease is then left to
+        lapse, so their events go back to the queue only once this worker is gone."""
+        deadline = time.monotonic() + max((t.timeout - t.seconds for t in self.executor.running), default=0.0)
         try:
-            while self.user_code.set_aside and time.monotonic() < deadline:
-                with self._lock:
-                    self._settle_set_aside()
-                    self._housekeeping()
-                time.sleep(0.05)
             with self._lock:
-                self._settle_set_aside()
+                self._release_waiting()
+                while self.executor.running and time.monotonic() < deadline:
+                    if self.executor.wait(min(self._tick, max(0.0, deadline - time.monotonic()))):
+                        self._settle_ended()
+                    self._housekeeping()
+                self._settle_ended()
+                self._flush()
+        except psycopg.Error as exc:
+            log.warning("event queue worker %s: could not write the outcomes of its last calls (%s)", self.owner, exc)
+        running = self.executor.running
+        if running:
+            log.error(
+                "event queue worker %s stops with %d calls still running past their deadline; their events run "
+                "again once its lease has lapsed",
+                self.owner,
+                len(running),
+            )
+        return not running
+
+    def finish(self) -> None:
+        """After the loop: forget this worker's acknowledgement of rules, and close its connection."""
+        self._loop = None
+        self._lease = None
+        try:
+            with self._lock:
+                self._settle_ended()
                 self._flush()
             self._execute(sql.FORGET_WORKER, {"owner": self.owner})
         except psycopg.Error as exc:
@@ -543,6 +708,13 @@ class EventWorker(EngineWorker):
             )
         finally:
             self.close()
+
+
+def _traceback_of(exc: BaseException) -> str:
+    """The traceback of a failed call: the child process's for one that ran in a child."""
+    if isinstance(exc, RemoteError) and exc.traceback:
+        return exc.traceback
+    return describe_traceback(exc)
 
 
 def _members(batch: Event) -> list[Event]:

@@ -369,7 +369,9 @@ CREATE TABLE cmb.eventqueue_events (
     turn bigint,
     flow_slot integer,
     batch_count integer,
-    batch_bytes bigint
+    batch_bytes bigint,
+    locked_by text,
+    lock_fence bigint
 )
 WITH (fillfactor='80');
 
@@ -934,6 +936,8 @@ CREATE INDEX ctl_history_backwards ON cmb.ctl_history USING btree (id) WHERE bac
 CREATE INDEX ctl_history_parameter ON cmb.ctl_history USING btree (entity, parameter, id);
 
 CREATE INDEX eventqueue_dead_handler ON cmb.eventqueue_dead USING btree (handler, id);
+
+CREATE INDEX eventqueue_events_claimed ON cmb.eventqueue_events USING btree (handler, flow_key) WHERE (locked_by IS NOT NULL);
 
 CREATE INDEX eventqueue_events_handler ON cmb.eventqueue_events USING btree (handler, visible_at) INCLUDE (locked_at, delay_until, enqueued_at);
 

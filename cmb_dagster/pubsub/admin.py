@@ -3,6 +3,7 @@ consumer, re-basing after a restore."""
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import logging
 import socket
@@ -14,6 +15,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.executor import is_coroutine_function
 from cmb_dagster.inputs import check_int, check_text, refused_input, shorten
 from cmb_dagster.isolation import describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
@@ -200,7 +202,7 @@ def replay(
 
     A replayed event is marked in the transaction the handler wrote in: exactly once when its results
     live in this database; concurrent replays take different events. A failing one stays parked with
-    its attempts and error updated.
+    its attempts and error updated. An ``async def`` handler runs to its end on an event loop of its own.
     """
     key = ConsumerKey(consumer_id=consumer_id, branch_id=branch_id)
     db = Database.of(database)
@@ -225,7 +227,10 @@ def replay(
             after = letter.event.id
             try:
                 with conn.transaction():  # a savepoint: the handler's writes go if it fails
-                    run(conn, [letter.event])
+                    if is_coroutine_function(run):
+                        asyncio.run(run(conn, [letter.event]))  # type: ignore[arg-type]
+                    else:
+                        run(conn, [letter.event])
                 conn.execute(sql.DEAD_LETTER_REPLAYED, {**params, "event_id": after})
                 replayed += 1
             except Exception as exc:  # noqa: BLE001 - counted and kept parked

@@ -15,7 +15,9 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from cmb_dagster.database import Database
-from cmb_dagster.isolation import UserCode, describe_error, describe_traceback
+from cmb_dagster.errors import CmbError
+from cmb_dagster.executor import Executor, Task, is_coroutine_function
+from cmb_dagster.isolation import TimedOut, WorkerStuck, describe_error, describe_traceback
 from cmb_dagster.pubsub import sql
 from cmb_dagster.pubsub.errors import ConsumerBusy, HandlerFailed, StreamRestored
 from cmb_dagster.pubsub.filters import EVENT_VARIABLES, FILTER_ERRORS, check_filter
@@ -23,6 +25,9 @@ from cmb_dagster.pubsub.models import ConsumerKey, ConsumerSpec, Event, Handler,
 from cmb_dagster.workers import Lease, Leases
 
 log = logging.getLogger("cmb_dagster.pubsub")
+
+WAIT_STEP = 1.0
+"""Seconds between two looks at a handler call that runs (the lease renewed when due, a stuck call found)."""
 
 RESET_HINT = (
     "the database looks restored with pg_dump/pg_restore, so its txids are not this server's; "
@@ -234,7 +239,10 @@ class Delivery:
     A failed batch is delivered again in halves until the failing event is alone; a single event's failures
     are counted in its watermark and, past ``max_attempts``, it is parked (``on_poison="park"``). After a
     takeover from a worker that died, the next events go one at a time, each start counted first (careful
-    mode). ``keep_alive`` is called while the handler runs (the worker renews its lease there).
+    mode). The handler runs on an :class:`~cmb_dagster.executor.Executor` of one slot (``async def`` handlers on
+    its event loop); a batch waits until its call has ended, also past the deadline, so the next batch of the
+    partition never starts beside it. ``keep_alive`` is called while the handler runs (the worker renews its lease
+    there).
     """
 
     def __init__(
@@ -244,15 +252,18 @@ class Delivery:
         self.spec = spec
         self.handler = handler
         self.keep_alive = keep_alive
-        self.user_code = UserCode(f"pubsub:{self.partition}", set_aside_after=None)
+        self.executor = self._new_executor()
         self._registered = False
         self._judge_each = False  # the filter raised on the next batch: judge its events one by one
         self._retry_limit = 0  # after a failed batch: the size of the next ones, halved at each failure
         self._retry_left = 0  # events of the failed batch not delivered since
         self._careful = 0  # after a takeover from a dead worker: events to deliver alone, each start counted first
         self._inherited_fence: int | None = None
-        self._abandoned: psycopg.Connection | None = None
+        self._ended_by_server: psycopg.Connection | None = None  # terminated at a handler's deadline
         self._conn: psycopg.Connection | None = None  # kept across batches (a pool's checkout costs a round trip)
+
+    def _new_executor(self) -> Executor:
+        return Executor(f"pubsub:{self.partition}", concurrency=1)  # a partition's order: one call at a time
 
     @property
     def partition(self) -> str:
@@ -289,7 +300,13 @@ class Delivery:
             return lock_watermark(conn, spec.consumer_id, spec.branch_id)
 
     def close(self) -> None:
-        """Close the connection kept between batches (the next batch opens another)."""
+        """Close the connection kept between batches and stop the event loop of ``async def`` handlers (the next
+        batch opens them again)."""
+        self._close_connection()
+        self.executor.close()
+        self.executor = self._new_executor()
+
+    def _close_connection(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
@@ -318,11 +335,15 @@ class Delivery:
         if self.db.uses_your_pool:
             with self.db.connection() as conn:
                 self._bound_idle_time(conn, local=True)
-                yield conn
+                try:
+                    yield conn
+                finally:
+                    if conn is self._ended_by_server:  # closed: the pool neither commits nor keeps it
+                        self._drop_ended(conn)
             return
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
-            self.close()
+            self._close_connection()
             conn = self._conn = self.db.connect(autocommit=True)
             if not self.db.pooled:  # through a pooler, a session setting would stay on a shared server connection
                 self._bound_idle_time(conn, local=False)
@@ -332,19 +353,29 @@ class Delivery:
         try:
             yield conn
         except BaseException:
-            if conn is not self._abandoned:
+            if conn is self._ended_by_server:
+                self._drop_ended(conn)
+            else:
                 try:
                     conn.rollback()
                 except psycopg.Error:
-                    self.close()
+                    self._close_connection()
             raise
-        if conn is self._abandoned:  # its call ran past the deadline: the server ended its transaction
+        if conn is self._ended_by_server:  # its call ran past the deadline: the server ended its transaction
+            self._drop_ended(conn)
             return
         try:
             conn.commit()
         except psycopg.Error:
-            self.close()
+            self._close_connection()
             raise
+
+    def _drop_ended(self, conn: psycopg.Connection) -> None:
+        """Close a connection whose transaction the server ended at a handler's deadline, once no call uses it (a
+        call still running, on a stuck worker, keeps it: closing it under its thread is unsafe)."""
+        if not self.executor.running:
+            self._ended_by_server = None
+            conn.close()
 
     @contextmanager
     def _locked(self, lease: Lease | None) -> Iterator[tuple[psycopg.Connection, Watermark]]:
@@ -415,9 +446,11 @@ class Delivery:
                     lease.require()
                 try:
                     self._call_handler(conn, batch.events)
+                except WorkerStuck:
+                    raise
                 except Exception as exc:  # noqa: BLE001 - recorded below, after this transaction rolls back
                     failure = exc
-                    if conn is not self._abandoned:
+                    if conn is not self._ended_by_server:
                         conn.rollback()
             if failure is None and batch.changed:
                 save_watermark(conn, before, batch.after)
@@ -450,17 +483,50 @@ class Delivery:
         return batch
 
     def _call_handler(self, conn: psycopg.Connection, events: list[Event]) -> None:
-        """The handler on ``events`` in the thread of user code; past ``handler_timeout`` the transaction is
-        ended by the server (the call is abandoned) and :class:`TimedOut` raised."""
+        """The handler on ``events``, on the executor; returns once the call has ended. Past ``handler_timeout``
+        the server ends the transaction (an ``async def`` handler is also cancelled) and :class:`TimedOut` is
+        raised once the call has ended; raises :class:`WorkerStuck` when it runs on past twice its limit."""
         backend = self.db.backend_pid(conn)
-        [call] = self.user_code.run(
-            [events], lambda batch: self.handler(conn, batch), self.spec.handler_timeout, on_wait=self.keep_alive
-        )
-        if call.timed_out:
-            self._abandoned, self._conn = conn, None  # left to the abandoned call: not closed under its thread
+        handler, timeout = self.handler, self.spec.handler_timeout
+        call: Callable[[_HandlerCall], Any]
+        if is_coroutine_function(handler):
+
+            async def call(batch: _HandlerCall) -> None:
+                await handler(conn, batch.events)  # type: ignore[misc]
+        else:
+
+            def call(batch: _HandlerCall) -> None:
+                handler(conn, batch.events)
+
+        label = f"events {events[0].id}..{events[-1].id} of {self.label}"
+        task = self.executor.start(_HandlerCall(events, label), call, timeout)
+        while not task.ended:
+            self.executor.wait(_next_look(task))
+            self.executor.ended()
+            if not task.ended and task.seconds >= timeout and self._ended_by_server is not conn:
+                self._end_transaction(conn, backend)
+            self.keep_alive()
+            self.executor.check()
+        if self._ended_by_server is conn or task.timed_out:
+            raise TimedOut(f"timed out after {timeout:g} s (the call ran {task.seconds:.1f} s; its writes rolled back)")
+        task.outcome  # noqa: B018 - raises the call's error
+
+    def _end_transaction(self, conn: psycopg.Connection, backend: int) -> None:
+        """Have the server end the transaction of a handler call past its deadline (its writes are rolled back); if
+        the server cannot be asked now, the next look at the call asks again."""
+        try:
             with self.db.connection() as other:
                 other.execute("SELECT pg_terminate_backend(%s)", (backend,))
-        call.outcome  # noqa: B018 - raises the call's error, or TimedOut
+        except (psycopg.Error, CmbError) as exc:
+            log.warning("%s: could not end the transaction of a handler past its limit (%s); retrying", self.label, exc)
+            return
+        self._ended_by_server, self._conn = conn, None
+        log.error(
+            "%s: the handler ran past its %g s limit; its transaction is ended, the partition waits for the call "
+            "to end",
+            self.label,
+            self.spec.handler_timeout,
+        )
 
     def _settled(self, count: int) -> None:
         """``count`` more events were delivered or parked: after a failed batch, full batches again once all of
@@ -595,3 +661,17 @@ class Delivery:
             f"{self.label}: handler failed on event {event.id} (attempt {attempts} of {self.spec.max_attempts}"
             f"{', on_poison=stop' if self.spec.on_poison == 'stop' else ''}): {error}"
         ) from exc
+
+
+@dataclass(frozen=True)
+class _HandlerCall:
+    """The events of one call of the handler, and how logs name them."""
+
+    events: list[Event]
+    label: str
+
+
+def _next_look(task: Task[Any]) -> float:
+    """Seconds until the next look at a running call: :data:`WAIT_STEP`, or less to act at its deadline."""
+    remaining = task.timeout - task.seconds
+    return min(WAIT_STEP, remaining) if remaining > 0 else WAIT_STEP

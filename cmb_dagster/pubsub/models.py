@@ -6,7 +6,7 @@ import importlib
 import inspect
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
@@ -59,7 +59,8 @@ class Event:
         return self.id
 
 
-Handler = Callable[[psycopg.Connection, list[Event]], None]
+Handler = Callable[[psycopg.Connection, list[Event]], Awaitable[None] | None]
+"""``handler(conn, events)``, a function or an ``async def`` function (awaited on the consumer's event loop)."""
 
 
 def _filter(variables: tuple[str, ...]) -> AfterValidator:

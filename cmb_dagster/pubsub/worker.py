@@ -16,8 +16,8 @@ HINT_CHANNEL = "pubsub"  # producers NOTIFY '<schema>.pubsub' on commit (migrati
 
 
 class ConsumerWorker(EngineWorker):
-    """Delivers the events of one branch to the handler of ``spec``, ``handler(conn, events)``, in order,
-    batch after batch.
+    """Delivers the events of one branch to the handler of ``spec``, ``handler(conn, events)`` (a function or an
+    ``async def`` function), in order, batch after batch, one call at a time.
 
     The handler runs inside the transaction that advances the watermark: what it writes through
     ``conn`` commits together with the progress, so each event is applied exactly once across crashes,
@@ -51,6 +51,7 @@ class ConsumerWorker(EngineWorker):
             idle_sleep=self.spec.idle_sleep,
             backoff=self.spec.backoff,
             channels=[channel_name(self.db, HINT_CHANNEL)] if self.spec.listen else [],
+            drain=self._drain,
         )
         return [self._loop]
 
@@ -70,6 +71,11 @@ class ConsumerWorker(EngineWorker):
     def close(self) -> None:
         """Close the connection kept between batches (the next batch opens another)."""
         self.delivery.close()
+
+    def _drain(self) -> bool:
+        """When the loop ends, before its lease is released: False while a call of the handler still runs (a
+        stuck worker's): the lease is then left to lapse, so no standby delivers beside it."""
+        return not self.delivery.executor.running
 
     def _keep_alive(self) -> None:
         if self._loop is not None:

@@ -43,6 +43,7 @@ from cmb_dagster.reactive.admin import claim_launch_log, launch_values
 from cmb_dagster.reactive.engine import TaskScheduler
 from cmb_dagster.reactive.errors import InvalidReactiveInput, SchedulerConflict
 from cmb_dagster.reactive.models import (
+    FixedLaunchOptions,
     Launch,
     LaunchOptions,
     ManualRun,
@@ -289,6 +290,8 @@ def scheduler_sensor(
             return engines[key], first
 
     def options_for(task: Any) -> LaunchOptions:
+        if not callable(task.run_config) and not callable(task.tags):  # no user code to run at each launch
+            return FixedLaunchOptions(task.run_config, task.tags_for({}))
         return lambda values: (task.run_config_for(values), task.tags_for(values))
 
     options_of = {name: options_for(task) for name, task in (launch_options or {}).items()}

@@ -17,9 +17,10 @@ time-boxed and resumable:
    run in flight (reactive, scheduled or launched by hand) materializes an asset upstream of H, ready
    tasks of lower priority than H stay ready and are not launched: the queue waits for the more
    important task. The hold is found from the runs in flight and the parameter -> tasks index.
-   A task's user code (its partition, run config and tags callables) runs between transactions, in a thread
-   of its own, each call under ``callable_timeout``: one that raises, runs past it or returns what cannot be
-   launched backs that task off alone, with its error sanitised.
+   A task's user code (its partition, run config and tags callables) runs between transactions, in a child
+   process forked for it, under ``callable_timeout`` (killed at it): one that raises, exits, runs past it or
+   returns what cannot be launched backs that task off alone, with its error sanitised; the tick leaves no
+   thread or process of user code running behind it.
 6. Hand-launched runs: successful runs tagged with a task's name (not launched by the scheduler) record
    their values as the task's last-seen values, like a reactive run (the manual recovery of a task whose trigger
    compares with the time or another parameter).
@@ -41,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import threading
 import time
 import uuid
@@ -66,8 +68,9 @@ from cmb_dagster.ctl.store import (
 )
 from cmb_dagster.database import Database, OwnConnection
 from cmb_dagster.errors import InvalidInput
+from cmb_dagster.executor import Executor, Task
 from cmb_dagster.inputs import check_text, to_json
-from cmb_dagster.isolation import Call, UserCode, describe_error, sanitize
+from cmb_dagster.isolation import describe_error, sanitize
 from cmb_dagster.reactive import sql
 from cmb_dagster.reactive.admin import current_values
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady, SchedulerConflict
@@ -76,6 +79,7 @@ from cmb_dagster.reactive.models import (
     ABOVE_HIGHEST_PRIORITY,
     LOWEST_PRIORITY,
     SCHEDULER_NAME,
+    FixedLaunchOptions,
     Launch,
     LaunchOptions,
     ManualLookup,
@@ -101,6 +105,10 @@ PARTITION_KEY_LIMIT = 1000
 REMIND_AFTER = timedelta(hours=1)
 """A waiting task whose state did not change is shown in the tick log again after this long."""
 REMINDERS_PER_TICK = 200
+WAIT_STEP = 1.0
+"""Seconds between two renewals of the tick's lease (when due) while user code runs."""
+CHOOSING = "choosing the partition"
+SHAPING = "its run config or tags"
 
 
 @dataclass(frozen=True)
@@ -141,16 +149,26 @@ class _Stored:
 
 @dataclass(eq=False)
 class _UserCall:
-    """The user code of one launch (its partition, unless already chosen, run config and tags); ``step`` says
-    which part runs."""
+    """The user code of one launch (its partition, unless already chosen, run config and tags); ``code`` names
+    what of it runs, for an error that no step of it reported (a timeout, the death of its process)."""
 
     evaluation: _Evaluation
     choose_partition: bool
-    step: str = ""
+    code: str = ""
 
     @property
     def label(self) -> str:
         return f"reactive task {self.evaluation.name}"
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What a launch's user code gave, sent back from its process: the pickled (partition key, values, run config,
+    tags), the partition it waits for (key, detail), or the error of the step that failed."""
+
+    result: tuple[bytes, bytes] | None = None
+    waits_for: tuple[str, str] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -270,7 +288,8 @@ class TaskScheduler:
         self._lease: Lease | None = None
         self._report: TickReport | None = None
         self._ticking = threading.Lock()  # the lease is per owner: keep this process's ticks apart too
-        self.user_code = UserCode(f"reactive:{name}", set_aside_after=None)  # every answer is needed to launch
+        # one call at a time, each in a child process forked for it: killed at its deadline, it leaves nothing behind
+        self.executor = Executor(f"reactive:{name}", concurrency=1, isolation="process")
         self._deadline = 0.0  # time.monotonic() when the tick's time box ends
         self._user_code_until: float | None = None  # after it the tick starts no user code (None: none started)
         self._renew_at = 0.0  # when the tick's lease is renewed while user code runs
@@ -821,7 +840,7 @@ class TaskScheduler:
         needed = [c for c in calls if self._has_user_code(c)]
         crashed = self._count_user_code([c.evaluation.name for c in needed])
         runnable = [c for c in needed if c.evaluation.name not in crashed]
-        ran = {id(call.item): call for call in self._call_user_code(runnable)}
+        ran = {id(task.item): task for task in self._call_user_code(runnable)}
         self._end_user_code(
             [c.evaluation.name for c in runnable if id(c) in ran],
             [c.evaluation.name for c in runnable if id(c) not in ran],
@@ -829,20 +848,22 @@ class TaskScheduler:
         shapes: list[_Shaped | _Wait | str | None] = []
         for c in calls:
             name = c.evaluation.name
-            if not self._has_user_code(c):
-                shapes.append(_Shaped(c.evaluation))
-            elif name in crashed:
-                shapes.append(
-                    f"its user code ended with the death of its process {crashed[name]} times in a row; "
-                    f"not run again until `cmb-dagster reactive retry {self.name} {name}`"
-                )
-            elif id(c) not in ran:
-                shapes.append(None)
-            else:
-                try:
+            try:
+                if not self._has_user_code(c):
+                    options = self.launch_options.get(name)
+                    run_config, tags = options(c.evaluation.values) if options is not None else (None, {})
+                    shapes.append(self._checked(c, None, c.evaluation.values, run_config, tags))
+                elif name in crashed:
+                    shapes.append(
+                        f"its user code ended with the death of its process {crashed[name]} times in a row; "
+                        f"not run again until `cmb-dagster reactive retry {self.name} {name}`"
+                    )
+                elif id(c) not in ran:
+                    shapes.append(None)
+                else:
                     shapes.append(self._shaped(ran[id(c)]))
-                except _LaunchError as exc:
-                    shapes.append(str(exc))
+            except _LaunchError as exc:
+                shapes.append(str(exc))
         return shapes
 
     def _count_user_code(self, names: Sequence[str]) -> dict[str, int]:
@@ -865,79 +886,119 @@ class TaskScheduler:
                     sql.END_USER_CODE, {"scheduler": self.name, "ended": list(ended), "unstarted": list(unstarted)}
                 )
 
-    def _has_user_code(self, call: _UserCall) -> bool:
-        name = call.evaluation.name
-        return name in self.launch_options or (call.choose_partition and name in self.partitioners)
+    def _chooses_partition(self, call: _UserCall) -> bool:
+        return call.choose_partition and call.evaluation.name in self.partitioners
 
-    def _call_user_code(self, calls: Sequence[_UserCall]) -> list[Call[_UserCall]]:
-        """Run the user code of ``calls`` in its own thread, each call under ``callable_timeout``, keeping the
-        tick's lease; return the calls that ran. A tick starts calls within its time box, or within
-        ``callable_timeout`` of its first call if that ends later."""
+    def _user_code_of(self, call: _UserCall) -> str:
+        """What user code a launch runs, as its errors name it ("": none)."""
+        options = self.launch_options.get(call.evaluation.name)
+        shapes = options is not None and not isinstance(options, FixedLaunchOptions)
+        return " or ".join(([CHOOSING] if self._chooses_partition(call) else []) + ([SHAPING] if shapes else []))
+
+    def _has_user_code(self, call: _UserCall) -> bool:
+        return bool(self._user_code_of(call))
+
+    def _call_user_code(self, calls: Sequence[_UserCall]) -> list[Task[_UserCall]]:
+        """Run the user code of ``calls``, one after another, each in a child process under ``callable_timeout``,
+        keeping the tick's lease; return the calls that ran (each has ended: its process is gone). A tick starts
+        calls within its time box, or within ``callable_timeout`` of its first call if that ends later."""
         if not calls:
             return []
         timeout = self.settings.callable_timeout
-        now = time.monotonic()
         if self._user_code_until is None:
-            self._user_code_until = max(self._deadline, now + timeout)
-        if now >= self._user_code_until:
-            return []
-        return self.user_code.run(
-            calls,
-            self._run_user_code,
-            timeout,
-            on_wait=self._keep_lease,
-            stop_starting_after=self._user_code_until - now,
-        )
+            self._user_code_until = max(self._deadline, time.monotonic() + timeout)
+        ran = []
+        for call in calls:
+            if time.monotonic() >= self._user_code_until:
+                break
+            call.code = self._user_code_of(call)
+            task = self.executor.start(call, self._run_user_code, timeout)
+            try:
+                while not task.ended:
+                    self.executor.wait(WAIT_STEP)
+                    self.executor.ended()
+                    self._keep_lease()
+                    self.executor.check()
+            finally:  # a renewal that raised: the call still ends (killed at its deadline) before the tick does
+                self.executor.wait_all(timeout)
+                self.executor.ended()
+            ran.append(task)
+        return ran
 
-    def _run_user_code(self, call: _UserCall) -> tuple[Any, Any, Any, dict[str, str]]:
-        """(partition key, values, run config, tags) of a launch from its user code (in the thread of user code)."""
+    def _run_user_code(self, call: _UserCall) -> _Answer:
+        """The (partition key, values, run config, tags) of a launch from its user code, pickled to cross back to
+        the scheduler's process; or the partition it waits for, or the error of the step that failed. Runs in
+        the child process of the call."""
         e = call.evaluation
         key: Any = None
         values: Any = e.values
-        partitioner = self.partitioners.get(e.name) if call.choose_partition else None
-        if partitioner is not None:
-            call.step = "choosing the partition"
-            key, values = partitioner(e.values, e.last)
         run_config: Any = None
         tags: dict[str, str] = {}
-        options = self.launch_options.get(e.name)
-        if options is not None:
-            call.step = "its run config or tags"
-            run_config, raw_tags = options(values)
-            tags = {str(k): str(v) for k, v in (raw_tags or {}).items()}
-        return key, values, run_config, tags
-
-    def _shaped(self, call: Call[_UserCall]) -> _Shaped | _Wait:
-        """The launch a call of user code shaped, or a :class:`_Wait` when its partition does not exist yet;
-        :class:`_LaunchError` if it raised, timed out or returned what cannot be launched (a partition key or
-        values CTL cannot store, a run config or tags that are not JSON within the payload limit)."""
-        item = call.item
+        step = CHOOSING
         try:
-            key, values, run_config, tags = call.outcome
+            partitioner = self.partitioners.get(e.name) if call.choose_partition else None
+            if partitioner is not None:
+                key, values = partitioner(e.values, e.last)
+            step = SHAPING
+            options = self.launch_options.get(e.name)
+            if options is not None:
+                run_config, raw_tags = options(values)
+                tags = {str(k): str(v) for k, v in (raw_tags or {}).items()}
         except PartitionNotReady as exc:
-            detail = f" ({sanitize(exc.detail)})" if exc.detail else ""
+            return _Answer(waits_for=(str(exc.partition_key), str(exc.detail)))
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt of user code too
+            return _Answer(error=f"{step} raised {describe_error(exc)}")
+        pickled = []
+        for step, part in ((CHOOSING, (key, values)), (SHAPING, (run_config, tags))):
+            try:
+                pickled.append(pickle.dumps(part))
+            except BaseException as exc:  # noqa: BLE001 - pickling runs the objects' own code
+                why = f"it cannot be pickled to reach the scheduler's process ({describe_error(exc)})"
+                return _Answer(error=f"{step} returned an unusable result: {why}")
+        return _Answer(result=(pickled[0], pickled[1]))
+
+    def _shaped(self, task: Task[_UserCall]) -> _Shaped | _Wait:
+        """The launch a call of user code shaped, or a :class:`_Wait` when its partition does not exist yet;
+        :class:`_LaunchError` if it raised, exited, timed out or returned what cannot be launched."""
+        item = task.item
+        try:
+            answer: _Answer = task.outcome
+        except Exception as exc:  # noqa: BLE001 - its process was killed at the deadline, or died
+            raise _LaunchError(f"{item.code} raised {describe_error(exc)}") from None
+        if answer.error is not None:
+            raise _LaunchError(answer.error)
+        if answer.waits_for is not None:
+            partition_key, detail = answer.waits_for
+            detail = f" ({sanitize(detail)})" if detail else ""
             why = (
-                f"waiting for partition {sanitize(str(exc.partition_key))}: it does not exist yet{detail}; "
+                f"waiting for partition {sanitize(partition_key)}: it does not exist yet{detail}; "
                 "evaluated again on the next ticks (no failed attempt counted)"
             )
             return _Wait(item.evaluation, item.evaluation.explanation.prefixed(why + "\n"))
-        except BaseException as exc:  # noqa: BLE001 - raised in the thread of user code (SystemExit too), or TimedOut
-            raise _LaunchError(f"{item.step} raised {describe_error(exc)}") from None
+        chosen, shaped = answer.result or (b"", b"")
+        key, values = _unpickled(CHOOSING, chosen)
+        run_config, tags = _unpickled(SHAPING, shaped)
+        return self._checked(item, key, values, run_config, tags)
+
+    def _checked(self, item: _UserCall, key: Any, values: Any, run_config: Any, tags: Any) -> _Shaped:
+        """The launch of ``item`` on what its user code returned; :class:`_LaunchError` if that cannot be launched
+        (a partition key or values CTL cannot store, a run config or tags that are not JSON within the payload
+        limit)."""
         e = item.evaluation
-        if item.choose_partition and e.name in self.partitioners:
+        if self._chooses_partition(item):
             try:
                 key = check_text(key, "partition key", max_length=PARTITION_KEY_LIMIT)
                 values = check_values(values)
             except InvalidInput as exc:
                 why = describe_error(exc)
-                raise _LaunchError(f"choosing the partition returned an unusable result: {why}") from None
+                raise _LaunchError(f"{CHOOSING} returned an unusable result: {why}") from None
             explanation = e.explanation.prefixed(f"partition {key} (commits {_values_text(values)} on success)\n")
             e = _Evaluation(e.name, e.status, explanation, values, e.last)
         try:
             to_json({"run_config": run_config, "tags": tags}, "run config and tags")
         except InvalidInput as exc:
-            raise _LaunchError(f"its run config or tags returned an unusable result: {describe_error(exc)}") from None
-        return _Shaped(e, key, run_config, tags)
+            raise _LaunchError(f"{SHAPING} returned an unusable result: {describe_error(exc)}") from None
+        return _Shaped(e, key, run_config, dict(tags))
 
     def _keep_lease(self) -> None:
         """Renew the tick's lease while user code runs (a slow call must not cost the scheduler its lease)."""
@@ -1138,6 +1199,14 @@ class _Read:
                 row.append(self.changed_text.get(key))
             found.append(row)
         return found
+
+
+def _unpickled(step: str, pickled: bytes) -> Any:
+    """A part of a launch that its user code's process pickled; :class:`_LaunchError` if it cannot be read back."""
+    try:
+        return pickle.loads(pickled)
+    except Exception as exc:  # noqa: BLE001 - unpickling runs the objects' own code
+        raise _LaunchError(f"{step} returned an unusable result: {describe_error(exc)}") from None
 
 
 def _settle_keys(trigger: Any) -> tuple[ParameterKey, ...]:

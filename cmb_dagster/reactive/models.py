@@ -314,7 +314,19 @@ Partitioner = Callable[
 
 
 LaunchOptions = Callable[[Mapping[ParameterKey, datetime]], tuple[Mapping[str, Any] | None, Mapping[str, str]]]
-"""``options(values)`` -> (run config, extra run tags) of a launch on ``values``."""
+"""``options(values)`` -> (run config, extra run tags) of a launch on ``values`` (user code: it runs in a child
+process; :class:`FixedLaunchOptions` for values known beforehand)."""
+
+
+@dataclass(frozen=True)
+class FixedLaunchOptions:
+    """The run config and extra run tags of every launch of a task, as values: no user code runs to get them."""
+
+    run_config: Mapping[str, Any] | None = None
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+    def __call__(self, values: Mapping[ParameterKey, datetime]) -> tuple[Mapping[str, Any] | None, Mapping[str, str]]:
+        return self.run_config, self.tags
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def stages() -> None:
 def worker(
     stages_path: str | None, index: int, workers: int | None, shards: list[int] | None, duration: float | None
 ) -> None:
-    """Run a stage worker: long-running; SIGTERM or Ctrl-C finishes the current batch and stops."""
+    """Run a stage worker: long-running; SIGTERM or Ctrl-C lets the calls in flight end and stops."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = load_options(stages_path)
     runner = StageWorker(open_database(), options, index=index, workers=workers, shards=shards)
@@ -182,7 +182,8 @@ def retry(stage: str | None, entity_id: str | None) -> None:
 def rescan(stages_path: str | None, duration: float | None) -> None:
     """Ask every stage about every entity; fill the low-priority queues."""
     options = load_options(stages_path)
-    seen, offered, stopped = Engine(open_database(), options.stages).rescan(duration=duration)
+    engine = Engine(open_database(), options.stages, concurrency=options.concurrency, isolation=options.isolation)
+    seen, offered, stopped = engine.rescan(duration=duration)
     where = "" if stopped is None else f"; stopped after {stopped!r}"
     click.echo(f"{seen} entities, {offered} low-priority entries{where}")
 

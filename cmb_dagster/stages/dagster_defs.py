@@ -77,7 +77,13 @@ def stages_definitions(
             description="Asks every stage about every entity; fills the low-priority queues.",
         )
         def rescan_op(context: OpExecutionContext, cmb: CmbResource) -> None:
-            engine = Engine(cmb.database, options.stages, publish=options.publish)
+            engine = Engine(
+                cmb.database,
+                options.stages,
+                publish=options.publish,
+                concurrency=options.concurrency,
+                isolation=options.isolation,
+            )
             seen, offered, stopped = engine.rescan(duration=options.rescan_seconds)
             where = "done" if stopped is None else f"stopped after {stopped!r} (time box)"
             context.log.info(f"rescan: {seen} entities, {offered} low-priority entries offered; {where}")

@@ -12,6 +12,7 @@ from typing import Any
 from croniter import croniter
 from pydantic import BaseModel, Field, field_validator
 
+from cmb_dagster.executor import Isolation
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import check_text, shorten, to_json
 from cmb_dagster.models import Options, deprecated_iteration
@@ -22,6 +23,9 @@ MAX_SHARDS = 4096
 STAGE_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 LEASE_KIND = "stages.shard"
 CHANNEL = "stages"  # NOTIFY channel (schema-qualified by cmb_dagster.notifications.channel_name)
+DEFAULT_CONCURRENCY = 10
+"""``process`` calls one worker runs at once by default: stages that wait on I/O (an API, a mail) overlap."""
+MAX_CONCURRENCY = 1000
 
 
 def entity_hash(entity_id: str) -> int:
@@ -131,7 +135,9 @@ class StageOptions(Options):
 
     ``stages`` are :class:`~cmb_dagster.stages.Stage` instances. ``shard_count`` is applied to the
     database when a worker starts (re-sharding what is queued, losing nothing); ``workers`` Dagster
-    worker jobs split the shards (job i serves shards with id % workers == i).
+    worker jobs split the shards (job i serves shards with id % workers == i). Each worker runs up to
+    ``concurrency`` ``process`` calls at once (``async def`` ones on its event loop, others in threads, or in
+    child processes killed at their timeout with ``isolation="process"``).
     """
 
     error = InvalidStageInput
@@ -142,6 +148,16 @@ class StageOptions(Options):
     )
     workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; job i serves shards with id % workers == i.")
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Queue entries per transaction.")
+    concurrency: int = Field(
+        default=DEFAULT_CONCURRENCY,
+        ge=1,
+        le=MAX_CONCURRENCY,
+        description="process calls one worker runs at once (async def ones on its event loop, others in threads).",
+    )
+    isolation: Isolation = Field(
+        default="thread",
+        description="'process': each sync call runs in a child process, killed at its stage's timeout.",
+    )
     idle_sleep: float = Field(
         default=1.0, gt=0, le=60, description="Longest sleep of an idle worker (timers and NOTIFY wake it sooner)."
     )
@@ -185,7 +201,7 @@ class StageKeyUse(BaseModel):
 
     key: str
     tokens: float | None = None  # left in its bucket (rate_limit)
-    batches: int = 0  # batch slots held (max_parallelism)
+    batches: int = 0  # flow slots held (max_parallelism): process calls running
 
 
 class StageLimits(BaseModel):

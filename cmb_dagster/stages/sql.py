@@ -129,7 +129,8 @@ FROM stage_settings FOR KEY SHARE
 # (the first always). Claiming adds one to each entry's crashes; an entry that already has crashes began a run
 # that never ended, so it is claimed alone, and parked once it reaches its stage's max_crashes. Nothing is
 # claimed unless the worker still holds every lease given and the shard count is %(shard_count)s. Returns each
-# entry claimed ('run': with the entity, every stage's state of it and the stages it is due in) or parked.
+# entry claimed ('run': with its shard, the entity, every stage's state of it and the stages it is due in) or
+# parked.
 # Its commit need not wait for the WAL flush: what it records (crashes) matters when a worker dies, and a
 # worker's death does not lose what the server has; a server crash only undercounts crashes.
 CLAIM = f"""
@@ -180,7 +181,7 @@ WITH allowed AS (
 ), marked AS (
     UPDATE stage_queue q SET crashes = q.crashes + 1
     FROM taken t WHERE q.entity_id = t.entity_id AND q.stage = t.stage
-    RETURNING q.entity_id, q.stage, t.attempts, t.crashes, t.due_at
+    RETURNING q.entity_id, q.stage, t.attempts, t.crashes, t.due_at, q.shard_id
 ), parked AS (
     UPDATE stage_queue q
     SET parked_at = now(), crashes = 0, attempts = q.attempts + 1,
@@ -189,15 +190,16 @@ WITH allowed AS (
     FROM chosen c WHERE c.crashes >= c.max_crashes AND q.entity_id = c.entity_id AND q.stage = c.stage
     RETURNING q.entity_id, q.stage, q.attempts, c.crashes
 )
-(SELECT 'run', m.entity_id, m.stage, m.attempts, m.crashes, e.version, e.payload,
+(SELECT 'run', m.entity_id, m.stage, m.attempts, m.crashes, m.shard_id, e.version, e.payload,
        {_states_and_due_stages("m")}
 FROM marked m LEFT JOIN stage_entities e ON e.entity_id = m.entity_id
 ORDER BY m.due_at)
 UNION ALL
-SELECT 'parked', p.entity_id, p.stage, p.attempts, p.crashes, NULL, NULL, NULL, NULL FROM parked p
+SELECT 'parked', p.entity_id, p.stage, p.attempts, p.crashes, NULL, NULL, NULL, NULL, NULL FROM parked p
 """
 
-# Entries claimed and not run (the batch's time was up, or the worker stops): their claim is undone.
+# Entries claimed and not run (their key had no token or flow slot, another entry runs alone first, or the worker
+# stops while their calls run): their claim is undone.
 RELEASE = """
 UPDATE stage_queue SET crashes = greatest(crashes - 1, 0)
 WHERE stage = %(stage)s AND entity_id = ANY(%(ids)s::text[])

@@ -38,15 +38,15 @@ class Stage:
     ``max_attempts`` (failed calls before the entry is parked), ``backoff`` (the wait before an entry
     whose call failed runs again: 1 s, doubling, at most 300 s), ``rate_limit`` (process calls across all
     workers: calls per second, a :class:`~cmb_dagster.flow.RateLimit` or text such as ``"600/m"``),
-    ``max_parallelism`` (batches running the stage at once across all workers; a batch calls ``process`` one
-    entity after another and sets none of its calls aside, so it is also the most calls running at once),
+    ``max_parallelism`` (``process`` calls running at once across all workers, each holding a slot until it has
+    ended and its outcome is committed),
     ``key`` (a function of the entity, e.g. ``lambda entity: entity.payload["tenant"]``: ``rate_limit`` and
-    ``max_parallelism`` then hold per key, each key with its own tokens and batches; it must be fast, and an
+    ``max_parallelism`` then hold per key, each key with its own tokens and slots; it must be fast, and an
     entry whose key raises fails like a ``process`` that raised), ``max_triggers`` per
     ``trigger_window`` seconds (re-trigger cap; later triggers wait for the next window), ``timeout``
-    (seconds a ``process`` call may run before it fails; after about a second it is set aside and the
-    other entities go on), ``max_crashes`` (runs on one entity that ended with the death of their
-    worker before the entry is parked).
+    (seconds a ``process`` call may run before it fails: an ``async def`` one is cancelled then, one in a child
+    process killed, a thread keeps its entity until it returns), ``max_crashes`` (runs on one entity that
+    ended with the death of their worker before the entry is parked). ``process`` may be ``async def``.
     """
 
     name: ClassVar[str] = ""

@@ -1,11 +1,14 @@
 """``StageWorker``: serves shards on the shared worker runtime (lease kind ``stages.shard``).
 
 Its main loop holds the shards, ``shard:<id>/<count>`` each (the count is part of the name, so a re-shard
-gives new leases), and serves them together: a step asks the database what is due in all of them (one
-query), runs the change path, then batches over all shards and all stages due (a stage with a rate limit or
-max parallelism in batches of its own), each stage's low-priority queue only where its main one has nothing
-due. Idle, it sleeps until the next timer (a wake-up timer), a NOTIFY from a writer, or ``idle_sleep``. It
-registers the stages' limits with :mod:`cmb_dagster.flow` when it starts.
+gives new leases), and serves them together. It never waits on user code: a step commits the calls that ended,
+asks the database what is due in all shards (one query), runs the change path, then claims entries for the
+executor's free slots over all shards and all stages due (a stage with a rate limit or max parallelism in
+claims of its own), each stage's low-priority queue only where its main one has nothing due. Between steps it
+sleeps until a call ends, the next timer (a wake-up timer), a NOTIFY from a writer, or ``idle_sleep``; while
+calls run it turns at least every third of the lease TTL, so leases and flow slots are renewed. It registers
+the stages' limits with :mod:`cmb_dagster.flow` when it starts. Stopped, it claims nothing more and stops once
+the calls in flight have ended (each within its stage's timeout).
 
 Worker 0 has a second loop, in a thread of its own, for the pub/sub consumers: ``capture`` (puts writes
 that bypass the API on the change path) and ``after_commit:<stage>`` per stage with an after-commit
@@ -30,11 +33,10 @@ from cmb_dagster.stages.engine import LOW, MAIN, Engine
 from cmb_dagster.stages.models import CHANNEL, LEASE_KIND, SavedEntity, StageOptions
 from cmb_dagster.stages.stage import Stage
 from cmb_dagster.stages.store import enqueue_changes, ensure_capture
-from cmb_dagster.workers import EngineWorker, Lease, Worker
+from cmb_dagster.workers import EngineWorker, Lease, Worker, WorkerReport
 
 log = logging.getLogger("cmb_dagster.stages")
 
-STEP_SECONDS = 1.0  # a shard step stops starting batches after this, so leases are renewed in time
 CONSUMER_IDLE_SECONDS = 0.1  # a pub/sub consumer that found nothing is asked again after this (or a NOTIFY)
 SHARD = "shard:"  # the partition name prefix of a shard
 
@@ -74,9 +76,12 @@ class StageWorker(EngineWorker):
             idle_timeout=max(10.0, 3 * options.lease_ttl),
             owner=self.owner,
             slot_ttl=options.lease_ttl,
+            concurrency=options.concurrency,
+            isolation=options.isolation,
+            on_end=self._call_ended,
         )
         self.stages = self.engine.stages
-        self._main: Worker | None = None
+        self._main: _ShardsLoop | None = None
         self._blocked: dict[str, float] = {}
         self._timer: threading.Timer | None = None
         self._timer_at: float | None = None
@@ -121,7 +126,8 @@ class StageWorker(EngineWorker):
         """The shards (main loop) and, in worker 0, the pub/sub consumers."""
         self.setup()
         options = self.options
-        self._main = Worker(
+        self._main = _ShardsLoop(
+            self.engine,
             self.db,
             LEASE_KIND,
             self.shard_partitions,
@@ -147,7 +153,7 @@ class StageWorker(EngineWorker):
         return [self._main, consumers]
 
     def finish(self) -> None:
-        """Cancel the wake-up timer and close the engine (calls still set aside run again later)."""
+        """Cancel the wake-up timer and close the engine (the entries of calls still running run again later)."""
         with self._timer_lock:
             if self._timer is not None:
                 self._timer.cancel()
@@ -189,16 +195,17 @@ class StageWorker(EngineWorker):
         return handled
 
     def shards_step(self, shards: Sequence[int], count: int, leases: Sequence[Lease] = ()) -> int:
-        """Everything due in ``shards``, for at most about a second; returns entries handled."""
-        deadline = time.monotonic() + STEP_SECONDS
-        handled = self.engine.finish_set_aside(shards[0], leases=leases, shard_count=count)
+        """Commit the calls that ended, ask about changes, then claim what is due in ``shards`` for the free slots;
+        returns the calls ended, changes read and entries claimed."""
+        handled = self.engine.collect(leases=leases).ended
+        if self._main is not None and self._main.draining:
+            self.engine.release_waiting()
+            if not self.engine.busy:
+                self._main.drained()
+            return handled
         waits, changes = self.engine.plan(shards)
-        while changes and time.monotonic() < deadline:
-            n = self.engine.changes_batch(shards, leases=leases, shard_count=count, on_wait=self._keep_alive)
-            handled += n
-            changes = n >= self.engine.batch_size
-        if handled:  # the change path may have queued entries due now
-            waits, _ = self.engine.plan(shards)
+        if changes:  # what the change path queues is claimed in the step after its batch committed
+            handled += self.engine.ask_changes(shards, leases=leases, shard_count=count)
         now = time.monotonic()
         due: list[str] = []
         for name in self.stages:
@@ -213,30 +220,27 @@ class StageWorker(EngineWorker):
         free = [n for n in due if self.stages[n].rate_limit is None and self.stages[n].max_parallelism is None]
         groups = ([free] if free else []) + [[n] for n in due if n not in free]  # a limited stage alone
         for names in groups:
-            handled += self._drain(shards, count, names, leases, deadline)
+            handled += self._claim(shards, count, names, leases)
+        self.engine.pump()
+        if self.engine.busy:  # turn again in time to renew leases and flow slots, and to settle late asks
+            self._wake_at(min(time.monotonic() + self.options.lease_ttl / 3, self.engine.asks_due()))
         return handled
 
-    def _drain(
-        self, shards: Sequence[int], count: int, names: list[str], leases: Sequence[Lease], deadline: float
-    ) -> int:
-        handled = 0
-        while time.monotonic() < deadline:
-            report = self.engine.process_batch(
-                shards, names, leases=leases, shard_count=count, on_wait=self._keep_alive
-            )
-            handled += report.taken
-            if report.blocked_until is not None:
-                for name in names:
-                    self._blocked[name] = report.blocked_until
-                self._wake_at(report.blocked_until)
-                break
-            if report.taken == 0 and not report.held_back:
-                break
-        return handled
+    def _claim(self, shards: Sequence[int], count: int, names: list[str], leases: Sequence[Lease]) -> int:
+        """Claim entries of ``names`` for the free slots (and as many as the calls ended lately say can start
+        soon); returns the entries claimed or held back (then the loop turns again at once)."""
+        report = self.engine.start_batch(shards, names, leases=leases, shard_count=count)
+        if report.blocked_until is not None:
+            for name in names:
+                self._blocked[name] = report.blocked_until
+            self._wake_at(report.blocked_until)
+            return report.taken
+        return report.taken + report.held_back
 
-    def _keep_alive(self) -> None:
+    def _call_ended(self) -> None:
+        """A call ended (from the executor's thread): the main loop collects it."""
         if self._main is not None:
-            self._main.keep_alive()
+            self._main.wake()
 
     def _wake_at(self, when: float) -> None:
         """Wake the main loop's idle sleep at monotonic time ``when`` (the earliest asked for wins)."""
@@ -261,6 +265,52 @@ class StageWorker(EngineWorker):
         if ids:
             count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
             enqueue_changes(conn, self.db, count, [(i, "*") for i in ids])
+
+
+class _ShardsLoop(Worker):
+    """The loop of the shards: stopped, or at the end of its duration, it claims nothing more and stops once the
+    calls in flight have ended (each within its stage's timeout), their outcomes committed under its leases."""
+
+    def __init__(self, engine: Engine, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine = engine
+        self.draining = False
+        self._drain_lock = threading.Lock()
+        self._timers: list[threading.Timer] = []
+
+    def run(self, duration: float | None = None) -> WorkerReport:
+        """Loop for ``duration`` seconds (None: until :meth:`stop`), then stop as :meth:`stop` does."""
+        if duration is not None:
+            self._later(duration, self.stop)
+        try:
+            return super().run()
+        finally:
+            with self._drain_lock:
+                for timer in self._timers:
+                    timer.cancel()
+                self._timers = []
+
+    def stop(self) -> None:
+        """Claim nothing more; stop once the step finds no call running within its time limit and none waiting
+        for its commit, or once the last call's time limit has passed (safe from any thread)."""
+        remaining = max((task.timeout - task.seconds for task in self.engine.executor.running), default=0.0)
+        with self._drain_lock:
+            first = not self.draining
+            self.draining = True
+        if first:
+            self._later(max(remaining, 0.0) + 1.0, self.drained)
+        self.wake()
+
+    def drained(self) -> None:
+        """Stop now (no call runs, or the last one's time limit has passed)."""
+        super().stop()
+
+    def _later(self, seconds: float, action: Callable[[], None]) -> None:
+        timer = threading.Timer(seconds, action)
+        timer.daemon = True
+        with self._drain_lock:
+            self._timers.append(timer)
+        timer.start()
 
 
 def _after_commit_handler(stage: Stage) -> Callable[[Any, list[Event]], None]:

@@ -49,7 +49,9 @@ def eventqueue_options(log: str) -> EventQueueOptions:
             out.write(f"{event.id}\n")
 
     registry.add("limited", record, key="value.k", rate_limit="20/s", concurrency=1, lock_expiry=10)
-    return EventQueueOptions(handlers=registry, worker=WorkerSettings(sweep_interval=0.5, lease_ttl=3))
+    return EventQueueOptions(
+        handlers=registry, worker=WorkerSettings(sweep_interval=0.5, lease_ttl=3, concurrency=100)
+    )  # claims of 100
 
 
 def worker(engine: str, db: Database, log: str):

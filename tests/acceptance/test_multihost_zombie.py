@@ -440,8 +440,7 @@ def test_eventqueue_zombie_runs_and_deletes_nothing_it_lost(db, database_url, wo
                "the other worker moved on")  # fmt: skip
     ids += emit(range(160, 200))  # new work, for the victim to claim once it is through its stale batch
     resumed_at = victim.signal(signal.SIGCONT)
-    # two batches of new events run: the victim is through its stale batch (a call set aside is settled before the
-    # next claim)
+    # new events run: the victim is through its stale calls (their outcomes are written before its next claims)
     wait_until(lambda: len({i[0] for _, i in calls_by(tmp_path, victim, resumed_at)} - in_flight) >= 10, 30,
                "the resumed victim runs new events")  # fmt: skip
     for event in in_flight:

@@ -124,8 +124,9 @@ def test_cli_sets_reads_and_explains(db):
     assert forgot.returncode == 1 and "no reactive task" in forgot.stderr
 
 
-# A scheduler process whose task 'bad' has run config code that kills the process (a segfaulting library, the
-# OOM killer); 'good' has none. A ReactiveWorker ticking every 0.1 s, as a fixed owner.
+# A scheduler process whose task 'bad' has run config code that kills the scheduler (its code runs in a child
+# process: it kills its parent, as the OOM killer may pick the scheduler while the code runs); 'good' has none. A
+# ReactiveWorker ticking every 0.1 s, as a fixed owner.
 CRASHY = """
 import os, signal, sys
 from cmb_dagster.database import Database
@@ -133,7 +134,7 @@ from cmb_dagster.reactive import ReactiveWorker, RunInfo, RunState, SchedulerSet
 from cmb_dagster.triggers import Delta
 
 def crash(values):
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getppid(), signal.SIGKILL)
 
 specs = [TaskSpec(name="good", trigger=Delta("eg", "p", "1s")), TaskSpec(name="bad", trigger=Delta("eb", "p", "1s"))]
 succeeded = lambda scheduler, keys: {k: RunInfo("run-" + k, RunState.SUCCESS) for k in keys}

@@ -52,8 +52,8 @@ def pipeline(**kw: object) -> list[Step]:
 
 
 def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int:
-    """Step every shard (no leases) and every pub/sub consumer until a round handles nothing (for ``settle``
-    seconds)."""
+    """Step every shard (no leases) and every pub/sub consumer until a round handles nothing and no call runs
+    (for ``settle`` seconds); a round with calls running waits for one to end."""
     if not worker._consumers:
         worker.setup()
     total = 0
@@ -66,7 +66,12 @@ def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int
             if key != "capture":
                 n += consumer.run_once()
         total += n
-        if n == 0:
+        if worker.engine.executor.running:
+            worker.engine.executor.wait(1.0)
+            quiet_since = None
+        elif worker.engine.busy:
+            quiet_since = None
+        elif n == 0:
             quiet_since = quiet_since or time.monotonic()
             if time.monotonic() - quiet_since >= settle:
                 return total

@@ -1,7 +1,6 @@
 """The isolation rule in the callbacks engine: one bad, big or slow event affects only itself."""
 
 import threading
-import time
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -240,45 +239,6 @@ def test_a_launch_error_is_stored_sanitised(db, work, error, stored):
         work(launcher=Launcher(error))
         event = wait_until(lambda: (e := client.get("a", "g", "k")).attempts and e.last_error and e, what="an outcome")
         assert event.last_error == stored
-
-
-# -- a slow call is bounded by the call's timeout ----------------------------------------------------
-
-
-class Hanging:
-    """A Dagster launcher whose launch of the event ``hang`` blocks until ``release`` is set."""
-
-    def __init__(self):
-        self.release = threading.Event()
-        self.launched = []
-
-    def launch(self, job_name, *, run_key, run_config, tags):
-        if tags["cmb/callback"].endswith("/hang"):
-            self.release.wait(60)
-        self.launched.append(tags["cmb/callback"])
-        return "run"
-
-
-def test_a_launch_that_hangs_times_out_and_the_launches_queued_behind_it_never_start(db, endpoint, work):
-    launcher = Hanging()
-    with CallbackClient(db, CallbackSettings(**TUNING)) as client:
-        now = datetime.now(UTC)
-        client.create("a", "g", "hang", now, "dagster://nightly", retry=ONCE)
-        client.create("a", "g", "queued", now + timedelta(milliseconds=300), "dagster://nightly", retry=ONCE)
-        client.create("a", "g", "web", now, f"{endpoint.url}/ok", retry=ONCE)
-        work(launcher=launcher)
-        try:
-            for key in ("hang", "queued"):
-                event = wait_until(
-                    lambda k=key: (e := client.get("a", "g", k)).main_retries and e, what=f"{key} retried"
-                )
-                assert (event.status, event.attempts, event.last_error) == ("pending", 1, "timed out")
-            assert client.get("a", "g", "web").status == "notified"
-        finally:
-            launcher.release.set()
-        wait_until(lambda: launcher.launched == ["a/g/hang"], what="the hanging launch ended")
-        time.sleep(0.5)
-        assert launcher.launched == ["a/g/hang"]  # the launch queued behind it was dropped at its deadline
 
 
 # -- two tenants share no lock ---------------------------------------------------------------------------

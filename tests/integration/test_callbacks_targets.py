@@ -13,7 +13,13 @@ from test_callbacks_guarantees import LOCAL
 from test_callbacks_guarantees import worker as worker  # a fixture
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput
+from cmb_dagster.callbacks import (
+    CallbackClient,
+    CallbackSettings,
+    CallbackWorker,
+    InvalidCallbackInput,
+    RetryPolicy,
+)
 from cmb_dagster.callbacks.delivery import HttpSender
 
 # -- private addresses closed by default --------------------------------------------------------------
@@ -124,14 +130,25 @@ def flood(server, conn):
         server.sent += len(chunk)
 
 
-def test_the_timeout_is_a_deadline_for_the_whole_call():
-    server = RawServer(drip)
-    try:
-        sender = HttpSender(LOCAL)
+def test_the_timeout_is_a_deadline_for_the_whole_call(db, worker):
+    dropped = []  # seconds after which the client dropped the dripping answer
+
+    def drip_until_dropped(server, conn):
         started = time.monotonic()
-        outcome, error, *_ = asyncio.run(sender.post(f"http://127.0.0.1:{server.port}/cb", b"{}"))
-        assert (outcome, error) == ("retry", "timed out")
-        assert time.monotonic() - started < LOCAL.timeout + 0.5
+        try:
+            drip(server, conn)  # 20 s to send the whole answer
+        except OSError:
+            dropped.append(time.monotonic() - started)
+
+    server = RawServer(drip_until_dropped)
+    try:
+        with CallbackClient(db, LOCAL) as client:
+            url = f"http://127.0.0.1:{server.port}/cb"
+            client.create("a", "g", "k", datetime.now(UTC), url, retry=RetryPolicy.constant(3600, fast_retries=0))
+            worker()
+            event = wait_until(lambda: (e := client.get("a", "g", "k")).main_retries and e, what="a main retry")
+            assert (event.attempts, event.last_error) == (1, "timed out")
+            wait_until(lambda: dropped, what="the client dropped the connection")
     finally:
         server.close()
 

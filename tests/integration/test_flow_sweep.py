@@ -108,7 +108,17 @@ def test_after_100000_keys_taken_once_the_sweep_leaves_the_rows_of_the_keys_in_u
         take = {"scope": "bulk/slots", "key": "k5", "want": 3, "items": ["a", "b", "c"], "ttl": 60}
         take_many = {"scopes": ["bulk/slots"] * 3, "keys": ["k5", "k6", "k7"], "want": [2] * 3, "items": [2] * 3}
         emit_many([{"namespace": "ns", "handler": "limited", "value": {"tenant": f"t{i}"}} for i in range(300)], db=db)
-        claim = {"handlers": ["limited"], "limit": 100, "stage_limit": STAGE_LIMIT, "done": [], "done_locked": []}
+        claim = {
+            "handlers": ["limited"],
+            "limit": 100,
+            "start_now": 100,
+            "idle": True,
+            "stage_limit": STAGE_LIMIT,
+            "done": [],
+            "done_locked": [],
+            "owner": "a worker",
+            "fence": 1,
+        }
         for query, params, most in [
             (sql.FLOW_SWEEP_LOCK, walk, 101 * (3 * 64 + 4)),
             (sql.FLOW_SWEEP_DELETE, delete, 99 * (2 * 64 + 4)),

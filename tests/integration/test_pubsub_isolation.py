@@ -3,6 +3,7 @@ past its time limit, and a handler that kills its consumer process, each parked 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
+from cmb_dagster.isolation import WorkerStuck
 from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, HandlerFailed, InvalidPubSubInput, dead_letters, publish
+from cmb_dagster.workers import list_leases
 
 ACCEPTANCE = Path(__file__).parents[1] / "acceptance"
 
@@ -62,21 +65,61 @@ def test_an_error_message_postgres_cannot_store_as_it_is_parks_the_event_and_the
 
 def test_a_handler_past_its_time_limit_has_its_transaction_ended_and_fails(db):
     ids = publish_all(db, [{"n": n} for n in range(5)])
-    release = threading.Event()
 
     def handler(conn, events):
         conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
         if any(e.payload["n"] == 2 for e in events):
-            release.wait(30)  # holds its transaction open (and the watermark locked) until the deadline
+            conn.execute("SELECT pg_sleep(30)")  # holds its transaction open (and the watermark locked) till its end
 
     spec = ConsumerSpec(consumer_id="slow", handler=handler, max_attempts=2, handler_timeout=0.5)
     consumer = ConsumerWorker(db, spec)
-    drain(consumer)
-    release.set()
+    drain(consumer)  # the server ends the sleeping transaction at the deadline: the call ends (else: WorkerStuck)
     assert results(db) == [i for i in ids if i != ids[2]]  # its insert was rolled back with its transaction
     [dead] = parked(db, "slow")
     assert dead.event.id == ids[2] and dead.error.startswith("TimedOut: timed out after 0.5 s")
     consumer.close()
+
+
+def test_an_async_handler_writes_in_the_consumers_transaction_and_is_cancelled_at_its_time_limit(db):
+    ids = publish_all(db, [{"n": n} for n in range(5)])
+    cancelled = []
+
+    async def handler(conn, events):
+        await asyncio.sleep(0)
+        conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
+        if any(e.payload["n"] == 2 for e in events):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append([e.id for e in events])
+                raise
+
+    spec = ConsumerSpec(consumer_id="async", handler=handler, max_attempts=2, handler_timeout=0.5)
+    consumer = ConsumerWorker(db, spec)
+    drain(consumer)  # a call left running past twice its limit would raise WorkerStuck
+    assert results(db) == [i for i in ids if i != ids[2]]  # its insert was rolled back with its transaction
+    [dead] = parked(db, "async")
+    assert dead.event.id == ids[2] and dead.error.startswith("TimedOut: timed out after 0.5 s")
+    assert [ids[2]] in cancelled
+    consumer.close()
+
+
+def test_a_worker_stuck_in_its_handler_stops_and_leaves_its_lease_to_lapse(db):
+    publish_all(db, [{"n": 0}])
+    release = threading.Event()
+
+    def handler(conn, events):
+        release.wait(30)  # neither returns nor uses its connection: past twice its limit, the worker is stuck
+
+    spec = ConsumerSpec(consumer_id="stuck", handler=handler, handler_timeout=0.5, lease_ttl=60)
+    consumer = ConsumerWorker(db, spec)
+    try:
+        with pytest.raises(WorkerStuck, match="still running past their time limit"):
+            consumer.run(30)
+        [lease] = [lease for lease in list_leases(db) if lease.partition == "stuck@0"]
+        assert lease.expires_in > 0  # not released while the call runs: no standby delivers beside it
+    finally:
+        release.set()
 
 
 @pytest.mark.slow

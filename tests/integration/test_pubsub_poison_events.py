@@ -1,6 +1,7 @@
 """Poison events: a handler that keeps failing on one event has it parked (or, with on_poison="stop", stops on
 it and says so), the other events arrive once, and replay runs the parked ones again."""
 
+import asyncio
 import logging
 
 import pytest
@@ -104,6 +105,21 @@ def test_a_poison_event_is_parked_after_max_attempts_and_the_good_ones_arrive_on
     assert replay(db, "tolerant", 0, fixed_handler) == (0, 0)  # exactly once
     assert results(db) == list(range(10))
     assert parked(db) == [] and len(parked(db, include_replayed=True)) == 2
+
+
+def test_an_async_handler_has_its_poison_events_parked_and_replayed(db, ten_events):
+    async def poisoned(conn, events):
+        poisoned_handler(conn, events)
+
+    async def fixed(conn, events):
+        await asyncio.sleep(0)
+        fixed_handler(conn, events)
+
+    run_until_idle(worker(db, "async", poisoned, batch_size=4, max_attempts=2))
+    assert results(db) == [n for n in range(10) if n not in POISON]
+    assert [d.event.id for d in parked(db, "async")] == [ten_events[3], ten_events[7]]
+    assert replay(db, "async", 0, fixed) == (2, 0)
+    assert results(db) == list(range(10))
 
 
 def test_with_on_poison_stop_nothing_after_the_poison_event_is_delivered_and_status_says_why(db, ten_events, caplog):

@@ -1,11 +1,15 @@
 """Isolation of a bad item in the reactive scheduler and the CTL store: a task's bad, slow or huge user code
 affects only that task, and bad CTL input is refused before it reaches Postgres."""
 
+import os
+import signal
+import sys
 import threading
 import time
 import warnings
 from datetime import UTC, datetime, timedelta, timezone
 
+import psutil
 import psycopg
 import pytest
 from click.testing import CliRunner
@@ -19,7 +23,7 @@ from cmb_dagster.database import Database
 from cmb_dagster.models import Backoff
 from cmb_dagster.reactive import InvalidReactiveInput, ReactiveTriggerWarning, status, tick_reactive_sensor
 from cmb_dagster.reactive.engine import TaskScheduler
-from cmb_dagster.reactive.models import SchedulerSettings, TaskSpec
+from cmb_dagster.reactive.models import RunInfo, RunState, SchedulerSettings, TaskSpec
 from cmb_dagster.triggers import Delta
 
 T0 = datetime(2024, 5, 1, tzinfo=UTC)
@@ -72,6 +76,7 @@ def test_a_partition_key_or_run_config_that_cannot_be_stored_or_sent_fails_only_
     options = {
         "object_config": lambda values: ({"ops": {"x": object()}}, {}),
         "huge_tags": lambda values: (None, {"t": "x" * 5_000_000}),
+        "unpicklable": lambda values: ({"ops": {"x": lambda: 1}}, {}),
     }
     scheduler = engine(db, [*partitioners, *options, "good"], partitioners=partitioners, launch_options=options)
     CtlStore(db).set(*KEY, T0)
@@ -81,6 +86,7 @@ def test_a_partition_key_or_run_config_that_cannot_be_stored_or_sent_fails_only_
     assert_backs_off(db, "naive_value", "choosing the partition returned an unusable result")
     assert_backs_off(db, "object_config", "its run config or tags returned an unusable result")
     assert_backs_off(db, "huge_tags", "bytes as JSON, at most")
+    assert_backs_off(db, "unpicklable", "its run config or tags returned an unusable result: it cannot be pickled")
 
 
 def test_a_change_event_published_by_hand_without_entity_does_not_stop_the_tick(db):
@@ -105,10 +111,8 @@ def test_names_a_trigger_reads_are_refused_when_ctl_could_not_store_them():
 
 
 def test_a_callable_that_never_returns_times_out_and_backs_off_its_task_alone(db, instance, resource):
-    release = threading.Event()
-
     def stuck(values):
-        release.wait(5)
+        time.sleep(60)
         return {}
 
     tasks = [
@@ -117,25 +121,22 @@ def test_a_callable_that_never_returns_times_out_and_backs_off_its_task_alone(db
     ]
     location = Location(db, instance, resource, tasks, callable_timeout=0.5)
     CtlStore(db).set(*KEY, T0)
-    try:
-        started = time.monotonic()
-        result = location.tick()
-        assert time.monotonic() - started < 4
-        assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
-        state = location.state("stuck")
-        assert state.status == "backoff" and state.backoff_until == NOW + BACKOFF
-        assert "its run config or tags raised TimedOut: timed out after 0.5 s" in state.explanation
-    finally:
-        release.set()
+    started = time.monotonic()
+    result = location.tick()
+    assert time.monotonic() - started < 4
+    assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
+    state = location.state("stuck")
+    assert state.status == "backoff" and state.backoff_until == NOW + BACKOFF
+    assert "its run config or tags raised TimedOut: killed at its 0.5 s limit" in state.explanation
 
 
-def test_a_tick_starts_no_user_code_after_its_time_box_and_one_timeout(db):
-    release = threading.Event()
-    calls = []
+def test_a_tick_starts_no_user_code_after_its_time_box_and_one_timeout(db, tmp_path):
+    calls = tmp_path / "calls"  # a line per call (each runs in a process of its own)
 
     def stuck(values):
-        calls.append(time.monotonic())
-        release.wait(10)
+        with calls.open("a") as out:
+            out.write("called\n")
+        time.sleep(60)
         return None, {}
 
     options = {"stuck_a": stuck, "stuck_b": stuck}
@@ -143,37 +144,103 @@ def test_a_tick_starts_no_user_code_after_its_time_box_and_one_timeout(db):
         db, ["stuck_a", "stuck_b"], launch_options=options, settings={"tick_seconds": 0.01, "callable_timeout": 0.5}
     )
     CtlStore(db).set(*KEY, T0)
-    try:
-        started = time.monotonic()
-        report = scheduler.tick(no_runs, now=NOW)
-        assert time.monotonic() - started < 1.5 and len(calls) == 1
-        assert report.launches == [] and not report.complete
-        assert states(db)["stuck_b"].status == "ready"  # left for the next tick
-        assert_backs_off(db, "stuck_a", "raised TimedOut: timed out after 0.5 s")
-        scheduler.tick(no_runs, now=NOW)
-        assert len(calls) == 2
-        assert_backs_off(db, "stuck_b", "raised TimedOut: timed out after 0.5 s")
-    finally:
-        release.set()
+    started = time.monotonic()
+    report = scheduler.tick(no_runs, now=NOW)
+    assert time.monotonic() - started < 1.5 and calls.read_text().count("called") == 1
+    assert report.launches == [] and not report.complete
+    assert states(db)["stuck_b"].status == "ready"  # left for the next tick
+    assert_backs_off(db, "stuck_a", "raised TimedOut: killed at its 0.5 s limit")
+    scheduler.tick(no_runs, now=NOW)
+    assert calls.read_text().count("called") == 2
+    assert_backs_off(db, "stuck_b", "raised TimedOut: killed at its 0.5 s limit")
 
 
-def test_user_code_runs_while_the_tick_holds_no_transaction_open(db):
-    seen = []
+def test_user_code_runs_while_the_tick_holds_no_transaction_open(db, tmp_path):
+    seen = tmp_path / "seen"  # written by the call's process
 
     def options(values):
         with psycopg.connect(db.url, autocommit=True) as conn:
-            seen.append(
-                conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
-                ).fetchone()[0]
-            )
+            idle_in_transaction = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+            ).fetchone()[0]
+        seen.write_text(str(idle_in_transaction))
         return None, {}
 
     scheduler = engine(db, ["good"], launch_options={"good": options})
     CtlStore(db).set(*KEY, T0)
     assert [launch.task for launch in scheduler.tick(no_runs, now=NOW).launches] == ["good"]
-    assert seen == [0]
+    assert seen.read_text() == "0"
+
+
+def all_succeeded(scheduler, run_keys):
+    return {key: RunInfo(f"run-{key}", RunState.SUCCESS) for key in run_keys}
+
+
+def hang(values):
+    threading.Event().wait()
+
+
+def test_a_callable_that_hangs_ten_ticks_in_a_row_leaves_no_thread_and_no_process_behind(db):
+    specs = [TaskSpec(name=name, trigger=Delta(*KEY, "1h")) for name in ("hangs", "good")]
+    settings = SchedulerSettings(backoff=RETRIES, callable_timeout=0.5)
+    scheduler = TaskScheduler(db, "hanging", specs, settings, launch_options={"hangs": hang})
+    threads, children = set(threading.enumerate()), set(psutil.Process().children(recursive=True))
+    started_by_first = None
+    for tick in range(10):
+        CtlStore(db).set(*KEY, T0 + timedelta(hours=2 * tick))  # new data: both tasks fire again
+        report = scheduler.tick(all_succeeded, now=NOW + timedelta(days=tick))  # past the last backoff
+        assert [launch.task for launch in report.launches] == ["good"]
+        hangs = states(db, "hanging")["hangs"]
+        assert hangs.status == "backoff" and "raised TimedOut: killed at its 0.5 s limit" in hangs.explanation
+        assert scheduler.executor.running == []
+        assert set(psutil.Process().children(recursive=True)) == children
+        started = set(threading.enumerate()) - threads
+        started_by_first = started_by_first or started
+        assert started == started_by_first  # nothing piles up, tick after tick
+    # the threads of user code the first tick started wait idle for the next call (they exit after a minute without
+    # one): one for the scheduler's calls, one for its CTL consumer's
+    assert sorted(t.name for t in started_by_first if t.name.startswith("cmb-user-code")) == [
+        f"cmb-user-code:pubsub:reactive.hanging@{CTL_BRANCH_ID}",
+        "cmb-user-code:reactive:hanging",
+    ]
+
+
+def test_run_config_and_tags_given_as_mappings_start_no_process(db, instance, resource):
+    config = {"ops": {"work": {"config": {}}}}
+    tasks = [ReactiveTask("fixed", plain, Delta(*KEY, "1h"), run_config=config, tags={"team": "ops"})]
+    location = Location(db, instance, resource, tasks, name="fixed_options")
+    CtlStore(db).set(*KEY, T0)
+    [request] = location.tick().run_requests
+    assert request.run_config == config and request.tags["team"] == "ops"
+    assert "cmb-user-code:reactive:fixed_options" not in {t.name for t in threading.enumerate()}  # no call ran
+
+
+@pytest.mark.parametrize(
+    ("ending", "error"),
+    [
+        ("sys.exit", "its run config or tags raised SystemExit: 3"),
+        ("os._exit", "its run config or tags raised ChildDied: its process ended without an answer (exit code 3)"),
+        ("SIGKILL", "its run config or tags raised ChildDied: its process ended without an answer (killed by SIGKILL)"),
+        ("partition sys.exit", "choosing the partition raised SystemExit: 3"),
+    ],
+)
+def test_a_callable_that_exits_fails_its_task_only(db, ending, error):
+    def ends(*args):
+        if ending.endswith("sys.exit"):
+            sys.exit(3)
+        if ending == "os._exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if ending.startswith("partition"):
+        scheduler = engine(db, ["ends", "good"], partitioners={"ends": ends})
+    else:
+        scheduler = engine(db, ["ends", "good"], launch_options={"ends": ends})
+    CtlStore(db).set(*KEY, T0)
+    report = scheduler.tick(no_runs, now=NOW)
+    assert [launch.task for launch in report.launches] == ["good"]
+    assert_backs_off(db, "ends", error)  # an error of its call: no crash of the scheduler counted
 
 
 # -- 3. bad input of the CTL API --------------------------------------------------------------------
@@ -237,17 +304,17 @@ def plain() -> None:
 class Location:
     """A code location's reactive tasks under scheduler name ``iso``, ticked by hand at :data:`NOW`."""
 
-    def __init__(self, db, instance, resource, tasks, **options) -> None:
-        self.db, self.instance = db, instance
+    def __init__(self, db, instance, resource, tasks, name="iso", **options) -> None:
+        self.db, self.instance, self.name = db, instance, name
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ReactiveTriggerWarning)
             self.defs = cmb_definitions(
                 resource=resource,
-                reactive=ReactiveOptions(tasks=tasks, name="iso", backoff=RETRIES, **options),
+                reactive=ReactiveOptions(tasks=tasks, name=name, backoff=RETRIES, **options),
             )
 
     def tick(self):
         return tick_reactive_sensor(self.defs, instance=self.instance, evaluation_time=NOW)
 
     def state(self, task: str):
-        return states(self.db)[task]
+        return states(self.db, self.name)[task]

@@ -95,8 +95,12 @@ def test_after_commit_runs_at_least_once_with_the_event_id(db):
     StageStore(db, [stage]).put("n", {})
     worker = StageWorker(db, [stage])
     worker.setup()
-    for _ in range(2):  # the change path, then the stage
+
+    def stepped() -> bool:  # the change path, then the stage, each committed in the step after its calls ended
         worker.shards_step(range(8), 8)
+        return StageStore(db).get("n").payload == {"done": True}
+
+    wait_until(stepped, 10, "the change path and the stage committed")
     consumer = worker._consumers["after_commit:notifies"]
     for _ in range(3):
         with contextlib.suppress(Exception):  # the failing first delivery
@@ -152,7 +156,7 @@ def test_max_parallelism_holds_across_workers(database_url):
     assert stage.most == 1
     free = Counting("free")
     run_two_workers(database_url, free, 200)
-    assert free.most == 2  # without the limit the two workers do overlap (the test can fail)
+    assert free.most >= 2  # without the limit calls do overlap (the test can fail)
 
 
 def test_rate_limit_holds_across_workers(database_url):

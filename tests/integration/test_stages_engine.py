@@ -501,13 +501,13 @@ def test_a_batch_whose_lease_was_taken_over_while_its_stage_ran_writes_nothing(d
     old = Engine(db, [stage])
     old.changes_batch([0])
     lease = Leases(db, "stages.shard", "A", ttl=1).acquire(["shard:0/1"])["shard:0/1"]
-    report = old.process_batch([0], ["blocking"], leases=[lease], shard_count=1)
-    assert entered.is_set() and report.set_aside == 1  # still running after about a second: set aside
+    report = old.start_batch([0], ["blocking"], leases=[lease], shard_count=1)
+    assert report.taken == 1 and entered.wait(5)  # A's call runs, its claim committed
     taken = wait_until(lambda: Leases(db, "stages.shard", "B", ttl=30).acquire(["shard:0/1"]), 5, "B takes the shard")
     release.set()
-    wait_until(lambda: not old.user_code.set_aside or old.user_code.set_aside[0].ended, 5, "A's call ends")
+    assert old.executor.wait_all(5), "A's call ends"
     with pytest.raises(LeaseLost):
-        old.finish_set_aside(0, leases=[lease], shard_count=1)
+        old.collect(leases=[lease])
     assert StageStore(db).get("b").payload == {}  # A's result was not written
     new = Engine(db, [stage])
     assert new.process_batch([0], ["blocking"], leases=[taken["shard:0/1"]], shard_count=1).processed == 1

@@ -15,8 +15,19 @@ from stages_helpers import drain
 from waiting import wait_until
 
 from cmb_dagster.database import Database
+from cmb_dagster.isolation import WorkerStuck
 from cmb_dagster.models import Backoff
-from cmb_dagster.stages import Engine, Entity, MergePatch, Stage, StageResult, StageStore, StageWorker, entries
+from cmb_dagster.stages import (
+    Engine,
+    Entity,
+    MergePatch,
+    Stage,
+    StageOptions,
+    StageResult,
+    StageStore,
+    StageWorker,
+    entries,
+)
 from cmb_dagster.stages import engine as engine_module
 
 
@@ -54,21 +65,102 @@ class Held(Stage):
         return StageResult(update=MergePatch({"done": True}))
 
 
-def test_a_process_past_its_timeout_fails_and_is_retried_later(db):
+def test_a_process_past_its_timeout_holds_its_entity_until_it_returns_then_fails(db):
+    """A thread cannot be stopped: past its timeout the call keeps its entry claimed and its entity out of every
+    claim until it returns; then it fails (its result dropped) and is retried after the backoff."""
     Held.release.clear()
+    Held.entered.clear()
     stage = Held(timeout=0.3, backoff=Backoff(first=60))
     StageStore(db, [stage]).put("slow", {})
     engine = Engine(db, [stage])
     engine.changes_batch(range(8))
-    engine.user_code.set_aside_after = None  # wait for the call until its timeout
-    report = engine.process_batch(range(8))
+    assert engine.start_batch(range(8)).taken == 1 and Held.entered.wait(10)
+    [call] = engine.executor.running
+    wait_until(lambda: call.seconds > 2 * call.timeout, 10, "the call runs past its timeout")
+    assert engine.collect().ended == 0 and engine.start_batch(range(8)).taken == 0  # still held
+    [entry] = entries(db, stage="held")
+    assert entry.attempts == 0 and entry.crashes == 1 and entry.last_error is None  # claimed, not failed
     Held.release.set()
+    assert engine.executor.wait_all(10)
+    report = engine.collect()
     assert report.errors == 1 and report.processed == 0
     [entry] = entries(db, stage="held")
     assert entry.attempts == 1 and entry.parked_at is None and entry.crashes == 0
-    assert entry.last_error == "TimedOut: timed out after 0.3 s (still running, abandoned)"
+    assert entry.last_error.startswith("TimedOut: ran ") and entry.last_error.endswith(
+        "s, past its 0.3 s limit (result dropped)"
+    ), entry.last_error
     assert StageStore(db).get("slow").payload == {}
     engine.close()
+
+
+def test_calls_that_ended_while_the_connection_was_lost_commit_at_the_next_collect(db):
+    """The engine's connection is cut after the call ended: the commit fails, the outcome is kept (its entity stays
+    out of claims) and commits once the connection is back, instead of running the entity again."""
+    StageStore(db, [Patch()]).put("p", {})
+    engine = Engine(db, [Patch()])
+    engine.changes_batch(range(8))
+    assert engine.start_batch(range(8)).taken == 1 and engine.executor.wait_all(10)
+    with db.connection() as conn:
+        pid = engine._own.get().info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    with pytest.raises(psycopg.OperationalError):
+        engine.collect()
+    assert engine.start_batch(range(8)).taken == 0  # still held: its outcome waits for its commit
+    report = engine.collect()
+    assert report.ended == 1 and report.processed == 1
+    assert StageStore(db).get("p").payload == {"done": True} and not entries(db, stage="patch")
+    engine.close()
+
+
+def test_a_stopped_worker_commits_its_calls_in_flight_before_it_lets_its_shards_go(db):
+    """stop() while a call runs: the worker claims nothing more, keeps its leases renewed while the call runs past a
+    lease TTL, commits the call once it returned, then stops (the next holder does not run the entity again)."""
+    Held.release.clear()
+    Held.entered.clear()
+    stage = Held()
+    store = StageStore(db, [stage])
+    store.put("in-flight", {})
+    worker = StageWorker(db, StageOptions(stages=[stage], lease_ttl=1.0, idle_sleep=0.05))
+    running = threading.Thread(target=worker.run)
+    running.start()
+    try:
+        assert Held.entered.wait(10)
+        worker.stop()
+        store.put("later", {})  # changed after the stop: left to the next holder
+        with db.connection() as conn:
+            until = conn.execute(
+                "SELECT max(expires_at) FROM leases WHERE kind = 'stages.shard' AND partition LIKE 'shard:%'"
+            ).fetchone()[0]
+            wait_until(lambda: conn.execute("SELECT clock_timestamp() > %s", (until,)).fetchone()[0], 5, "a TTL")
+            held = conn.execute(
+                "SELECT bool_and(expires_at > clock_timestamp()) FROM leases WHERE partition LIKE 'shard:%'"
+            ).fetchone()[0]
+        assert held and running.is_alive()  # still the shards' holder, renewing, while its call runs
+    finally:
+        Held.release.set()
+        running.join(10)
+    assert not running.is_alive()
+    assert store.get("in-flight").payload == {"done": True} and "done" not in store.get("later").payload
+    assert entries(db, stage="held") == []  # committed, not released (no crash left); "later" was not even asked
+
+
+def test_a_worker_whose_every_slot_is_stuck_past_its_timeout_stops(db):
+    """Threads cannot be stopped: once every slot holds a call past twice its timeout, collecting raises WorkerStuck
+    (the worker stops and its process is restarted)."""
+    Held.release.clear()
+    stage = Held(timeout=0.1)
+    StageStore(db, [stage]).put_many({"x": {}, "y": {}})
+    engine = Engine(db, [stage], concurrency=2)
+    engine.changes_batch(range(8))
+    assert engine.start_batch(range(8)).taken == 2
+    wait_until(lambda: all(call.seconds > 2 * call.timeout for call in engine.executor.running), 10, "both stuck")
+    try:
+        with pytest.raises(WorkerStuck, match="2 calls of user code are still running past their time limit"):
+            engine.collect()
+    finally:
+        Held.release.set()
+        engine.executor.wait_all(10)
+        engine.close()
 
 
 def test_two_tenants_in_one_database_never_wait_on_each_other(database_url):
@@ -82,7 +174,6 @@ def test_two_tenants_in_one_database_never_wait_on_each_other(database_url):
         StageStore(tenant, [stage]).put("x", {})
         engines[tenant.schema] = engine = Engine(tenant, [stage])
         engine.changes_batch(range(8))
-        engine.user_code.set_aside_after = None  # ta keeps its slot for as long as its call runs
     running = threading.Thread(target=engines["ta"].process_batch, args=(range(8),))
     running.start()
     assert Held.entered.wait(10)
