@@ -297,8 +297,7 @@ class EventWorker(EngineWorker):
             if item.event.id in may_start:
                 self._begin(item)
             else:
-                item.ended = True
-                self._held.pop(item.event.id, None)
+                self._let_go(item)
 
     def _release_waiting(self) -> None:
         """Give the waiting events back to the queue (visible at once, their crashes not counted)."""
@@ -308,9 +307,13 @@ class EventWorker(EngineWorker):
         self._execute(sql.RELEASE, {**self._claims(batch), "owner": self._holder})
         self._waiting.clear()
         for item in batch:
-            item.ended = True
-            self._held.pop(item.event.id, None)
+            self._let_go(item)
         self._came_due = True
+
+    def _let_go(self, item: Claimed) -> None:
+        """An event claimed and not started will not run here (released, or its claim taken over)."""
+        item.ended = True
+        self._held.pop(item.event.id, None)
 
     @staticmethod
     def _claims(items: list[Claimed]) -> dict[str, list[Any]]:
