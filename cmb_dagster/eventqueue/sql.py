@@ -193,9 +193,9 @@ _RULE = """
 # of each limited key's candidates in order, as many as its tokens and free slots allow are granted (taking
 # them), the others are 'throttled'. ``candidates`` adds the slot granted; 'flow_missing' names the limited keys
 # whose bucket (as locked) or slots do not exist, yet or any more, or whose free slots a sweep holds (the worker
-# makes them, waiting for the sweep, and claims again). A key whose limit lets several events run at once keeps
-# them starting in order: its events are taken only by the worker already running some of them, and only when no
-# event of the key ahead of them was skipped (another claim holds it).
+# makes them, waiting for the sweep, and claims again). A key with a concurrency limit keeps its events starting
+# in order: an event is taken only when no event of the key ahead of it was skipped (another claim holds it), and
+# when several may run at once, only by the worker already running some of them.
 def _admit(read: str) -> str:
     """The flow-limit CTEs; ``read`` names the CTE of every row the claim read (and locked)."""
     return f"""
@@ -207,11 +207,11 @@ limits AS MATERIALIZED (
            row_number() OVER (PARTITION BY o.scope, o.flow_key ORDER BY o.priority DESC, o.turn, o.id) AS r
     FROM offered o JOIN limits l USING (scope)
     WHERE o.decision = 'claim' AND o.take
-      AND NOT (l.concurrency > 1 AND (  -- several of a key at once: they start in order
-          EXISTS (  -- a key another worker runs events of stays with it
+      AND NOT (l.concurrency IS NOT NULL AND (  -- a key's events start in order
+          (l.concurrency > 1 AND EXISTS (  -- a key another worker runs events of stays with it
               SELECT 1 FROM eventqueue_events x
               WHERE x.handler = o.handler AND x.flow_key = o.flow_key AND x.locked_by IS NOT NULL
-                AND x.locked_by IS DISTINCT FROM %(owner)s AND x.visible_at > now())
+                AND x.locked_by IS DISTINCT FROM %(owner)s AND x.visible_at > now()))
           OR EXISTS (  -- an event of the key ahead of it that this claim skipped is being claimed by another
               SELECT 1 FROM eventqueue_events x
               WHERE x.handler = o.handler AND x.flow_key = o.flow_key AND x.turn IS NOT NULL

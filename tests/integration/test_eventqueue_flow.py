@@ -91,6 +91,18 @@ def test_a_delayed_event_takes_its_turn_when_it_comes_due(db, worker, seen):
     assert delayed in [e.id for e in seen[: 2 * SETTINGS.concurrency]]
 
 
+def test_a_key_at_concurrency_1_never_starts_an_event_ahead_of_one_another_claim_holds(db, worker, seen):
+    first, second = emit_many(
+        [{"namespace": "ns", "handler": "limited", "value": {"tenant": "a", "n": n}} for n in (0, 1)], db=db
+    )
+    with db.connection() as conn:  # another worker's claim holds the key's first event right now
+        conn.execute("SELECT 1 FROM eventqueue_events WHERE id = %s FOR UPDATE", (first,))
+        worker.run_once()
+        assert seen == []  # its second event waits for the first
+    worker.run_once()
+    assert [e.id for e in seen] == [first, second]
+
+
 def test_status_shows_each_handlers_key_and_limits_and_each_limited_keys_use(db, worker, seen):
     emit_many([{"namespace": "ns", "handler": "limited", "value": {"tenant": t}} for t in "ab"], db=db)
     worker.run_once()
