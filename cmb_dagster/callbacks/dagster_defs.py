@@ -37,8 +37,8 @@ from cmb_dagster.jobs import (
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-RUN_KEY_TAG = "cmb/callbacks/run_key"
-LEGACY_RUN_KEY_TAG = "cmb/callback_run_key"  # a run tagged with this key name counts as launched too
+RUN_KEY_TAG = "cmb/callbacks.run_key"
+OLDER_RUN_KEY_TAGS = ("cmb/callbacks/run_key", "cmb/callback_run_key")  # of older releases: such a run counts too
 
 
 def counts_asset_key(options: CallbackOptions, index: int, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
@@ -49,7 +49,7 @@ def counts_asset_key(options: CallbackOptions, index: int, translator: CmbTransl
 def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untyped-def]
     def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         buckets = bucket_slice(database, index, options.workers)
-        launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG, also_tags=[LEGACY_RUN_KEY_TAG])
+        launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG, also_tags=OLDER_RUN_KEY_TAGS)
         return CallbackWorker(database, options.settings, buckets=buckets, launcher=launcher).run(duration)
 
     return run

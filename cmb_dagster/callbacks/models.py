@@ -79,8 +79,8 @@ DAGSTER_USER_TAGS = (
     "dagster/isolation",
     "dagster/retry_on_asset_or_op_failure",
 )
-# Tags the engine sets on the runs it launches (the event's keys, and its run key under the name of old releases).
-ENGINE_TAGS = ("cmb/callback", "cmb/callback_run_key")
+# Tags the engine sets on the runs it launches (the event's keys, and its run key, also under an older release's name).
+ENGINE_TAGS = ("cmb/callback", "cmb/callbacks.run_key", "cmb/callback_run_key")
 # A tag value at most: Dagster indexes (key, value) of run tags in a btree, whose entries Postgres caps near 2.7 kB.
 MAX_TAG_VALUE_BYTES = 1024
 HOOK_GROUP = "cmb.failure"  # the group of failure hook events (reserved)

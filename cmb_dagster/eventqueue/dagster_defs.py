@@ -36,7 +36,8 @@ from cmb_dagster.jobs import (
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-RUN_KEY_TAG = "cmb/eventqueue/run_key"
+RUN_KEY_TAG = "cmb/eventqueue.run_key"
+OLDER_RUN_KEY_TAG = "cmb/eventqueue/run_key"  # of older releases: such a run counts too
 
 
 class EventQueueResource(ConfigurableResource):
@@ -136,7 +137,7 @@ def eventqueue_definitions(
     resource = resource or CmbResource()
 
     def run_worker(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
-        launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG)
+        launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG, also_tags=[OLDER_RUN_KEY_TAG])
         worker = EventWorker(database, options, launcher=launcher)
         context.log.info(f"events worker {worker.owner} serving {', '.join(worker.names)}")
         return worker.run(duration)

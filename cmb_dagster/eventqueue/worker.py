@@ -407,9 +407,9 @@ class EventWorker(EngineWorker):
             )
         run_config = event.value if isinstance(event.value, dict) else {}
         tags = {
-            "cmb/eventqueue/event_id": str(event.id),
-            "cmb/eventqueue/handler": handler.name[:63],
-            "cmb/eventqueue/namespace": event.namespace[:63],
+            "cmb/eventqueue.event_id": str(event.id),
+            "cmb/eventqueue.handler": handler.name[:63],
+            "cmb/eventqueue.namespace": event.namespace[:63],
             LAUNCHED_BY_TAG: f"cmb event {event.id} ({event.namespace}/{handler.name})"[:MAX_TAG_VALUE],
         }
         self.launcher.launch(

@@ -143,9 +143,9 @@ def pubsub_sensor(
                 run_key=str(event.id),
                 run_config=run_config(event) if run_config else {},
                 tags={
-                    "cmb/pubsub/event": str(event.id),
-                    "cmb/pubsub/topic": event.topic[:63],
-                    "cmb/pubsub/op": event.op,
+                    "cmb/pubsub.event": str(event.id),
+                    "cmb/pubsub.topic": event.topic[:63],
+                    "cmb/pubsub.op": event.op,
                 },
             )
             for event in batch.events

@@ -101,7 +101,7 @@ class ReactiveTask(BaseModel):
         default=None, description="Run config of each launch, or a callable(values) -> run config."
     )
     tags: Mapping[str, str] | Callable[..., Mapping[str, str]] | None = Field(
-        default=None, description="Extra run tags, or a callable(values) -> tags (cmb/reactive/* tags win)."
+        default=None, description="Extra run tags, or a callable(values) -> tags (cmb/reactive.* tags win)."
     )
     deadline: Deadline | None = Field(
         default=None,

@@ -57,12 +57,15 @@ from cmb_dagster.reactive.models import (
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import parameters
 
-SCHEDULER_TAG = "cmb/reactive/scheduler"
-TASK_TAG = "cmb/reactive/task"
-RUN_KEY_TAG = "cmb/reactive/run_key"
-ATTEMPT_TAG = "cmb/reactive/attempt"
-DEADLINE_TAG = "cmb/reactive/deadline"  # a run launched because its deadline passed (on_deadline='run'): which one
-VALUES_TAG = "cmb/reactive/values"  # optional on a run launched by hand: the values it records on success
+SCHEDULER_TAG = "cmb/reactive.scheduler"
+TASK_TAG = "cmb/reactive.task"
+RUN_KEY_TAG = "cmb/reactive.run_key"
+ATTEMPT_TAG = "cmb/reactive.attempt"
+DEADLINE_TAG = "cmb/reactive.deadline"  # a run launched because its deadline passed (on_deadline='run'): which one
+VALUES_TAG = "cmb/reactive.values"  # optional on a run launched by hand: the values it records on success
+# The keys older releases tagged reactive runs with (two '/', which Dagster does not accept as a tag key): a run
+# launched before an upgrade is still found and read by them.
+_OLDER_KEYS = {key: key.replace(".", "/", 1) for key in (SCHEDULER_TAG, TASK_TAG, RUN_KEY_TAG, ATTEMPT_TAG, VALUES_TAG)}
 
 MATERIALIZATION_FEED = "dagster.asset_materializations"
 MATERIALIZATIONS_PER_TICK = 1000
@@ -116,8 +119,9 @@ def launched_values(
     """The CTL values a run was launched on (``launched_values(context.run.tags)`` in an op).
 
     A reactive run's values are read from its launch record in the cmb database (``database``; default: the
-    environment's, as ``CmbResource()``); a run launched by hand has those of its ``cmb/reactive/values`` tag, if any.
+    environment's, as ``CmbResource()``); a run launched by hand has those of its ``cmb/reactive.values`` tag, if any.
     """
+    tags = _current(tags)
     if RUN_KEY_TAG in tags and SCHEDULER_TAG in tags:
         source = database if database is not None else CmbResource()
         db = source.database if isinstance(source, CmbResource) else Database.of(source)
@@ -125,22 +129,37 @@ def launched_values(
     return values_from_json(json.loads(tags.get(VALUES_TAG, "{}")))
 
 
+def _current(tags: Mapping[str, str]) -> Mapping[str, str]:
+    """A run's tags, those of an older release under today's keys."""
+    if not any(older in tags for older in _OLDER_KEYS.values()):
+        return tags
+    return {**{key: tags[older] for key, older in _OLDER_KEYS.items() if older in tags}, **tags}
+
+
 def lookup_runs(instance: DagsterInstance, scheduler: str, run_keys: Sequence[str]) -> dict[str, RunInfo]:
-    """The newest run of each run_key, with one query to the run storage."""
-    records = instance.get_run_records(RunsFilter(tags={SCHEDULER_TAG: scheduler, RUN_KEY_TAG: list(run_keys)}))
+    """The newest run of each run_key, with one query to the run storage (and one more for the keys not found, by
+    the tag keys of older releases)."""
     found: dict[str, RunInfo] = {}
-    for record in records:  # newest first
-        run = record.dagster_run
-        key = run.tags[RUN_KEY_TAG]
-        if key not in found:
-            found[key] = RunInfo(run.run_id, _FINISHED.get(run.status, RunState.ACTIVE))
+    for scheduler_tag, run_key_tag in (
+        (SCHEDULER_TAG, RUN_KEY_TAG),
+        (_OLDER_KEYS[SCHEDULER_TAG], _OLDER_KEYS[RUN_KEY_TAG]),
+    ):
+        missing = [key for key in run_keys if key not in found]
+        if not missing:
+            break
+        records = instance.get_run_records(RunsFilter(tags={scheduler_tag: scheduler, run_key_tag: missing}))
+        for record in records:  # newest first
+            run = record.dagster_run
+            key = run.tags[run_key_tag]
+            if key not in found:
+                found[key] = RunInfo(run.run_id, _FINISHED.get(run.status, RunState.ACTIVE))
     return found
 
 
 def lookup_manual_runs(
     instance: DagsterInstance, scheduler: str, tasks: Sequence[str], after: datetime | None
 ) -> list[ManualRun]:
-    """Successful runs tagged ``cmb/reactive/task`` that the scheduler did not launch, updated after ``after``."""
+    """Successful runs tagged ``cmb/reactive.task`` that the scheduler did not launch, updated after ``after``."""
     found = []
     names = sorted(tasks)
     for start in range(0, len(names), _TAG_FILTER_CHUNK):
@@ -418,7 +437,7 @@ class _LaunchLogging(Executor):
 
     def execute(self, plan_context: Any, execution_plan: Any) -> Iterator[Any]:
         run = plan_context.dagster_run
-        tags = run.tags
+        tags = _current(run.tags)
         if RUN_KEY_TAG in tags and SCHEDULER_TAG in tags:
             try:
                 claimed = claim_launch_log(self.database(), tags[SCHEDULER_TAG], tags[RUN_KEY_TAG], run.run_id)

@@ -24,6 +24,7 @@ from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepos
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from observed import observations
 from running import Running
+from tags import invalid_tag_keys
 from waiting import wait_until
 
 from cmb_dagster.callbacks import (
@@ -172,6 +173,7 @@ def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instan
     assert run.status == DagsterRunStatus.QUEUED
     assert run.tags["team"] == "data" and run.tags["cmb/callback"] == "a/g/report"
     assert run.tags["user"] == "cmb callback a/g/report"  # the runs list's "Launched by"
+    assert invalid_tag_keys(run.tags) == []
     assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
     # a second call for the same event (say, after a crash before its outcome was written) starts no second run
     again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})

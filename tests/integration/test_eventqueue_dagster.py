@@ -18,6 +18,7 @@ from dagster._core.origin import RepositoryPythonOrigin
 from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from observed import observations
+from tags import invalid_tag_keys
 
 from cmb_dagster.definitions import cmb_definitions
 from cmb_dagster.eventqueue import (
@@ -152,7 +153,8 @@ def test_dagster_job_handler_launches_one_run_per_event(db, database_url, queued
     [run] = queued_instance.get_runs(RunsFilter(job_name="nightly_report"))
     assert run.status == DagsterRunStatus.QUEUED
     assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
-    assert run.tags["cmb/eventqueue/event_id"] == str(good)
+    assert run.tags["cmb/eventqueue.event_id"] == str(good)
+    assert invalid_tag_keys(run.tags) == []
     assert run.tags["user"].startswith(f"cmb event {good} (")  # the runs list's "Launched by"
     again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})
     assert again == run.run_id  # the run key keeps a retried event from launching twice

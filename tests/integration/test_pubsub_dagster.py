@@ -11,6 +11,7 @@ from dagster import (
     op,
 )
 from observed import observations
+from tags import invalid_tag_keys
 
 from cmb_dagster import PubSubOptions, cmb_definitions
 from cmb_dagster.examples import pubsub as demo
@@ -91,7 +92,8 @@ def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, 
             ).fetchone()
         assert row == (3,)  # the trailing watermark that trim honours
         result = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
-        assert [(r.run_key, r.tags["cmb/pubsub/event"]) for r in result.run_requests] == [(str(late), str(late))]
+        assert [(r.run_key, r.tags["cmb/pubsub.event"]) for r in result.run_requests] == [(str(late), str(late))]
+        assert invalid_tag_keys(result.run_requests[0].tags) == []
         again = sensor(build_sensor_context(instance=instance, cursor=cursor, resources=resources))
         assert [r.run_key for r in again.run_requests] == [str(late)]  # re-evaluated: same run key, deduplicated
 

@@ -175,14 +175,14 @@ def test_a_partition_callable_picks_the_key_and_run_config_and_tags_follow_the_v
         [daily_mart],
         Delta(*ORDERS, "1h"),
         partition=lambda values: values[ORDERS].strftime("%Y-%m-%d"),
-        tags=lambda values: {"team": "shop", "cmb/reactive/task": "not overridden"},
+        tags=lambda values: {"team": "shop", "cmb/reactive.task": "not overridden"},
     )
     op_task = ReactiveTask(
         "plain", plain, Delta(*ORDERS, "1h"), tags={"team": "ops"}, run_config={"ops": {"work": {"config": {}}}}
     )
     loc = Location(db, instance, resource, [task, op_task], assets=[daily_mart])
     loc.store.set(*ORDERS, utc(2024, 3, 5, 6))
-    by_task = {r.tags["cmb/reactive/task"]: r for r in loc.requests()}
+    by_task = {r.tags["cmb/reactive.task"]: r for r in loc.requests()}
     assert by_task["daily"].partition_key == "2024-03-05" and by_task["daily"].tags["team"] == "shop"
     assert by_task["plain"].partition_key is None and by_task["plain"].tags["team"] == "ops"
     assert by_task["plain"].run_config == {"ops": {"work": {"config": {}}}}
@@ -213,7 +213,7 @@ def test_a_failing_tags_run_config_or_partition_callable_backs_off_that_task_alo
     ]
     loc = Location(db, instance, resource, tasks, assets=[daily_mart], backoff=Backoff(first=60, max=3600))
     loc.store.set(*ORDERS, utc(2024, 3, 5, 6))
-    assert [r.tags["cmb/reactive/task"] for r in loc.requests()] == ["good"]
+    assert [r.tags["cmb/reactive.task"] for r in loc.requests()] == ["good"]
     logged = capfd.readouterr().err
     for name, what in (
         ("bad_tags", "run config or tags"),
@@ -232,7 +232,7 @@ def test_a_failing_tags_run_config_or_partition_callable_backs_off_that_task_alo
     broken.clear()
     assert loc.requests() == []  # backing off
     loc.clock += timedelta(minutes=1)
-    again = {r.tags["cmb/reactive/task"]: r for r in loc.requests()}
+    again = {r.tags["cmb/reactive.task"]: r for r in loc.requests()}
     assert sorted(again) == ["bad_config", "bad_partition", "bad_tags"]
     assert again["bad_tags"].tags["team"] == "shop" and again["bad_partition"].partition_key == "2024-03-05"
 
@@ -277,7 +277,7 @@ def test_a_hand_launched_run_with_the_task_tag_records_the_values_it_started_on(
     assert loc.run(request)
     loc.tick()
     loc.store.set(*ORDERS, utc(2024, 5, 2))  # moved backwards; the seed: a manual run records the state
-    manual = plain.execute_in_process(instance=instance, tags={"cmb/reactive/task": "mart"})
+    manual = plain.execute_in_process(instance=instance, tags={"cmb/reactive.task": "mart"})
     loc.store.set(*ORDERS, utc(2024, 5, 4))  # a change after the manual run started: not part of it
     loc.tick()
     state = loc.state("mart")
@@ -397,7 +397,7 @@ def test_a_run_materializing_an_upstream_asset_holds_lower_priority_tasks(db, in
     assert loc.state("minor").status == "ready"
     instance.report_run_canceled(run)
     [minor_request] = loc.requests()
-    assert minor_request.tags["cmb/reactive/task"] == "minor"
+    assert minor_request.tags["cmb/reactive.task"] == "minor"
 
 
 # -- warnings and names ----------------------------------------------------------------------------
@@ -490,3 +490,21 @@ def test_the_sensor_logs_a_scheduler_name_warning_once_across_ticks(db, instance
     no_state = "scheduler 'renamed' starts with no remembered state, but 'team_a' (1 task(s))"
     logs = [tick(renamed, "renamed"), tick(renamed, "renamed")]
     assert [no_state in log for log in logs] == [True, False]
+
+
+def test_a_run_tagged_by_an_older_release_is_still_found_by_its_run_key():
+    from dagster._core.test_utils import create_run_for_test
+
+    from cmb_dagster.reactive.dagster_sensors import lookup_runs
+    from cmb_dagster.reactive.models import RunState
+
+    with instance_for_test() as instance:
+        older = {"cmb/reactive/scheduler": "s", "cmb/reactive/run_key": "k1", "cmb/reactive/task": "t"}
+        old_run = create_run_for_test(instance, job_name="j", status=DagsterRunStatus.SUCCESS, tags=older)
+        new = {"cmb/reactive.scheduler": "s", "cmb/reactive.run_key": "k2", "cmb/reactive.task": "t"}
+        new_run = create_run_for_test(instance, job_name="j", status=DagsterRunStatus.STARTED, tags=new)
+        found = lookup_runs(instance, "s", ["k1", "k2", "k3"])
+    assert {key: (info.run_id, info.state) for key, info in found.items()} == {
+        "k1": (old_run.run_id, RunState.SUCCESS),
+        "k2": (new_run.run_id, RunState.ACTIVE),
+    }

@@ -191,7 +191,7 @@ def test_on_deadline_run_launches_the_waiting_task_when_its_deadline_passes_and_
     assert loc.requests() == []
     loc.clock = datetime(2026, 11, 25, 12, 30, tzinfo=UTC)
     [request] = loc.requests()  # woken by its deadline: no CTL value changed
-    assert request.tags["cmb/reactive/deadline"] == "2026-11-25T12:30:00+00:00"
+    assert request.tags["cmb/reactive.deadline"] == "2026-11-25T12:30:00+00:00"
     reason = loc.state("mart").explanation
     assert reason.startswith("deadline 30min after each hour in UTC passed at 2026-11-25 12:30:00+00:00")
     assert "launched anyway (on_deadline='run')" in reason and "Delay(shop/prices/loaded_until, 2h) waits" in reason
@@ -223,7 +223,7 @@ def test_on_deadline_run_follows_the_next_deadline_after_one_met_in_advance(db, 
     assert loc.state("mart").wake_at == datetime(2026, 11, 25, 14, 0, tzinfo=UTC)
     loc.clock = datetime(2026, 11, 25, 14, 0, tzinfo=UTC)
     [forced] = loc.requests()
-    assert forced.tags["cmb/reactive/deadline"] == "2026-11-25T14:00:00+00:00"
+    assert forced.tags["cmb/reactive.deadline"] == "2026-11-25T14:00:00+00:00"
 
 
 def test_reactive_status_shows_each_deadline_and_its_slack(db, instance, resource):

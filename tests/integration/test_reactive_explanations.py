@@ -120,7 +120,7 @@ def test_a_waiting_tasks_blocker_is_shown_when_it_changes_and_hourly_otherwise(d
     CtlStore(db).set(*SALES, clock - timedelta(days=1))
     CtlStore(db).set(*SALES, clock)  # a change: evaluated and shown on this tick (first run: it fires)
     launched = tick_reactive_sensor(defs, instance=instance, evaluation_time=clock + timedelta(minutes=63))
-    assert [r.tags["cmb/reactive/task"] for r in launched.run_requests] == ["mart"]
+    assert [r.tags["cmb/reactive.task"] for r in launched.run_requests] == ["mart"]
     shown = cli(db, "status", "test", "mart")
     assert shown.exit_code == 0 and "launched" in shown.output, shown.output
 
@@ -187,7 +187,7 @@ def test_set_last_and_forget_end_a_backoff(db, instance, resource, command):
     s = state(db, "mart")
     assert s.status == "waiting" and s.attempts == 0 and s.backoff_until is None and s.dirty
     [retry] = tick_reactive_sensor(defs, instance=instance).run_requests  # the next tick evaluates it
-    assert retry.tags["cmb/reactive/task"] == "mart"
+    assert retry.tags["cmb/reactive.task"] == "mart"
     assert "retry after" not in state(db, "mart").explanation
 
 

@@ -124,7 +124,7 @@ def test_a_callable_that_never_returns_times_out_and_backs_off_its_task_alone(db
     started = time.monotonic()
     result = location.tick()
     assert time.monotonic() - started < 4
-    assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
+    assert [r.tags["cmb/reactive.task"] for r in result.run_requests] == ["good"]
     state = location.state("stuck")
     assert state.status == "backoff" and state.backoff_until == NOW + BACKOFF
     assert "its run config or tags raised TimedOut: killed at its 0.5 s limit" in state.explanation

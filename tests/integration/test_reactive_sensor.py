@@ -19,6 +19,7 @@ from dagster import (
     materialize,
     op,
 )
+from tags import invalid_tag_keys
 
 from cmb_dagster import CtlResource, ReactiveOptions, ReactiveTask, ctl_metadata, launched_values
 from cmb_dagster.ctl import CtlStore
@@ -94,15 +95,16 @@ def test_a_ctl_change_launches_the_task_with_short_tags_and_its_values_and_reaso
     [line] = [line for line in capfd.readouterr().err.splitlines() if " - mart: " in line]  # once per launch
     assert " - mart: launched - " in line and "Delta(sales/loaded_until, 1h) fires" in line
     assert request.job_name == "target"
-    assert request.tags["cmb/reactive/task"] == "mart"
+    assert request.tags["cmb/reactive.task"] == "mart"
     assert launched_values(request.tags, resource) == {("sales", "loaded_until"): now}
     assert sorted(k for k in request.tags if k.startswith("cmb/")) == [
-        "cmb/reactive/attempt",
-        "cmb/reactive/run_key",
-        "cmb/reactive/scheduler",
-        "cmb/reactive/task",
+        "cmb/reactive.attempt",
+        "cmb/reactive.run_key",
+        "cmb/reactive.scheduler",
+        "cmb/reactive.task",
     ]
-    assert request.run_key == request.tags["cmb/reactive/run_key"]
+    assert request.run_key == request.tags["cmb/reactive.run_key"]
+    assert invalid_tag_keys(request.tags) == []
     run = h.start(request)
     h.tick()
     h.tick()
@@ -166,7 +168,7 @@ def test_failure_retries_after_a_backoff_with_a_new_run_key(db, instance, resour
     [retry] = h.requests()
     assert retry.run_key != first.run_key
     assert launched_values(retry.tags, resource) == launched_values(first.tags, resource)  # same values, next attempt
-    assert retry.tags["cmb/reactive/attempt"] == "2" and "retry after 1 failed run" in h.state("mart").explanation
+    assert retry.tags["cmb/reactive.attempt"] == "2" and "retry after 1 failed run" in h.state("mart").explanation
     h.execute(retry)
     h.tick()
     assert h.state("mart").attempts == 0 and h.state("mart").last_values
@@ -177,12 +179,12 @@ def test_cap_launches_highest_priority_first_and_a_freed_slot_launches_the_next(
     h = Harness(db, instance, resource, tasks, max_concurrent_runs=2)
     h.store.set("sales", "loaded_until", now)
     requests = h.requests()
-    assert [r.tags["cmb/reactive/task"] for r in requests] == ["t4", "t3"]
+    assert [r.tags["cmb/reactive.task"] for r in requests] == ["t4", "t3"]
     runs = [h.start(r) for r in requests]
     result = h.tick()
     assert not result.run_requests and "ready, waits for a slot: 2/2" in result.skip_message
     h.finish(runs[1], success=True)
-    assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["t2"]
+    assert [r.tags["cmb/reactive.task"] for r in h.requests()] == ["t2"]
 
 
 def test_a_bad_task_does_not_break_the_tick_for_the_others(db, instance, resource, now):
@@ -197,7 +199,7 @@ def test_a_bad_task_does_not_break_the_tick_for_the_others(db, instance, resourc
     h = Harness(db, instance, resource, tasks)
     h.store.set("sales", "loaded_until", now)
     result = h.tick()
-    assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["good"]
+    assert [r.tags["cmb/reactive.task"] for r in result.run_requests] == ["good"]
     assert h.state("broken").status == "error" and "raised ValueError" in h.state("broken").explanation
     assert "not_yet/loaded_until has no current value yet" in h.state("patient").explanation
 
@@ -211,7 +213,7 @@ def test_only_tasks_whose_inputs_changed_are_evaluated(db, instance, resource, n
     before = {s.name: s.evaluated_at for s in status(db, "test").tasks}
     [request] = h.requests()
     after = {s.name: s.evaluated_at for s in status(db, "test").tasks}
-    assert request.tags["cmb/reactive/task"] == "t7"
+    assert request.tags["cmb/reactive.task"] == "t7"
     assert [name for name in before if before[name] != after[name]] == ["t7"]
 
 
@@ -239,7 +241,7 @@ def test_a_time_boxed_tick_resumes_where_it_stopped(db, instance, resource, now)
     h = Harness(db, instance, resource, tasks, tick_seconds=0.001, batch_size=5, max_concurrent_runs=100)
     h.store.set("sales", "loaded_until", now)
     ticks = [h.tick() for _ in range(4)]
-    launched = [r.tags["cmb/reactive/task"] for t in ticks for r in t.run_requests or []]
+    launched = [r.tags["cmb/reactive.task"] for t in ticks for r in t.run_requests or []]
     assert [len(t.run_requests or []) for t in ticks] == [5, 5, 2, 0]  # one batch per tick, highest priority first
     assert sorted(launched) == [f"t{i:02d}" for i in range(12)]  # each exactly once
 
@@ -353,7 +355,7 @@ def start_the_producer(h: Harness, now: datetime):
     h.tick()
     h.store.set("erp", "exported_until", now)
     [request] = h.requests()
-    assert request.tags["cmb/reactive/task"] == "orders"
+    assert request.tags["cmb/reactive.task"] == "orders"
     return h.start(request)
 
 
@@ -368,7 +370,7 @@ def test_a_producer_in_flight_holds_lower_priority_tasks_until_its_run_ends(db, 
         assert "low: held - waiting for orders which feeds higher-priority mart (priority 10)" in result.skip_message
         assert h.state("low").status == "ready" and h.state("mart").status == "waiting"
     h.finish(run, success=success)
-    assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["low"]
+    assert [r.tags["cmb/reactive.task"] for r in h.requests()] == ["low"]
 
 
 def test_tasks_of_equal_or_higher_priority_than_the_waiting_task_are_not_held(db, instance, resource, now):
@@ -376,7 +378,7 @@ def test_tasks_of_equal_or_higher_priority_than_the_waiting_task_are_not_held(db
     start_the_producer(h, now)
     h.store.set("sales", "loaded_until", now)
     result = h.tick()
-    assert [r.tags["cmb/reactive/task"] for r in result.run_requests] == ["top", "peer"]
+    assert [r.tags["cmb/reactive.task"] for r in result.run_requests] == ["top", "peer"]
     assert h.state("low").status == "ready"
 
 
@@ -384,7 +386,7 @@ def test_no_hold_without_produces(db, instance, resource, now):
     h = Harness(db, instance, resource, producer_and_readers(produces=False, low=1))
     start_the_producer(h, now)
     h.store.set("sales", "loaded_until", now)
-    assert [r.tags["cmb/reactive/task"] for r in h.requests()] == ["low"]
+    assert [r.tags["cmb/reactive.task"] for r in h.requests()] == ["low"]
 
 
 def test_produces_is_synced_without_evaluating_the_task_again(db, instance, resource):
