@@ -3,8 +3,9 @@ launcher of queued runs, the status sensor, the observable assets and the asset 
 status into the UI."""
 
 import json
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dagster import (
@@ -15,6 +16,8 @@ from dagster import (
     AssetCheckSpec,
     AssetKey,
     AssetObservation,
+    AssetsDefinition,
+    AssetSpec,
     Config,
     DagsterExecutionInterruptedError,
     DagsterInstance,
@@ -33,11 +36,10 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    SourceAsset,
     in_process_executor,
     job,
     multi_asset_check,
-    observable_source_asset,
+    multi_observable_source_asset,
     op,
     sensor,
 )
@@ -334,13 +336,14 @@ def status_definitions(
     )
 
 
-def _observed_asset(key: AssetKey, group_name: str, description: str, observe: Observe) -> SourceAsset:
+def _observed_asset(key: AssetKey, group_name: str, description: str, observe: Observe) -> AssetsDefinition:
     """An observable asset whose Observe button records what ``observe`` reports for ``key`` (no Materialize)."""
+    spec = AssetSpec(key, group_name=group_name, description=description)
 
-    @observable_source_asset(key=key, group_name=group_name, description=description)
-    def _observed(cmb: CmbResource) -> ObserveResult:
+    @multi_observable_source_asset(specs=[spec], name=f"observe_{re.sub(r'[^A-Za-z0-9_]', '_', '__'.join(key.path))}")
+    def _observed(cmb: CmbResource) -> Iterator[ObserveResult]:
         found = [o for o in observe(cmb.database) if isinstance(o, AssetObservation) and o.asset_key == key]
-        return ObserveResult(metadata=found[0].metadata if found else {})
+        yield ObserveResult(asset_key=key, metadata=found[0].metadata if found else {})
 
     return _observed
 

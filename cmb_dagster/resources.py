@@ -14,7 +14,7 @@ from cmb_dagster.database import Database
 # loads: hundreds of identical lines in `dagster dev`'s terminal. Our sensors set no owners; the queue and
 # lag assets are observable source assets on purpose (Observe works, there is no Materialize to fail).
 warnings.filterwarnings("ignore", message="Parameter `owners`", category=BetaWarning)
-warnings.filterwarnings("ignore", message="Function `observable_source_asset`", category=BetaWarning)
+warnings.filterwarnings("ignore", message="Function `multi_observable_source_asset`", category=BetaWarning)
 
 
 class CmbResource(ConfigurableResource):

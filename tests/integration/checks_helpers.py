@@ -20,7 +20,7 @@ class StatusTicks:
     """Ticks of one status sensor, each with the cursor the previous one left."""
 
     def __init__(self, definitions, sensor: str, database_url: str) -> None:
-        self.sensor = definitions.get_sensor_def(sensor)
+        self.sensor = definitions.resolve_sensor_def(sensor)
         self.resources = {"cmb": CmbResource(database_url=database_url)}
         self.cursor: str | None = None
         self.seen: dict[str, object] = {}
@@ -54,7 +54,7 @@ def transitions_of(db, check: str) -> list[tuple[str, str]]:
 
 
 def run_worker(definitions, job_name: str, seconds: float) -> None:
-    job = definitions.get_job_def(job_name)
+    job = definitions.resolve_job_def(job_name)
     with instance_for_test() as instance:
         config = {"ops": {f"{job_name}_op": {"config": {"duration_seconds": seconds}}}}
         assert job.execute_in_process(instance=instance, run_config=config).success

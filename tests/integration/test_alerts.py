@@ -19,7 +19,7 @@ def tick_alerts(definitions, database_url: str) -> str:
         instance_for_test() as instance,
         build_sensor_context(instance=instance, resources={"cmb": CmbResource(database_url=database_url)}) as context,
     ):
-        return definitions.get_sensor_def("cmb_alerts").evaluate_tick(context).skip_message
+        return definitions.resolve_sensor_def("cmb_alerts").evaluate_tick(context).skip_message
 
 
 def test_a_check_turning_red_and_green_sends_one_message_each_through_the_callbacks_engine(db, database_url, sink):

@@ -92,7 +92,7 @@ def test_worker_job_calls_events_back_in_process(db, database_url):
         now = datetime.now(UTC)
         for i in range(30):
             client.create("a", "g", f"k{i}", now - timedelta(seconds=i % 3), f"{sink.url}/cb")
-        job_def = defs(database_url).get_job_def("cmb_callbacks_worker")
+        job_def = defs(database_url).resolve_job_def("cmb_callbacks_worker")
         runs = []
 
         def one_short_run() -> bool:  # runs follow one another, as the keeper sensor hands over
@@ -114,7 +114,7 @@ def test_materializer_sensor_and_cleanup_job(db, database_url):
     d = defs(database_url)
     with CallbackClient(db, FAST) as client:
         client.create_schedule("a", "g", "hourly", "0 * * * *", "http://127.0.0.1:9/cb", horizon=3 * 3600)
-        sensor = d.get_sensor_def("cmb_callbacks_schedules_materializer")
+        sensor = d.resolve_sensor_def("cmb_callbacks_schedules_materializer")
         with build_sensor_context(resources={"cmb": CmbResource(database_url=database_url)}) as context:
             result = sensor(context)
         assert isinstance(result, SkipReason) and "created 3" in result.skip_message
@@ -123,7 +123,7 @@ def test_materializer_sensor_and_cleanup_job(db, database_url):
         client.cancel("a", "g", client.list()[0].event_key)
         with db.connection() as conn:
             conn.execute("UPDATE callback_events SET run_at = now() - interval '3 days' WHERE status = 'cancelled'")
-        cleanup = d.get_job_def("cmb_callbacks_cleanup")
+        cleanup = d.resolve_job_def("cmb_callbacks_cleanup")
         with instance_for_test() as instance:
             run = cleanup.execute_in_process(
                 instance=instance, run_config={"ops": {"cmb_callbacks_clean_op": {"config": {"ttl_days": 2}}}}
@@ -242,7 +242,7 @@ def test_the_cli_refuses_a_context_a_dagster_run_cannot_take_and_writes_nothing(
 
 def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, database_url):
     d = defs(database_url)
-    sensor = d.get_sensor_def("cmb_callbacks_status")
+    sensor = d.resolve_sensor_def("cmb_callbacks_status")
     resources = {"cmb": CmbResource(database_url=database_url)}
     with build_sensor_context(resources=resources) as context:
         first = sensor.evaluate_tick(context)
@@ -255,15 +255,15 @@ def test_counts_are_observed_when_they_change_and_the_asset_can_be_observed(db, 
         with build_sensor_context(resources=resources, cursor=first.cursor) as changed:
             [observation] = observations(sensor.evaluate_tick(changed))
         assert observation.metadata["pending"].value == 1 and observation.metadata["overdue"].value == 0
-    asset = d.get_repository_def().source_assets_by_key[AssetKey(["callbacks", "events"])]
-    assert asset.is_observable  # a source asset: an Observe button, no Materialize button that would fail
+    asset = d.resolve_assets_def(AssetKey(["callbacks", "events"]))
+    assert asset.is_observable and not asset.is_materializable  # an Observe button, no Materialize that would fail
 
 
 def test_each_bucket_set_is_observed_on_its_own_asset(db, database_url):
     d = defs(database_url, workers=2)
     keys = [AssetKey(["callbacks", "events_0_of_2"]), AssetKey(["callbacks", "events_1_of_2"])]
-    assert all(d.get_repository_def().source_assets_by_key[k].is_observable for k in keys)
-    sensor = d.get_sensor_def("cmb_callbacks_status")
+    assert all(d.resolve_assets_def(k).is_observable for k in keys)
+    sensor = d.resolve_sensor_def("cmb_callbacks_status")
     resources = {"cmb": CmbResource(database_url=database_url)}
     now = datetime.now(UTC)
     with CallbackClient(db, FAST) as client:

@@ -45,7 +45,7 @@ def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url, m
     job = worker_job("demo_worker", run_worker, description="demo")
     defs = cmb_definitions(jobs=[job], resource=CmbResource(database_url=database_url))
     with instance_for_test() as instance:
-        result = defs.get_job_def("demo_worker").execute_in_process(
+        result = defs.resolve_job_def("demo_worker").execute_in_process(
             instance=instance, run_config={"ops": {"demo_worker_op": {"config": {"duration_seconds": 1.5}}}}
         )
         assert result.success and calls == [("cmb", 1.5)]
@@ -142,4 +142,4 @@ def test_the_reactive_status_sensor_counts_tasks_on_the_translated_asset(databas
     assert observation.asset_key == AssetKey(["watch", "reactive", "tasks"])
     counts = {k: v.value for k, v in observation.metadata.items()}
     assert counts["waiting"] + counts["ready"] + counts["launched"] + counts["backoff"] == 1
-    assert AssetKey(["watch", "reactive", "tasks"]) in repo.source_assets_by_key
+    assert repo.assets_defs_by_key[AssetKey(["watch", "reactive", "tasks"])].is_observable

@@ -47,7 +47,7 @@ def test_a_consumer_nobody_serves_turns_red_and_green_once_a_worker_delivers(db,
     ticks.tick()
     assert ticks.seen[check].passed  # nothing waits
     with instance_for_test() as instance:
-        assert definitions.get_job_def("pubsub_demo_place_orders").execute_in_process(instance=instance).success
+        assert definitions.resolve_job_def("pubsub_demo_place_orders").execute_in_process(instance=instance).success
     red = ticks.until(check, passed=False)
     assert red.severity == AssetCheckSeverity.ERROR and "no worker has held the consumer" in red.description
     lag = ticks.seen["pubsub/demo_order_totals/branch_100:lag_events"]

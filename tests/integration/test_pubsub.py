@@ -7,27 +7,34 @@ import pytest
 from psycopg_pool import ConnectionPool
 from waiting import wait_until
 
+from cmb_dagster.database import Database
 from cmb_dagster.pubsub import (
-    Consumer,
     ConsumerBusy,
+    ConsumerSpec,
+    ConsumerWorker,
     HandlerFailed,
     InvalidInput,
     StreamRestored,
-    consumer_lag,
     drop_consumer,
     install_capture,
     lock_watermark,
     publish,
     remove_capture,
     reset,
+    status,
     trim,
 )
+
+
+def consumer_of(db, consumer_id, branch_id, handler, **options):
+    """A consumer worker of ``handler`` with the ConsumerSpec ``options``."""
+    return ConsumerWorker(db, ConsumerSpec(consumer_id=consumer_id, branch_id=branch_id, handler=handler, **options))
 
 
 def collect(db, consumer_id="c", branch_id=0, **kwargs):
     """A consumer whose handler appends to the returned list."""
     seen = []
-    return Consumer(db, consumer_id, branch_id, lambda conn, events: seen.extend(events), **kwargs), seen
+    return consumer_of(db, consumer_id, branch_id, lambda conn, events: seen.extend(events), **kwargs), seen
 
 
 def drain(consumer):
@@ -143,11 +150,11 @@ def test_bad_input_is_refused_by_field_and_writes_nothing(commits):
         with pytest.raises(InvalidInput, match="branch_id: expected an integer"):
             publish(conn, "0", {})
     with pytest.raises(InvalidInput, match="consumer_id: String should match"):
-        Consumer(db, "x" * 64, 0, print)
+        consumer_of(db, "x" * 64, 0, print)
     with pytest.raises(InvalidInput, match="batch_size"):
-        Consumer(db, "ok", 0, print, batch_size=0)
+        consumer_of(db, "ok", 0, print, batch_size=0)
     with pytest.raises(InvalidInput, match="handler: cannot import"):
-        Consumer(db, "ok", 0, "nowhere.at_all:handler")
+        consumer_of(db, "ok", 0, "nowhere.at_all:handler")
     with db.connection() as conn, pytest.raises(InvalidInput, match="consumer_id"):
         lock_watermark(conn, "bad id", 0)
     assert count(db, "SELECT count(*) FROM pubsub_events") == 0
@@ -171,7 +178,7 @@ def test_a_raising_handler_rolls_back_and_the_failing_event_is_named(db):
         if any(e.payload["n"] == 3 for e in events):
             raise ValueError("poison")
 
-    consumer = Consumer(db, "fragile", 0, handler, batch_size=10)
+    consumer = consumer_of(db, "fragile", 0, handler, batch_size=10)
     with pytest.raises(HandlerFailed, match=rf"batch of 5 events \(ids {ids[0]}..{ids[4]}\).*ValueError: poison"):
         consumer.run_once()
     assert count(db, "SELECT count(*) FROM public.results") == 0
@@ -226,7 +233,7 @@ def test_competing_consumers_apply_each_event_once(db):
     def handler(conn, events):
         conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
 
-    consumers = [Consumer(db, "shared", 0, handler, batch_size=50) for _ in range(3)]
+    consumers = [consumer_of(db, "shared", 0, handler, batch_size=50) for _ in range(3)]
     threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
     for t in threads:
         t.start()
@@ -250,7 +257,7 @@ def test_events_a_handler_publishes_on_its_own_branch_come_in_a_later_batch(db):
             if e.payload["generation"] < 3:
                 publish(conn, 0, {"generation": e.payload["generation"] + 1})
 
-    consumer = Consumer(db, "echo", 0, handler)
+    consumer = consumer_of(db, "echo", 0, handler)
     assert [consumer.run_once() for _ in range(5)] == [1, 1, 1, 1, 0]
     assert seen == [0, 1, 2, 3]
 
@@ -294,7 +301,7 @@ def test_concurrent_producers_with_random_commit_delays_lose_nothing_while_naive
 
     stop = threading.Event()
     naive: list[int] = []
-    consumer = Consumer(db, "ordered", 0, handler, batch_size=7, idle_sleep=0.01)
+    consumer = consumer_of(db, "ordered", 0, handler, batch_size=7, idle_sleep=0.01)
     naive_thread = threading.Thread(target=naive_reader, args=(db, stop, naive))
     naive_thread.start()
     consumer_thread = threading.Thread(target=consumer.run)
@@ -362,15 +369,12 @@ def test_lag_counts_committed_undelivered_events(db):
             publish(conn, 0, {"n": n})
     consumer, _ = collect(db, "lagging", batch_size=2)
     consumer.check()
-    with db.connection() as conn:
-        [lag] = consumer_lag(conn, "lagging", 0)
+    [lag] = status(db, "lagging", 0).consumers
     assert lag.events == 5 and lag.seconds > 0
     consumer.run_once()
-    with db.connection() as conn:
-        assert consumer_lag(conn, "lagging")[0].events == 3  # mid-snapshot position counts too
+    assert status(db, "lagging").consumers[0].events == 3  # mid-snapshot position counts too
     drain(consumer)
-    with db.connection() as conn:
-        [lag] = consumer_lag(conn)
+    [lag] = status(db).consumers
     assert (lag.events, lag.seconds, lag.delivered) == (0, 0.0, 5)
 
 
@@ -424,7 +428,7 @@ def test_a_consumer_on_a_plain_connection_pool(db):
     with db.connection() as conn:
         publish(conn, 0, {"via": "pool"})
     with ConnectionPool(db.url, min_size=1, max_size=2, open=True) as pool:
-        consumer = Consumer(pool, "pooled", 0, remember, schema=db.schema)
+        consumer = consumer_of(Database.of(pool, schema=db.schema), "pooled", 0, remember)
         assert drain(consumer) == 1 and POOLED[0].payload == {"via": "pool"}
         assert count(db, "SELECT handler FROM pubsub_watermarks") == f"{__name__}:remember"
         with pool.connection() as conn:

@@ -265,7 +265,7 @@ def test_the_backfill_job_reports_its_progress_in_the_ui_and_reads_only_the_tabl
         j.name != "cmb_pubsub_backfill" for j in pubsub_definitions(PubSubOptions()).jobs
     )
     definitions = pubsub_definitions(PubSubOptions(backfill_tables=["public.items"]), resource=resource)
-    job = definitions.get_job_def("cmb_pubsub_backfill")
+    job = definitions.resolve_job_def("cmb_pubsub_backfill")
     with pytest.raises(DagsterInvalidConfigError, match="cmb.callback_signing_secrets"):
         job.execute_in_process(
             run_config={"ops": {"cmb_pubsub_backfill_op": {"config": {"table": "cmb.callback_signing_secrets"}}}}

@@ -36,29 +36,29 @@ def test_demo_orders_flow_through_the_consumer_job_and_lag_is_observed(db, datab
         jobs=[demo.pubsub_demo_place_orders],
         pubsub=PubSubOptions(consumers=[demo.consumer]),
     )
-    consumer_job = defs.get_job_def("cmb_pubsub_consumer_demo_order_totals_branch_100")
+    consumer_job = defs.resolve_job_def("cmb_pubsub_consumer_demo_order_totals_branch_100")
     assert consumer_job.tags["cmb/worker"] == consumer_job.name  # one run per consumer (dagster.yaml limit)
     with instance_for_test() as instance:
-        assert defs.get_job_def("pubsub_demo_place_orders").execute_in_process(instance=instance).success
+        assert defs.resolve_job_def("pubsub_demo_place_orders").execute_in_process(instance=instance).success
         result = consumer_job.execute_in_process(
             instance=instance,
             run_config={"ops": {f"{consumer_job.name}_op": {"config": {"duration_seconds": 1.0}}}},
         )
         assert result.success
         with build_sensor_context(instance=instance, resources={"cmb": CmbResource(database_url=database_url)}) as ctx:
-            [observation] = observations(defs.get_sensor_def("cmb_pubsub_status").evaluate_tick(ctx))
+            [observation] = observations(defs.resolve_sensor_def("cmb_pubsub_status").evaluate_tick(ctx))
         assert observation.asset_key == AssetKey(["pubsub", "demo_order_totals", "branch_100"])
         metadata = observation.metadata
         assert metadata["lag_events"].value == 0 and metadata["delivered"].value == 100
-        keeper = defs.get_sensor_def(f"{consumer_job.name}_keeper")
+        keeper = defs.resolve_sensor_def(f"{consumer_job.name}_keeper")
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
     with db.connection() as conn:
         totals = conn.execute("SELECT sum(orders), sum(amount) FROM public.pubsub_demo_totals").fetchone()
         assert totals == conn.execute("SELECT count(*), sum(amount) FROM public.pubsub_demo_orders").fetchone()
-    assert defs.get_schedule_def("cmb_pubsub_trim_schedule").cron_schedule == "17 * * * *"
+    assert defs.resolve_schedule_def("cmb_pubsub_trim_schedule").cron_schedule == "17 * * * *"
     with instance_for_test() as instance:
         assert (
-            defs.get_job_def("cmb_pubsub_trim")
+            defs.resolve_job_def("cmb_pubsub_trim")
             .execute_in_process(
                 instance=instance, run_config={"ops": {"cmb_pubsub_trim_op": {"config": {"retain_days": 0}}}}
             )
@@ -120,5 +120,5 @@ def test_definitions_refuse_consumers_whose_job_names_collide():
 
 def test_the_lag_asset_is_observable_only():
     defs = cmb_definitions(pubsub=PubSubOptions(consumers=[demo.consumer]))
-    asset = defs.get_repository_def().source_assets_by_key[AssetKey(["pubsub", "demo_order_totals", "branch_100"])]
-    assert asset.is_observable  # an Observe button, no Materialize button that would fail
+    asset = defs.resolve_assets_def(AssetKey(["pubsub", "demo_order_totals", "branch_100"]))
+    assert asset.is_observable and not asset.is_materializable  # an Observe button, no Materialize that would fail

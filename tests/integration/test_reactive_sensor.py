@@ -310,13 +310,13 @@ def test_the_example_location_launches_its_reactive_job_after_both_loaders_ran(d
     loaders_sensor = defs.get_repository_def().get_sensor_def("example_loaders")
     loaders = loaders_sensor.evaluate_tick(build_sensor_context(instance=instance))
     assert sorted(r.job_name for r in loaders.run_requests) == ["orders_loader", "prices_loader"]
-    assert defs.get_job_def("orders_loader").execute_in_process(instance=instance).success
+    assert defs.resolve_job_def("orders_loader").execute_in_process(instance=instance).success
     assert "ChunkDelta(shop/orders/loaded_until, 5min in UTC, 1) fires" in tick().skip_message  # prices not loaded yet
-    assert defs.get_job_def("prices_loader").execute_in_process(instance=instance).success
+    assert defs.resolve_job_def("prices_loader").execute_in_process(instance=instance).success
     [request] = tick().run_requests
     assert request.job_name == "sales_report"
     assert set(launched_values(request.tags, resource)) == {example.ORDERS, example.PRICES}
-    result = defs.get_job_def("sales_report").execute_in_process(instance=instance, tags=request.tags)
+    result = defs.resolve_job_def("sales_report").execute_in_process(instance=instance, tags=request.tags)
     assert result.success
     logged = [e.message or "" for e in instance.all_logs(result.run_id)]
     assert any("sales report for orders up to 2" in m and "None" not in m for m in logged), logged

@@ -41,18 +41,18 @@ def test_definitions_status_sensor_observes_stages_and_keeper_requests_a_run(dat
     with instance_for_test() as instance:
         for i in range(2):
             name = f"cmb_stages_worker_{i}_of_2"
-            result = defs.get_job_def(name).execute_in_process(
+            result = defs.resolve_job_def(name).execute_in_process(
                 instance=instance, run_config={"ops": {f"{name}_op": {"config": {"duration_seconds": 2.0}}}}
             )
             assert result.success
         resources = {"cmb": CmbResource(database_url=database_url)}
         with build_sensor_context(instance=instance, resources=resources) as ctx:
-            observed = observations(defs.get_sensor_def("cmb_stages_status").evaluate_tick(ctx))
+            observed = observations(defs.resolve_sensor_def("cmb_stages_status").evaluate_tick(ctx))
         [metadata] = [o.metadata for o in observed if o.asset_key == AssetKey(["stages", "third"])]
         assert {"queued", "timers", "low_priority", "oldest_seconds", "parked", "conflicts"} <= set(metadata)
-        keeper = defs.get_sensor_def("cmb_stages_worker_0_of_2_keeper")
+        keeper = defs.resolve_sensor_def("cmb_stages_worker_0_of_2_keeper")
         assert isinstance(keeper(build_sensor_context(instance=instance)), RunRequest)
-        rescan = defs.get_job_def("cmb_stages_rescan").execute_in_process(instance=instance)
+        rescan = defs.resolve_job_def("cmb_stages_rescan").execute_in_process(instance=instance)
         assert rescan.success
     assert StageStore(db).get("d3").payload == {"a": 3, "b": 4, "c": 5, "d": 6}
     db.close()

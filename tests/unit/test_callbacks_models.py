@@ -259,7 +259,8 @@ def test_the_old_error_name_is_a_deprecated_alias():
 def test_options_live_in_models_and_refuse_bad_values_naming_the_field():
     from cmb_dagster.callbacks import CallbackOptions
 
-    assert CallbackOptions().worker_job_name(0) == "cmb_callbacks_worker"
+    with pytest.warns(DeprecationWarning, match="worker_job_names"):
+        assert CallbackOptions().worker_job_name(0) == "cmb_callbacks_worker"
     for values, field in [
         ({"workers": 0}, "workers"),
         ({"cleanup_cron": "often"}, "cleanup_cron"),

@@ -109,7 +109,7 @@ def test_a_translator_chooses_the_key_and_group_of_every_asset_the_engines_add()
             events=eventqueue.options,
             **({"translator": translator} if translator else {}),
         )
-        return defs.get_repository_def().source_assets_by_key
+        return {spec.key: spec for spec in defs.resolve_all_asset_specs()}
 
     default = assets(None)
     engines = {key.path[0] for key in default}

@@ -83,5 +83,5 @@ def test_the_old_consumer_forms_still_build_a_worker_and_warn():
     with pytest.warns(DeprecationWarning, match="ConsumerWorker"):
         worker = Consumer.from_spec(URL, ConsumerSpec(consumer_id="c", handler=module_level_handler))
     assert type(worker) is ConsumerWorker
-    with pytest.raises(InvalidPubSubInput, match="batch_size"):
+    with pytest.raises(InvalidPubSubInput, match="batch_size"), pytest.warns(DeprecationWarning):
         Consumer(URL, "c", 0, module_level_handler, batch_size=0)
