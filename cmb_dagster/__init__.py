@@ -21,6 +21,7 @@ except PackageNotFoundError:  # a source tree that was not installed
 __all__ = [
     "AlertOptions",
     "CallbackOptions",
+    "CmbComponent",
     "CmbError",
     "CmbResource",
     "CmbTranslator",
@@ -55,6 +56,7 @@ __getattr__ = lazy_names(
     {
         "AlertOptions": "cmb_dagster.alerts",
         "CallbackOptions": "cmb_dagster.callbacks.models",
+        "CmbComponent": "cmb_dagster.dagster_component",
         "CmbResource": "cmb_dagster.resources",
         "CmbTranslator": "cmb_dagster.dagster_translator",
         "CtlResource": "cmb_dagster.ctl.dagster_resources",
@@ -73,3 +75,8 @@ __getattr__ = lazy_names(
         "Threshold": "cmb_dagster.health",
     },
 )
+
+
+def __dir__() -> list[str]:
+    """The package's names, the lazy ones included (``dg list components`` finds CmbComponent among them)."""
+    return sorted({*globals(), *__all__})

@@ -13,6 +13,7 @@ index holds, a value past what a jsonb holds) reaches the caller the same way: :
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 import os
@@ -101,6 +102,20 @@ def to_json(value: Any, field: str, *, error: type[InvalidInput] = InvalidInput,
     if size > limit:
         raise error(f"{field}: {size} bytes as JSON, at most {limit} allowed ({MAX_PAYLOAD_ENV})")
     return text
+
+
+def load_reference(path: str, field: str, *, error: type[InvalidInput] = InvalidInput) -> Any:
+    """The object a ``'module:attribute'`` path names (``attribute`` may be dotted)."""
+    module_name, _, attribute = path.partition(":") if isinstance(path, str) else ("", "", "")
+    if not module_name or not attribute:
+        raise error(f"{field}: {shorten(path)} is not 'module:attribute'")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise error(f"{field}: cannot load {shorten(path)} ({exc})") from None
+    return target
 
 
 def check_int(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from cmb_dagster.eventqueue.models import (
     check_name,
     to_json,
 )
+from cmb_dagster.inputs import load_reference
 
 HandlerFn = Callable[[Event], Any] | Callable[[list[Event]], Any]  # a debounced handler takes a list
 
@@ -88,14 +88,7 @@ class HandlerRegistry:
         if isinstance(source, HandlerRegistry):
             return source
         if isinstance(source, str):
-            module, _, attribute = source.partition(":")
-            if not attribute:
-                raise InvalidEventQueueInput(f"handlers: expected 'module:attribute', got {source!r}")
-            try:
-                loaded = getattr(importlib.import_module(module), attribute)
-            except (ImportError, AttributeError) as exc:
-                raise InvalidEventQueueInput(f"handlers: cannot load {source!r} ({exc})") from None
-            return cls.of(loaded)
+            return cls.of(load_reference(source, "handlers", error=InvalidEventQueueInput))
         if isinstance(source, Handler | CronHandler):
             return cls([source])
         if isinstance(source, Iterable):

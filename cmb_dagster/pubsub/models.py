@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 import sys
@@ -16,7 +15,7 @@ from croniter import croniter
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, computed_field, field_validator
 
 from cmb_dagster.health import Checks, Threshold, Verdict
-from cmb_dagster.inputs import BIGINT, shorten
+from cmb_dagster.inputs import BIGINT, load_reference, shorten
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options
 from cmb_dagster.pubsub.errors import InvalidPubSubInput
@@ -434,15 +433,9 @@ def load_handler(path: str) -> Handler:
         raise InvalidPubSubInput(
             f"handler: {shorten(path)} must be 'module:function', at most {MAX_HANDLER_PATH} characters"
         )
-    module_name, _, name = path.partition(":")
-    if _is_standard_library(module_name):
+    if _is_standard_library(path.partition(":")[0]):
         raise InvalidPubSubInput(f"handler: {shorten(path)} is in Python's standard library; name your own function")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in name.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidPubSubInput(f"handler: cannot import {shorten(path)} ({exc})") from None
+    target = load_reference(path, "handler", error=InvalidPubSubInput)
     if not callable(target):
         raise InvalidPubSubInput(f"handler: {shorten(path)} is not callable")
     if _is_standard_library(getattr(target, "__module__", None) or "builtins"):

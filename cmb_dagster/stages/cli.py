@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -11,7 +10,7 @@ from typing import Any
 import click
 
 from cmb_dagster.cli_common import BIGINT_MAX, DURATION, liveness_options, open_database
-from cmb_dagster.inputs import shorten
+from cmb_dagster.inputs import load_reference, shorten
 from cmb_dagster.stages import admin
 from cmb_dagster.stages.engine import Engine
 from cmb_dagster.stages.errors import InvalidStageInput
@@ -50,13 +49,7 @@ def load_options(path: str | None) -> StageOptions:
     path = path or os.environ.get("CMB_STAGES")
     if not path:
         raise click.UsageError("name your stages with --stages module:attribute (or set CMB_STAGES)")
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise InvalidStageInput(f"stages: {shorten(path)} is not module:attribute")
-    try:
-        value: Any = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidStageInput(f"stages: cannot load {shorten(path)} ({exc})") from None
+    value = load_reference(path, "stages", error=InvalidStageInput)
     return value if isinstance(value, StageOptions) else StageOptions(stages=list(value))
 
 

@@ -153,7 +153,7 @@ def test_bad_input_is_refused_by_field_and_writes_nothing(commits):
         consumer_of(db, "x" * 64, 0, print)
     with pytest.raises(InvalidInput, match="batch_size"):
         consumer_of(db, "ok", 0, print, batch_size=0)
-    with pytest.raises(InvalidInput, match="handler: cannot import"):
+    with pytest.raises(InvalidInput, match="handler: cannot load"):
         consumer_of(db, "ok", 0, "nowhere.at_all:handler")
     with db.connection() as conn, pytest.raises(InvalidInput, match="consumer_id"):
         lock_watermark(conn, "bad id", 0)

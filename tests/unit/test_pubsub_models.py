@@ -50,7 +50,7 @@ def test_bad_pubsub_input_is_the_engines_error_and_an_invalid_input():
     assert issubclass(InvalidPubSubInput, PubSubError) and issubclass(InvalidPubSubInput, InvalidInput)
     with pytest.raises(InvalidPubSubInput, match="trim_cron"):
         PubSubOptions(trim_cron="often")
-    with pytest.raises(InvalidPubSubInput, match="handler: cannot import"):
+    with pytest.raises(InvalidPubSubInput, match="handler: cannot load"):
         ConsumerWorker(URL, ConsumerSpec(consumer_id="c", handler="nowhere.at_all:handler"))
 
 
@@ -68,7 +68,7 @@ def test_handlers_round_trip_through_their_dotted_path():
     assert path == f"{module_level_handler.__module__}:module_level_handler"
     assert handler_path(lambda conn, events: None) is None
     assert load_handler(path) is module_level_handler
-    with pytest.raises(InvalidPubSubInput, match="handler: cannot import 'cmb_dagster.examples.pubsub:nope'"):
+    with pytest.raises(InvalidPubSubInput, match="handler: cannot load 'cmb_dagster.examples.pubsub:nope'"):
         load_handler("cmb_dagster.examples.pubsub:nope")
     with pytest.raises(InvalidPubSubInput, match="not callable"):
         load_handler("cmb_dagster.examples.pubsub:DEMO_BRANCH")
