@@ -275,7 +275,7 @@ def status_sensor(
     An observation is recorded when one of its figures changed (ages, the ``*_seconds`` entries, aside) or while
     an age is above zero, i.e. while work waits; an idle engine records nothing. The verdicts are stored in
     Postgres (:func:`cmb_dagster.health.record`, what alerts are sent from); a check's evaluation is recorded when
-    its severity changed.
+    its severity changed, and while it fails, when its text did (the UI shows the latest).
     """
     known = {(tuple(key.path), check) for key, names in (checks or {}).items() for check in names}
 
@@ -295,8 +295,8 @@ def status_sensor(
             if (verdict.asset, verdict.check) not in known:
                 continue
             key = f"{AssetKey(list(verdict.asset)).to_user_string()}#{verdict.check}"
-            latest[key] = verdict.severity
-            if (verdict.asset, verdict.check) in changed or previous.get(key) != verdict.severity:
+            latest[key] = verdict.severity if verdict.passed else f"{verdict.severity}: {verdict.text}"
+            if (verdict.asset, verdict.check) in changed or previous.get(key) != latest[key]:
                 recorded.append(check_evaluation(verdict))
         for observation in (o for o in found if isinstance(o, AssetObservation)):
             key = observation.asset_key.to_user_string()

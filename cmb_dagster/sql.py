@@ -70,7 +70,8 @@ ORDER BY kind, partition
 
 # -- Health checks (tables ``check_states``, ``check_transitions``) ---------------------------------------------
 
-# Store each check's severity; a change (a new check counts as having been ok) is recorded once as a transition.
+# Store each check's severity and its latest verdict's text (``changed_at``: since when it has that severity); a
+# change of severity (a new check counts as having been ok) is recorded once as a transition.
 # ON CONFLICT re-reads a row another writer changed meanwhile, so two processes seeing the same change record it
 # once. Rows are written in key order (no deadlocks).
 RECORD_CHECK_STATES = """
@@ -81,12 +82,14 @@ WITH changed AS (
         AS i(asset, check_name, severity, text)
     ORDER BY i.asset, i.check_name
     ON CONFLICT (asset, check_name) DO UPDATE
-        SET previous = s.severity, severity = EXCLUDED.severity, text = EXCLUDED.text, changed_at = now()
-        WHERE s.severity <> EXCLUDED.severity
-    RETURNING asset, check_name, previous, severity, text
+        SET previous = CASE WHEN s.severity <> EXCLUDED.severity THEN s.severity ELSE s.previous END,
+            severity = EXCLUDED.severity, text = EXCLUDED.text,
+            changed_at = CASE WHEN s.severity <> EXCLUDED.severity THEN now() ELSE s.changed_at END
+        WHERE s.severity <> EXCLUDED.severity OR s.text <> EXCLUDED.text  -- the text is the latest verdict's
+    RETURNING asset, check_name, previous, severity, text, changed_at = now() AS moved
 )
 INSERT INTO check_transitions (asset, check_name, previous, severity, text)
-SELECT asset, check_name, previous, severity, text FROM changed WHERE previous <> severity
+SELECT asset, check_name, previous, severity, text FROM changed WHERE moved AND previous <> severity
 ORDER BY asset, check_name
 RETURNING id, asset, check_name, previous, severity, text, at
 """

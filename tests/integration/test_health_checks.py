@@ -14,6 +14,7 @@ from dagster import (
 )
 from pydantic import BaseModel
 from stages_helpers import drain
+from waiting import wait_until
 
 from cmb_dagster import InvalidInput, cmb_definitions, health
 from cmb_dagster.callbacks import CallbackClient
@@ -69,8 +70,17 @@ def test_overdue_callbacks_with_no_worker_turn_red_and_green_once_they_are_calle
     red = ticks.until(check, passed=False)
     assert red.severity == AssetCheckSeverity.ERROR and red.description.startswith("3 overdue events")
     assert red.metadata["value"].value == 3 and red.metadata["error_at"].value == 3
+    [since] = [s.since for s in health.states(db) if f"{'/'.join(s.asset)}:{s.check}" == check]
+    with CallbackClient(db, FAST, buffered=False) as client:
+        for i in range(3, 5):
+            client.create("team", "alerts", f"late-{i}", datetime.now(UTC) - timedelta(seconds=5), sink.url)
+    # still red: the UI and `cmb-dagster checks` say what the latest evaluation found, since when it is red stays
+    later = wait_until(lambda: ticks.tick().get(check), 20, "a new evaluation of the red check", interval=0.1)
+    assert later.description.startswith("5 overdue events") and later.metadata["value"].value == 5
+    [state] = [s for s in health.states(db) if f"{'/'.join(s.asset)}:{s.check}" == check]
+    assert state.text.startswith("5 overdue events") and state.since == since
     run_worker(definitions, "cmb_callbacks_worker", 2.0)
-    assert sink.count == 3
+    assert sink.count == 5
     ticks.until(check, passed=True)
     assert transitions_of(db, check) == [("ok", "error"), ("error", "ok")]
 
