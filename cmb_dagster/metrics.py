@@ -248,11 +248,20 @@ class StatusCollector(Collector):
         failures = _gauge(
             "cmb_reactive_task_failures", "Failed runs of the task in a row.", ["scheduler", "task", "state"]
         )
+        slack = _gauge(
+            "cmb_reactive_deadline_slack_seconds",
+            "Seconds until the task's deadline passes without a successful run (negative: how late it is).",
+            ["scheduler", "task"],
+        )
         counts: dict[tuple[str, str], int] = {}
         report = reactive_admin.status(self.reader)
+        now = datetime.now(UTC)
         for task in report.tasks:
             counts[(task.scheduler, task.status)] = counts.get((task.scheduler, task.status), 0) + 1
             failures.add_metric([task.scheduler, task.name, task.status], task.attempts)
+            deadline = task.deadline_state(now)
+            if deadline is not None:
+                slack.add_metric([task.scheduler, task.name], deadline.slack.total_seconds())
         for (scheduler, state), count in sorted(counts.items()):
             tasks.add_metric([scheduler, state], count)
         tick = _gauge(
@@ -263,23 +272,24 @@ class StatusCollector(Collector):
         duration = _gauge(
             "cmb_reactive_tick_duration_seconds", "How long the scheduler's last tick took.", ["scheduler"]
         )
-        now = datetime.now(UTC)
         for scheduler in report.schedulers:
             if scheduler.ticked_at is not None:
                 tick.add_metric([scheduler.name], max(0.0, (now - scheduler.ticked_at).total_seconds()))
             if scheduler.tick_seconds is not None:
                 duration.add_metric([scheduler.name], scheduler.tick_seconds)
-        return [tasks, failures, tick, duration]
+        return [tasks, failures, slack, tick, duration]
 
     def _workers(self) -> list[Metric]:
         labels = ["kind", "partition", "owner"]
         expiry = _gauge(
             "cmb_worker_lease_expires_in_seconds",
-            "Seconds until the lease expires unless renewed (negative: expired; -Inf: released).",
+            "Seconds until the lease its owner holds expires unless renewed (negative: expired; none: not held).",
             labels,
         )
         fence = _gauge("cmb_worker_lease_fence", "The lease's fence (grows at each change of owner).", labels)
         for lease in list_leases(self.reader):
+            if lease.expires_in == -math.inf:  # released: nobody holds it (a reactive scheduler between its ticks)
+                continue
             key = [lease.kind, lease.partition, lease.owner]
             expiry.add_metric(key, lease.expires_in)
             fence.add_metric(key, lease.fence)

@@ -627,11 +627,17 @@ FROM released
 LIST_RULES = """
 SELECT rule_type, namespace, handler, event_space, created_at,
        (SELECT count(*) FROM eventqueue_events e WHERE e.handler = r.handler AND e.namespace = r.namespace
-        AND e.module = r.event_space AND e.visible_at = 'infinity') AS held
+        AND e.module = r.event_space AND (e.visible_at = 'infinity' OR e.locked_at IS NULL)) AS held
 FROM eventqueue_rules r ORDER BY handler, namespace, event_space, rule_type
 """
 
 # -- status -----------------------------------------------------------------------------------------
+
+# An event (``x``) a rule holds: parked by a claim, or not running and under a pause or block rule (whether or not a
+# worker has claimed it since the rule was made).
+_HELD_BY_RULE = """(x.visible_at = 'infinity' OR (x.locked_at IS NULL AND EXISTS (
+    SELECT 1 FROM eventqueue_rules r WHERE r.handler = x.handler AND r.namespace = x.namespace
+                                       AND r.event_space = x.module)))"""
 
 # Per registered handler, from the indexes whatever the statistics: its events by eventqueue_events_handler, its
 # dead letters by eventqueue_dead_handler.
@@ -644,15 +650,14 @@ SELECT h.name AS handler, h.kind, c.queued, c.delayed, c.locked, c.held, d.dead,
 FROM eventqueue_handlers h
 LEFT JOIN flow_limits l ON l.scope = '{SCOPE_PREFIX}' || h.name
 CROSS JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE e.visible_at = 'infinity') AS held,
-           count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until <= now())
-               AS queued,
-           count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until > now())
-               AS delayed,
-           count(*) FILTER (WHERE e.visible_at < 'infinity' AND e.locked_at IS NOT NULL) AS locked,
+    SELECT count(*) FILTER (WHERE e.held) AS held,
+           count(*) FILTER (WHERE NOT e.held AND e.locked_at IS NULL AND e.delay_until <= now()) AS queued,
+           count(*) FILTER (WHERE NOT e.held AND e.locked_at IS NULL AND e.delay_until > now()) AS delayed,
+           count(*) FILTER (WHERE NOT e.held AND e.locked_at IS NOT NULL) AS locked,
            extract(epoch FROM now() - min(e.enqueued_at) FILTER (
-               WHERE e.visible_at < 'infinity' AND e.locked_at IS NULL AND e.delay_until <= now()))::float8 AS oldest
-    FROM eventqueue_events e WHERE e.handler = h.name
+               WHERE NOT e.held AND e.locked_at IS NULL AND e.delay_until <= now()))::float8 AS oldest
+    FROM (SELECT x.enqueued_at, x.locked_at, x.delay_until, {_HELD_BY_RULE} AS held
+          FROM eventqueue_events x WHERE x.handler = h.name) AS e
 ) AS c
 CROSS JOIN LATERAL (SELECT count(*) AS dead FROM eventqueue_dead x WHERE x.handler = h.name) AS d
 ORDER BY h.name

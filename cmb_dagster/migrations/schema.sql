@@ -939,7 +939,7 @@ CREATE INDEX eventqueue_dead_handler ON cmb.eventqueue_dead USING btree (handler
 
 CREATE INDEX eventqueue_events_claimed ON cmb.eventqueue_events USING btree (handler, flow_key) WHERE (locked_by IS NOT NULL);
 
-CREATE INDEX eventqueue_events_handler ON cmb.eventqueue_events USING btree (handler, visible_at) INCLUDE (locked_at, delay_until, enqueued_at);
+CREATE INDEX eventqueue_events_handler ON cmb.eventqueue_events USING btree (handler, visible_at) INCLUDE (locked_at, delay_until, enqueued_at, namespace, module);
 
 CREATE INDEX eventqueue_events_held ON cmb.eventqueue_events USING btree (handler, namespace, module) WHERE (visible_at = 'infinity'::timestamp with time zone);
 

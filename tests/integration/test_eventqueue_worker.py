@@ -207,6 +207,17 @@ def status_of(db, handler):
     return next(s for s in status(db).handlers if s.handler == handler)
 
 
+def test_events_under_a_rule_count_as_held_with_no_worker_running(db):
+    worker_for(db, registry_with(Recorder(), "h"), WorkerSettings(listen=False)).close()  # registered, not running
+    pause(db, "ns", "h")
+    emit_many([{"namespace": "ns", "handler": "h", "value": i} for i in range(3)], db=db)
+    emit("ns", "h", 1, delay=60, db=db)
+    emit("other", "h", 1, db=db)  # another namespace is not paused
+    s = status_of(db, "h")
+    assert (s.queued, s.delayed, s.held) == (1, 0, 4)
+    assert [r.held for r in rules(db)] == [4]
+
+
 def test_status_counts(db):
     recorder = Recorder()
     registry = registry_with(recorder, "h", max_retries=0)

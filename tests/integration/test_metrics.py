@@ -39,7 +39,7 @@ from cmb_dagster.eventqueue import admin as eventqueue_admin
 from cmb_dagster.metrics import CACHE_S, ENGINES, READ_TIMEOUT_S, MetricsServer, StatusCollector, check_host, serve
 from cmb_dagster.pubsub import ConsumerSpec, ConsumerWorker, publish
 from cmb_dagster.pubsub import admin as pubsub_admin
-from cmb_dagster.reactive import ReactiveWorker, SchedulerSettings, TaskSpec
+from cmb_dagster.reactive import Deadline, ReactiveWorker, SchedulerSettings, TaskSpec
 from cmb_dagster.reactive import admin as reactive_admin
 from cmb_dagster.stages import StageStore, StageWorker
 from cmb_dagster.stages import admin as stages_admin
@@ -102,7 +102,10 @@ def write_through_the_engines(db: Database) -> None:
     ConsumerWorker(db, ConsumerSpec(consumer_id="reader", handler=lambda conn, events: None, batch_size=2)).run_once()
     CtlStore(db).set("sales", "loaded_until", T0)
     runs = RunStorage()
-    tasks = [TaskSpec(name="mart", trigger=Delta("sales", "loaded_until", "1h"))]
+    tasks = [
+        TaskSpec(name="mart", trigger=Delta("sales", "loaded_until", "1h")),
+        TaskSpec(name="due", trigger=Delta("sales", "loaded_until", "1h"), deadline=Deadline(cron="* * * * *")),
+    ]
     ReactiveWorker(
         db,
         SchedulerSettings(tick_seconds=1, idle_sleep=60),
@@ -157,6 +160,10 @@ def test_a_scrape_reports_what_each_engine_status_says(db, served):
         assert value(samples, "cmb_reactive_tasks", scheduler="w", state=state) == count
     assert 0 <= value(samples, "cmb_reactive_tick_age_seconds", scheduler="w") < 60
     [scheduler] = reactive.schedulers
+    [due] = [t for t in reactive.tasks if t.name == "due"]
+    slack = value(samples, "cmb_reactive_deadline_slack_seconds", scheduler="w", task="due")
+    assert abs(slack - due.deadline_state(datetime.now(UTC)).slack.total_seconds()) < 30 and -120 < slack <= 60
+    assert not [k for k in samples if k[0] == "cmb_reactive_deadline_slack_seconds" and ("task", "mart") in k[1]]
     assert value(samples, "cmb_reactive_tick_duration_seconds", scheduler="w") == scheduler.tick_seconds
 
     lease = value(samples, "cmb_worker_lease_expires_in_seconds", kind="metrics.test", partition="p1", owner="holder")
@@ -164,9 +171,9 @@ def test_a_scrape_reports_what_each_engine_status_says(db, served):
     released = [
         v
         for (name, labels), v in samples.items()
-        if name == "cmb_worker_lease_expires_in_seconds" and ("kind", "reactive.scheduler") in labels
+        if name.startswith("cmb_worker_lease") and ("kind", "reactive.scheduler") in labels
     ]
-    assert released == [float("-inf")]  # the reactive worker released its lease on the way out
+    assert released == []  # the reactive scheduler released its lease after its tick: nobody holds it, no series
 
 
 def test_an_empty_database_exports_zeros_and_no_error(db, served):

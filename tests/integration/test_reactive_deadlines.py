@@ -72,7 +72,8 @@ class Location:
         assert job_def.execute_in_process(instance=self.instance, tags=request.tags).success
 
     def checks(self) -> dict[tuple[str, str], AssetCheckEvaluation]:
-        """The asset check evaluations one tick of the status sensor records (those whose severity changed)."""
+        """The asset check evaluations one tick of the status sensor records (those whose severity or, failing,
+        whose text changed)."""
         context = build_sensor_context(instance=self.instance, resources={"cmb": self.resource}, cursor=self.cursor)
         result = self.defs.resolve_sensor_def("cmb_reactive_status").evaluate_tick(context)
         self.cursor = result.cursor or self.cursor
@@ -158,7 +159,8 @@ def test_a_passed_deadline_fails_the_check_of_the_target_asset_naming_what_waits
         red.description
     )
     assert "allowed 2:00:00" in red.description and "Delta(" not in red.description  # the Delta fires: not named
-    assert ("shop/mart", "deadline_mart") not in loc.checks()  # unchanged: not recorded again
+    later = loc.checks()[("shop/mart", "deadline_mart")]  # still red: recorded again with how late it is now
+    assert not later.passed and later.description != red.description and "passed at" in later.description
 
     loc.store.set(*PRICES, datetime.now(UTC))
     [request] = loc.requests()

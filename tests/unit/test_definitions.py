@@ -5,6 +5,7 @@ import sys
 
 import pytest
 from dagster import Definitions, job, op
+from tags import invalid_tag_keys
 
 from cmb_dagster import (
     CallbackOptions,
@@ -51,6 +52,22 @@ def test_two_locations_with_different_prefixes_share_no_name():
     theirs = names(everything("team_b_")) - {"__ASSET_JOB", "report"}
     assert ours and not ours & theirs
     assert all(name.startswith("team_a_") for name in ours)
+
+
+def test_every_tag_the_engines_put_on_their_jobs_and_schedules_is_a_key_dagster_accepts():
+    from cmb_dagster.examples import eventqueue, stages
+
+    defs = cmb_definitions(
+        reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]),
+        pubsub=PubSubOptions(consumers=[ConsumerSpec(consumer_id="c", handler="m:f")]),
+        callbacks=CallbackOptions(workers=2),
+        stages=stages.options,
+        events=eventqueue.options,
+    )
+    repo = defs.get_repository_def()
+    tagged = [*repo.get_all_jobs(), *repo.schedule_defs]
+    assert {name for item in tagged for name in item.tags} >= {"cmb/worker"}
+    assert [(item.name, invalid_tag_keys(item.tags)) for item in tagged if invalid_tag_keys(item.tags)] == []
 
 
 def test_nothing_is_added_that_was_not_asked_for():
