@@ -106,7 +106,7 @@ def to_json(value: Any, field: str, *, error: type[InvalidInput] = InvalidInput,
 
 def load_reference(path: str, field: str, *, error: type[InvalidInput] = InvalidInput) -> Any:
     """The object a ``'module:attribute'`` path names (``attribute`` may be dotted)."""
-    module_name, _, attribute = path.partition(":") if isinstance(path, str) else ("", "", "")
+    module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise error(f"{field}: {shorten(path)} is not 'module:attribute'")
     try:

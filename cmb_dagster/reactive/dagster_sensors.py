@@ -65,7 +65,7 @@ DEADLINE_TAG = "cmb/reactive.deadline"  # a run launched because its deadline pa
 VALUES_TAG = "cmb/reactive.values"  # optional on a run launched by hand: the values it records on success
 # The keys older releases tagged reactive runs with (two '/', which Dagster does not accept as a tag key): a run
 # launched before an upgrade is still found and read by them.
-_OLDER_KEYS = {key: key.replace(".", "/", 1) for key in (SCHEDULER_TAG, TASK_TAG, RUN_KEY_TAG, ATTEMPT_TAG, VALUES_TAG)}
+_OLDER_KEYS = {key: key.replace(".", "/", 1) for key in (SCHEDULER_TAG, RUN_KEY_TAG, VALUES_TAG)}
 
 MATERIALIZATION_FEED = "dagster.asset_materializations"
 MATERIALIZATIONS_PER_TICK = 1000

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from eq_runs import EQ_RUNS, left, runs
 from intervals import most_at_once
 from processes import stop
 from waiting import wait_until
@@ -28,10 +29,7 @@ def handlers_importable(monkeypatch, db):
 
     register(db, eventqueue_concurrency_handlers.registry)
     with db.connection() as conn:
-        conn.execute(
-            "CREATE TABLE public.eq_runs (id bigserial PRIMARY KEY, event_id bigint, key text, pid int,"
-            " started_at timestamptz NOT NULL DEFAULT clock_timestamp(), ended_at timestamptz)"
-        )
+        conn.execute(EQ_RUNS)
 
 
 def start_workers(database_url: str, n: int, *args: str, **env: str) -> list[subprocess.Popen]:
@@ -49,20 +47,6 @@ def start_workers(database_url: str, n: int, *args: str, **env: str) -> list[sub
 
 def emit(db, handler: str, values: list[dict]) -> list[int]:
     return emit_many([{"namespace": "ns", "handler": handler, "value": v} for v in values], db=db)
-
-
-def left(db) -> int:
-    with db.connection() as conn:
-        return conn.execute("SELECT count(*) FROM eventqueue_events").fetchone()[0]
-
-
-def runs(db) -> list[tuple]:
-    """(event id, key, pid, started, ended) of every call, in start order (epoch seconds; ended None: running)."""
-    with db.connection() as conn:
-        return conn.execute(
-            "SELECT event_id, key, pid, extract(epoch FROM started_at)::float8, extract(epoch FROM ended_at)::float8"
-            " FROM public.eq_runs ORDER BY started_at, id"
-        ).fetchall()
 
 
 def dead(db) -> dict[int, str]:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from eq_runs import EQ_RUNS, left, runs
 from intervals import most_at_once, most_within
 from processes import stop
 from waiting import wait_until
@@ -27,10 +28,7 @@ def handlers_importable(monkeypatch):
 @pytest.fixture
 def runs_table(db):
     with db.connection() as conn:
-        conn.execute(
-            "CREATE TABLE public.eq_runs (id bigserial PRIMARY KEY, event_id bigint, key text, pid int,"
-            " started_at timestamptz NOT NULL DEFAULT clock_timestamp(), ended_at timestamptz)"
-        )
+        conn.execute(EQ_RUNS)
 
 
 def start_workers(database_url: str, n: int, **extra: str) -> list[subprocess.Popen]:
@@ -49,20 +47,6 @@ def emit(db, handler: str, tenants: list[str]) -> None:
 
     register(db, eventqueue_handlers.registry)
     emit_many([{"namespace": "ns", "handler": handler, "value": {"tenant": t}} for t in tenants], db=db)
-
-
-def left(db) -> int:
-    with db.connection() as conn:
-        return conn.execute("SELECT count(*) FROM eventqueue_events").fetchone()[0]
-
-
-def runs(db) -> list[tuple]:
-    """(event id, key, pid, started, ended) of every run, in start order (epoch seconds; ended None: running)."""
-    with db.connection() as conn:
-        return conn.execute(
-            "SELECT event_id, key, pid, extract(epoch FROM started_at)::float8, extract(epoch FROM ended_at)::float8"
-            " FROM public.eq_runs ORDER BY started_at"
-        ).fetchall()
 
 
 def db_now(db) -> float:

@@ -1,4 +1,4 @@
-"""What the health check and alert tests share: fast callback settings, ticks of a status sensor, a worker job
+"""What the health check and alert tests share: ticks of a status sensor, a worker job
 run, a handler registry."""
 
 from dagster import build_sensor_context, instance_for_test
@@ -6,14 +6,8 @@ from observed import evaluations
 from waiting import wait_until
 
 from cmb_dagster import health
-from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.eventqueue import HandlerRegistry
-from cmb_dagster.models import Backoff
 from cmb_dagster.resources import CmbResource
-
-FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
-)
 
 
 class StatusTicks:

@@ -1,7 +1,8 @@
 """Alerts: a check that turns red, then green, sends one message each to a real webhook on 127.0.0.1, delivered by
 the callbacks engine's worker; sending again after a crash creates nothing twice."""
 
-from checks_helpers import FAST, StatusTicks, notes, run_worker
+from callback_settings import FAST
+from checks_helpers import StatusTicks, notes, run_worker
 from dagster import build_sensor_context, instance_for_test
 from waiting import wait_until
 

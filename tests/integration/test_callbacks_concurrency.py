@@ -11,23 +11,15 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from callback_settings import FAST
 from intervals import most_at_once
 from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, RetryPolicy
+from cmb_dagster.callbacks import CallbackClient, CallbackWorker, RetryPolicy
 from cmb_dagster.isolation import WorkerStuck
-from cmb_dagster.models import Backoff
 
-SETTINGS = CallbackSettings(
-    poll_interval=0.2,
-    lease_ttl=3,
-    timeout=1,
-    backoff=Backoff(first=0.01),
-    lookahead=1,
-    allowed_hosts=["127.0.0.1"],
-    per_host=None,  # the executor's slots are the only bound here
-)
+SETTINGS = FAST.model_copy(update={"per_host": None})  # the executor's slots are the only bound here
 SLOW = 0.3  # seconds a call to /slow takes
 STALL_LIMIT = 20.0  # seconds a call to /stall waits for the client to give up before it answers
 

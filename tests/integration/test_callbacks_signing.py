@@ -10,23 +10,15 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import standardwebhooks.webhooks
+from callback_settings import FAST as FAST_SETTINGS
 from receiver import Receiver
 from running import Running
 from standardwebhooks import Webhook, WebhookVerificationError
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput, RetryPolicy
-from cmb_dagster.models import Backoff
+from cmb_dagster.callbacks import CallbackClient, CallbackWorker, InvalidCallbackInput, RetryPolicy
 
-FAST = CallbackSettings(
-    poll_interval=0.2,
-    lease_ttl=3,
-    timeout=1,
-    backoff=Backoff(first=0.01),
-    lookahead=1,
-    allowed_hosts=["127.0.0.1"],
-    secrets_refresh=0.2,
-)
+FAST = FAST_SETTINGS.model_copy(update={"secrets_refresh": 0.2})
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 
 

@@ -4,7 +4,8 @@ and observed through the status sensors (Dagster's test utilities); every change
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from checks_helpers import FAST, StatusTicks, notes, run_worker, transitions_of
+from callback_settings import FAST
+from checks_helpers import StatusTicks, notes, run_worker, transitions_of
 from dagster import (
     AssetCheckSeverity,
     AssetSelection,
