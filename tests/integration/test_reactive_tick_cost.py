@@ -3,6 +3,7 @@ for 300; what a tick stores to explain its evaluations renders, read back, the t
 engine knows of its tables between ticks is dropped when a tick raises or another engine ticked in between, and the
 tasks a time-boxed tick did not get to stay marked."""
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -41,16 +42,20 @@ def scheduler(db: Database, name: str, specs, **settings) -> TaskScheduler:
 
 @contextmanager
 def watched() -> Iterator[tuple[list[int], list[str]]]:
-    """The round trips made inside the block (psycopg waits for the server), and the statements sent."""
+    """The round trips made inside the block by this thread (psycopg waits for the server), and the statements
+    it sent (other threads, e.g. the fixture copying the next test's database, are not counted)."""
     count, statements = [0], []
     wait, execute = psycopg.Connection.wait, psycopg.Cursor.execute
+    ours = threading.get_ident()
 
     def counting(self, gen, *args, **kwargs):
-        count[0] += 1
+        if threading.get_ident() == ours:
+            count[0] += 1
         return wait(self, gen, *args, **kwargs)
 
     def recording(self, query, *args, **kwargs):
-        statements.append(str(query))
+        if threading.get_ident() == ours:
+            statements.append(str(query))
         return execute(self, query, *args, **kwargs)
 
     psycopg.Connection.wait, psycopg.Cursor.execute = counting, recording
