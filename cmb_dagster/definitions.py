@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from dagster import Definitions, ExecutorDefinition
+from dagster import Definitions
 
 from cmb_dagster.alerts import AlertOptions
 from cmb_dagster.callbacks.dagster_defs import callback_definitions
@@ -45,15 +45,10 @@ def cmb_definitions(
     """
     resource = resource or CmbResource()
     shell = {"prefix": prefix, "resource": resource, "translator": translator}
-    executor = definitions.get("executor")
-    if reactive is not None and isinstance(executor, ExecutorDefinition):
-        definitions = {k: v for k, v in definitions.items() if k != "executor"}  # the reactive part wraps it
-    else:
-        executor = None
     parts = [Definitions(resources={"cmb": resource}), Definitions(**definitions)]
     if reactive is not None:
         assets = definitions.get("assets") or ()
-        parts.append(reactive_definitions(reactive, **shell, assets=assets, executor=executor))
+        parts.append(reactive_definitions(reactive, **shell, assets=assets))
     if pubsub is not None:
         parts.append(pubsub_definitions(pubsub, **shell))
     if alerts is not None:

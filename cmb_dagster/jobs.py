@@ -55,7 +55,6 @@ from cmb_dagster.alerts import AlertOptions, send_alerts
 from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
-from cmb_dagster.models import LAUNCHED_BY_TAG
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.settings import Settings
 from cmb_dagster.workers import WorkerReport, stop_workers_on_signals
@@ -224,18 +223,12 @@ class QueuedRunLauncher:
         run = self.instance.create_run_for_job(
             job_def=self.repository.get_job(job_name),
             run_config=dict(run_config),
-            tags={**tags, self.run_key_tag: run_key, **_launched_by(tags)},
+            tags={**tags, self.run_key_tag: run_key},
             remote_job_origin=RemoteJobOrigin(repository_origin=self.remote_origin, job_name=job_name),
             job_code_origin=JobPythonOrigin(job_name, self.python_origin),
         )
         self.instance.submit_run(run.run_id, workspace=None)  # type: ignore[arg-type]
         return run.run_id
-
-
-def _launched_by(tags: Mapping[str, str]) -> dict[str, str]:
-    """The runs list's "Launched by" column shows the ``user`` tag (Dagster sets it only for a signed-in user):
-    a run an engine launched names the engine and the item there."""
-    return {"user": tags[LAUNCHED_BY_TAG]} if LAUNCHED_BY_TAG in tags else {}
 
 
 Observe = Callable[[Database], Sequence[AssetObservation | Verdict]]

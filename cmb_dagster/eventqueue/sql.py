@@ -478,9 +478,11 @@ SELECT count(*) FROM lapsed
 """
 
 # Claimed events about to start: their crashes counted up (a run that never ends is then charged to them alone), each
-# only while its claim is still this worker's (lock and holder unchanged). Returns the ids that may start.
+# only while its claim is still this worker's (lock and holder unchanged). Returns the ids that may start. Committed
+# without waiting for the WAL flush: only a crash of the server itself loses a count, never a worker's death.
 START = f"""
 UPDATE eventqueue_events e SET crashes = e.crashes + 1
+FROM (SELECT set_config('synchronous_commit', 'off', true)) AS commit_without_flush
 WHERE {_held("%(ids)s", "%(locked)s")} AND e.locked_by IS NOT DISTINCT FROM %(owner)s
 RETURNING e.id
 """

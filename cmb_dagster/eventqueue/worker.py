@@ -3,8 +3,9 @@
 A worker keeps its executor of user code (:class:`~cmb_dagster.executor.Executor`) full: it claims due events in one
 statement (``FOR UPDATE SKIP LOCKED``, compare-and-set on ``locked_at``): as many as it has free slots, and, for
 handlers without flow limits, as many as calls ended in the last ``AHEAD_SECONDS`` (fast handlers: the next ones
-wait in claim order for a slot). Each event's ``crashes`` is counted up in the statement that lets its call start,
-so a worker's death is charged to the events whose calls were running. It writes the outcomes of the calls that
+wait in claim order for a slot; the next claim comes once half of them have started). Each event's ``crashes`` is
+counted up in the statement that lets its call start, so a worker's death is charged to the events whose calls
+were running. It writes the outcomes of the calls that
 ended: the finished events are deleted in batches (with the next claim), the failed ones
 retried or dead-lettered. An event, its lock and its flow slot stay held until its call has really ended. A claimed
 event carries the worker's lease (``locked_by``, ``lock_fence``): the worker renews the locks of the events it
@@ -263,12 +264,15 @@ class EventWorker(EngineWorker):
 
     def _claim_size(self) -> int:
         """How many events to claim now: the free slots, and with no flow limits as many as calls ended in the last
-        :data:`AHEAD_SECONDS` (with limits, a key's slot is held only by a call that runs), less those waiting; none
-        while a suspect event runs or waits."""
+        :data:`AHEAD_SECONDS` (with limits, a key's slot is held only by a call that runs), less those waiting, once
+        half of them have started (a claim costs about the same for one event as for a batch); none while a suspect
+        event runs or waits."""
         if self._alone is not None or any(item.suspect for item in self._waiting):
             return 0
-        free = self.executor.free - len(self._waiting)
-        ahead = 0 if self.limited else self.executor.ends_within(AHEAD_SECONDS) - len(self._waiting)
+        waiting = len(self._waiting)
+        free = self.executor.free - waiting
+        ahead = 0 if self.limited else self.executor.ends_within(AHEAD_SECONDS)
+        ahead = ahead - waiting if 2 * waiting <= ahead else 0
         return min(self.settings.batch_size, max(free, ahead))
 
     def _start_waiting(self) -> None:

@@ -14,15 +14,11 @@ from dagster import (
     AssetSelection,
     DefaultSensorStatus,
     Definitions,
-    ExecutorDefinition,
     JobDefinition,
     PartitionsDefinition,
     TimeWindowPartitionsDefinition,
     define_asset_job,
 )
-
-# What define_asset_job returns has no public name; a task's target may be one.
-from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cmb_dagster.ctl.dagster_resources import CtlResource
@@ -35,7 +31,7 @@ from cmb_dagster.jobs import Observe, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
 from cmb_dagster.reactive.checks import AssetPath, deadline_check, deadline_verdicts, tick_verdicts
-from cmb_dagster.reactive.dagster_sensors import launch_logging_executor, scheduler_sensor
+from cmb_dagster.reactive.dagster_sensors import scheduler_sensor
 from cmb_dagster.reactive.deadlines import Deadline, deadline_from
 from cmb_dagster.reactive.errors import InvalidReactiveInput, PartitionNotReady
 from cmb_dagster.reactive.models import (
@@ -61,7 +57,9 @@ __all__ = [
     "time_window_partitioner",
 ]
 
-Job = JobDefinition | UnresolvedAssetJobDefinition
+# Dagster names no public type for the asset job ``define_asset_job`` returns; its type is read from that public call.
+AssetJob = type(define_asset_job("cmb_asset_job"))
+Job = JobDefinition | AssetJob
 Values = Mapping[ParameterKey, datetime]
 PartitionChoice = Callable[[Values], str]
 """``choose(values)`` -> the partition key to launch for the CTL values the trigger fired on."""
@@ -196,7 +194,7 @@ class ReactiveTask(BaseModel):
 
     def selection(self) -> AssetSelection | None:
         """The assets the task materializes, when its target is assets (None for an op job)."""
-        if isinstance(self.target, UnresolvedAssetJobDefinition):
+        if isinstance(self.target, AssetJob):
             selection = self.target.selection
             return selection if isinstance(selection, AssetSelection) else None
         if isinstance(self.target, JobDefinition):
@@ -221,15 +219,13 @@ def reactive_definitions(
     resource: CmbResource | None = None,
     translator: CmbTranslator = DEFAULT_TRANSLATOR,
     assets: Sequence[Any] = (),
-    executor: ExecutorDefinition | None = None,
 ) -> Definitions:
     """Definitions for reactive tasks: the scheduler sensor, the tasks' jobs, the ``ctl`` resource, and the status
     sensor observing the tasks (how many wait, are ready, launched or backing off) on the ``reactive/tasks`` asset.
 
     ``assets`` (the code location's assets; ``cmb_definitions`` passes them) let a task's asset selection be
     resolved: a partitioned target without ``partition=`` is refused, and the assets upstream of a target feed
-    the hold. ``executor`` (the location's; default Dagster's) is the one its jobs run with, writing a reactive
-    run's launch reason before the first step.
+    the hold.
     """
     tasks = _checked_tasks(options)
     jobs: dict[str, Any] = {}
@@ -292,8 +288,6 @@ def reactive_definitions(
             jobs=list(jobs.values()),
             sensors=[sensor],
             resources={"cmb": resource, "ctl": CtlResource(cmb=resource)},
-            # jobs without an executor of their own: a reactive run's first log entry is its launch reason
-            executor=launch_logging_executor(resource, executor),
         ),
         observed,
     )

@@ -16,28 +16,19 @@ from dagster import (
     DagsterRunStatus,
     DefaultSensorStatus,
     EventRecordsFilter,
-    ExecutorDefinition,
-    MetadataValue,
     RunRequest,
     RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
-    multi_or_in_process_executor,
     sensor,
 )
-
-# A launch is written to the run's event log as an engine event; Dagster exports no public constructor for one.
-from dagster._core.events import EngineEventData
-
-# The executor that writes a reactive run's launch entry before its first step wraps Dagster's default one.
-from dagster._core.executor.base import Executor
 
 from cmb_dagster.ctl.dagster_resources import CTL_METADATA_KEY, ctl_mode_from_metadata, ctl_values_from_metadata
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import ParameterKey
-from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json, values_to_json
+from cmb_dagster.ctl.store import CtlStore, FeedItem, values_from_json
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.reactive.admin import claim_launch_log, launch_values
 from cmb_dagster.reactive.engine import TaskScheduler
@@ -101,7 +92,7 @@ def evaluation_time(moment: datetime | None) -> Iterator[None]:
 
 def run_tags(scheduler: str, launch: Launch) -> dict[str, str]:
     """Tags of a reactive run: which scheduler, task and attempt, and the passed deadline it was launched for (its
-    values and reason are in its first log entry)."""
+    values and reason are in its launch entry)."""
     tags = {
         SCHEDULER_TAG: scheduler,
         TASK_TAG: launch.task,
@@ -390,7 +381,7 @@ def scheduler_sensor(
             raise
         for warning in report.warnings:
             warn_once(context, warning)
-        for seen in report.seen_runs:  # unless the run's executor wrote it before its first step
+        for seen in report.seen_runs:  # the first tick that sees a run writes its launch entry
             claimed = claim_launch_log(database, name, seen.run_key, seen.run_id)
             if claimed is not None:
                 log_launch(instance, job_names.get(seen.task), claimed)
@@ -411,66 +402,10 @@ def scheduler_sensor(
 
 def log_launch(instance: DagsterInstance, job_name: str | None, seen: SeenRun) -> None:
     """Write why a reactive run was launched, and on which CTL values, into the run's own log."""
-    values = values_to_json(seen.values)
     instance.report_engine_event(
-        f"reactive task {seen.task}: launched on {_values_line(seen.values)}\n{seen.reason}",
+        f"reactive task {seen.task}: launched on {_values_line(seen.values)} (run_key {seen.run_key})\n{seen.reason}",
         run_id=seen.run_id,
         job_name=job_name,
-        engine_event_data=EngineEventData(
-            metadata={
-                "task": seen.task,
-                "run_key": seen.run_key,
-                "values": MetadataValue.json(values),
-                "reason": MetadataValue.text(seen.reason),
-            }
-        ),
-    )
-
-
-class _LaunchLogging(Executor):
-    """Dagster's default executor, writing a reactive run's launch entry (why it runs, on which CTL values) into
-    the run's log before its first step."""
-
-    def __init__(self, inner: Executor, database: Callable[[], Database]) -> None:
-        self.inner = inner
-        self.database = database
-
-    def execute(self, plan_context: Any, execution_plan: Any) -> Iterator[Any]:
-        run = plan_context.dagster_run
-        tags = _current(run.tags)
-        if RUN_KEY_TAG in tags and SCHEDULER_TAG in tags:
-            try:
-                claimed = claim_launch_log(self.database(), tags[SCHEDULER_TAG], tags[RUN_KEY_TAG], run.run_id)
-            except Exception as exc:  # noqa: BLE001 - the run goes on; the scheduler writes the entry when it sees it
-                plan_context.log.warning(f"reactive launch entry not written before the first step: {exc}")
-                claimed = None
-            if claimed is not None:
-                log_launch(plan_context.instance, run.job_name, claimed)
-        yield from self.inner.execute(plan_context, execution_plan)
-
-    @property
-    def retries(self) -> Any:
-        return self.inner.retries
-
-    @property
-    def step_dependency_config(self) -> Any:
-        return self.inner.step_dependency_config
-
-
-def launch_logging_executor(resource: CmbResource, base: ExecutorDefinition | None = None) -> ExecutorDefinition:
-    """``base`` (default: Dagster's default executor, ``multi_or_in_process_executor``), same name and config,
-    first writing a reactive run's launch entry into the run's log, so it comes before the first step."""
-    base = base or multi_or_in_process_executor
-
-    def create(init_context: Any) -> Executor:
-        return _LaunchLogging(base.executor_creation_fn(init_context), lambda: resource.database)
-
-    return ExecutorDefinition(
-        name=base.name,
-        config_schema=base.config_schema,
-        requirements=base.get_requirements,
-        executor_creation_fn=create,
-        description=f"{base.description or base.name}; a reactive run's first log entry says why it runs.",
     )
 
 

@@ -562,8 +562,8 @@ LAUNCH_VALUES = """
 SELECT ctl_values FROM reactive_launches WHERE scheduler = %(scheduler)s AND run_key = %(run_key)s
 """
 
-# The launch's reason and values are written into its run's log once: whoever claims it first (the run's executor
-# before its first step, or the scheduler when it first sees the run) writes it. The reason is rendered from its facts
+# The launch's reason and values are written into its run's log once, by the scheduler tick that first sees the run
+# and claims it (two processes may tick). The reason is rendered from its facts
 # with the task's trigger.
 CLAIM_LAUNCH_LOG = """
 WITH claimed AS (

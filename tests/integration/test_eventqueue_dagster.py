@@ -155,7 +155,7 @@ def test_dagster_job_handler_launches_one_run_per_event(db, database_url, queued
     assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
     assert run.tags["cmb/eventqueue.event_id"] == str(good)
     assert invalid_tag_keys(run.tags) == []
-    assert run.tags["user"].startswith(f"cmb event {good} (")  # the runs list's "Launched by"
+    assert run.tags["cmb/launched_by"].startswith(f"cmb event {good} (") and "user" not in run.tags
     again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})
     assert again == run.run_id  # the run key keeps a retried event from launching twice
     assert [s.dead for s in status(db).handlers if s.handler == "typo"] == [1]

@@ -138,14 +138,18 @@ def test_a_translator_chooses_the_key_and_group_of_every_asset_the_engines_add()
     }
 
 
-def test_the_locations_own_executor_is_kept_and_writes_the_launch_reason_first():
+def test_the_locations_own_executor_is_kept_as_given():
     from dagster import in_process_executor
 
     defs = cmb_definitions(
         reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))]),
         executor=in_process_executor,
     )
-    assert defs.executor.name == "in_process" and "first log entry says why it runs" in defs.executor.description
+    assert defs.executor is in_process_executor
+    assert (
+        cmb_definitions(reactive=ReactiveOptions(tasks=[ReactiveTask("t", report, Delta("a/b", "p", "1h"))])).executor
+        is None
+    )
 
 
 def test_the_translator_tags_the_runs_of_every_worker_job():
