@@ -16,7 +16,7 @@ from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackConflict
 from cmb_dagster.callbacks.models import CONTEXT, CallbackSettings, NewCallback, RetryPolicy, check_url
 from cmb_dagster.database import Database, DatabaseSource
-from cmb_dagster.health import Severity, Transition
+from cmb_dagster.health import Severity, Transition, check_label
 from cmb_dagster.models import Options
 
 ALERT_OWNER, ALERT_GROUP = "cmb", "alerts"
@@ -56,14 +56,16 @@ class AlertOptions(Options):
 def message(transition: Transition) -> dict[str, str]:
     """The JSON an alert sends: a one-line ``text`` (what Slack shows) and the transition's fields."""
     asset = "/".join(transition.asset)
+    check = check_label(transition.check, transition.scope)
     if transition.severity == "ok":
-        text = f"[OK] {asset} {transition.check} is green again (was {_SHOWN[transition.previous]}): {transition.text}"
+        text = f"[OK] {asset} {check} is green again (was {_SHOWN[transition.previous]}): {transition.text}"
     else:
-        text = f"[{_SHOWN[transition.severity]}] {asset} {transition.check}: {transition.text}"
+        text = f"[{_SHOWN[transition.severity]}] {asset} {check}: {transition.text}"
     return {
         "text": text,
         "asset": asset,
         "check": transition.check,
+        "scope": transition.scope,
         "severity": transition.severity,
         "previous": transition.previous,
         "at": transition.at.isoformat(),
@@ -85,7 +87,9 @@ def send_alerts(
     db = Database.of(database)
     with db.connection() as conn:
         rows = conn.execute(sql.UNALERTED_TRANSITIONS, {"limit": limit, "max_age": options.max_age_seconds})
-        pending = [(Transition(i, tuple(a), c, p, s, t, at), fresh) for i, a, c, p, s, t, at, fresh in rows]
+        pending = [
+            (Transition(i, tuple(a), c, scope, p, s, t, at), fresh) for i, a, c, scope, p, s, t, at, fresh in rows
+        ]
     sent = [t for t, fresh in pending if fresh and alerted(t, options.severity)]
     events = [
         NewCallback(

@@ -662,14 +662,15 @@ def stop() -> None:
 @click.option("--failing", is_flag=True, help="Only the checks that warn or fail.")
 def checks(failing: bool) -> None:
     """The engines' asset checks as last evaluated (by the status sensors): severity, since when, why."""
-    from cmb_dagster.health import states
+    from cmb_dagster.health import check_label, states
 
     found = states(open_database(), failing=failing)
     if not found:
         click.echo("no failing check" if failing else "no check evaluated yet (the engines' status sensors do it)")
     for state in found:
         since = state.since.astimezone().strftime("%Y-%m-%d %H:%M:%S")
-        click.echo(f"{state.severity.upper():<5}  {'/'.join(state.asset)} {state.check}  since {since}: {state.text}")
+        check = check_label(state.check, state.scope)
+        click.echo(f"{state.severity.upper():<5}  {'/'.join(state.asset)} {check}  since {since}: {state.text}")
 
 
 def _host(ctx: click.Context, param: click.Parameter, value: str) -> str:

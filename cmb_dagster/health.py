@@ -57,7 +57,8 @@ class Threshold(Options):
 class Verdict:
     """The outcome of one check of one asset: its severity and a line saying what was measured against what.
 
-    ``asset`` is the asset's path (``AssetKey.path``); ``value`` the figure compared, when there is one.
+    ``asset`` is the asset's path (``AssetKey.path``); ``value`` the figure compared, when there is one; ``scope``
+    the code location's part of a check several locations evaluate on one asset (the reactive scheduler's name).
     """
 
     asset: tuple[str, ...]
@@ -66,10 +67,16 @@ class Verdict:
     text: str
     value: float | None = None
     threshold: Threshold | None = None
+    scope: str = ""
 
     @property
     def passed(self) -> bool:
         return self.severity == "ok"
+
+
+def check_label(check: str, scope: str) -> str:
+    """A check's name as shown, with its code location's part when it has one."""
+    return f"{check} ({scope})" if scope else check
 
 
 def judge(asset: Sequence[str], check: str, value: float, threshold: Threshold, what: str) -> Verdict:
@@ -85,6 +92,7 @@ class Transition:
     id: int
     asset: tuple[str, ...]
     check: str
+    scope: str
     previous: Severity
     severity: Severity
     text: str
@@ -94,25 +102,26 @@ class Transition:
 def record(database: DatabaseSource, verdicts: Sequence[Verdict]) -> list[Transition]:
     """Store the verdicts as the checks' states; return the transitions this call recorded (a check never seen
     before counts as having been ``ok``). Two processes recording the same change record it once."""
-    verdicts = list({(v.asset, v.check): v for v in verdicts}.values())  # one row per check: the last verdict
+    verdicts = list({(v.asset, v.check, v.scope): v for v in verdicts}.values())  # one row per check: the last verdict
     if not verdicts:
         return []
     params = {
         "assets": [Jsonb(list(v.asset)) for v in verdicts],
         "checks": [v.check for v in verdicts],
+        "scopes": [v.scope for v in verdicts],
         "severities": [v.severity for v in verdicts],
         "texts": [v.text for v in verdicts],
     }
     with Database.of(database).connection() as conn:
         rows = conn.execute(sql.RECORD_CHECK_STATES, params).fetchall()
-    return [Transition(i, tuple(a), c, p, s, t, at) for i, a, c, p, s, t, at in rows]
+    return [Transition(i, tuple(a), c, scope, p, s, t, at) for i, a, c, scope, p, s, t, at in rows]
 
 
 def transitions(database: DatabaseSource, *, after: int = 0, limit: int = 100) -> list[Transition]:
     """Recorded transitions with an id above ``after``, oldest first."""
     with Database.of(database).connection() as conn:
         rows = conn.execute(sql.CHECK_TRANSITIONS, {"after": after, "limit": limit}).fetchall()
-    return [Transition(i, tuple(a), c, p, s, t, at) for i, a, c, p, s, t, at in rows]
+    return [Transition(i, tuple(a), c, scope, p, s, t, at) for i, a, c, scope, p, s, t, at in rows]
 
 
 class Checks(Options):
@@ -135,6 +144,7 @@ class CheckState:
 
     asset: tuple[str, ...]
     check: str
+    scope: str
     severity: Severity
     text: str
     since: datetime
@@ -144,4 +154,4 @@ def states(database: DatabaseSource, *, failing: bool = False) -> list[CheckStat
     """Every check's state (only those not ok with ``failing``), by asset and check."""
     with Database.of(database).connection() as conn:
         rows = conn.execute(sql.CHECK_STATES, {"failing": failing}).fetchall()
-    return [CheckState(tuple(a), c, s, t, at) for a, c, s, t, at in rows]
+    return [CheckState(tuple(a), c, scope, s, t, at) for a, c, scope, s, t, at in rows]

@@ -76,41 +76,42 @@ ORDER BY kind, partition
 # once. Rows are written in key order (no deadlocks).
 RECORD_CHECK_STATES = """
 WITH changed AS (
-    INSERT INTO check_states AS s (asset, check_name, severity, previous, text)
-    SELECT i.asset, i.check_name, i.severity, 'ok', i.text
-    FROM unnest(%(assets)s::jsonb[], %(checks)s::text[], %(severities)s::text[], %(texts)s::text[])
-        AS i(asset, check_name, severity, text)
-    ORDER BY i.asset, i.check_name
-    ON CONFLICT (asset, check_name) DO UPDATE
+    INSERT INTO check_states AS s (asset, check_name, scope, severity, previous, text)
+    SELECT i.asset, i.check_name, i.scope, i.severity, 'ok', i.text
+    FROM unnest(%(assets)s::jsonb[], %(checks)s::text[], %(scopes)s::text[], %(severities)s::text[], %(texts)s::text[])
+        AS i(asset, check_name, scope, severity, text)
+    ORDER BY i.asset, i.check_name, i.scope
+    ON CONFLICT (asset, check_name, scope) DO UPDATE
         SET previous = CASE WHEN s.severity <> EXCLUDED.severity THEN s.severity ELSE s.previous END,
             severity = EXCLUDED.severity, text = EXCLUDED.text,
             changed_at = CASE WHEN s.severity <> EXCLUDED.severity THEN now() ELSE s.changed_at END
         WHERE s.severity <> EXCLUDED.severity OR s.text <> EXCLUDED.text  -- the text is the latest verdict's
-    RETURNING asset, check_name, previous, severity, text, changed_at = now() AS moved
+    RETURNING asset, check_name, scope, previous, severity, text, changed_at = now() AS moved
 )
-INSERT INTO check_transitions (asset, check_name, previous, severity, text)
-SELECT asset, check_name, previous, severity, text FROM changed WHERE moved AND previous <> severity
-ORDER BY asset, check_name
-RETURNING id, asset, check_name, previous, severity, text, at
+INSERT INTO check_transitions (asset, check_name, scope, previous, severity, text)
+SELECT asset, check_name, scope, previous, severity, text FROM changed WHERE moved AND previous <> severity
+ORDER BY asset, check_name, scope
+RETURNING id, asset, check_name, scope, previous, severity, text, at
 """
 
 CHECK_TRANSITIONS = """
-SELECT id, asset, check_name, previous, severity, text, at FROM check_transitions
+SELECT id, asset, check_name, scope, previous, severity, text, at FROM check_transitions
 WHERE id > %(after)s ORDER BY id LIMIT %(limit)s
 """
 
 # Transitions no alert was sent for, oldest first; ``fresh``: younger than the alerts' max age.
 UNALERTED_TRANSITIONS = """
-SELECT id, asset, check_name, previous, severity, text, at, at > now() - make_interval(secs => %(max_age)s) AS fresh
+SELECT id, asset, check_name, scope, previous, severity, text, at,
+       at > now() - make_interval(secs => %(max_age)s) AS fresh
 FROM check_transitions WHERE alerted_at IS NULL ORDER BY id LIMIT %(limit)s
 """
 
 MARK_ALERTED = "UPDATE check_transitions SET alerted_at = now() WHERE id = ANY(%(ids)s::bigint[])"
 
 CHECK_STATES = """
-SELECT asset, check_name, severity, text, changed_at FROM check_states
+SELECT asset, check_name, scope, severity, text, changed_at FROM check_states
 WHERE NOT %(failing)s OR severity <> 'ok'
-ORDER BY asset, check_name
+ORDER BY asset, check_name, scope
 """
 
 # -- flow control (cmb_dagster/flow.py) ---------------------------------------------------------------

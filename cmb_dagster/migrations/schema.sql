@@ -265,6 +265,7 @@ CREATE TABLE cmb.check_states (
     previous text NOT NULL,
     text text NOT NULL,
     changed_at timestamp with time zone DEFAULT now() NOT NULL,
+    scope text DEFAULT ''::text NOT NULL,
     CONSTRAINT check_states_previous_check CHECK ((previous = ANY (ARRAY['ok'::text, 'warn'::text, 'error'::text]))),
     CONSTRAINT check_states_severity_check CHECK ((severity = ANY (ARRAY['ok'::text, 'warn'::text, 'error'::text])))
 );
@@ -277,7 +278,8 @@ CREATE TABLE cmb.check_transitions (
     severity text NOT NULL,
     text text NOT NULL,
     at timestamp with time zone DEFAULT now() NOT NULL,
-    alerted_at timestamp with time zone
+    alerted_at timestamp with time zone,
+    scope text DEFAULT ''::text NOT NULL
 );
 
 CREATE SEQUENCE cmb.check_transitions_id_seq
@@ -805,7 +807,7 @@ ALTER TABLE ONLY cmb.callback_signing_secrets
     ADD CONSTRAINT callback_signing_secrets_pkey PRIMARY KEY (secret_id);
 
 ALTER TABLE ONLY cmb.check_states
-    ADD CONSTRAINT check_states_pkey PRIMARY KEY (asset, check_name);
+    ADD CONSTRAINT check_states_pkey PRIMARY KEY (asset, check_name, scope);
 
 ALTER TABLE ONLY cmb.check_transitions
     ADD CONSTRAINT check_transitions_pkey PRIMARY KEY (id);

@@ -5,6 +5,7 @@ import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -322,10 +323,11 @@ def observations(
         ours = {t.scheduler for t in tasks} if options.name is None else {options.name}
         schedulers = [s for s in found.schedulers if s.name in ours]
         ticks = tick_verdicts(tuple(tasks_key.path), schedulers, now, options.minimum_interval_seconds, options.checks)
+        deadlines = deadline_verdicts(database, [t for t in tasks if t.name in paths], paths, now)
+        scope = ",".join(sorted(ours))  # two locations may check one asset: each keeps its scheduler's state
         return [
             AssetObservation(asset_key=tasks_key, metadata=metadata),
-            *ticks,
-            *deadline_verdicts(database, [t for t in tasks if t.name in paths], paths, now),
+            *(replace(verdict, scope=scope) for verdict in [*ticks, *deadlines]),
         ]
 
     return observe

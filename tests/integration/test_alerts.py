@@ -47,7 +47,7 @@ def test_a_check_turning_red_and_green_sends_one_message_each_through_the_callba
     [red] = [call.body for call in sink.received]
     assert red["text"].startswith("[ERROR] eventqueue/note held: 3 events held (pause")
     assert (red["asset"], red["check"], red["severity"], red["previous"]) == ("eventqueue/note", "held", "error", "ok")
-    assert set(red) == {"text", "asset", "check", "severity", "previous", "at"}  # the context alone: Slack's format
+    assert set(red) == {"text", "asset", "check", "scope", "severity", "previous", "at"}  # the context alone
 
     assert unpause(db, "default", "note") == 3
     run_worker(definitions, "cmb_events_worker", 1.0)

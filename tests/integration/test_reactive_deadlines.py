@@ -19,7 +19,8 @@ from dagster import (
     op,
 )
 
-from cmb_dagster import ReactiveOptions, ReactiveTask
+from cmb_dagster import ReactiveOptions, ReactiveTask, health
+from cmb_dagster.cli import main
 from cmb_dagster.ctl import CtlStore
 from cmb_dagster.database import Database
 from cmb_dagster.definitions import cmb_definitions
@@ -264,6 +265,25 @@ def test_the_tick_check_fails_when_the_scheduler_stopped_ticking_and_passes_agai
 
     loc.tick()
     assert loc.checks()[("reactive/tasks", "tick_age")].passed
+
+
+def test_two_locations_checking_the_default_tasks_asset_keep_a_tick_state_each(db, instance, resource):
+    checks = ReactiveChecks(tick_age={"warn_at": 3, "error_at": 10})
+    north = Location(db, instance, resource, [ReactiveTask("mart", report, Delta(*ORDERS, "1h"))], checks=checks)
+    south_tasks = [ReactiveTask("other", report, Delta(*ORDERS, "1h"))]
+    south = Location(db, instance, resource, south_tasks, checks=checks, name="south")
+    north.tick()
+    south.tick()
+    south.sql("UPDATE reactive_schedulers SET ticked_at = now() - interval '2 minutes' WHERE name = 'south'")
+    for _ in range(3):  # both status sensors tick in turn: neither flips the other's state
+        north.checks()
+        south.checks()
+    by_scope = {(s.check, s.scope): s.severity for s in health.states(db) if s.asset == ("reactive", "tasks")}
+    assert by_scope == {("tick_age", "test"): "ok", ("tick_age", "south"): "error"}
+    moved = [(t.scope, t.previous, t.severity) for t in health.transitions(db) if t.check == "tick_age"]
+    assert moved == [("south", "ok", "error")]
+    shown = CliRunner().invoke(main, ["checks"], env={"CMB_DATABASE_URL": db.url, "CMB_SCHEMA": db.schema})
+    assert "ERROR  reactive/tasks tick_age (south)  since " in shown.output, shown.output
 
 
 @pytest.mark.parametrize("error_at", [0.5, 1e13])
