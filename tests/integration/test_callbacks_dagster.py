@@ -172,7 +172,7 @@ def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instan
     run = runs[0]
     assert run.status == DagsterRunStatus.QUEUED
     assert run.tags["team"] == "data" and run.tags["cmb/callback"] == "a/g/report"
-    assert run.tags["user"] == "cmb callback a/g/report"  # the runs list's "Launched by"
+    assert run.tags["cmb/launched_by"] == "cmb callback a/g/report" and "user" not in run.tags
     assert invalid_tag_keys(run.tags) == []
     assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
     # a second call for the same event (say, after a crash before its outcome was written) starts no second run
