@@ -87,9 +87,7 @@ def send_alerts(
     db = Database.of(database)
     with db.connection() as conn:
         rows = conn.execute(sql.UNALERTED_TRANSITIONS, {"limit": limit, "max_age": options.max_age_seconds})
-        pending = [
-            (Transition(i, tuple(a), c, scope, p, s, t, at), fresh) for i, a, c, scope, p, s, t, at, fresh in rows
-        ]
+        pending = [(Transition.of(row), row[8]) for row in rows]
     sent = [t for t, fresh in pending if fresh and alerted(t, options.severity)]
     events = [
         NewCallback(

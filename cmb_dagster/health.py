@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from psycopg.types.json import Jsonb
 from pydantic import Field, model_validator
@@ -98,6 +98,13 @@ class Transition:
     text: str
     at: datetime
 
+    @classmethod
+    def of(cls, row: Sequence[Any]) -> Transition:
+        """The transition a ``check_transitions`` row holds (id, asset, check_name, scope, previous, severity, text,
+        at, in that order)."""
+        i, asset, check, scope, previous, severity, text, at = row[:8]
+        return cls(i, tuple(asset), check, scope, previous, severity, text, at)
+
 
 def record(database: DatabaseSource, verdicts: Sequence[Verdict]) -> list[Transition]:
     """Store the verdicts as the checks' states; return the transitions this call recorded (a check never seen
@@ -114,14 +121,14 @@ def record(database: DatabaseSource, verdicts: Sequence[Verdict]) -> list[Transi
     }
     with Database.of(database).connection() as conn:
         rows = conn.execute(sql.RECORD_CHECK_STATES, params).fetchall()
-    return [Transition(i, tuple(a), c, scope, p, s, t, at) for i, a, c, scope, p, s, t, at in rows]
+    return [Transition.of(row) for row in rows]
 
 
 def transitions(database: DatabaseSource, *, after: int = 0, limit: int = 100) -> list[Transition]:
     """Recorded transitions with an id above ``after``, oldest first."""
     with Database.of(database).connection() as conn:
         rows = conn.execute(sql.CHECK_TRANSITIONS, {"after": after, "limit": limit}).fetchall()
-    return [Transition(i, tuple(a), c, scope, p, s, t, at) for i, a, c, scope, p, s, t, at in rows]
+    return [Transition.of(row) for row in rows]
 
 
 class Checks(Options):
