@@ -1,5 +1,5 @@
 """The Dagster shell every engine shares: bounded-time worker jobs and the sensors that keep them running, the
-launcher of queued runs, the status sensor, the observable assets and the asset checks that bring an engine's
+launcher of runs of other jobs with its launch sensors, the status sensor, the observable assets and the asset checks that bring an engine's
 status into the UI."""
 
 import json
@@ -20,14 +20,13 @@ from dagster import (
     AssetSpec,
     Config,
     DagsterExecutionInterruptedError,
-    DagsterInstance,
+    DagsterInvalidConfigError,
     DagsterRunStatus,
     DefaultSensorStatus,
     Definitions,
     JobDefinition,
     ObserveResult,
     OpExecutionContext,
-    QueuedRunCoordinator,
     RepositoryDefinition,
     RunRecord,
     RunRequest,
@@ -42,15 +41,11 @@ from dagster import (
     multi_observable_source_asset,
     op,
     sensor,
+    validate_run_config,
 )
-
-# Dagster has no public API to create a run of another job of the code location from inside a run: these are the
-# origins ``dagster job launch`` builds.
-from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
-from dagster._core.remote_origin import RemoteJobOrigin, RemoteRepositoryOrigin
 from pydantic import Field
 
-from cmb_dagster import health
+from cmb_dagster import health, run_requests
 from cmb_dagster.alerts import AlertOptions, send_alerts
 from cmb_dagster.callbacks.models import CallbackSettings
 from cmb_dagster.database import Database
@@ -167,68 +162,121 @@ def worker_job_names(prefix: str, base: str, workers: int) -> list[str]:
     return [f"{prefix}{base}_{i}_of_{workers}" for i in range(workers)]
 
 
-class QueuedRunLauncher:
-    """Launches runs of jobs in the worker's own code location, queued for the daemon.
+LAUNCH_INTERVAL_SECONDS = 5
+"""Seconds between the ticks of a launch sensor."""
 
-    A run is tagged with its run key (``run_key_tag``); launching the same key again returns the run
-    launched before, also when it was tagged with one of ``also_tags``. The run's origins are the current run's.
+
+def launch_sensor_name(prefix: str, engine: str, job_name: str) -> str:
+    """The sensor that launches the runs of ``job_name`` an engine asks for."""
+    return f"{prefix}{engine}_launch_{job_name}"
+
+
+def launch_sensors(
+    prefix: str, engine: str, job_names: Sequence[str], *, older_run_key_tags: Sequence[str] = ()
+) -> list[SensorDefinition]:
+    """One sensor per job an engine launches: it turns the stored requests of its code location into
+    ``RunRequest``s with their run keys (one run per key) and deletes them on its next tick.
+
+    A request whose run config the job refuses is dropped with a log line; one whose key a run of an older release
+    carries in ``older_run_key_tags`` is not launched again.
     """
+    return [_launch_sensor(launch_sensor_name(prefix, engine, name), name, older_run_key_tags) for name in job_names]
+
+
+def _launch_sensor(name: str, job_name: str, older_tags: Sequence[str]) -> SensorDefinition:
+    @sensor(
+        name=name,
+        job_name=job_name,
+        minimum_interval_seconds=LAUNCH_INTERVAL_SECONDS,
+        default_status=DefaultSensorStatus.RUNNING,
+        description=f"Launches the runs of {job_name} that cmb_dagster's workers ask for, one per run key.",
+    )
+    def _launch(context: SensorEvaluationContext, cmb: CmbResource) -> SensorResult:
+        done = _launched(context.cursor)
+        taken = run_requests.take(cmb.database, location=location_of(context), sensor=name, done=done)
+        job = context.repository_def.get_job(job_name) if context.repository_def is not None else None
+        requests = []
+        for request in taken:
+            if any(context.instance.get_run_ids(RunsFilter(tags={t: request.run_key}), limit=1) for t in older_tags):
+                continue
+            refused = config_error(job, request.run_config) if job is not None else None
+            if refused is not None:
+                context.log.warning(f"run {request.run_key} of {job_name} not launched: {refused}")
+                continue
+            requests.append(
+                RunRequest(run_key=request.run_key, run_config=dict(request.run_config), tags=dict(request.tags))
+            )
+        cursor = json.dumps([r.id for r in taken])
+        if not requests:
+            return SensorResult(skip_reason=SkipReason("no run requested"), cursor=cursor)
+        return SensorResult(run_requests=requests, cursor=cursor)
+
+    return _launch
+
+
+def _launched(cursor: str | None) -> list[int]:
+    """The request ids a launch sensor's cursor names (an operator may set any text: what is not ids is none)."""
+    try:
+        ids = json.loads(cursor or "[]")
+        ids = [int(i) for i in ids] if isinstance(ids, list) else []
+    except (ValueError, TypeError):
+        return []
+    return [i for i in ids if 0 < i < 2**63][: run_requests.MAX_TAKEN]
+
+
+def config_error(job: JobDefinition, run_config: Mapping[str, Any]) -> str | None:
+    """Why ``job`` refuses ``run_config`` (None: it accepts it)."""
+    try:
+        validate_run_config(job, dict(run_config))
+    except DagsterInvalidConfigError as exc:
+        return f"job {job.name!r} refuses the run config: {'; '.join(e.message for e in exc.errors)[:500]}"
+    return None
+
+
+def location_of(context: SensorEvaluationContext) -> str:
+    """The name of the code location a sensor runs in (``default`` when evaluated outside one, as in tests)."""
+    origin = context.code_location_origin
+    return origin.location_name if origin is not None else DEFAULT_LOCATION
+
+
+DEFAULT_LOCATION = "default"
+
+
+class RunRequestLauncher:
+    """Launches runs of jobs of the worker's code location: stores a request the job's launch sensor turns into a
+    run, once per run key. ``sensors`` maps each job the engine may launch to its launch sensor."""
 
     def __init__(
-        self,
-        instance: DagsterInstance,
-        repository: RepositoryDefinition,
-        remote_origin: RemoteRepositoryOrigin,
-        python_origin: RepositoryPythonOrigin,
-        *,
-        run_key_tag: str,
-        also_tags: Sequence[str] = (),
+        self, database: Database, repository: RepositoryDefinition, sensors: Mapping[str, str], *, location: str
     ) -> None:
-        self.instance = instance
+        self.database = database
         self.repository = repository
-        self.remote_origin = remote_origin
-        self.python_origin = python_origin
-        self.run_key_tag = run_key_tag
-        self.also_tags = tuple(also_tags)
+        self.sensors = dict(sensors)
+        self.location = location
 
     @classmethod
     def from_context(
-        cls, context: OpExecutionContext, *, run_key_tag: str, also_tags: Sequence[str] = ()
-    ) -> "QueuedRunLauncher | None":
-        """The launcher for the code location of the run ``context`` belongs to (None when run in process)."""
-        run = context.dagster_run
-        if run.remote_job_origin is None or run.job_code_origin is None:
+        cls, database: Database, context: OpExecutionContext, sensors: Mapping[str, str]
+    ) -> "RunRequestLauncher | None":
+        """The launcher of the code location the run ``context`` belongs to (None when run outside one)."""
+        origin = context.run.remote_job_origin
+        if origin is None:
             return None
-        return cls(
-            context.instance,
-            context.repository_def,
-            run.remote_job_origin.repository_origin,
-            run.job_code_origin.repository_origin,
-            run_key_tag=run_key_tag,
-            also_tags=also_tags,
-        )
+        return cls(database, context.repository_def, sensors, location=origin.location_name)
 
-    def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str:
-        """Queue a run of ``job_name`` (once per ``run_key``); return its run id."""
-        for tag in (self.run_key_tag, *self.also_tags):
-            existing = self.instance.get_run_ids(RunsFilter(tags={tag: run_key}), limit=1)
-            if existing:
-                return existing[0]
-        if not self.repository.has_job(job_name):
-            raise LookupError(f"code location has no job {job_name!r}")
-        if not isinstance(self.instance.run_coordinator, QueuedRunCoordinator):
-            raise RuntimeError(  # the deployment's setting is wrong, not an argument's type
-                f"launching {job_name!r} needs the QueuedRunCoordinator (see dagster.yaml)"
-            )
-        run = self.instance.create_run_for_job(
-            job_def=self.repository.get_job(job_name),
-            run_config=dict(run_config),
-            tags={**tags, self.run_key_tag: run_key},
-            remote_job_origin=RemoteJobOrigin(repository_origin=self.remote_origin, job_name=job_name),
-            job_code_origin=JobPythonOrigin(job_name, self.python_origin),
+    def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> None:
+        """Ask for a run of ``job_name`` (once per ``run_key``). LookupError: not a job this engine launches;
+        ValueError: the job refuses ``run_config``."""
+        sensor_name = self.sensors.get(job_name)
+        if sensor_name is None or not self.repository.has_job(job_name):
+            opened = ", ".join(sorted(self.sensors)) or "none"
+            raise LookupError(f"{job_name!r} is not a job of this code location it launches (it launches: {opened})")
+        refused = config_error(self.repository.get_job(job_name), run_config)
+        if refused is not None:
+            raise ValueError(refused)
+        run_requests.store(
+            self.database, location=self.location, sensor=sensor_name, run_key=run_key, run_config=run_config, tags=tags
         )
-        self.instance.submit_run(run.run_id, workspace=None)  # type: ignore[arg-type]
-        return run.run_id
 
 
 Observe = Callable[[Database], Sequence[AssetObservation | Verdict]]

@@ -1,5 +1,6 @@
 """Dagster shell of the callbacks engine: worker jobs and their keepers, cleanup, the schedules materializer,
-and the status sensor observing each worker job's buckets. ``dagster://<job>`` callbacks become queued runs."""
+and the status sensor observing each worker job's buckets. ``dagster://<job>`` callbacks to the jobs
+the options open become runs, launched by each job's launch sensor."""
 
 from dagster import (
     AssetKey,
@@ -28,8 +29,10 @@ from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import (
     Observe,
-    QueuedRunLauncher,
+    RunRequestLauncher,
     keep_running_sensor,
+    launch_sensor_name,
+    launch_sensors,
     status_definitions,
     worker_job,
     worker_job_names,
@@ -37,8 +40,8 @@ from cmb_dagster.jobs import (
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-RUN_KEY_TAG = "cmb/callbacks.run_key"
-OLDER_RUN_KEY_TAGS = ("cmb/callbacks/run_key", "cmb/callback_run_key")  # of older releases: such a run counts too
+# a run of an older release counts too
+OLDER_RUN_KEY_TAGS = ("cmb/callbacks.run_key", "cmb/callbacks/run_key", "cmb/callback_run_key")
 
 
 def counts_asset_key(options: CallbackOptions, index: int, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
@@ -46,10 +49,10 @@ def counts_asset_key(options: CallbackOptions, index: int, translator: CmbTransl
     return translator.get_asset_key("callbacks", [worker_job_names("", "events", options.workers)[index]])
 
 
-def _run_worker(options: CallbackOptions, index: int):  # type: ignore[no-untyped-def]
+def _run_worker(options: CallbackOptions, index: int, sensors: dict[str, str]):  # type: ignore[no-untyped-def]
     def run(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         buckets = bucket_slice(database, index, options.workers)
-        launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG, also_tags=OLDER_RUN_KEY_TAGS)
+        launcher = RunRequestLauncher.from_context(database, context, sensors)
         return CallbackWorker(database, options.settings, buckets=buckets, launcher=launcher).run(duration)
 
     return run
@@ -73,10 +76,11 @@ def callback_definitions(
     ``resource`` is the ``cmb`` resource the engine's ops use (``cmb_definitions`` passes its own).
     """
     names = worker_job_names(prefix, "callbacks_worker", options.workers)
+    sensors = {job: launch_sensor_name(prefix, "callbacks", job) for job in options.jobs}
     workers = [
         worker_job(
             name,
-            _run_worker(options, i),
+            _run_worker(options, i, sensors),
             description=f"Calls callbacks back: polls buckets with id % {options.workers} == {i} for a bounded time.",
             tags=translator.get_worker_tags("callbacks", name),
         )
@@ -133,7 +137,11 @@ def callback_definitions(
         Definitions(
             jobs=[*workers, cleanup_job],
             schedules=[cleanup_schedule],
-            sensors=[*(keep_running_sensor(w) for w in workers), materializer],
+            sensors=[
+                *(keep_running_sensor(w) for w in workers),
+                materializer,
+                *launch_sensors(prefix, "callbacks", options.jobs, older_run_key_tags=OLDER_RUN_KEY_TAGS),
+            ],
             resources={"cmb": resource or CmbResource()},
         ),
         status,

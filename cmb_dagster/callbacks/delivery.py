@@ -31,10 +31,10 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_job_name
@@ -42,6 +42,7 @@ from cmb_dagster.callbacks.signing import signature_headers
 from cmb_dagster.executor import Executor, Task
 from cmb_dagster.isolation import TimedOut, describe_error, sanitize
 from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
+from cmb_dagster.run_requests import JobLauncher
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -81,16 +82,6 @@ class Gate(Protocol):
         """``delivery`` holds no slot any more (its call ended, or it was not called)."""
 
     async def close(self) -> None: ...
-
-
-class JobLauncher(Protocol):
-    """Starts a Dagster run for a ``dagster://<job>`` event; the Dagster shell provides it.
-
-    ``run_key`` identifies the event: launching twice with one key must start one run only.
-    Raise ``LookupError`` for a job that does not exist (the event fails without retries).
-    """
-
-    def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str: ...
 
 
 @dataclass(eq=False)
@@ -704,8 +695,8 @@ class DeliveryPool:
                 run_config=context.get("run_config") or {},
                 tags=tags,
             )
-        except LookupError as exc:
-            return Answer(FAILED, f"no Dagster job {job_name!r}: {describe_error(exc)}")
+        except (LookupError, ValueError) as exc:
+            return Answer(FAILED, f"no run of Dagster job {job_name!r}: {describe_error(exc)}")
         except Exception as exc:  # noqa: BLE001 - any launch failure is retried by the policy
             return Answer(RETRY, f"Dagster launch failed: {describe_error(exc)}")
         return Answer(NOTIFIED, None)

@@ -949,8 +949,22 @@ class CallbackOptions(Options):
         default=60, ge=5, le=86400, description="How often the status sensor observes each bucket set's events."
     )
     checks: CallbackChecks = Field(default_factory=CallbackChecks, description="Limits of the asset checks.")
+    jobs: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Jobs of the code location that dagster://<job> callbacks may launch (a launch sensor each); "
+        "a callback to another job fails.",
+    )
 
     _cron_is_valid = field_validator("cleanup_cron")(lambda cls, v: _valid_cron(v))
+
+    @field_validator("jobs")
+    @classmethod
+    def _job_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _JOB_NAME.match(name):
+                raise ValueError(f"{name!r} is not a Dagster job name (letters, digits and _)")
+        return sorted(set(names))
 
     def worker_job_name(self, index: int, prefix: str = "cmb_") -> str:
         """Deprecated: ``cmb_dagster.jobs.worker_job_names(prefix, "callbacks_worker", workers)[index]``."""

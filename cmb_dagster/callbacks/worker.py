@@ -42,7 +42,6 @@ from cmb_dagster.callbacks.delivery import (
     Delivery,
     DeliveryPool,
     FlowKey,
-    JobLauncher,
     target_host,
 )
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
@@ -58,6 +57,7 @@ from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, O
 from cmb_dagster.isolation import sanitize
 from cmb_dagster.models import describe
 from cmb_dagster.notifications import channel_name
+from cmb_dagster.run_requests import JobLauncher
 from cmb_dagster.workers import EngineWorker, Lease, LeaseLost, Leases, Worker, WorkerReport, default_owner
 
 log = logging.getLogger("cmb_dagster.callbacks")

@@ -1,5 +1,5 @@
 """Dagster shell of the event queue: worker jobs kept running by sensors, per-handler observations, the
-``events`` resource for ops; Dagster-job handlers launch queued runs.
+``events`` resource for ops; a Dagster-job handler's runs are launched by the launch sensor of its job.
 
 Each handler has an external asset ``eventqueue/<handler>``; the ``<prefix>events_status`` sensor observes
 it with ``queued``, ``delayed``, ``locked``, ``held``, ``dead`` and ``oldest_queued_seconds`` (plotted on the
@@ -27,8 +27,10 @@ from cmb_dagster.eventqueue.worker import EventWorker
 from cmb_dagster.flow import KeyUse, describe_limits
 from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import (
-    QueuedRunLauncher,
+    RunRequestLauncher,
     keep_running_sensor,
+    launch_sensor_name,
+    launch_sensors,
     status_definitions,
     worker_job,
     worker_job_names,
@@ -36,8 +38,7 @@ from cmb_dagster.jobs import (
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.workers import WorkerReport
 
-RUN_KEY_TAG = "cmb/eventqueue.run_key"
-OLDER_RUN_KEY_TAG = "cmb/eventqueue/run_key"  # of older releases: such a run counts too
+OLDER_RUN_KEY_TAGS = ("cmb/eventqueue.run_key", "cmb/eventqueue/run_key")  # a run of an older release counts too
 
 
 class EventQueueResource(ConfigurableResource):
@@ -135,9 +136,11 @@ def eventqueue_definitions(
     one asset per handler and the ``events`` resource (on the database of ``resource``, the ``cmb`` one)."""
     registry = options.registry()
     resource = resource or CmbResource()
+    launched = sorted({job for job in (registry[name].job_name for name in registry.names) if job})
+    sensors = {job: launch_sensor_name(prefix, "events", job) for job in launched}
 
     def run_worker(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
-        launcher = QueuedRunLauncher.from_context(context, run_key_tag=RUN_KEY_TAG, also_tags=[OLDER_RUN_KEY_TAG])
+        launcher = RunRequestLauncher.from_context(database, context, sensors)
         worker = EventWorker(database, options, launcher=launcher)
         context.log.info(f"events worker {worker.owner} serving {', '.join(worker.names)}")
         return worker.run(duration)
@@ -180,7 +183,10 @@ def eventqueue_definitions(
     return Definitions.merge(
         Definitions(
             jobs=workers,
-            sensors=[keep_running_sensor(w) for w in workers],
+            sensors=[
+                *(keep_running_sensor(w) for w in workers),
+                *launch_sensors(prefix, "events", launched, older_run_key_tags=OLDER_RUN_KEY_TAGS),
+            ],
             resources={"cmb": resource, "events": EventQueueResource(cmb=resource)},
         ),
         status,

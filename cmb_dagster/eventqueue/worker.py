@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import psycopg
@@ -46,6 +46,7 @@ from cmb_dagster.executor import Executor, RemoteError, is_coroutine_function
 from cmb_dagster.isolation import describe_error, describe_traceback
 from cmb_dagster.models import LAUNCHED_BY_TAG, MAX_TAG_VALUE
 from cmb_dagster.notifications import channel_name
+from cmb_dagster.run_requests import JobLauncher
 from cmb_dagster.workers import EngineWorker, Lease, Worker
 
 log = logging.getLogger("cmb_dagster.eventqueue")
@@ -93,12 +94,6 @@ _HELD = {
 STAGE_LIMIT = 10_000  # waiting events one staging statement makes ready at most
 
 
-class Launcher(Protocol):
-    """Launches a Dagster job run (the Dagster shell provides one inside a worker job)."""
-
-    def launch(self, job_name: str, *, run_key: str, run_config: Mapping[str, Any], tags: Mapping[str, str]) -> str: ...
-
-
 @dataclass(eq=False)
 class Claimed:
     """An event this worker holds the lock of, from its claim until it is deleted, retried or released."""
@@ -135,7 +130,7 @@ class EventWorker(EngineWorker):
         settings: WorkerSettings | None = None,
         *,
         owner: str | None = None,
-        launcher: Launcher | None = None,
+        launcher: JobLauncher | None = None,
     ) -> None:
         super().__init__(db, owner=owner)
         self.options = _options(options, settings)

@@ -14,7 +14,7 @@ from cmb_dagster.resources import CmbResource
 DEMO_SINK = "http://127.0.0.1:8765"  # the sink `cmb-dagster dev` (or `cmb-dagster callbacks sink`) serves
 # Private addresses are closed by default: open the local sink explicitly (and keep any public host open).
 SETTINGS = CallbackSettings(allowed_hosts=["*", "127.0.0.1"])
-OPTIONS = CallbackOptions(settings=SETTINGS)
+OPTIONS = CallbackOptions(settings=SETTINGS, jobs=["callbacks_demo_target"])
 
 
 class DemoConfig(Config):

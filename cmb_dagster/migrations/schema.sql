@@ -698,6 +698,25 @@ CREATE TABLE cmb.reactive_tasks (
     CONSTRAINT reactive_tasks_status_check CHECK ((status = ANY (ARRAY['new'::text, 'waiting'::text, 'ready'::text, 'launched'::text, 'backoff'::text, 'error'::text])))
 );
 
+CREATE TABLE cmb.run_requests (
+    id bigint NOT NULL,
+    location text NOT NULL,
+    sensor text NOT NULL,
+    run_key text NOT NULL,
+    run_config jsonb NOT NULL,
+    tags jsonb NOT NULL,
+    requested_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+ALTER TABLE cmb.run_requests ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.run_requests_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE cmb.schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
@@ -890,6 +909,12 @@ ALTER TABLE ONLY cmb.reactive_schedulers
 ALTER TABLE ONLY cmb.reactive_tasks
     ADD CONSTRAINT reactive_tasks_pkey PRIMARY KEY (scheduler, name);
 
+ALTER TABLE ONLY cmb.run_requests
+    ADD CONSTRAINT run_requests_location_sensor_run_key_key UNIQUE (location, sensor, run_key);
+
+ALTER TABLE ONLY cmb.run_requests
+    ADD CONSTRAINT run_requests_pkey PRIMARY KEY (id);
+
 ALTER TABLE ONLY cmb.schema_migrations
     ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
 
@@ -978,6 +1003,8 @@ CREATE INDEX reactive_tasks_ready ON cmb.reactive_tasks USING btree (scheduler, 
 CREATE INDEX reactive_tasks_shown ON cmb.reactive_tasks USING btree (scheduler, COALESCE(shown_at, '-infinity'::timestamp with time zone), priority DESC, name) WHERE ((status = 'waiting'::text) AND defined);
 
 CREATE INDEX reactive_tasks_wake ON cmb.reactive_tasks USING btree (scheduler, wake_at) WHERE (wake_at IS NOT NULL);
+
+CREATE INDEX run_requests_by_sensor ON cmb.run_requests USING btree (location, sensor, id);
 
 CREATE INDEX stage_changes_shard ON cmb.stage_changes USING btree (shard_id, changed_at);
 

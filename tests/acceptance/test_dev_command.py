@@ -45,6 +45,13 @@ LAUNCH = """mutation($job: String!) { launchRun(executionParams: {selector: {rep
   repositoryName: "__repository__", jobName: $job}, runConfigData: {}}) {
   __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }"""
 RUN = "query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }"
+RUNS_OF = """query($job: String!) { runsOrError(filter: {pipelineName: $job}) {
+  ... on Runs { results { runId status tags { key value } } } } }"""
+
+
+def finished_runs(port: int, job: str) -> list[dict]:
+    runs = graphql(port, RUNS_OF, {"job": job})["runsOrError"]["results"]
+    return [r for r in runs if r["status"] in ("SUCCESS", "FAILURE")]
 
 
 class DevServer:
@@ -105,6 +112,14 @@ def test_dev_serves_examples_and_restart_keeps_runs_and_rows(dev_env, tmp_path):
             "the run to finish",
         )
         assert status == "SUCCESS", (tmp_path / "dev.log").read_text()[-3000:]
+        # a Dagster-job handler's run: the worker stores the request, the job's launch sensor launches it
+        assert graphql(port, LAUNCH, {"job": "eventqueue_demo_place_order"})["launchRun"]["__typename"] == (
+            "LaunchRunSuccess"
+        )
+        [report] = wait_until(lambda: finished_runs(port, "eventqueue_demo_report"), 240, "the handler's run")
+        tags = {t["key"]: t["value"] for t in report["tags"]}
+        assert report["status"] == "SUCCESS" and tags["dagster/run_key"].startswith("eventqueue:"), tags
+        assert tags["dagster/sensor_name"] == "cmb_events_launch_eventqueue_demo_report"
     finally:
         server.stop()
     if "CMB_DATABASE_URL" not in dev_env:  # embedded: restart the server itself too

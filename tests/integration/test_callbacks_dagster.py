@@ -9,19 +9,13 @@ import pytest
 from dagster import (
     AssetKey,
     Config,
-    DagsterRunStatus,
     Definitions,
-    RunsFilter,
     SkipReason,
     build_sensor_context,
     instance_for_test,
     job,
     op,
 )
-from dagster._core.code_pointer import CodePointer
-from dagster._core.origin import RepositoryPythonOrigin
-from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
-from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from observed import observations
 from running import Running
 from tags import invalid_tag_keys
@@ -35,10 +29,9 @@ from cmb_dagster.callbacks import (
     InvalidCallbackInput,
 )
 from cmb_dagster.callbacks.client import CREATE_CHUNK
-from cmb_dagster.callbacks.dagster_defs import RUN_KEY_TAG
 from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.definitions import cmb_definitions
-from cmb_dagster.jobs import QueuedRunLauncher
+from cmb_dagster.jobs import DEFAULT_LOCATION, RunRequestLauncher
 from cmb_dagster.models import Backoff
 from cmb_dagster.resources import CmbResource
 
@@ -132,24 +125,18 @@ def test_materializer_sensor_and_cleanup_job(db, database_url):
         assert len(client.list()) == 2
 
 
-@pytest.fixture
-def queued_instance():
-    overrides = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
-    with instance_for_test(overrides=overrides) as instance:
-        yield instance
+def stored_requests(db) -> int:
+    with db.connection() as conn:
+        return conn.execute("SELECT count(*) FROM run_requests").fetchone()[0]
 
 
-def launcher_for(instance, repository) -> QueuedRunLauncher:
-    """The launcher a worker op builds from its run's origins, for a code location loaded from this file."""
-    target = LoadableTargetOrigin(executable_path=sys.executable, python_file=__file__, attribute="location")
-    remote = RemoteRepositoryOrigin(InProcessCodeLocationOrigin(target, location_name="test"), "__repository__")
-    python = RepositoryPythonOrigin(sys.executable, CodePointer.from_python_file(__file__, "location", None))
-    return QueuedRunLauncher(instance, repository, remote, python, run_key_tag=RUN_KEY_TAG)
-
-
-def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instance):
-    repository = defs(database_url).get_repository_def()
-    launcher = launcher_for(queued_instance, repository)
+def test_dagster_targets_request_one_run_per_event_of_the_opened_jobs(db, database_url):
+    d = defs(database_url, jobs=["nightly_report"])
+    sensor = d.resolve_sensor_def("cmb_callbacks_launch_nightly_report")
+    launcher = RunRequestLauncher(
+        db, d.get_repository_def(), {"nightly_report": sensor.name}, location=DEFAULT_LOCATION
+    )
+    day = {"run_config": {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}}
     with CallbackClient(db, FAST) as client:
         client.create(
             "a",
@@ -157,31 +144,49 @@ def test_dagster_targets_queue_one_run_per_event(db, database_url, queued_instan
             "report",
             datetime.now(UTC) + timedelta(milliseconds=300),
             "dagster://nightly_report",
-            {"run_config": {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}, "tags": {"team": "data"}},
+            {**day, "tags": {"team": "data"}},
         )
         client.create("a", "g", "typo", datetime.now(UTC), "dagster://nightly_reprot")
+        client.create("a", "g", "closed", datetime.now(UTC), "dagster://nightly_cleanup", day)
+        client.create("a", "g", "refused", datetime.now(UTC), "dagster://nightly_report", {"run_config": {"ops": {}}})
         with Running(CallbackWorker(db, FAST, launcher=launcher)):
             wait_until(
-                lambda: {e.event_key: e.status for e in client.list()} == {"report": "notified", "typo": "failed"}
+                lambda: (
+                    {e.event_key: e.status for e in client.list()}
+                    == {"report": "notified", "typo": "failed", "closed": "failed", "refused": "failed"}
+                )
             )
-        event = client.get("a", "g", "report")
         assert "nightly_reprot" in client.get("a", "g", "typo").last_error
+        assert "it launches: nightly_report" in client.get("a", "g", "closed").last_error
+        assert "refuses the run config" in client.get("a", "g", "refused").last_error
+        event = client.get("a", "g", "report")
+    assert stored_requests(db) == 1
 
-    runs = queued_instance.get_runs(RunsFilter(job_name="nightly_report"))
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.status == DagsterRunStatus.QUEUED
-    assert run.tags["team"] == "data" and run.tags["cmb/callback"] == "a/g/report"
-    assert run.tags["cmb/launched_by"] == "cmb callback a/g/report" and "user" not in run.tags
-    assert invalid_tag_keys(run.tags) == []
-    assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
-    # a second call for the same event (say, after a crash before its outcome was written) starts no second run
-    again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})
-    assert again == run.run_id and event.status == "notified"
-    assert len(queued_instance.get_runs(RunsFilter(job_name="nightly_report"))) == 1
+    resources = {"cmb": CmbResource(database_url=database_url)}
+    with instance_for_test() as instance:
+        with build_sensor_context(instance=instance, resources=resources, repository_def=d.get_repository_def()) as ctx:
+            first = sensor(ctx)
+        [request] = first.run_requests
+        assert request.run_key == f"cmb-callback-{event.event_id}"
+        assert request.tags["team"] == "data" and request.tags["cmb/callback"] == "a/g/report"
+        assert request.tags["cmb/launched_by"] == "cmb callback a/g/report" and "user" not in request.tags
+        assert invalid_tag_keys(request.tags) == []
+        assert request.run_config == day["run_config"]
+        # a second call for the same event (say, after a crash before its outcome was written) asks for no second run
+        launcher.launch("nightly_report", run_key=request.run_key, run_config=day["run_config"], tags={})
+        assert stored_requests(db) == 1
+        with build_sensor_context(instance=instance, resources=resources, cursor=first.cursor) as ctx:
+            assert sensor(ctx).run_requests == []
+    assert stored_requests(db) == 0
 
 
-location = Definitions(jobs=[nightly_report])
+def test_a_job_opened_for_callbacks_must_exist(database_url):
+    with pytest.raises(Exception, match="nightly_reprot"):
+        defs(database_url, jobs=["nightly_reprot"]).get_repository_def()
+    with pytest.raises(InvalidCallbackInput, match="jobs"):
+        CallbackOptions(jobs=["nightly report; DROP"])
+
+
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 
 

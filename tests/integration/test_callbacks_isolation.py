@@ -230,7 +230,7 @@ class Launcher:
         (RuntimeError("boom\x00here"), "Dagster launch failed: RuntimeError: boom\\0here"),
         (RuntimeError("lone \ud800"), "Dagster launch failed: RuntimeError: lone \ufffd"),
         (BrokenMessage(), "Dagster launch failed: BrokenMessage: (its message could not be read)"),
-        (LookupError("no\x00job"), "no Dagster job 'nightly': LookupError: no\\0job"),
+        (LookupError("no\x00job"), "no run of Dagster job 'nightly': LookupError: no\\0job"),
     ],
 )
 def test_a_launch_error_is_stored_sanitised(db, work, error, stored):

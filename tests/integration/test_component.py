@@ -4,10 +4,11 @@ test utilities."""
 import re
 
 import pytest
-from dagster import AssetKey
+from dagster import AssetKey, Definitions
 from dagster.components.testing import create_defs_folder_sandbox
 
 from cmb_dagster import CmbComponent, InvalidInput
+from cmb_dagster.examples.eventqueue import example_jobs
 from cmb_dagster.pubsub import InvalidPubSubInput
 
 
@@ -34,6 +35,7 @@ def test_a_defs_yaml_turns_on_the_engines_it_names_with_their_options(monkeypatc
         }
     )
     assert isinstance(component, CmbComponent)
+    defs = Definitions.merge(defs, Definitions(jobs=example_jobs))  # the team's own jobs, from the defs folder
     jobs = {job.name for job in defs.resolve_all_job_defs()}
     assert "shop_pubsub_consumer_orders_branch_0" in jobs and "shop_events_worker" in jobs
     assert not any(name.startswith("cmb_") for name in jobs)  # the prefix names everything added

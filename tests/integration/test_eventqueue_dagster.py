@@ -1,22 +1,15 @@
 """The event queue in Dagster: worker jobs and keepers, status observations, the resource, Dagster-job handlers."""
 
-import sys
-
 import pytest
 from dagster import (
     Config,
-    DagsterRunStatus,
+    DagsterInvalidDefinitionError,
     Definitions,
-    RunsFilter,
     build_sensor_context,
     instance_for_test,
     job,
     op,
 )
-from dagster._core.code_pointer import CodePointer
-from dagster._core.origin import RepositoryPythonOrigin
-from dagster._core.remote_origin import InProcessCodeLocationOrigin, RemoteRepositoryOrigin
-from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from observed import observations
 from tags import invalid_tag_keys
 
@@ -32,8 +25,8 @@ from cmb_dagster.eventqueue import (
     pause,
     status,
 )
-from cmb_dagster.eventqueue.dagster_defs import RUN_KEY_TAG, EventQueueResource
-from cmb_dagster.jobs import QueuedRunLauncher
+from cmb_dagster.eventqueue.dagster_defs import EventQueueResource
+from cmb_dagster.jobs import DEFAULT_LOCATION, RunRequestLauncher
 from cmb_dagster.resources import CmbResource
 
 SEEN = []
@@ -60,7 +53,6 @@ def nightly_report() -> None:
 
 
 handlers.dagster_job("report", job_name="nightly_report", max_retries=0)
-handlers.dagster_job("typo", job_name="nightly_reprot", max_retries=0)
 
 OPTIONS = EventQueueOptions(handlers=handlers, workers=2, worker=WorkerSettings(sweep_interval=0.2))
 
@@ -124,42 +116,80 @@ def test_definitions_status_sensor_worker_job_and_resource(db, database_url):
         with build_sensor_context(instance=instance, resources={"cmb": CmbResource(database_url=database_url)}) as ctx:
             result = sensor(ctx)
         observed = {e.asset_key.path[-1]: e.metadata for e in observations(result)}
-        assert set(observed) == {"note", "report", "typo"}
+        assert set(observed) == {"note", "report"}
         assert observed["note"]["held"].value == 1 and observed["note"]["paused"].value is True
         assert observed["note"]["blocked"].value is False and observed["report"]["queued"].value == 0
 
 
-@pytest.fixture
-def queued_instance():
-    overrides = {"run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"}}
-    with instance_for_test(overrides=overrides) as instance:
-        yield instance
+REPORT_CONFIG = {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
 
 
-def test_dagster_job_handler_launches_one_run_per_event(db, database_url, queued_instance):
-    repository = defs(database_url).get_repository_def()
-    target = LoadableTargetOrigin(executable_path=sys.executable, python_file=__file__, attribute="location")
-    remote = RemoteRepositoryOrigin(InProcessCodeLocationOrigin(target, location_name="test"), "__repository__")
-    python = RepositoryPythonOrigin(sys.executable, CodePointer.from_python_file(__file__, "location", None))
-    launcher = QueuedRunLauncher(queued_instance, repository, remote, python, run_key_tag=RUN_KEY_TAG)
-    options = EventQueueOptions(handlers=handlers, worker=WorkerSettings(listen=False))
-    worker = EventWorker(db, options, launcher=launcher)
+def stored_requests(db) -> int:
+    with db.connection() as conn:
+        return conn.execute("SELECT count(*) FROM run_requests").fetchone()[0]
+
+
+def test_dagster_job_handler_requests_one_run_per_event(db, database_url):
+    d = defs(database_url)
+    sensor = d.resolve_sensor_def("cmb_events_launch_nightly_report")
+    launcher = RunRequestLauncher(
+        db, d.get_repository_def(), {"nightly_report": sensor.name}, location=DEFAULT_LOCATION
+    )
+    launching = HandlerRegistry()
+    launching.dagster_job("report", job_name="nightly_report", max_retries=0)
+    launching.dagster_job("typo", job_name="nightly_reprot", max_retries=0)
+    worker = EventWorker(
+        db, EventQueueOptions(handlers=launching, worker=WorkerSettings(listen=False)), launcher=launcher
+    )
     worker.register()
     good = emit("ns", "report", {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}, db=db)
-    bad = emit("ns", "typo", {}, db=db)
-    edges = worker.dequeue([good, bad])
-    assert edges == {good: [Edge.LOCK_NONE, Edge.EXECUTES_TO_COMPLETION], bad: [Edge.LOCK_NONE, Edge.RETRY_TOO_MANY]}
-    assert "nightly_reprot" in dead_letters(db)[0].error
-    [run] = queued_instance.get_runs(RunsFilter(job_name="nightly_report"))
-    assert run.status == DagsterRunStatus.QUEUED
-    assert run.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
-    assert run.tags["cmb/eventqueue.event_id"] == str(good)
-    assert invalid_tag_keys(run.tags) == []
-    assert run.tags["cmb/launched_by"].startswith(f"cmb event {good} (") and "user" not in run.tags
-    again = launcher.launch("nightly_report", run_key=run.tags[RUN_KEY_TAG], run_config={}, tags={})
-    assert again == run.run_id  # the run key keeps a retried event from launching twice
+    refused = emit("ns", "report", {"ops": {"build_report": {"config": {"day": 5}}}}, db=db)
+    typo = emit("ns", "typo", {}, db=db)
+    edges = worker.dequeue([good, refused, typo])
+    assert edges[good] == [Edge.LOCK_NONE, Edge.EXECUTES_TO_COMPLETION]
+    assert edges[refused] == edges[typo] == [Edge.LOCK_NONE, Edge.RETRY_TOO_MANY]
+    errors = {d.id: d.error for d in dead_letters(db)}
+    assert "nightly_reprot" in errors[typo] and "refuses the run config" in errors[refused]
+    assert stored_requests(db) == 1  # only the good event's run is asked for
+
+    resources = {"cmb": CmbResource(database_url=database_url)}
+    with instance_for_test() as instance:
+        with build_sensor_context(instance=instance, resources=resources, repository_def=d.get_repository_def()) as ctx:
+            first = sensor(ctx)
+        [request] = first.run_requests
+        assert request.run_key == f"eventqueue:{good}"
+        assert request.run_config == {"ops": {"build_report": {"config": {"day": "2030-01-01"}}}}
+        assert request.tags["cmb/eventqueue.event_id"] == str(good) and invalid_tag_keys(request.tags) == []
+        assert request.tags["cmb/launched_by"].startswith(f"cmb event {good} (") and "user" not in request.tags
+        # a retried event asks again under its run key: one request, and Dagster starts one run per key
+        launcher.launch("nightly_report", run_key=request.run_key, run_config=request.run_config, tags={})
+        assert stored_requests(db) == 1
+        with build_sensor_context(instance=instance, resources=resources, cursor=first.cursor) as ctx:
+            second = sensor(ctx)
+        assert second.run_requests == [] and stored_requests(db) == 0  # launched requests are deleted
     assert [s.dead for s in status(db).handlers if s.handler == "typo"] == [1]
     worker.close()
 
 
-location = Definitions(jobs=[nightly_report])
+@pytest.mark.parametrize("cursor", ["[1", '{"a": 1}', '["x"]', "[99999999999999999999999]", "'; DROP TABLE x; --"])
+def test_launch_sensor_takes_any_cursor_an_operator_sets(db, database_url, cursor):
+    d = defs(database_url)
+    sensor = d.resolve_sensor_def("cmb_events_launch_nightly_report")
+    launcher = RunRequestLauncher(
+        db, d.get_repository_def(), {"nightly_report": sensor.name}, location=DEFAULT_LOCATION
+    )
+    launcher.launch("nightly_report", run_key="k", run_config=REPORT_CONFIG, tags={})
+    resources = {"cmb": CmbResource(database_url=database_url)}
+    with (
+        instance_for_test() as instance,
+        build_sensor_context(instance=instance, resources=resources, cursor=cursor) as ctx,
+    ):
+        assert [r.run_key for r in sensor(ctx).run_requests] == ["k"]
+
+
+def test_a_handler_naming_a_missing_job_fails_the_definitions(database_url):
+    misspelt = HandlerRegistry()
+    misspelt.dagster_job("report", job_name="nightly_reprot")
+    d = cmb_definitions(resource=CmbResource(database_url=database_url), events=EventQueueOptions(handlers=misspelt))
+    with pytest.raises(DagsterInvalidDefinitionError, match="nightly_reprot"):
+        d.get_repository_def()

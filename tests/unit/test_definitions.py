@@ -63,6 +63,7 @@ def test_every_tag_the_engines_put_on_their_jobs_and_schedules_is_a_key_dagster_
         callbacks=CallbackOptions(workers=2),
         stages=stages.options,
         events=eventqueue.options,
+        jobs=eventqueue.example_jobs,
     )
     repo = defs.get_repository_def()
     tagged = [*repo.get_all_jobs(), *repo.schedule_defs]
@@ -124,6 +125,7 @@ def test_a_translator_chooses_the_key_and_group_of_every_asset_the_engines_add()
             callbacks=CallbackOptions(),
             stages=stages.options,
             events=eventqueue.options,
+            jobs=eventqueue.example_jobs,
             **({"translator": translator} if translator else {}),
         )
         return {spec.key: spec for spec in defs.resolve_all_asset_specs()}
@@ -169,6 +171,7 @@ def test_the_translator_tags_the_runs_of_every_worker_job():
         callbacks=CallbackOptions(workers=2),
         stages=stages.options,
         events=eventqueue.options,
+        jobs=eventqueue.example_jobs,
         translator=Translator(),
     )
     workers = [w for w in defs.get_repository_def().get_all_jobs() if "cmb/worker" in w.tags]
