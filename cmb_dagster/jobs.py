@@ -1,6 +1,6 @@
 """The Dagster shell every engine shares: bounded-time worker jobs and the sensors that keep them running, the
-launcher of runs of other jobs with its launch sensors, the status sensor, the observable assets and the asset checks that bring an engine's
-status into the UI."""
+launcher of runs of other jobs with its launch sensors, the status sensor, the observable assets and the asset
+checks that bring an engine's status into the UI."""
 
 import json
 import re
