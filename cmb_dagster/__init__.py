@@ -21,6 +21,7 @@ except PackageNotFoundError:  # a source tree that was not installed
 __all__ = [
     "AlertOptions",
     "CallbackOptions",
+    "CallbacksComponent",
     "CmbComponent",
     "CmbError",
     "CmbResource",
@@ -31,10 +32,13 @@ __all__ = [
     "Database",
     "DatabaseUnavailable",
     "Deadline",
+    "EventQueueComponent",
     "EventQueueOptions",
     "InvalidInput",
+    "PubSubComponent",
     "PubSubOptions",
     "RateLimit",
+    "ReactiveComponent",
     "ReactiveOptions",
     "ReactiveTask",
     "SchemaTooNew",
@@ -42,6 +46,7 @@ __all__ = [
     "Stage",
     "StageOptions",
     "StageResult",
+    "StagesComponent",
     "Threshold",
     "__version__",
     "cmb_definitions",
@@ -57,6 +62,11 @@ __getattr__ = lazy_names(
         "AlertOptions": "cmb_dagster.alerts",
         "CallbackOptions": "cmb_dagster.callbacks.models",
         "CmbComponent": "cmb_dagster.dagster_component",
+        "ReactiveComponent": "cmb_dagster.dagster_component",
+        "PubSubComponent": "cmb_dagster.dagster_component",
+        "CallbacksComponent": "cmb_dagster.dagster_component",
+        "StagesComponent": "cmb_dagster.dagster_component",
+        "EventQueueComponent": "cmb_dagster.dagster_component",
         "CmbResource": "cmb_dagster.resources",
         "CmbTranslator": "cmb_dagster.dagster_translator",
         "CtlResource": "cmb_dagster.ctl.dagster_resources",
@@ -78,5 +88,5 @@ __getattr__ = lazy_names(
 
 
 def __dir__() -> list[str]:
-    """The package's names, the lazy ones included (``dg list components`` finds CmbComponent among them)."""
+    """The package's names, the lazy ones included (``dg list components`` finds the components among them)."""
     return sorted({*globals(), *__all__})

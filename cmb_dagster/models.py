@@ -45,7 +45,18 @@ class Options(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise self.error(f"{type(self).__name__}: {describe(exc)}") from None
+            error = self.error(f"{type(self).__name__}: {describe(exc)}")
+            error.field_path = field_path(exc)
+            raise error from None
+
+
+def field_path(exc: Exception) -> tuple[str | int, ...]:
+    """Where the first problem of a validation error is, through the options nested in the options validated."""
+    if not isinstance(exc, ValidationError):
+        return getattr(exc, "field_path", ())
+    first = exc.errors()[0]
+    inner = first.get("ctx", {}).get("error")
+    return (*first["loc"], *getattr(inner, "field_path", ()))
 
 
 class Backoff(Options):

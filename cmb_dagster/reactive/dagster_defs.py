@@ -20,14 +20,14 @@ from dagster import (
     TimeWindowPartitionsDefinition,
     define_asset_job,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cmb_dagster.ctl.dagster_resources import CtlResource
 from cmb_dagster.ctl.models import ParameterKey
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
-from cmb_dagster.inputs import shorten
+from cmb_dagster.inputs import load_reference, shorten
 from cmb_dagster.jobs import Observe, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
@@ -48,6 +48,7 @@ from cmb_dagster.reactive.models import (
 )
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.triggers import check, parameters
+from cmb_dagster.triggers.models import trigger_data_problems
 
 __all__ = [
     "ReactiveEntityWarning",
@@ -252,13 +253,18 @@ def reactive_definitions(
     hints = _entity_hints(tasks, graph)
     for task in tasks:
         for key in sorted(parameters(task.trigger)):
-            if key in hints:
-                warnings.warn(
-                    f"reactive task {task.name!r}: trigger parameter {key[0]}/{key[1]}{hints[key]}; unless a job or "
-                    "another system sets its CTL values, the trigger never fires",
-                    ReactiveEntityWarning,
-                    stacklevel=2,
+            if key not in hints:
+                continue
+            finding = f"reactive task {task.name!r}: trigger parameter {key[0]}/{key[1]}{hints[key]}"
+            if options.misspelt_entities == "error":
+                raise InvalidReactiveInput(
+                    f"{finding}; if a job or another system sets its CTL values, pass misspelt_entities='warn'"
                 )
+            warnings.warn(
+                f"{finding}; unless a job or another system sets its CTL values, the trigger never fires",
+                ReactiveEntityWarning,
+                stacklevel=2,
+            )
     resource = resource or CmbResource()
     sensor = scheduler_sensor(
         sensor_name=f"{prefix}{options.sensor_name}",
@@ -473,3 +479,65 @@ def time_window_partitioner(partitions_def: TimeWindowPartitionsDefinition, key:
         return partition_key, {**values, key: min(window.end, current)}
 
     return choose
+
+
+class YamlTask(BaseModel):
+    """A reactive task as a ``defs.yaml`` writes it: the trigger is data (``kind:`` and its fields), the target a
+    job (``'module:attribute'``, a module outside the defs folder: the component adds the job) or asset keys;
+    :meth:`task` makes the :class:`ReactiveTask`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: TaskName
+    job: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$",
+        max_length=500,
+        description="'module:attribute' of the job to launch (defined outside the defs folder).",
+    )
+    assets: list[str] | None = Field(
+        default=None, min_length=1, max_length=1000, description="Asset keys to materialize ('shop/sales_mart')."
+    )
+    trigger: ReactiveTrigger
+    priority: Priority = 0
+    timezone: TimeZone = "UTC"
+    produces: CtlKeys = ()
+    partition: tuple[str, str] | None = Field(
+        default=None, description="(entity, parameter) whose new values pick time-window partitions."
+    )
+    run_config: dict[str, Any] | None = None
+    tags: dict[str, str] | None = None
+    deadline: str | dict[str, Any] | None = Field(default=None, description="A cron expression, or Deadline fields.")
+    on_deadline: Literal["alert", "run"] = "alert"
+
+    @field_validator("trigger", mode="before")
+    @classmethod
+    def _trigger_fields(cls, value: object) -> object:
+        problems = trigger_data_problems(value) if isinstance(value, Mapping) else []
+        if problems:
+            raise ValueError("; ".join(f"{'.'.join(map(str, path))}: {text}" for path, text in problems))
+        return value
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "YamlTask":
+        if (self.job is None) == (self.assets is None):
+            raise ValueError("give either job or assets")
+        if self.partition is not None and self.partition not in parameters(self.trigger):
+            read = ", ".join(f"{e}/{p}" for e, p in sorted(parameters(self.trigger)))
+            raise ValueError(f"partition {self.partition[0]}/{self.partition[1]} is not read by the trigger ({read})")
+        try:
+            deadline_from(self.deadline)
+        except InvalidReactiveInput as exc:
+            raise ValueError(f"deadline: {exc}") from None
+        return self
+
+    def task(self) -> ReactiveTask:
+        """The task, its job loaded."""
+        if self.job is not None:
+            target = load_reference(self.job, f"reactive task {self.name!r}: job", error=InvalidReactiveInput)
+            if not isinstance(target, Job):
+                raise InvalidReactiveInput(f"reactive task {self.name!r}: job: {self.job} is no Dagster job")
+        else:
+            target = [AssetKey.from_user_string(a) for a in self.assets or []]
+        fields = self.model_dump(exclude={"name", "job", "assets", "trigger"}, exclude_none=True)
+        return ReactiveTask(self.name, target, self.trigger, **fields)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from functools import cached_property
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError, computed_field, model_validator
 
@@ -247,6 +247,11 @@ class ReactiveOptions(_SchedulerPacing):
     )
     checks: ReactiveChecks = Field(
         default_factory=lambda: ReactiveChecks(), description="Limits of the reactive tasks asset's checks."
+    )
+    misspelt_entities: Literal["error", "warn"] = Field(
+        default="error",
+        description="A trigger entity that is no asset key but close to one (a typo?): 'error' refuses the "
+        "definitions, 'warn' warns (ReactiveEntityWarning) when a job or another system sets its CTL values.",
     )
 
     @model_validator(mode="after")

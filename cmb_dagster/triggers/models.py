@@ -443,8 +443,37 @@ def trigger_from_json(data: str | bytes) -> Trigger:
 
 
 def trigger_from_dict(data: Mapping[str, object]) -> Trigger:
-    """Read a trigger from ``trigger.model_dump()`` or ``model_dump(mode='json')`` output."""
+    """Read a trigger from ``trigger.model_dump()`` or ``model_dump(mode='json')`` output (or a ``defs.yaml``);
+    ValueError naming the field when a field is unknown or missing."""
+    problems = trigger_data_problems(data)
+    if problems:
+        raise ValueError("; ".join(f"{'.'.join(map(str, path)) or 'trigger'}: {text}" for path, text in problems))
     return _TRIGGER.validate_python(data)
+
+
+_KINDS: dict[str, type[TriggerBase]] = {
+    cls.model_fields["kind"].default: cls
+    for cls in (Delta, Delay, RefDelay, ChunkDelta, ChunkDelay, ChunkRefDelay, Settle, All, Any)
+}
+
+
+def trigger_data_problems(data: object, path: tuple[str | int, ...] = ()) -> list[tuple[tuple[str | int, ...], str]]:
+    """What keeps ``data`` from being a trigger's fields: an unknown kind, an unknown or a missing field, each with
+    its path (the constructors take positional arguments, so pydantic alone would report a missing one as a
+    TypeError without its field)."""
+    if not isinstance(data, Mapping):
+        return [(path, f"expected a mapping with a kind ({', '.join(_KINDS)}), got {type(data).__name__}")]
+    kind = _KINDS.get(str(data.get("kind")))
+    if kind is None:
+        return [((*path, "kind"), f"expected one of {', '.join(_KINDS)}, got {data.get('kind')!r}")]
+    fields = kind.model_fields
+    problems = [((*path, str(k)), "unknown field") for k in data if k not in fields]
+    problems += [((*path, k), "missing") for k, f in fields.items() if f.is_required() and k not in data]
+    children = data.get("triggers")
+    if issubclass(kind, AggregateBase) and isinstance(children, list):
+        for i, child in enumerate(children):
+            problems += trigger_data_problems(child, (*path, "triggers", i))
+    return problems
 
 
 def combine(aggregate: type[All] | type[Any], *triggers: TriggerBase) -> All | Any:

@@ -47,6 +47,32 @@ attributes:
 """
 
 
+REPORTS = """\
+from cmb_dagster.examples.eventqueue import eventqueue_demo_report  # the job the example's handler launches
+"""
+SHOP = """\
+from dagster import DailyPartitionsDefinition, asset
+
+@asset(key=["shop", "orders"])
+def orders() -> None: ...
+
+@asset(key=["shop", "sales_mart"], deps=[orders], partitions_def=DailyPartitionsDefinition(start_date="2026-01-01"))
+def sales_mart() -> None: ...
+"""
+REACTIVE = """\
+type: cmb_dagster.ReactiveComponent
+
+attributes:
+  options:
+    assets_from: [shop]
+    tasks:
+      - name: sales_mart
+        assets: [shop/sales_mart]
+        partition: [{entity}, loaded_until]
+        trigger: {{kind: ChunkDelta, entity: {entity}, parameter: loaded_until, scale: day}}
+"""
+
+
 @pytest.fixture
 def project(tmp_path, database_url):
     """A dg project (as `create-dagster project` lays it out) and the environment `dg` runs in."""
@@ -55,6 +81,7 @@ def project(tmp_path, database_url):
     (tmp_path / "src" / "shop" / "__init__.py").write_text("")
     (tmp_path / "src" / "shop" / "defs" / "__init__.py").write_text("")
     (tmp_path / "src" / "shop" / "definitions.py").write_text(DEFINITIONS)
+    (tmp_path / "src" / "shop" / "defs" / "reports.py").write_text(REPORTS)
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = {
@@ -86,3 +113,25 @@ def test_dg_lists_scaffolds_and_checks_the_component(project):
     defs_yaml.write_text(ENGINES.format(consumer_id="'bad id'"))
     refused = dg(project, "check", "defs")
     assert refused.returncode != 0 and "consumer_id" in refused.stdout + refused.stderr, refused
+
+
+def test_reactive_tasks_in_yaml_load_and_a_misspelt_entity_fails_at_its_line(project):
+    folder = project[0] / "src" / "shop" / "defs"
+    (folder / "shop").mkdir()
+    (folder / "shop" / "assets.py").write_text(SHOP)
+    scaffolded = dg(project, "scaffold", "defs", "cmb_dagster.ReactiveComponent", "reactive")
+    assert scaffolded.returncode == 0, scaffolded.stdout + scaffolded.stderr
+    assert dg(project, "check", "defs").returncode == 0  # the scaffolded defs.yaml loads as it is
+    (folder / "reactive" / "defs.yaml").write_text(REACTIVE.format(entity="shop/orders"))
+    checked = dg(project, "check", "defs")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "cmb_reactive_sales_mart" in dg(project, "list", "defs").stdout
+    (folder / "reactive" / "defs.yaml").write_text(REACTIVE.format(entity="shop/ordres"))
+    refused = dg(project, "check", "defs")
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "reactive/defs.yaml:7: reactive task 'sales_mart'" in said, said
+    assert "did you mean shop/orders?" in said
+    (folder / "reactive" / "defs.yaml").write_text(REACTIVE.format(entity="shop/orders").replace("scale", "scael"))
+    refused = dg(project, "check", "defs")
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "reactive/defs.yaml:10 - " in said and "scael: unknown field" in said, said

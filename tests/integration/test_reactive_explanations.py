@@ -24,6 +24,7 @@ from cmb_dagster.database import Database
 from cmb_dagster.models import Backoff
 from cmb_dagster.reactive import ReactiveEntityWarning, ReactiveTriggerWarning, status, tick_reactive_sensor
 from cmb_dagster.reactive.cli import reactive as reactive_cli
+from cmb_dagster.reactive.errors import InvalidReactiveInput
 from cmb_dagster.triggers import Delta
 
 SALES = ("sales", "loaded_until")
@@ -122,11 +123,17 @@ def test_a_waiting_tasks_blocker_is_shown_when_it_changes_and_hourly_otherwise(d
     assert shown.exit_code == 0 and "launched" in shown.output, shown.output
 
 
+def test_a_trigger_entity_close_to_an_asset_key_fails_the_definitions_naming_the_key(resource):
+    task = ReactiveTask("report", target, Delta("price", "loaded_until", "1h"))
+    with pytest.raises(InvalidReactiveInput, match=r"'report': trigger parameter price/loaded_until: .*shop/prices\?"):
+        cmb_definitions(resource=resource, assets=[prices], reactive=ReactiveOptions(tasks=[task], name="test"))
+
+
 def test_a_trigger_entity_that_is_no_asset_key_warns_at_load_and_the_first_tick_says_it_never_had_a_value(
     db, instance, resource, capfd
 ):
     task = ReactiveTask("report", target, Delta("price", "loaded_until", "1h"))
-    options = ReactiveOptions(tasks=[task], name="test")
+    options = ReactiveOptions(tasks=[task], name="test", misspelt_entities="warn")
     with pytest.warns(ReactiveEntityWarning, match=r"price/loaded_until: price is not an asset key.*shop/prices\?"):
         defs = cmb_definitions(resource=resource, assets=[prices], reactive=options)
     with warnings.catch_warnings():
