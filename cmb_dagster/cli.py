@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import keyword
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -259,7 +261,13 @@ DEFAULT_SINK_PORT = 8765
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address of the Dagster UI.")
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535), help="Port of the Dagster UI.")
-@click.option("-w", "--workspace", default="workspace.yaml", show_default=True, type=click.Path(dir_okay=False))
+@click.option(
+    "-w",
+    "--workspace",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="A workspace file to load (default: workspace.yaml when there is one, else this dg project).",
+)
 @click.option(
     "--sink-port",
     default=None,
@@ -274,44 +282,46 @@ DEFAULT_SINK_PORT = 8765
     help="Pass on all that Dagster prints: its webserver's and daemon's INFO logs, run and sensor logs "
     "(default: warnings and errors only).",
 )
-def dev(host: str, port: int, workspace: str, sink_port: int | None, verbose: bool) -> None:
-    """Start Postgres if needed, migrate, then run the Dagster webserver and daemon.
+def dev(host: str, port: int, workspace: str | None, sink_port: int | None, verbose: bool) -> None:
+    """Start Postgres if needed, migrate, then run `dg dev` (the Dagster webserver and daemon).
 
-    Run it in the folder holding workspace.yaml and dagster.yaml (`cmb-dagster init` writes both), or set
-    DAGSTER_HOME to the folder holding dagster.yaml. Of Dagster's output it shows warnings and errors (--verbose:
-    all); the UI shows the rest.
+    Run it in a dg project's folder (`cmb-dagster init` writes one) or a folder holding workspace.yaml; Dagster's
+    storage is the cmb server when the folder (or DAGSTER_HOME) holds a dagster.yaml. Of Dagster's output it shows
+    warnings and errors (--verbose: all); the UI shows the rest.
 
     For the examples' workspace (the file names cmb_dagster.examples), it also serves a local callback
     endpoint (http://127.0.0.1:8765) that prints what it receives; --sink-port N serves it for any
     workspace, --sink-port 0 never. Ctrl-C (or SIGTERM) stops everything; worker runs end as successes.
     The embedded Postgres keeps running afterwards (`cmb-dagster db stop` stops it).
     """
-    if not Path(workspace).is_file():
+    if workspace is None and Path("workspace.yaml").is_file():
+        workspace = "workspace.yaml"
+    if workspace is not None and not Path(workspace).is_file():
+        raise click.ClickException(f"no {workspace} in {Path.cwd()}")
+    if workspace is None and not _is_dg_project(Path.cwd()):
         raise click.ClickException(
-            f"no {workspace} in {Path.cwd()}; run from your project's folder, pass -w, or run `cmb-dagster init`"
-        )
-    if "DAGSTER_HOME" not in os.environ and not Path("dagster.yaml").is_file():
-        raise click.ClickException(
-            f"no dagster.yaml in {Path.cwd()}; run from your project's folder, set DAGSTER_HOME, "
-            "or run `cmb-dagster init`"
+            f"{Path.cwd()} is no dg project (pyproject.toml with [tool.dg]) and holds no workspace.yaml; run from "
+            "your project's folder, pass -w, or run `cmb-dagster init`"
         )
     settings = Settings.from_env()
     db = open_dagster_database(settings)
     db.ensure_ready()
     env = {**os.environ, **dagster_env(settings, db)}
-    env.setdefault("DAGSTER_HOME", str(Path.cwd()))
+    home = instance_home(Path.cwd())
+    if "DAGSTER_HOME" not in env and home is not None:
+        env["DAGSTER_HOME"] = str(home)
     status = db.status()
     click.echo(
         f"cmb_dagster: Postgres {status['server_version']} at {db.display_url}, schema {db.schema} v{status['version']}"
     )
     if sink_port is None:
-        sink_port = DEFAULT_SINK_PORT if EXAMPLES_MODULE in Path(workspace).read_text(errors="replace") else 0
+        examples = workspace is not None and EXAMPLES_MODULE in Path(workspace).read_text(errors="replace")
+        sink_port = DEFAULT_SINK_PORT if examples else 0
     sink = _start_sink(sink_port) if sink_port else None
     click.echo(f"Dagster UI: http://{host}:{port}  (Ctrl-C stops everything)")
     sys.stdout.flush()
-    dagster = shutil.which("dagster", path=str(Path(sys.executable).parent)) or "dagster"
-    command = [dagster, "dev", "-w", workspace, "-h", host, "-p", str(port)]
-    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), QUIET_DAGSTER_WARNING]))
+    dg = shutil.which("dg", path=str(Path(sys.executable).parent)) or "dg"
+    command = [dg, "dev", *(["-w", workspace] if workspace else []), "-h", host, "-p", str(port)]
     if not verbose:
         command += ["--log-level", "warning"]
         env["PYTHONUNBUFFERED"] = "1"  # the filter passes each line on as it comes
@@ -326,11 +336,18 @@ def dev(host: str, port: int, workspace: str, sink_port: int | None, verbose: bo
     sys.exit(code)
 
 
-QUIET_DAGSTER_WARNING = "ignore:Function `dev_command` is superseded"
-"""`dagster dev` warns that `dg dev` supersedes it at each start; `cmb-dagster dev` is what we point to."""
+def _is_dg_project(folder: Path) -> bool:
+    """Whether ``folder`` holds a dg project: a pyproject.toml with a ``[tool.dg]`` table."""
+    try:
+        return "dg" in tomllib.loads((folder / "pyproject.toml").read_text()).get("tool", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _QUIET_LEVELS = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - [\w.-]+ - (DEBUG|INFO) - ")
 """A log line of a Dagster process below WARNING (run workers and sensors print theirs whatever --log-level says)."""
+_BETA_NOTICE = re.compile(r" - WARNING - \S+:\d+: BetaWarning: ")
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - [\w.-]+ - [A-Z]+ - ")
 
 
@@ -339,6 +356,8 @@ class QuietFilter:
 
     - Dagster's DEBUG and INFO log records (run workers and sensors print theirs whatever --log-level says;
       the UI shows them with each run and sensor tick), their indented continuation lines included;
+    - Dagster's notices of its beta APIs (``BetaWarning`` records), which it also gives for its own calls
+      (turning a component's asset checks into checks definitions); every other warning is passed on;
     - tracebacks that end in ``KeyboardInterrupt``: processes stopping on the Ctrl-C that dev passed on to
       them (Dagster's and cmb_dagster's alike), which is no error. Any other traceback is passed on whole.
     """
@@ -371,7 +390,8 @@ class QuietFilter:
             return self.flush() if len(self.held) > self.MAX_HELD else []
         if self.dropping and line[:1].isspace() and line.strip():
             return []
-        self.dropping = _QUIET_LEVELS.match(_ANSI.sub("", line)) is not None
+        plain = _ANSI.sub("", line)
+        self.dropping = _QUIET_LEVELS.match(plain) is not None or (record and _BETA_NOTICE.search(plain) is not None)
         return [] if self.dropping else [line]
 
     def flush(self) -> list[str]:
@@ -512,37 +532,71 @@ def _session_members(session: int) -> set[int]:
     return members
 
 
-PROJECT_FILES = ("dagster.yaml", "workspace.yaml", "definitions.py")
-"""What `cmb-dagster init` writes, from cmb_dagster/templates."""
+INSTANCE_HOME = "dagster_home"
+"""The folder of a project holding the Dagster instance's dagster.yaml (DAGSTER_HOME), apart from the project's
+root so that `dg` commands run without the variables it reads."""
+
+
+def instance_home(folder: Path) -> Path | None:
+    """The folder holding a project's dagster.yaml: its ``dagster_home/`` (`cmb-dagster init`), or itself."""
+    for home in (folder / INSTANCE_HOME, folder):
+        if (home / "dagster.yaml").is_file():
+            return home
+    return None
+
+
+def project_files(package: str) -> dict[str, str]:
+    """What `cmb-dagster init` writes (a path in the project -> its template in cmb_dagster/templates)."""
+    return {
+        "pyproject.toml": "pyproject.toml.tmpl",
+        f"{INSTANCE_HOME}/dagster.yaml": "dagster.yaml",
+        ".gitignore": "gitignore",
+        f"src/{package}/__init__.py": "",
+        f"src/{package}/definitions.py": "definitions.py",
+        f"src/{package}/defs/__init__.py": "",
+        f"src/{package}/defs/shop/assets.py": "assets.py",
+        f"src/{package}/defs/reactive/defs.yaml": "reactive.defs.yaml",
+    }
+
+
+def package_name(folder: Path) -> str:
+    """The Python package of a project in ``folder``: its name in lower case ASCII, other characters as ``_``."""
+    name = re.sub(r"[^a-z0-9]+", "_", folder.resolve().name.lower()).strip("_") or "pipelines"
+    return f"p_{name}" if name[0].isdigit() or keyword.iskeyword(name) else name
 
 
 @main.command()
 @click.argument("folder", default=".", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite those of the files that exist.")
 def init(folder: Path, force: bool) -> None:
-    """Start a project in FOLDER (default: here): write dagster.yaml, workspace.yaml and a commented
-    definitions.py (one asset advancing a CTL value, one reactive task) to edit.
+    """Start a dg project in FOLDER (default: here): pyproject.toml, dagster.yaml (Dagster's storage on the cmb
+    server), src/<package>/definitions.py loading the defs folder, an asset advancing a CTL value
+    (defs/shop/assets.py) and a reactive task written in defs/reactive/defs.yaml, to edit.
 
-    Refuses, writing nothing, when one of them exists, unless --force. Then, in FOLDER: `cmb-dagster dev`
-    runs Dagster on them, and after eval "$(cmb-dagster env)" `dagster` commands work there too.
+    Refuses, writing nothing, when one of them exists, unless --force. Then, in FOLDER: `cmb-dagster dev` runs
+    Dagster on it, and after eval "$(cmb-dagster env)" `dg` commands work there too.
     """
     from importlib.resources import files
 
-    targets = [folder / name for name in PROJECT_FILES]
+    package = package_name(folder)
+    targets = {folder / path: template for path, template in project_files(package).items()}
     existing = [target for target in targets if target.exists()]
     if existing and not force:
         names = ", ".join(str(target) for target in existing)
         raise click.ClickException(f"{names}: already there, nothing written (--force overwrites)")
-    folder.mkdir(parents=True, exist_ok=True)
     templates = files("cmb_dagster") / "templates"
-    for name, target in zip(PROJECT_FILES, targets, strict=True):
-        target.write_bytes((templates / name).read_bytes())
+    for target, template in targets.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = (templates / template).read_text(encoding="utf-8") if template else ""
+        if template.endswith(".tmpl"):
+            text = text.format(name=package.replace("_", "-"), package=package)
+        target.write_text(text, encoding="utf-8")
         click.echo(f"wrote {target}" + (" (overwritten)" if target in existing else ""))
     where = "" if folder.resolve() == Path.cwd() else f"cd {shlex.quote(str(folder))} && "
-    click.echo(f"next: {where}cmb-dagster dev  (the Dagster UI; edit definitions.py to make it yours)")
+    click.echo(f"next: {where}cmb-dagster dev  (the Dagster UI; edit src/{package}/defs to make it yours)")
     click.echo(
         "Postgres: CMB_DATABASE_URL if set, else an embedded server with its data under .cmb/ "
-        "(keep .cmb/ out of version control)"
+        "(`cmb-dagster db start` starts it for `dg dev`; .cmb/ is in .gitignore)"
     )
 
 
@@ -554,21 +608,28 @@ def init(folder: Path, force: bool) -> None:
     "of the shell that evaluates the exports.",
 )
 def env(show_secrets: bool) -> None:
-    """Print the exports that let `dagster` commands (dev, job launch, asset materialize, daemon, ...) run on
-    the cmb server directly, in the current folder, which must hold dagster.yaml (`cmb-dagster init`).
+    """Print the exports that let `dg` and `dagster` commands (dev, launch, daemon, ...) run on the cmb server
+    directly, in the current folder: a project of `cmb-dagster init` (its dagster_home/dagster.yaml), or a folder
+    holding dagster.yaml.
 
-    Use as eval "$(cmb-dagster env)". Exports DAGSTER_HOME (this folder), CMB_HOME, the Dagster storage URL
+    Use as eval "$(cmb-dagster env)". Exports DAGSTER_HOME (the folder of dagster.yaml), PYTHONPATH (a dg
+    project's src/ first), CMB_HOME, the Dagster storage URL
     and, for the embedded Postgres (started if needed, said on stderr), CMB_DATABASE_URL. Every value is
     shell-quoted. A password is not printed: the exports read it from CMB_DATABASE_URL (or
     CMB_DAGSTER_STORAGE_URL) of the evaluating shell, unless --show-secrets.
     """
-    if not Path("dagster.yaml").is_file():
+    home = instance_home(Path.cwd())
+    if home is None:
         raise click.ClickException(
-            f"no dagster.yaml in {Path.cwd()}; run `cmb-dagster init` here first, or cd to your project's folder"
+            f"no dagster.yaml in {Path.cwd()} or its {INSTANCE_HOME}/; run `cmb-dagster init` here first, or cd to "
+            "your project's folder"
         )
     settings = Settings.from_env()
     db = open_dagster_database(settings)
-    values = {"DAGSTER_HOME": str(Path.cwd()), **dagster_env(settings, db)}
+    values = {"DAGSTER_HOME": str(home), **dagster_env(settings, db)}
+    source = Path.cwd() / "src"
+    if _is_dg_project(Path.cwd()) and source.is_dir():  # `dg launch` imports the project without an install
+        values["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), os.environ.get("PYTHONPATH")]))
     for line in env_lines(values, settings, show_secrets=show_secrets):
         click.echo(line)
 
@@ -641,6 +702,18 @@ def status(schema: str | None) -> None:
 def url() -> None:
     """Print the database URL with the password masked."""
     click.echo(open_database().display_url)
+
+
+@db.command()
+def start() -> None:
+    """Start the embedded Postgres server under CMB_HOME (the Dagster processes of `dg dev` use it, never start it)
+    and migrate it."""
+    settings = Settings.from_env()
+    if settings.database_url:
+        raise click.ClickException("CMB_DATABASE_URL is set: there is no embedded server to start")
+    database = Database.from_settings(settings)
+    database.ensure_ready()
+    click.echo(f"the embedded Postgres runs under {settings.home.resolve()}; `cmb-dagster db stop` stops it")
 
 
 @db.command()

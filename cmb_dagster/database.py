@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TypeAlias
 
 import psycopg
@@ -22,8 +23,14 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from cmb_dagster import migrations
-from cmb_dagster.embedded import embedded_url
-from cmb_dagster.errors import ConfigError, DatabaseUnavailable, InvalidDatabaseUrl, PooledDatabaseUrl
+from cmb_dagster.embedded import embedded_url, running_embedded_url
+from cmb_dagster.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    EmbeddedServerError,
+    InvalidDatabaseUrl,
+    PooledDatabaseUrl,
+)
 from cmb_dagster.secrets import mask, scrub
 from cmb_dagster.settings import Settings, check_schema_name
 
@@ -119,19 +126,23 @@ class Database:
         raise TypeError(f"expected a Database, a psycopg ConnectionPool or a URL, not {type(source).__name__}")
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None, **kwargs: object) -> Database:
-        """The database the settings name: their URL, or the embedded server under their home."""
+    def from_settings(
+        cls, settings: Settings | None = None, *, start_embedded: bool = True, **kwargs: object
+    ) -> Database:
+        """The database the settings name: their URL, or the embedded server under their home (started unless
+        ``start_embedded`` is False: then a server that does not run is an :class:`EmbeddedServerError`)."""
         settings = settings or Settings.from_env()
-        url = settings.database_url or embedded_url(settings.home)
+        url = settings.database_url or (embedded_url if start_embedded else _running_embedded)(settings.home)
         direct = settings.direct_database_url
         return cls(url, direct_url=direct, schema=settings.schema_name, **kwargs)  # type: ignore[arg-type]
 
     @classmethod
-    def shared(cls, url: str | None = None, schema: str | None = None) -> Database:
+    def shared(cls, url: str | None = None, schema: str | None = None, *, start_embedded: bool = True) -> Database:
         """One Database per (url, schema) in this process, so ops and sensors reuse one pool."""
         settings = Settings.from_env(database_url=url, schema_name=schema)
         key = ("settings", settings.database_url, settings.direct_database_url, settings.schema_name)
-        return _one_per_process((*key, str(settings.home)), lambda: cls.from_settings(settings))
+        build = lambda: cls.from_settings(settings, start_embedded=start_embedded)  # noqa: E731
+        return _one_per_process((*key, str(settings.home)), build)
 
     def bounded(self, timeout: float) -> Database:
         """This database for a reader that must answer in time (the metrics): a pool of its own of one
@@ -484,6 +495,17 @@ def _close_open_pools() -> None:
     # failed at once) would otherwise end in "Exception ignored in: ..." on stderr
     for database in list(_OPEN):
         database.close()
+
+
+def _running_embedded(home: Path) -> str:
+    """The URL of the embedded server under ``home``, which a Dagster process never starts itself."""
+    url = running_embedded_url(home)
+    if url is None:
+        raise EmbeddedServerError(
+            f"the embedded Postgres under {home.resolve()} is not running: start it with `cmb-dagster db start` "
+            "in the project's folder (`cmb-dagster dev` does), or set CMB_DATABASE_URL"
+        )
+    return url
 
 
 def check_url(url: str) -> str:

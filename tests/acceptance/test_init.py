@@ -1,5 +1,5 @@
-"""A team that installed the package starts a project: `cmb-dagster init` in a fresh folder, then `dagster`
-commands after eval "$(cmb-dagster env)", and a quiet `cmb-dagster dev` that Ctrl-C stops without a traceback."""
+"""A team that installed the package starts a dg project: `cmb-dagster init` in a fresh folder, then `dg` commands
+(after eval "$(cmb-dagster env)" too), and a quiet `cmb-dagster dev` that Ctrl-C stops without a traceback."""
 
 import os
 import signal
@@ -15,8 +15,17 @@ from test_dev_command import dev_env as dev_env  # a fixture
 from test_dev_stop import EMBEDDED_ONLY, cmb_url, dagster_sessions, session_processes, with_kill
 from waiting import wait_until
 
-BIN = Path(sys.executable).parent  # where pip put `cmb-dagster` and `dagster`
-FILES = ["dagster.yaml", "workspace.yaml", "definitions.py"]
+BIN = Path(sys.executable).parent  # where pip put `cmb-dagster` and `dg`
+FILES = [
+    "pyproject.toml",
+    "dagster_home/dagster.yaml",
+    ".gitignore",
+    "src/new_project/__init__.py",
+    "src/new_project/definitions.py",
+    "src/new_project/defs/__init__.py",
+    "src/new_project/defs/shop/assets.py",
+    "src/new_project/defs/reactive/defs.yaml",
+]
 IDLE_TICKS = 3  # reactive scheduler ticks (one each 10 s) watched after start-up: 30 s
 MAX_LINES = 15  # the whole terminal output from the start to the end of those ticks; goal: < 60 lines in 10 minutes
 NOISE = ["DEBUG", " - INFO - ", "Priority sorting", "Checking for new runs", "Traceback", "Warning:"]
@@ -40,38 +49,42 @@ def project(tmp_path, dev_env):
     folder = tmp_path / "new project"
     result = cli(["init", str(folder)], dev_env, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert [line.removeprefix("wrote ") for line in result.stdout.splitlines()[:3]] == [str(folder / f) for f in FILES]
+    written = [line.removeprefix("wrote ") for line in result.stdout.splitlines()[: len(FILES)]]
+    assert written == [str(folder / f) for f in FILES]
     return folder
 
 
 def test_init_refuses_to_overwrite_and_env_needs_a_project(project, dev_env, tmp_path):
-    (project / "definitions.py").write_text("# ours\n")
+    definitions = project / "src" / "new_project" / "definitions.py"
+    definitions.write_text("# ours\n")
     again = cli(["init"], dev_env, project)
-    assert again.returncode == 1 and (project / "definitions.py").read_text() == "# ours\n"
+    assert again.returncode == 1 and definitions.read_text() == "# ours\n"
     assert len(again.stderr.splitlines()) == 1 and "--force" in again.stderr, again.stderr
     forced = cli(["init", "--force"], dev_env, project)
-    assert forced.returncode == 0 and "wrote definitions.py (overwritten)" in forced.stdout, forced.stderr
-    assert "ctl_metadata" in (project / "definitions.py").read_text()
+    assert forced.returncode == 0 and "src/new_project/definitions.py (overwritten)" in forced.stdout, forced.stderr
+    assert "load_from_defs_folder" in definitions.read_text()
     elsewhere = cli(["env"], dev_env, tmp_path)
     assert elsewhere.returncode == 1 and elsewhere.stdout == ""
     assert elsewhere.stderr.count("\n") == 1 and "cmb-dagster init" in elsewhere.stderr, elsewhere.stderr
 
 
-def test_dagster_commands_work_in_a_project_after_eval_env(project, dev_env):
+def test_dg_commands_work_in_a_project_as_it_is_and_after_eval_env(project, dev_env):
+    checked = subprocess.run(
+        [BIN / "dg", "check", "defs"], cwd=project, env=dev_env, capture_output=True, text=True, timeout=300
+    )  # no variable needed to load the definitions
+    assert checked.returncode == 0 and "All definitions loaded successfully" in checked.stdout, checked.stderr
     exports = cli(["env"], dev_env, project)
     assert exports.returncode == 0, exports.stderr
-    assert f"export DAGSTER_HOME={project}" in exports.stdout or f"export DAGSTER_HOME='{project}'" in exports.stdout
+    home = project / "dagster_home"
+    assert f"export DAGSTER_HOME='{home}'" in exports.stdout, exports.stdout
     embedded = "CMB_DATABASE_URL" not in dev_env
     assert ("starting the embedded Postgres" in exports.stderr) == embedded, exports.stderr  # said on stderr only
     assert all(line.startswith(("export ", ": ")) for line in exports.stdout.splitlines())
 
-    validated = in_shell("dagster definitions validate", dev_env, project)
-    assert "All code locations passed validation" in validated.stdout + validated.stderr
-    in_shell("dagster job launch -j load_orders", dev_env, project)  # no daemon here: the run waits in the queue
-    in_shell("dagster asset materialize -f definitions.py --select shop/orders", dev_env, project)  # in process
+    in_shell("dg launch --assets shop/orders", dev_env, project)  # in process, on the cmb server's storage
     with psycopg.connect(cmb_url(dev_env)) as conn:
         runs = conn.execute("SELECT pipeline_name, status FROM runs ORDER BY create_timestamp").fetchall()
-    assert runs == [("load_orders", "QUEUED"), ("__ASSET_JOB", "SUCCESS")]
+    assert runs == [("__ASSET_JOB", "SUCCESS")]
     if embedded:  # the shell's CMB_DATABASE_URL names the embedded server, which `db stop` stops all the same
         assert in_shell("cmb-dagster db stop", dev_env, project).stdout == "stopped\n"
 
@@ -108,7 +121,7 @@ def test_dev_in_a_project_is_quiet_and_ctrl_c_stops_it_without_a_traceback(proje
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 180, "the UI", interval=0.5)
         entries = graphql(port, LOCATIONS)["workspaceOrError"]["locationEntries"]
         assert [(e["name"], e["locationOrLoadError"]["__typename"]) for e in entries] == [
-            ("my_pipelines", "RepositoryLocation")
+            ("new_project", "RepositoryLocation")
         ]
         wait_until(lambda: "Dagster UI is up" in log.read_text(), 30, "dev to say the UI is up", interval=0.2)
         ticks = wait_until(lambda: scheduler_ticks(dev_env), 120, "the reactive scheduler's first tick", interval=0.5)
@@ -119,7 +132,7 @@ def test_dev_in_a_project_is_quiet_and_ctrl_c_stops_it_without_a_traceback(proje
         assert not [line for line in idle if "callback sink" in line]  # not the examples' workspace: no sink
 
         # the upstream materialized by hand: the reactive scheduler launches the report by itself
-        in_shell("dagster asset materialize -f definitions.py --select shop/orders", dev_env, project)
+        in_shell("dg launch --assets shop/orders", dev_env, project)
         wait_until(lambda: reactive_runs(dev_env) == [("SUCCESS",)], 180, "the reactive report run", interval=1)
         idle = log.read_text().splitlines()
 

@@ -3,7 +3,7 @@
 from importlib.resources import files
 from pathlib import Path
 
-from cmb_dagster.cli import PROJECT_FILES, QuietFilter
+from cmb_dagster.cli import QuietFilter, package_name, project_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = files("cmb_dagster") / "templates"
@@ -14,8 +14,18 @@ def test_the_repository_dagster_yaml_is_the_template():
 
 
 def test_every_project_file_ships_with_the_package():
-    assert all((TEMPLATES / name).is_file() for name in PROJECT_FILES)
-    assert "cmb_dagster.examples" not in (TEMPLATES / "workspace.yaml").read_text()  # no demo sink for a project
+    assert all((TEMPLATES / name).is_file() for name in project_files("shop").values() if name)
+
+
+def test_a_folder_name_becomes_a_python_package_name():
+    names = ["My Pipelines", "2026-shop", "data.team", "import", "¿?"]
+    assert [package_name(Path(n)) for n in names] == [
+        "my_pipelines",
+        "p_2026_shop",
+        "data_team",
+        "p_import",
+        "pipelines",
+    ]
 
 
 def passed_on(text: str) -> str:
@@ -30,6 +40,12 @@ SENSOR = """2026-11-26 12:59:44 +0000 - dagster - INFO - __repository__ - cmb_re
 RUN = "2026-11-26 12:59:46 +0000 - dagster - DEBUG - load_orders - 65e7 - 31121 - RUN_START - Started execution\n"
 WARNING = "2026-11-26 12:59:47 +0000 - dagster.daemon - WARNING - a warning\n  its second line\n"
 PLAIN = "callback received: /hook {}\n"
+BETA = (
+    "\x1b[32m2026-11-29 19:30:32 +0000\x1b[0m - dagster - \x1b[34mWARNING\x1b[0m - /site-packages/dagster/x.py:537: "
+    "BetaWarning: Parameter `execution_type` of function `AssetsDefinition.__init__` is currently in beta\n"
+    "  else AssetChecksDefinition(**ad.get_attributes_dict())\n"
+)
+DEPRECATION = "2026-11-29 19:30:32 +0000 - dagster - WARNING - /x.py:1: DeprecationWarning: old\n  old()\n"
 
 
 def interrupted(script: str) -> str:
@@ -43,6 +59,10 @@ def interrupted(script: str) -> str:
 
 def test_info_and_debug_records_are_dropped_with_their_continuation_lines():
     assert passed_on(SENSOR + RUN + WARNING + PLAIN + SENSOR) == WARNING + PLAIN
+
+
+def test_dagster_beta_notices_are_dropped_and_deprecations_kept():
+    assert passed_on(BETA + DEPRECATION + BETA + PLAIN) == DEPRECATION + PLAIN
 
 
 def test_tracebacks_of_an_interrupt_are_dropped_even_interleaved_others_are_kept_whole():

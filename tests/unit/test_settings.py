@@ -54,3 +54,14 @@ def test_reserved_schema_names_are_refused_with_a_clear_message(monkeypatch, nam
         Settings.from_env()
     with pytest.raises(ConfigError, match="reserved"):
         Database("postgresql://u@h/d", schema=name)
+
+
+def test_a_dagster_process_never_starts_the_embedded_server(monkeypatch, tmp_path):
+    from cmb_dagster.errors import EmbeddedServerError
+    from cmb_dagster.resources import CmbResource
+
+    monkeypatch.delenv("CMB_DATABASE_URL", raising=False)
+    monkeypatch.setenv("CMB_HOME", str(tmp_path / "home"))
+    with pytest.raises(EmbeddedServerError, match=r"is not running: start it with `cmb-dagster db start`"):
+        CmbResource().database  # noqa: B018 - the property is what a sensor or an op reads
+    assert not (tmp_path / "home" / "postgres").exists()
