@@ -69,6 +69,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["db", "status", "--schema", "pg_x"]),
     (BAD, ["db", "upgrade", "--schema", "public"]),
     (BAD, ["db", "url", "--bogus"]),
+    (BAD, ["db", "start"]),  # CMB_DATABASE_URL is set: no embedded server to start
     (BAD, ["db", "stop"]),  # CMB_DATABASE_URL is set: no embedded server to stop
     (BAD, ["env", "--bogus"]),
     (BAD, ["ctl", "set", "shop/orders", "loaded_until", "yesterday"]),
