@@ -347,7 +347,8 @@ def _is_dg_project(folder: Path) -> bool:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _QUIET_LEVELS = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - [\w.-]+ - (DEBUG|INFO) - ")
 """A log line of a Dagster process below WARNING (run workers and sensors print theirs whatever --log-level says)."""
-_BETA_NOTICE = re.compile(r" - WARNING - \S+:\d+: BetaWarning: ")
+_BETA_NOTICE = re.compile(r"^(.* - WARNING - )?\S+:\d+: BetaWarning: ")
+"""Dagster's notice of a beta API: a log record, or Python's own warning line."""
 _LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [+-]\d{4} - [\w.-]+ - [A-Z]+ - ")
 
 
@@ -382,7 +383,8 @@ class QuietFilter:
             self.held.append(line)
             if line.strip() and not line[:1].isspace() and not line.startswith(("During handling", "The above")):
                 self.open -= 1  # the exception line ends a traceback
-                self.interrupts_only &= line.strip() == "KeyboardInterrupt"
+                # two processes' writes may meet within a line: "KeyboardInterrupt    time.sleep(1)"
+                self.interrupts_only &= line.startswith("KeyboardInterrupt")
                 if self.open <= 0:
                     interrupted = self.interrupts_only
                     block = self.flush()
@@ -391,7 +393,7 @@ class QuietFilter:
         if self.dropping and line[:1].isspace() and line.strip():
             return []
         plain = _ANSI.sub("", line)
-        self.dropping = _QUIET_LEVELS.match(plain) is not None or (record and _BETA_NOTICE.search(plain) is not None)
+        self.dropping = _QUIET_LEVELS.match(plain) is not None or _BETA_NOTICE.match(plain) is not None
         return [] if self.dropping else [line]
 
     def flush(self) -> list[str]:

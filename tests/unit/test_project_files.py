@@ -45,6 +45,11 @@ BETA = (
     "BetaWarning: Parameter `execution_type` of function `AssetsDefinition.__init__` is currently in beta\n"
     "  else AssetChecksDefinition(**ad.get_attributes_dict())\n"
 )
+RAW_BETA = (  # Python's own warning format, written by a process whose warning filters Dagster reset
+    "/site-packages/dagster/_core/definitions/sensor_definition.py:809: BetaWarning: Parameter `owners` of "
+    "initializer `SensorDefinition.__init__` is currently in beta\n  return SensorDefinition(\n"
+)
+RAW_DEPRECATION = "/work/shop/assets.py:3: DeprecationWarning: old\n  old()\n"
 DEPRECATION = "2026-11-29 19:30:32 +0000 - dagster - WARNING - /x.py:1: DeprecationWarning: old\n  old()\n"
 
 
@@ -63,6 +68,7 @@ def test_info_and_debug_records_are_dropped_with_their_continuation_lines():
 
 def test_dagster_beta_notices_are_dropped_and_deprecations_kept():
     assert passed_on(BETA + DEPRECATION + BETA + PLAIN) == DEPRECATION + PLAIN
+    assert passed_on(RAW_BETA + RAW_DEPRECATION + PLAIN + RAW_BETA) == RAW_DEPRECATION + PLAIN
 
 
 def test_tracebacks_of_an_interrupt_are_dropped_even_interleaved_others_are_kept_whole():
@@ -72,4 +78,6 @@ def test_tracebacks_of_an_interrupt_are_dropped_even_interleaved_others_are_kept
     assert passed_on(interleaved + RUN + interrupted("cmb_dagster/jobs.py")) == ""
     assert passed_on(PLAIN + failure + interrupted("y.py") + PLAIN) == PLAIN + failure + PLAIN
     assert passed_on(first[0] + RUN + "".join(first[1:])) == ""  # a record of another process in between
+    halves = "".join(first[:3]) + "".join(second.splitlines(True)[:2]) + "KeyboardInterrupt    time.sleep(1)\n"
+    assert passed_on(halves + "KeyboardInterrupt\n" + PLAIN) == PLAIN  # two processes' writes within one line
     assert passed_on("".join(first[:2])) == "".join(first[:2])  # held back until the output ends, then passed on
