@@ -24,7 +24,7 @@ from cmb_dagster.stages import Entity, MergePatch, Stage, StageOptions, StageRes
 from cmb_dagster.triggers import Delta
 
 CONSUMER_FILTER = '$.keep == true && $topic == "soak"'
-KEYS = 100_000
+KEYS = 50_000
 REACTIVE_TASKS = 20
 
 

@@ -1,4 +1,4 @@
-"""The five engines at once on a server of their own, a filter on the consumer and limits on 100,000 keys, while
+"""The five engines at once on a server of their own, a filter on the consumer and limits on 50,000 keys, while
 worker processes are killed -9 at random moments and Postgres restarts at once (immediate mode): nothing is lost,
 nothing is applied twice beyond each engine's promise, and the flow tables shrink back to the keys in use."""
 
@@ -34,11 +34,11 @@ from cmb_dagster.stages import StageStore
 
 ENGINES = ("pubsub", "eventqueue", "stages", "callbacks", "reactive")
 WORKERS = Path(__file__).with_name("soak_workers.py")
-ROUNDS = 25  # each round: 4,000 events to 4,000 new keys, and the other engines' work
+ROUNDS = 25  # each round: 2,000 events to 2,000 new keys, and the other engines' work
 BASE = datetime(2024, 5, 1, tzinfo=UTC)
 KEPT = "FROM pubsub_events WHERE topic = 'soak' AND payload @@ '$.keep == true'"  # what the consumer's filter keeps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # every wait has its own deadline: a slow machine waits
 
 
 class Workers:
@@ -192,7 +192,7 @@ def test_five_engines_keep_their_promises_through_kills_and_an_immediate_restart
             restart_at_once(home)
             assert workers.alive() == list(ENGINES), "a worker died with the restart"
             workers.kill(rng.choice(ENGINES))
-            wait_until(produced.is_set, 180, "the producer finished")
+            wait_until(produced.is_set, 600, "the producer finished")
 
             kept = "SELECT count(*) FROM pubsub_events WHERE topic = 'soak' AND payload @@ '$.keep'"
             wait_until(
@@ -214,7 +214,7 @@ def test_five_engines_keep_their_promises_through_kills_and_an_immediate_restart
                 )
 
             wait_until(reactive_settled, 120, "the reactive scheduler")
-            # flow state follows the keys in use, not the 100,000 keys seen
+            # flow state follows the keys in use, not the 50,000 keys seen
             flow_rows = "SELECT (SELECT count(*) FROM flow_buckets) + (SELECT count(*) FROM flow_slots)"
             wait_until(lambda: scalar(db, flow_rows) < 1000, 120, "the flow tables shrank back", interval=1)
             assert workers.alive() == list(ENGINES)

@@ -180,7 +180,8 @@ def test_raised_buckets_are_served_without_restarting_workers(client, sink, work
 def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, client, sink, workers, monkeypatch):
     monkeypatch.setattr(worker_module, "MOVE_BATCH", 7)  # several batches per bucket
     client.set_bucket_count(8)
-    steady = FAST.model_copy(update={"lease_ttl": 10})  # no lease lapses on a loaded machine (those call again)
+    # neither a lease lapse nor a call timeout on a loaded machine (both call again)
+    steady = FAST.model_copy(update={"lease_ttl": 10, "timeout": 5})
     workers(settings=steady), workers(settings=steady)
     now = datetime.now(UTC)
     client.create_many(
@@ -195,7 +196,7 @@ def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, 
             for i in range(500)
         ]
     )
-    wait_until(lambda: len(sink.received) >= 50)
+    wait_until(lambda: len(sink.received) >= 50, timeout=60)
     removed = [e for e in client.list(status="pending", limit=1000) if e.bucket_id >= 3]
     assert removed  # events due and in flight in the buckets about to go
     assert client.set_bucket_count(3) == [0, 1, 2]
@@ -211,7 +212,7 @@ def test_lowered_buckets_while_workers_call_due_events_call_each_event_once(db, 
             for i in range(50)
         ]
     )
-    wait_until(lambda: statuses(client) == {"notified": 550}, timeout=60)
+    wait_until(lambda: statuses(client) == {"notified": 550}, timeout=180)
     calls = defaultdict(int)
     for call in sink.received:
         calls[call.body["event_key"]] += 1
