@@ -20,9 +20,11 @@ from typing import TypeAlias
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
-from cmb_dagster import migrations
+from cmb_dagster import migrations, sql
 from cmb_dagster.embedded import embedded_url, running_embedded_url
 from cmb_dagster.errors import (
     ConfigError,
@@ -378,6 +380,47 @@ class Database:
             raise DatabaseUnavailable(_unreachable_message(url, exc, setting)) from None
         except psycopg.ProgrammingError as exc:  # a conninfo libpq refuses; its message may quote the password
             raise InvalidDatabaseUrl(_unreadable_message(url, exc)) from None
+
+
+@contextmanager
+def joined(conn: psycopg.Connection, schema: str) -> Iterator[psycopg.Connection]:
+    """``conn``, an application's connection, for a write that joins its transaction: in a savepoint (a refused
+    write leaves the transaction usable; on an autocommit connection, a transaction of its own), with ``schema``
+    first on the search path and rows as tuples for the write alone. The search path, the lock and statement
+    timeouts and the row factory are the caller's again after it."""
+    row_factory, conn.row_factory = conn.row_factory, tuple_row
+    try:
+        if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+            with conn.transaction():
+                conn.execute(sql.ENTER_SCHEMA, {"schema": schema})
+                yield conn
+            return
+        before = conn.execute(sql.ENTER_SCHEMA, {"schema": schema}).fetchone()
+        try:
+            with conn.transaction():
+                yield conn
+        finally:
+            if conn.info.transaction_status == TransactionStatus.INTRANS:
+                conn.execute(sql.LEAVE_SCHEMA, before[:3])
+    finally:
+        conn.row_factory = row_factory
+
+
+@contextmanager
+def connection_for(
+    conn: psycopg.Connection | None, db: DatabaseSource | None, *, autocommit: bool = False
+) -> Iterator[psycopg.Connection]:
+    """The connection of a call given ``conn=`` or ``db=``: ``conn`` :func:`joined` (``db``, if given too, names
+    the schema; else ``CMB_SCHEMA``), or else a connection of ``db`` (default: the environment's database) whose
+    work commits at the end (with ``autocommit``: each statement on its own)."""
+    database = Database.of(db) if db is not None else None
+    if conn is not None:
+        schema = database.schema if database is not None else Settings.from_env().schema_name
+        with joined(conn, schema):
+            yield conn
+        return
+    with (database or Database.shared()).connection(autocommit=autocommit) as own:
+        yield own
 
 
 def check_connection(conn: psycopg.Connection) -> None:

@@ -1,4 +1,21 @@
-"""Every query of the foundation: the worker runtime's leases (table ``leases``) and the health checks' states."""
+"""Every query of the foundation: the worker runtime's leases (table ``leases``), the health checks' states, flow
+control, and the settings of a write joining an application's transaction."""
+
+# A write on an application's connection: the cmb schema first on the search path for the write alone. The
+# settings a write may change for its transaction are read before it and given back after it.
+ENTER_SCHEMA = """
+WITH before AS MATERIALIZED (
+    SELECT current_setting('search_path') AS search_path, current_setting('lock_timeout') AS lock_timeout,
+           current_setting('statement_timeout') AS statement_timeout
+)
+SELECT search_path, lock_timeout, statement_timeout,
+       set_config('search_path', format('%%I, public', %(schema)s::text), true)
+FROM before
+"""
+LEAVE_SCHEMA = """
+SELECT set_config('search_path', %s, true), set_config('lock_timeout', %s, true),
+       set_config('statement_timeout', %s, true)
+"""
 
 # Renew the partitions that are ours and unexpired, take those that are free or expired (the fence grows on
 # a takeover). A renewal changes no key column, so it does not wait for our own transactions that check a

@@ -31,6 +31,7 @@ from cmb_dagster.callbacks.models import (
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker
+from cmb_dagster.flow import FlowLimits, RateLimit
 
 __all__ = [
     "REJECT_HEADERS",
@@ -49,8 +50,10 @@ __all__ = [
     "CallbackWorker",
     "CallbacksStatus",
     "CleanReport",
+    "FlowLimits",
     "InvalidCallbackInput",
     "NewCallback",
+    "RateLimit",
     "RetryPolicy",
     "materialize_schedules",
 ]

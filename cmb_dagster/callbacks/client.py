@@ -49,7 +49,7 @@ from cmb_dagster.callbacks.writer import (
     insert_events_skipping_taken,
     insert_new_events,
 )
-from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.database import Database, DatabaseSource, connection_for
 from cmb_dagster.inputs import check_int, refused_input
 
 CLEAN_BATCH = 10_000
@@ -110,8 +110,13 @@ class CallbackClient:
         body: Body = ENVELOPE,
         priority: int = 0,
         on_failure: str | None = None,
+        *,
+        conn: psycopg.Connection | None = None,
     ) -> int:
         """Schedule a call of ``cb_url`` at ``run_at`` (timezone-aware); return the event id.
+
+        With ``conn`` (any connection of yours) the event is part of its transaction: it exists, and is called,
+        only if that commits; so do :meth:`create_many`, :meth:`update` and :meth:`cancel`.
 
         The request's body is the envelope (the event's keys, times, attempt and ``context``), or with
         ``body="context"`` the context alone (a receiver with a fixed format, e.g. a chat webhook). Among
@@ -123,25 +128,29 @@ class CallbackClient:
         payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a
         connection, a lock or the commit) raises CallbackTimeout.
         """
-        event = self._new(locals())
-        with refused_input(InvalidCallbackInput, "event"):
-            return self._insert([event])[0] if self._writer is None else self._writer.write(event)
+        event = self._new({k: v for k, v in locals().items() if k != "conn"})
+        with refused_input(InvalidCallbackInput, "event", conn=conn):
+            if conn is None and self._writer is not None:
+                return self._writer.write(event)
+            return self._insert([event], conn)[0]
 
-    def create_many(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
+    def create_many(
+        self, events: Iterable[NewCallback | dict[str, Any]], *, conn: psycopg.Connection | None = None
+    ) -> list[int]:
         """Create several events in one transaction: all of them, or (on any error) none.
 
         Waiting longer than ``settings.create_timeout`` for a connection or a lock raises CallbackTimeout.
         """
-        with refused_input(InvalidCallbackInput, "events"):
-            return self._insert(events)
+        with refused_input(InvalidCallbackInput, "events", conn=conn):
+            return self._insert(events, conn)
 
-    def _insert(self, events: Iterable[NewCallback | dict[str, Any]]) -> list[int]:
+    def _insert(self, events: Iterable[NewCallback | dict[str, Any]], caller: psycopg.Connection | None) -> list[int]:
         soon, lock_timeout = self.settings.wake_within, self.settings.create_timeout
         with cyclic_collection_paused():  # a batch's thousands of objects are freed when it returns
             events = list(events)
             if not events:
                 return []
-            with create_connection(self.db, self.settings) as conn:
+            with create_connection(self.db, self.settings, caller) as conn:
                 try:  # Postgres inserts a chunk while the next is validated
                     return insert_new_events(conn, self._checked_chunks(events), soon=soon, lock_timeout=lock_timeout)
                 except psycopg.errors.UniqueViolation:
@@ -198,6 +207,7 @@ class CallbackClient:
         cb_url: str | None = None,
         context: Any = None,
         i_ensure_pending: bool = False,
+        conn: psycopg.Connection | None = None,
     ) -> CallbackEvent:
         """Change a pending event's run_at, originally_run_at (defaults to the new run_at), cb_url or context.
 
@@ -211,7 +221,7 @@ class CallbackClient:
         for field in ("run_at", "originally_run_at"):
             if getattr(changes, field) is not None:
                 check_run_at(getattr(changes, field), field)
-        with self.db.connection() as conn:
+        with connection_for(conn, self.db) as conn:
             conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # before the new id is drawn
             before = self._lock(conn, owner_client_id, group_key, event_key)
             allowed = before["status"] == "pending" or (before["status"] == "cancelled" and i_ensure_pending)
@@ -239,9 +249,11 @@ class CallbackClient:
         return CallbackEvent.model_validate(after)
 
     @refused_input(InvalidCallbackInput, "arguments")
-    def cancel(self, owner_client_id: str, group_key: str, event_key: str) -> CallbackEvent:
+    def cancel(
+        self, owner_client_id: str, group_key: str, event_key: str, *, conn: psycopg.Connection | None = None
+    ) -> CallbackEvent:
         """Cancel a pending event (CallbackInvalidState for any other status)."""
-        with self.db.connection() as conn:
+        with connection_for(conn, self.db) as conn:
             before = self._lock(conn, owner_client_id, group_key, event_key)
             if before["status"] != "pending":
                 raise CallbackInvalidState(

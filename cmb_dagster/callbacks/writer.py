@@ -17,12 +17,13 @@ from typing import Any
 import psycopg
 import psycopg_pool
 import pydantic_core
+from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import CallbackConflict, CallbackTimeout
 from cmb_dagster.callbacks.models import ENVELOPE, CallbackSettings, NewCallback, RetryPolicy
-from cmb_dagster.database import Database, OwnConnection
+from cmb_dagster.database import Database, OwnConnection, joined
 
 log = logging.getLogger("cmb_dagster.callbacks")
 
@@ -159,11 +160,17 @@ def _settle(future: Future[int], result: int | Exception) -> None:
 
 
 @contextmanager
-def create_connection(db: Database, settings: CallbackSettings) -> Iterator[psycopg.Connection]:
-    """A pooled connection for creates, in autocommit (see :meth:`Database.connection`): waiting longer than
-    ``create_timeout`` for it, or for a lock in it (see :func:`insert_events`), raises CallbackTimeout, and
-    nothing is written."""
+def create_connection(
+    db: Database, settings: CallbackSettings, caller: psycopg.Connection | None = None
+) -> Iterator[psycopg.Connection]:
+    """The ``caller``'s connection joined (see :func:`~cmb_dagster.database.joined`), or a pooled connection for
+    creates, in autocommit (see :meth:`Database.connection`): waiting longer than ``create_timeout`` for it, or
+    for a lock in it (see :func:`insert_events`), raises CallbackTimeout, and nothing is written."""
     try:
+        if caller is not None:
+            with _lock_wait_limited(settings), joined(caller, db.schema) as conn:
+                yield conn
+            return
         with _lock_wait_limited(settings), db.connection(timeout=settings.create_timeout, autocommit=True) as conn:
             yield conn
     except psycopg_pool.PoolTimeout:
@@ -198,7 +205,7 @@ def insert_new_events(
     chunks = iter(chunks)
     first = next(chunks, [])
     second = next(chunks, None)
-    if second is None and conn.autocommit:
+    if second is None and conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
         return list(conn.execute(sql.INSERT_NEW_EVENTS, _insert_params(first, None, soon, lock_timeout)).fetchone()[0])
     sent = []
     with conn.transaction(), conn.pipeline():

@@ -11,8 +11,7 @@ from __future__ import annotations
 import getpass
 import logging
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -23,7 +22,7 @@ from cmb_dagster import pubsub
 from cmb_dagster.ctl import sql
 from cmb_dagster.ctl.errors import InvalidCtlInput
 from cmb_dagster.ctl.models import CtlChange, Moment, ParameterKey, check_name
-from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.database import Database, DatabaseSource, connection_for
 from cmb_dagster.inputs import refused_input, shorten
 from cmb_dagster.models import describe
 
@@ -61,22 +60,14 @@ def default_actor() -> str:
 class CtlStore:
     """CTL values over the cmb database.
 
-    Each method takes an optional ``conn``: pass the connection your data is written with (from
-    ``Database.connection()`` / ``CmbResource.connection()``) to commit the CTL change together
-    with the data; without it the store uses a pooled connection and commits at once.
+    Each method takes an optional ``conn``: pass the connection your data is written with (any connection of
+    yours, whatever its search path) to commit the CTL change together with the data; without it the store
+    uses a pooled connection and commits at once.
     """
 
     def __init__(self, database: DatabaseSource, *, actor: str | None = None) -> None:
         self.database = Database.of(database)
         self.actor = check_name(actor or default_actor(), "actor")
-
-    @contextmanager
-    def _connection(self, conn: psycopg.Connection | None) -> Iterator[psycopg.Connection]:
-        if conn is not None:
-            yield conn
-        else:
-            with self.database.connection() as own:
-                yield own
 
     def set(
         self,
@@ -119,12 +110,12 @@ class CtlStore:
             "only_forward": bool(only_forward),
         }
         # in a transaction of its own, or a savepoint of the caller's: a refusal leaves the caller's transaction usable
-        with refused_input(InvalidCtlInput, "values", conn=conn), self._connection(conn) as c, c.transaction():
+        with refused_input(InvalidCtlInput, "values", conn=conn), connection_for(conn, self.database) as c:
             changes = [CtlChange(**row) for row in _dict_rows(c.execute(sql.SET_VALUES, params))]
             if changes:
                 payload = {"changes": [change.payload() for change in changes]}
                 try:
-                    pubsub.publish(c, CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema)
+                    pubsub.publish(CTL_BRANCH_ID, payload, topic=CTL_TOPIC, schema=self.database.schema, conn=c)
                 except pubsub.InvalidPubSubInput as exc:
                     raise InvalidCtlInput(
                         f"values: the change event of {len(changes)} changes is refused ({exc}); set fewer at once"
@@ -153,7 +144,7 @@ class CtlStore:
         keys = _check_keys(pairs)
         if not keys:
             return {}
-        with self._connection(conn) as c:
+        with connection_for(conn, self.database) as c:
             return read_values(c, keys)
 
     def history(

@@ -19,6 +19,7 @@ from cmb_dagster.eventqueue.models import (
 )
 from cmb_dagster.eventqueue.queue import emit, emit_many
 from cmb_dagster.eventqueue.worker import Edge, EventWorker
+from cmb_dagster.flow import FlowLimits, RateLimit
 from cmb_dagster.models import Backoff
 
 __all__ = [
@@ -30,12 +31,14 @@ __all__ = [
     "EventQueueOptions",
     "EventQueueStatus",
     "EventWorker",
+    "FlowLimits",
     "Handler",
     "HandlerConfig",
     "HandlerRegistry",
     "HandlerStatus",
     "InvalidEventQueueInput",
     "NotDead",
+    "RateLimit",
     "UnknownHandler",
     "WorkerSettings",
     "block",

@@ -80,12 +80,12 @@ class EventQueueResource(ConfigurableResource):
             modifier=modifier,
             delay=delay,
             conn=conn,
-            db=None if conn is not None else self.database,
+            db=self.database,  # with conn: the schema
         )
 
     def emit_many(self, events: list[Mapping[str, Any]], *, conn: psycopg.Connection | None = None) -> list[int]:
         """:func:`cmb_dagster.eventqueue.emit_many` on this database."""
-        return emit_many(events, conn=conn, db=None if conn is not None else self.database)
+        return emit_many(events, conn=conn, db=self.database)
 
 
 def handler_asset_key(handler: str, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.database import DatabaseSource, connection_for
 from cmb_dagster.eventqueue import sql
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput, UnknownHandler
 from cmb_dagster.eventqueue.models import (
@@ -39,11 +39,11 @@ def emit(
 ) -> int:
     """Emit ``value`` (JSON) to ``handler`` in ``namespace``; return the event id.
 
-    With ``conn`` the event is part of that connection's transaction (it exists only if that commits;
-    the connection's search_path must start with the cmb schema, as a :class:`Database`'s connections do);
-    otherwise it commits at once on ``db`` (default: the database of the environment). ``delay`` (seconds
-    or a timedelta) holds it back; ``priority`` (-1000..1000) puts it before the events of lower priorities
-    ready at the same time. An unknown handler raises :class:`UnknownHandler` and writes nothing.
+    With ``conn`` (any connection of the application) the event is part of that connection's transaction: it
+    exists only if that commits. Otherwise it commits at once on ``db`` (default: the database of the
+    environment). ``delay`` (seconds or a timedelta) holds it back; ``priority`` (-1000..1000) puts it before
+    the events of lower priorities ready at the same time. An unknown handler raises :class:`UnknownHandler`
+    and writes nothing.
     """
     event = {
         "namespace": namespace,
@@ -96,12 +96,12 @@ def _emit(
         "payload": next(iter(handlers)) if len(handlers) == 1 else "",
         "max_batch_bytes": MAX_BATCH_BYTES,
     }
-    with refused_input(InvalidEventQueueInput, "events" if prefixed else "event", conn=conn):
-        if conn is not None:
-            return _insert(conn, params)
-        database = Database.of(db) if db is not None else Database.shared()
-        with database.connection(autocommit=True) as own:  # one statement: one round trip with its commit
-            return _insert(own, params)
+    # on a connection of ours, one statement: one round trip with its commit
+    with (
+        refused_input(InvalidEventQueueInput, "events" if prefixed else "event", conn=conn),
+        connection_for(conn, db, autocommit=True) as writing,
+    ):
+        return _insert(writing, params)
 
 
 def _insert(conn: psycopg.Connection, params: dict[str, Any]) -> list[int]:

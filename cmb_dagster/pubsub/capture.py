@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.sql import SQL, Composable, Identifier
 from psycopg.sql import Literal as SQLLiteral
 
+from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.inputs import check_int, check_text, refused_input, to_json
 from cmb_dagster.pubsub import sql
 from cmb_dagster.pubsub.errors import InvalidPubSubInput, StreamRestored
@@ -118,34 +121,58 @@ def remove_capture(conn: psycopg.Connection, table: str, *, schema: str | None =
 
 
 def publish(
-    conn: psycopg.Connection,
-    branch_id: int,
+    branch_id: int | psycopg.Connection,
     payload: Any,
-    *,
+    *legacy: Any,
     topic: str = "default",
     key: dict[str, Any] | None = None,
+    conn: psycopg.Connection | None = None,
+    db: DatabaseSource | None = None,
     schema: str | None = None,
 ) -> int:
-    """Write one event in ``conn``'s current transaction (it exists only if that commits); return its id.
+    """Publish ``payload`` (JSON) on ``branch_id``; return the event's id.
+
+    With ``conn`` (any connection of yours) the event is written in its transaction: it exists only if that
+    commits (a refusal aborts that transaction). Otherwise it commits at once on ``db`` (default: the database
+    of the environment). ``schema`` is the cmb schema (default: ``db``'s, else ``CMB_SCHEMA``).
 
     Raises :class:`StreamRestored` (and writes nothing) after a pg_dump/pg_restore into another
     cluster until ``cmb-dagster pubsub reset`` has run; captured tables refuse their writes likewise.
-
-    ``schema`` is the cmb schema (default: ``CMB_SCHEMA``, so any connection of yours works)."""
+    ``publish(conn, branch_id, payload)`` is deprecated: ``publish(branch_id, payload, conn=conn)``."""
+    if isinstance(branch_id, psycopg.Connection):
+        warnings.warn(
+            "publish(conn, branch_id, payload) is deprecated: publish(branch_id, payload, conn=conn)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        conn, branch_id, payload = branch_id, payload, *legacy
+    elif legacy:
+        raise TypeError(f"publish() takes 2 positional arguments but {2 + len(legacy)} were given")
     check_int(branch_id, "branch_id", error=InvalidPubSubInput)
     check_text(topic, "topic", max_length=MAX_TOPIC_LENGTH, error=InvalidPubSubInput)
     if key is not None and not isinstance(key, dict):
         raise InvalidPubSubInput(f"key: must be a JSON object or None, not {type(key).__name__}")
-    events = Identifier(schema or Settings.from_env().schema_name, "pubsub_events")
+    database = Database.of(db) if db is not None else None
+    schema = schema or (database.schema if database is not None else Settings.from_env().schema_name)
     params = {
         "branch_id": branch_id,
         "topic": topic,
         "key": None if key is None else to_json(key, "key", error=InvalidPubSubInput),
         "payload": to_json(payload, "payload", error=InvalidPubSubInput),
     }
+    if conn is not None:
+        return _publish(conn, schema, params)
+    with (database or Database.shared()).connection(autocommit=True) as own:  # one statement, its own commit
+        return _publish(own, schema, params)
+
+
+def _publish(conn: psycopg.Connection, schema: str, params: dict[str, Any]) -> int:
+    """The insert of one event, the table named with its schema: on any connection, in its transaction."""
+    events = Identifier(schema, "pubsub_events")
     try:
         with refused_input(InvalidPubSubInput, "event", conn=conn):
-            return conn.execute(sql.PUBLISH.format(events=events), params).fetchone()[0]
+            statement = sql.PUBLISH.format(events=events)
+            return conn.cursor(row_factory=tuple_row).execute(statement, params).fetchone()[0]
     except psycopg.errors.ObjectNotInPrerequisiteState as exc:
         raise StreamRestored(f"{exc.diag.message_primary}; stop the producers, run it once, then start again") from None
     except psycopg.errors.UndefinedTable:

@@ -7,6 +7,7 @@ version is unchanged since it was loaded; side effects run after the commit from
 See docs/stages.md.
 """
 
+from cmb_dagster.flow import FlowLimits, RateLimit
 from cmb_dagster.stages.admin import entries, retry, set_shard_count, shard_count, status
 from cmb_dagster.stages.engine import Engine
 from cmb_dagster.stages.errors import (
@@ -38,10 +39,12 @@ __all__ = [
     "Engine",
     "Entity",
     "EntityNotFound",
+    "FlowLimits",
     "InvalidStageInput",
     "InvalidStageResult",
     "MergePatch",
     "NoState",
+    "RateLimit",
     "SavedEntity",
     "Stage",
     "StageError",

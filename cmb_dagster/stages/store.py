@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from pydantic import ValidationError
 
-from cmb_dagster.database import Database, DatabaseSource
+from cmb_dagster.database import Database, DatabaseSource, connection_for
 from cmb_dagster.inputs import check_int, refused_input, to_json
 from cmb_dagster.models import describe
 from cmb_dagster.notifications import channel_name
@@ -75,11 +75,16 @@ class StageStore:
 
     # -- entities ------------------------------------------------------------------------------
 
-    def put(self, entity_id: str, payload: Mapping[str, Any]) -> int:
-        """Create or replace an entity's payload; return its version (unchanged payload: no new version)."""
-        return self.put_many({entity_id: payload})[entity_id]
+    def put(self, entity_id: str, payload: Mapping[str, Any], *, conn: psycopg.Connection | None = None) -> int:
+        """Create or replace an entity's payload; return its version (unchanged payload: no new version).
 
-    def put_many(self, entities: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+        With ``conn`` (any connection of yours) the write joins its transaction: it exists only if that commits;
+        so do :meth:`put_many`, :meth:`patch` and :meth:`delete`."""
+        return self.put_many({entity_id: payload}, conn=conn)[entity_id]
+
+    def put_many(
+        self, entities: Mapping[str, Mapping[str, Any]], *, conn: psycopg.Connection | None = None
+    ) -> dict[str, int]:
         """Create or replace many entities in one transaction; return their versions."""
         ids, texts = [], []
         for entity_id, payload in sorted(entities.items(), key=lambda item: str(item[0])):  # one lock order
@@ -89,19 +94,26 @@ class StageStore:
             return {}
         self._ensure_capture()
         field = "entity" if len(ids) == 1 else "entities"
-        with refused_input(InvalidStageInput, field), self.db.connection() as conn:
-            shard_count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
-            old = {row[0]: row[2] for row in conn.execute(sql.LOCK_ENTITIES, {"ids": ids})}
-            written = dict(conn.execute(sql.UPSERT_ENTITIES, {"ids": ids, "payloads": texts}).fetchall())
+        with refused_input(InvalidStageInput, field, conn=conn), connection_for(conn, self.db) as c:
+            shard_count = c.execute(sql.BEGIN_WRITE).fetchone()[0]
+            old = {row[0]: row[2] for row in c.execute(sql.LOCK_ENTITIES, {"ids": ids})}
+            written = dict(c.execute(sql.UPSERT_ENTITIES, {"ids": ids, "payloads": texts}).fetchall())
             changes = [(i, _fields(old.get(i), entities[i])) for i in ids if i in written]
-            enqueue_changes(conn, self.db, shard_count, changes)
+            enqueue_changes(c, self.db, shard_count, changes)
             versions = {i: written[i] for i in written}
             if len(versions) < len(ids):  # unchanged payloads keep their version
-                for row in conn.execute(sql.LOCK_ENTITIES, {"ids": [i for i in ids if i not in versions]}):
+                for row in c.execute(sql.LOCK_ENTITIES, {"ids": [i for i in ids if i not in versions]}):
                     versions[row[0]] = row[1]
         return versions
 
-    def patch(self, entity_id: str, patch: Mapping[str, Any], *, version: int | None = None) -> int:
+    def patch(
+        self,
+        entity_id: str,
+        patch: Mapping[str, Any],
+        *,
+        version: int | None = None,
+        conn: psycopg.Connection | None = None,
+    ) -> int:
         """Apply an RFC 7386 merge patch to an entity; return its new version.
 
         ``version``: only if the entity is at this version (else :class:`VersionConflict`)."""
@@ -112,9 +124,9 @@ class StageStore:
             )
         dump_payload(dict(patch), "patch")
         self._ensure_capture()
-        with refused_input(InvalidStageInput, "patch"), self.db.connection() as conn:
-            shard_count = conn.execute(sql.BEGIN_WRITE).fetchone()[0]
-            row = conn.execute(sql.LOCK_ENTITIES, {"ids": [entity_id]}).fetchone()
+        with refused_input(InvalidStageInput, "patch", conn=conn), connection_for(conn, self.db) as c:
+            shard_count = c.execute(sql.BEGIN_WRITE).fetchone()[0]
+            row = c.execute(sql.LOCK_ENTITIES, {"ids": [entity_id]}).fetchone()
             if row is None:
                 raise EntityNotFound(f"entity_id: no entity {entity_id!r}")
             _, current, payload = row
@@ -124,18 +136,18 @@ class StageStore:
             if new == payload:
                 return current
             text = dump_payload(new, "patch")
-            saved = conn.execute(
+            saved = c.execute(
                 sql.UPDATE_ENTITY_IF_VERSION, {"id": entity_id, "payload": text, "version": current}
             ).fetchone()
-            enqueue_changes(conn, self.db, shard_count, [(entity_id, _fields(payload, new))])
+            enqueue_changes(c, self.db, shard_count, [(entity_id, _fields(payload, new))])
             return saved[0]
 
-    def delete(self, entity_id: str) -> bool:
+    def delete(self, entity_id: str, *, conn: psycopg.Connection | None = None) -> bool:
         """Delete an entity with its states and queue entries; False if there was none."""
         check_entity_id(entity_id)
-        with self.db.connection() as conn:
-            conn.execute(sql.BEGIN_WRITE)
-            return conn.execute(sql.DELETE_ENTITY, {"id": entity_id}).fetchone() is not None
+        with connection_for(conn, self.db) as c:
+            c.execute(sql.BEGIN_WRITE)
+            return c.execute(sql.DELETE_ENTITY, {"id": entity_id}).fetchone() is not None
 
     def get(self, entity_id: str) -> Entity | None:
         """The entity, or None."""

@@ -281,7 +281,7 @@ def test_pubsub_partition(cluster: Cluster, tmp_path: Path) -> None:
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (item int NOT NULL, pid int NOT NULL)")
         for n in range(events):
-            publish(conn, 0, {"n": n}, topic="work")
+            publish(0, {"n": n}, topic="work", conn=conn)
     args = ["pubsub", "consume", "results", "--handler", "multihost_handlers:pubsub_record", "--batch-size", "20",
             "--lease-ttl", str(TTL)]  # fmt: skip
     for host in cluster.net.hosts:
@@ -299,7 +299,7 @@ def test_pubsub_partition(cluster: Cluster, tmp_path: Path) -> None:
     heal_and_rejoin(cluster, kind, lost)
     with db.connection() as conn:
         for n in range(events, events + 100):  # published after the heal: only the rejoined host is left
-            publish(conn, 0, {"n": n}, topic="work")
+            publish(0, {"n": n}, topic="work", conn=conn)
 
     def results() -> list[tuple[int, int]]:
         with db.connection() as conn:

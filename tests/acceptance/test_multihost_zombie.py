@@ -235,7 +235,7 @@ def test_pubsub_zombie_delivers_nothing_of_the_consumer_it_lost(db, database_url
     def publish_range(numbers: range) -> None:
         with db.connection() as conn:
             for n in numbers:
-                publish(conn, 0, {"n": n}, topic="work")
+                publish(0, {"n": n}, topic="work", conn=conn)
 
     def results() -> Counter:
         with db.connection() as conn:

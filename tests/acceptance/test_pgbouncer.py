@@ -165,7 +165,7 @@ def test_a_pubsub_handler_past_its_timeout_has_its_transaction_ended_through_the
             release.wait(60)
 
     with db.connection() as conn:
-        publish(conn, 0, {"n": 0}, topic="work")
+        publish(0, {"n": 0}, topic="work", conn=conn)
     spec = ConsumerSpec(consumer_id="slow", handler=hang_once, handler_timeout=1, lease_ttl=3.0)
 
     def idle_in_transaction() -> int:
@@ -277,11 +277,11 @@ def test_callbacks_worker_through_the_pooler(db: Database, workers: Workers) -> 
 def test_pubsub_consumer_through_the_pooler(db: Database, workers: Workers) -> None:
     with db.connection() as conn:
         for n in range(300):
-            publish(conn, 0, {"n": n}, topic="work")
+            publish(0, {"n": n}, topic="work", conn=conn)
     workers.script("pubsub_worker")
     workers.wait(lambda: len(workers.called()) >= 300, 60, "the first 300 events delivered")
     with db.connection() as conn:
-        publish(conn, 0, {"n": 300}, topic="work")
+        publish(0, {"n": 300}, topic="work", conn=conn)
     workers.wait(lambda: 300 in workers.called(), WAKE, "an event published to the idle consumer delivered")
     assert sorted(workers.called()) == list(range(301))
     workers.check_log()

@@ -123,7 +123,7 @@ def test_workers_started_while_postgres_is_stopped_start_once_it_answers(server_
             assert all(thread.is_alive() for thread in running.threads)
             pg_ctl(home, "restart")  # (restart: it starts a stopped server with the options it had)
             with db.connection() as conn:
-                event = publish(conn, 0, {"n": 1})
+                event = publish(0, {"n": 1}, conn=conn)
             StageStore(db, [Count()]).put("e1", {})
             wait_until(lambda: delivered == [event], 60, "the consumer delivered an event")
             with db.connection() as conn:

@@ -144,7 +144,7 @@ def test_sigterm_at_any_moment_of_a_consumers_start_or_while_its_database_is_awa
     with psycopg.connect(database_url) as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint PRIMARY KEY)")
         for n in range(200):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     command = [*CLI, "pubsub", "consume", "sig", "--handler", "pubsub_handlers:record", "--lease-ttl", "1"]
     name = psycopg.conninfo.conninfo_to_dict(database_url)["dbname"]
     rng = random.Random(11)
@@ -196,7 +196,7 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
         for n in range(3):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     first = cli(database_url, "consume", "reporter", "--handler", "pubsub_handlers:record", "--duration", "1")
     assert first.returncode == 0, first.stderr
     assert "consumer reporter (branch 0): 3 events" in first.stdout
@@ -214,7 +214,7 @@ def test_cli_status_trim_drop_and_reset_after_a_restore(database_url):
     assert "cluster 42" in refused.stderr and "cmb-dagster pubsub reset" in refused.stderr
     assert "re-based the stream's txids" in cli(database_url, "reset").stdout
     with db.connection() as conn:
-        publish(conn, 0, {"n": "after"})
+        publish(0, {"n": "after"}, conn=conn)
     resumed = cli(database_url, "consume", "reporter", "--duration", "1")
     assert "1 events" in resumed.stdout, resumed.stderr
     assert "dropped consumer reporter" in cli(database_url, "drop", "reporter").stdout
@@ -228,7 +228,7 @@ def test_cli_status_names_a_stuck_or_parked_event_and_dead_and_replay_handle_it(
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint NOT NULL)")
         conn.execute("CREATE TABLE public.fixed (ok boolean)")
-        ids = [publish(conn, 0, {"n": n}) for n in range(3)]
+        ids = [publish(0, {"n": n}, conn=conn) for n in range(3)]
     stuck = cli(
         database_url,
         "consume",

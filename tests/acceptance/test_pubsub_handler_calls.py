@@ -30,7 +30,7 @@ def consumer_env(database_url: str, tmp_path: Path) -> dict[str, str]:
 def publish_all(db, payloads: list[dict]) -> list[int]:
     with db.connection() as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS public.results (event_id bigint PRIMARY KEY)")
-        return [publish(conn, 0, p) for p in payloads]
+        return [publish(0, p, conn=conn) for p in payloads]
 
 
 def results(db) -> list[int]:

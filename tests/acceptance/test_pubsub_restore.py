@@ -97,7 +97,7 @@ def test_nothing_is_lost_or_repeated_around_a_real_dump_and_restore(db, database
             if name == "publish_before_reset":
                 # Producers are refused (not silently lost) until the reset; so is the consumer.
                 with target.connection() as conn, pytest.raises(StreamRestored, match="cmb-dagster pubsub reset"):
-                    publish(conn, 0, {"n": 100})
+                    publish(0, {"n": 100}, conn=conn)
                 with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="another Postgres cluster"):
                     insert_orders(target, 7)
                 with pytest.raises(StreamRestored):
@@ -109,7 +109,7 @@ def test_nothing_is_lost_or_repeated_around_a_real_dump_and_restore(db, database
             drain(consumer)
             insert_orders(target, 8)
             with target.connection() as conn:
-                publish(conn, 0, {"n": 9})
+                publish(0, {"n": 9}, conn=conn)
             drain(consumer)
             assert results(target) == list(range(10)), name  # nothing lost, nothing twice
         finally:

@@ -44,7 +44,7 @@ def test_a_consumer_stopped_while_its_batch_waits_is_taken_over_and_delivers_not
     def publish_range(numbers: range) -> None:
         with db.connection() as conn:
             for n in numbers:
-                publish(conn, 0, {"n": n}, topic="work")
+                publish(0, {"n": n}, topic="work", conn=conn)
 
     def results() -> Counter:
         with db.connection() as conn:

@@ -130,8 +130,8 @@ def test_five_engines_keep_their_promises_through_kills_and_an_immediate_restart
         def publish_round(round_: int) -> None:
             with db.connection() as conn:
                 for n in range(40):
-                    publish(conn, 0, {"round": round_, "n": n, "keep": n % 3 != 0}, topic="soak")
-                publish(conn, 0, {"keep": True}, topic="noise")  # another topic: filtered out
+                    publish(0, {"round": round_, "n": n, "keep": n % 3 != 0}, topic="soak", conn=conn)
+                publish(0, {"keep": True}, topic="noise", conn=conn)  # another topic: filtered out
 
         def emit_round(round_: int) -> None:
             first = round_ * (KEYS // ROUNDS)

@@ -98,7 +98,7 @@ def write_through_the_engines(db: Database) -> None:
     emit("ns", "h", "later", delay=3600, db=db)
     with db.connection() as conn:
         for n in range(5):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     ConsumerWorker(db, ConsumerSpec(consumer_id="reader", handler=lambda conn, events: None, batch_size=2)).run_once()
     CtlStore(db).set("sales", "loaded_until", T0)
     runs = RunStorage()

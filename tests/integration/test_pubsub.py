@@ -73,7 +73,7 @@ def test_captured_rows_and_published_events_arrive_in_commit_order(commits):
         conn.execute(
             "INSERT INTO commits (id, branch, body) VALUES (1, 'trunk', 'a'), (2, 'trunk', 'b'), (3, 'feature', 'x')"
         )
-        publish(conn, 0, {"note": "outbox"}, topic="notes", key={"n": 1})
+        publish(0, {"note": "outbox"}, topic="notes", key={"n": 1}, conn=conn)
     with db.connection() as conn:
         conn.execute("UPDATE commits SET state = 'approved', approved_branch = 7 WHERE id = 1")
         conn.execute("DELETE FROM commits WHERE id = 2")
@@ -146,9 +146,9 @@ def test_bad_input_is_refused_by_field_and_writes_nothing(commits):
         ]
         assert triggers == 0
         with pytest.raises(InvalidInput, match="payload: not JSON"):
-            publish(conn, 0, {"when": object()})
+            publish(0, {"when": object()}, conn=conn)
         with pytest.raises(InvalidInput, match="branch_id: expected an integer"):
-            publish(conn, "0", {})
+            publish("0", {}, conn=conn)
     with pytest.raises(InvalidInput, match="consumer_id: String should match"):
         consumer_of(db, "x" * 64, 0, print)
     with pytest.raises(InvalidInput, match="batch_size"):
@@ -171,7 +171,7 @@ def test_remove_capture_stops_events(commits):
 def test_a_raising_handler_rolls_back_and_the_failing_event_is_named(db):
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint)")
-        ids = [publish(conn, 0, {"n": n}) for n in range(5)]
+        ids = [publish(0, {"n": n}, conn=conn) for n in range(5)]
 
     def handler(conn, events):
         conn.execute("INSERT INTO public.results SELECT unnest(%s::bigint[])", ([e.id for e in events],))
@@ -197,7 +197,7 @@ def test_a_raising_handler_rolls_back_and_the_failing_event_is_named(db):
 
 def test_the_watermark_lock_serialises_identical_consumers(db):
     with db.connection() as conn:
-        publish(conn, 0, {})
+        publish(0, {}, conn=conn)
         lock_watermark(conn, "same", 0)  # created at zero, committed
     holder = db.connect()
     lock_watermark(holder, "same", 0)
@@ -245,7 +245,7 @@ def test_competing_consumers_apply_each_event_once(db):
 
 def test_events_a_handler_publishes_on_its_own_branch_come_in_a_later_batch(db):
     with db.connection() as conn:
-        publish(conn, 0, {"generation": 0})
+        publish(0, {"generation": 0}, conn=conn)
         conn.execute("SELECT pg_current_xact_id()")
     seen = []
 
@@ -255,7 +255,7 @@ def test_events_a_handler_publishes_on_its_own_branch_come_in_a_later_batch(db):
             other.execute("SELECT pg_current_xact_id()")
         for e in events:
             if e.payload["generation"] < 3:
-                publish(conn, 0, {"generation": e.payload["generation"] + 1})
+                publish(0, {"generation": e.payload["generation"] + 1}, conn=conn)
 
     consumer = consumer_of(db, "echo", 0, handler)
     assert [consumer.run_once() for _ in range(5)] == [1, 1, 1, 1, 0]
@@ -290,7 +290,7 @@ def test_concurrent_producers_with_random_commit_delays_lose_nothing_while_naive
         r = random.Random(seed)
         with db.connect() as conn:
             for _ in range(25):
-                ids = [publish(conn, 0, {"p": seed}) for _ in range(r.randint(1, 4))]
+                ids = [publish(0, {"p": seed}, conn=conn) for _ in range(r.randint(1, 4))]
                 time.sleep(r.choice([0, 0, 0.001, 0.005, 0.03]))  # long and short transactions interleave
                 if r.random() < 0.1:
                     conn.rollback()
@@ -308,8 +308,8 @@ def test_concurrent_producers_with_random_commit_delays_lose_nothing_while_naive
     consumer_thread.start()
     # one interleaving made certain: a transaction takes an id, a later id commits first
     with db.connect() as slow, db.connect() as fast:
-        held = publish(slow, 0, {"p": "slow"})
-        quick = publish(fast, 0, {"p": "fast"})
+        held = publish(0, {"p": "slow"}, conn=slow)
+        quick = publish(0, {"p": "fast"}, conn=fast)
         fast.commit()
         wait_until(lambda: quick in naive)
         producers = [threading.Thread(target=producer, args=(rng.random(),)) for _ in range(8)]
@@ -334,8 +334,8 @@ def test_concurrent_producers_with_random_commit_delays_lose_nothing_while_naive
 def test_trim_keeps_what_a_registered_consumer_has_not_read(db):
     with db.connection() as conn:
         for n in range(10):
-            publish(conn, 0, {"n": n})
-            publish(conn, 5, {"n": n})
+            publish(0, {"n": n}, conn=conn)
+            publish(5, {"n": n}, conn=conn)
     fast, _ = collect(db, "fast")
     slow, _ = collect(db, "slow", batch_size=4)
     drain(fast)
@@ -346,7 +346,7 @@ def test_trim_keeps_what_a_registered_consumer_has_not_read(db):
         )  # one transaction: slow is inside it (target snapshot), nothing below its xmin
     drain(slow)
     with db.connection() as conn:
-        publish(conn, 0, {"n": "late"})
+        publish(0, {"n": "late"}, conn=conn)
     with db.connect(autocommit=True) as conn:
         assert (
             trim(conn, batch_size=3, retain=timedelta(0)) == 10
@@ -366,7 +366,7 @@ def test_trim_keeps_what_a_registered_consumer_has_not_read(db):
 def test_lag_counts_committed_undelivered_events(db):
     with db.connection() as conn:
         for n in range(5):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     consumer, _ = collect(db, "lagging", batch_size=2)
     consumer.check()
     [lag] = status(db, "lagging", 0).consumers
@@ -394,12 +394,12 @@ def fake_restore(db, ahead=1_000_000):
 def test_after_a_restore_consumers_refuse_until_reset_then_resume_exactly(db):
     with db.connection() as conn:
         for n in range(3):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     consumer, seen = collect(db, "restored")
     drain(consumer)
     with db.connection() as conn:
         for n in range(3, 5):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     fake_restore(db)
     with pytest.raises(StreamRestored, match="cluster 42 .* run `cmb-dagster pubsub reset`"):
         consumer.run_once()
@@ -412,7 +412,7 @@ def test_after_a_restore_consumers_refuse_until_reset_then_resume_exactly(db):
         assert old == 0 and new > 900_000
         assert reset(conn)[1] == new  # again: nothing to do
     with db.connection() as conn:
-        publish(conn, 0, {"n": 5})
+        publish(0, {"n": 5}, conn=conn)
     drain(consumer)
     assert [e.payload["n"] for e in seen] == [0, 1, 2, 3, 4, 5]
 
@@ -426,7 +426,7 @@ def remember(conn, events):
 
 def test_a_consumer_on_a_plain_connection_pool(db):
     with db.connection() as conn:
-        publish(conn, 0, {"via": "pool"})
+        publish(0, {"via": "pool"}, conn=conn)
     with ConnectionPool(db.url, min_size=1, max_size=2, open=True) as pool:
         consumer = consumer_of(Database.of(pool, schema=db.schema), "pooled", 0, remember)
         assert drain(consumer) == 1 and POOLED[0].payload == {"via": "pool"}
@@ -441,7 +441,7 @@ def test_txids_crossing_a_power_of_ten_keep_their_order(db):
     ids = []
     for n in range(12):
         with db.connection() as conn:
-            ids.append(publish(conn, 0, {"n": n}))
+            ids.append(publish(0, {"n": n}, conn=conn))
     consumer, seen = collect(db, batch_size=3)
     assert drain(consumer) == 12
     assert [e.id for e in seen] == ids and seen[0].txid < 10_000_000 <= seen[-1].txid

@@ -74,8 +74,8 @@ def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, 
     )
     resources = {"cmb": CmbResource(database_url=database_url)}
     with db.connection() as conn:
-        ids = [publish(conn, 3, {"n": n}) for n in range(3)]
-        publish(conn, 0, {"n": "other branch"})
+        ids = [publish(3, {"n": n}, conn=conn) for n in range(3)]
+        publish(0, {"n": "other branch"}, conn=conn)
     cursor = None
     requested = []
     with instance_for_test() as instance:
@@ -86,7 +86,7 @@ def test_the_sensor_requests_one_run_per_event_with_the_watermark_as_cursor(db, 
         assert requested == [str(i) for i in ids]
         assert observations(result)[0].metadata["lag_events"].value == 0
         with db.connection() as conn:
-            late = publish(conn, 3, {"n": 3})
+            late = publish(3, {"n": 3}, conn=conn)
             row = conn.execute(
                 "SELECT delivered FROM pubsub_watermarks WHERE consumer_id = 'sensor.per_change_pubsub_branch_3'"
             ).fetchone()

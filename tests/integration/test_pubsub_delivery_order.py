@@ -23,9 +23,9 @@ def test_order_txid_delivers_in_txid_order_under_interleaved_long_and_short_tran
         r = random.Random(seed)
         with db.connect() as conn:
             for _ in range(15):
-                ids = [publish(conn, 0, {"p": seed})]
+                ids = [publish(0, {"p": seed}, conn=conn)]
                 time.sleep(r.choice([0, 0, 0.002, 0.01, 0.04]))  # long and short transactions interleave
-                ids.append(publish(conn, 0, {"p": seed}))
+                ids.append(publish(0, {"p": seed}, conn=conn))
                 conn.commit()
                 with lock:
                     committed.extend(ids)
@@ -58,15 +58,15 @@ def test_order_txid_waits_for_an_older_open_transaction_of_this_database_only(db
     elsewhere = psycopg.connect(server_url)  # a writer in another database of the cluster: no events here
     elsewhere.execute("SELECT pg_current_xact_id()")
     with db.connection() as conn:
-        before = publish(conn, 0, {"n": "while another database writes"})
+        before = publish(0, {"n": "while another database writes"}, conn=conn)
     wait_until(lambda: strict.run_once() == 0 and delivered == [before], what="not held back by another database")
     elsewhere.rollback()
     elsewhere.close()
     delivered.clear()
     older = db.connect()
-    first = publish(older, 0, {"n": "older, still open"})
+    first = publish(0, {"n": "older, still open"}, conn=older)
     with db.connection() as conn:
-        second = publish(conn, 0, {"n": "younger, committed"})
+        second = publish(0, {"n": "younger, committed"}, conn=conn)
     assert strict.run_once() == 0  # the younger one waits for the older transaction
     assert loose.run_once() == 2  # the default mode delivers it at once
     older.commit()

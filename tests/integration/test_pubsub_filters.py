@@ -29,7 +29,7 @@ def delivered(seen, field="n"):
 def test_a_consumer_gets_only_its_topics_and_matching_payloads_and_status_shows_its_filter(db):
     with db.connection() as conn:
         for n in range(30):
-            publish(conn, 0, {"kind": "x" if n % 3 == 0 else "y", "n": n}, topic="a" if n % 2 == 0 else "b")
+            publish(0, {"kind": "x" if n % 3 == 0 else "y", "n": n}, topic="a" if n % 2 == 0 else "b", conn=conn)
     worker, seen = consumer(db, topics=["a"], where='$.kind == "x"')
     assert drain(worker) == [10, 10, 10]  # every event read past, in bounded batches
     assert delivered(seen) == [n for n in range(30) if n % 6 == 0]
@@ -48,7 +48,7 @@ def test_a_filter_reads_the_events_topic_op_and_key_as_variables(db):
         install_capture(conn, "public.accounts", ops=("insert", "update", "delete"))
         conn.execute("INSERT INTO public.accounts VALUES (1, 'free'), (2, 'pro'), (3, 'pro')")
         conn.execute("UPDATE public.accounts SET plan = 'free' WHERE id = 3")
-        publish(conn, 0, {"id": 9, "plan": "pro"}, topic="manual")
+        publish(0, {"id": 9, "plan": "pro"}, topic="manual", conn=conn)
     worker, seen = consumer(db, where='$op == "insert" && $topic == "public.accounts" && $key.id >= 2')
     drain(worker)
     assert [(e.op, e.key) for batch in seen for e in batch] == [("insert", {"id": 2}), ("insert", {"id": 3})]
@@ -63,7 +63,7 @@ def test_a_branch_whose_events_are_all_filtered_out_is_read_past_without_a_handl
     worker, seen = consumer(db, topics=["signal"])
     assert sum(drain(worker)) == 205 and seen == []
     with db.connection() as conn:
-        publish(conn, 0, {"n": 1}, topic="signal")
+        publish(0, {"n": 1}, topic="signal", conn=conn)
     assert drain(worker) == [1] and [e.topic for e in seen[0]] == ["signal"]
     assert status(db, "f", 0).consumers[0].events == 0
 
@@ -71,7 +71,7 @@ def test_a_branch_whose_events_are_all_filtered_out_is_read_past_without_a_handl
 def test_percent_signs_and_quotes_are_text_of_the_filter_never_of_a_statement(db):
     with db.connection() as conn:
         for n, s in enumerate(["a%b", "abc", "100%", "it's", "%(x)s", "%s"]):
-            publish(conn, 0, {"n": n, "s": s})
+            publish(0, {"n": n, "s": s}, conn=conn)
     worker, seen = consumer(db, where='$.s like_regex "%" || $.s == "it\'s" || $.s starts with "ab"')
     drain(worker)
     assert delivered(seen) == [0, 1, 2, 3, 4, 5]
@@ -85,7 +85,7 @@ def test_a_filter_that_fails_on_one_event_treats_it_as_not_matching_and_the_rest
     division by zero is an error the silent evaluation suppresses, so that event does not match."""
     with db.connection() as conn:
         for n in [3, 1, 0, 2, 5, 4]:
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     worker, seen = consumer(db, where="1 / $.n > 0")
     assert sum(drain(worker)) == 6
     assert delivered(seen) == [3, 1, 2, 5, 4]
@@ -97,7 +97,7 @@ def test_an_event_the_filter_raises_on_is_parked_by_name_and_the_consumer_goes_o
     """A datetime template the server cannot apply raises even in silent evaluation, only on events whose field
     is a string: the batch is judged event by event, that event is parked with the error, the others go on."""
     with db.connection() as conn:
-        ids = [publish(conn, 0, {"n": n, "d": "soon" if n == 4 else None}) for n in range(8)]
+        ids = [publish(0, {"n": n, "d": "soon" if n == 4 else None}, conn=conn) for n in range(8)]
     worker, seen = consumer(db, where='$.d.datetime("TH") < "2020-01-01".datetime() || $.n >= 0')
     assert sum(drain(worker)) == 8
     assert delivered(seen) == [0, 1, 2, 3, 5, 6, 7]
@@ -109,7 +109,7 @@ def test_an_event_the_filter_raises_on_is_parked_by_name_and_the_consumer_goes_o
     assert (lag.events, lag.parked) == (0, 1)
     assert f"parked event {ids[4]}: the filter raised on it" in caplog.text
     with db.connection() as conn:
-        publish(conn, 0, {"n": 8, "d": None})
+        publish(0, {"n": 8, "d": None}, conn=conn)
     assert drain(worker) == [1] and delivered(seen)[-1] == 8  # the next batches read as fast as before
 
 
@@ -146,7 +146,7 @@ def test_a_bad_filter_is_refused_naming_the_field_runs_nothing_and_registers_not
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.victim (v int)")
         conn.execute("INSERT INTO public.victim VALUES (1), (2)")
-        publish(conn, 0, {"n": 1, "s": "abc"})
+        publish(0, {"n": 1, "s": "abc"}, conn=conn)
     with pytest.raises(InvalidPubSubInput, match=message.replace("(", r"\(").replace("$", r"\$")):
         worker, _ = consumer(db, **filters)
         worker.check()

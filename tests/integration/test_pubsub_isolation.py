@@ -29,7 +29,7 @@ def results(db) -> list[int]:
 def publish_all(db, payloads: list[dict]) -> list[int]:
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (event_id bigint PRIMARY KEY)")
-        return [publish(conn, 0, p) for p in payloads]
+        return [publish(0, p, conn=conn) for p in payloads]
 
 
 def parked(db, consumer_id: str):
@@ -183,5 +183,5 @@ def test_an_event_whose_delivery_kills_the_consumer_is_parked_after_its_crashes(
 def test_publish_refuses_what_postgres_cannot_store_naming_the_field(db, field, arguments):
     with db.connection() as conn:
         with pytest.raises(InvalidPubSubInput, match=f"^{field}: "):
-            publish(conn, **{"branch_id": 0, "payload": {}, **arguments})
+            publish(**{"branch_id": 0, "payload": {}, **arguments}, conn=conn)
         assert conn.execute("SELECT count(*) FROM pubsub_events").fetchone() == (0,)  # the transaction goes on

@@ -25,7 +25,7 @@ def test_a_transaction_held_open_elsewhere_delays_nothing_committed_meanwhile(db
     consumer = ConsumerWorker(db, ConsumerSpec(consumer_id="patient", handler=handler, idle_sleep=0.05))
     running = Running(consumer)
     long_writer = db.connect()  # holds a txid and an uncommitted event for HOLD_SECONDS
-    held = publish(long_writer, 0, {"from": "the long transaction"})
+    held = publish(0, {"from": "the long transaction"}, conn=long_writer)
     report = db.connect()  # a long report: holds back xmin without a txid of its own
     report.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     report.execute("SELECT count(*) FROM pubsub_events")
@@ -35,7 +35,7 @@ def test_a_transaction_held_open_elsewhere_delays_nothing_committed_meanwhile(db
     with db.connect(autocommit=True) as producer:
         started = time.monotonic()
         while time.monotonic() - started < HOLD_SECONDS:
-            event_id = publish(producer, 0, {"at": time.monotonic() - started})
+            event_id = publish(0, {"at": time.monotonic() - started}, conn=producer)
             committed[event_id] = time.monotonic()
             time.sleep(0.1)  # a steady producer: 10 events/s
         below_xmin = producer.execute(

@@ -78,7 +78,7 @@ def run_until_idle_or_failing(consumer):
 def ten_events(db):
     with db.connection() as conn:
         conn.execute("CREATE TABLE public.results (n int NOT NULL)")
-        return [publish(conn, 0, {"n": n}) for n in range(10)]
+        return [publish(0, {"n": n}, conn=conn) for n in range(10)]
 
 
 def test_a_poison_event_is_parked_after_max_attempts_and_the_good_ones_arrive_once(db, ten_events, caplog):

@@ -23,7 +23,7 @@ def test_a_commit_wakes_an_idle_consumer_at_once_with_one_notification_per_trans
         listener.execute(f'LISTEN "{db.schema}.pubsub"')
         with db.connection() as conn:
             for n in range(3):
-                publish(conn, 0, {"n": n})
+                publish(0, {"n": n}, conn=conn)
             conn.execute(
                 "INSERT INTO pubsub_events (branch_id, topic, op, payload) SELECT 1, 't', 'publish', '{}'"
                 " FROM generate_series(1, 5)"
@@ -40,7 +40,7 @@ def test_a_commit_wakes_an_idle_consumer_at_once_with_one_notification_per_trans
             what="the consumer listens",
         )
         with db.connection() as conn:
-            publish(conn, 0, {"n": "hint"})
+            publish(0, {"n": "hint"}, conn=conn)
         wait_until(lambda: len(seen) == 4, timeout=20, what="the hint wakes the consumer well before its 60 s poll")
 
 
@@ -48,7 +48,7 @@ def test_publish_refuses_while_the_stream_is_from_another_cluster(db):
     with db.connection() as conn:
         conn.execute("UPDATE pubsub_clock SET system_identifier = 42")
     with db.connection() as conn, pytest.raises(StreamRestored, match="cmb-dagster pubsub reset"):
-        publish(conn, 0, {"n": 1})
+        publish(0, {"n": 1}, conn=conn)
     refused = pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="another Postgres cluster")
     with db.connection() as conn, refused:
         conn.execute("INSERT INTO pubsub_events (branch_id, topic, op, payload) VALUES (0, 't', 'publish', '{}')")

@@ -12,7 +12,7 @@ def worker(db, consumer_id, handler, **options):
 
 def test_trim_keeps_events_younger_than_retain_and_late_consumers_choose_where_to_start(db, caplog):
     with db.connection() as conn:
-        old = [publish(conn, 0, {"n": n}) for n in range(3)]
+        old = [publish(0, {"n": n}, conn=conn) for n in range(3)]
     first = worker(db, "first", lambda conn, events: None)
     assert first.run_once() == 3
     with db.connect(autocommit=True) as conn:
@@ -22,7 +22,7 @@ def test_trim_keeps_events_younger_than_retain_and_late_consumers_choose_where_t
         )
         assert trim(conn) == 2  # the week-old ones go
     with db.connection() as conn:
-        new = publish(conn, 0, {"n": 3})
+        new = publish(0, {"n": 3}, conn=conn)
 
     seen = {}
     for start in ("beginning", "earliest_kept", "now"):
@@ -34,7 +34,7 @@ def test_trim_keeps_events_younger_than_retain_and_late_consumers_choose_where_t
             consumer.check()
             consumer.check()
     with db.connection() as conn:
-        publish(conn, 0, {"n": 4})
+        publish(0, {"n": 4}, conn=conn)
     for start in seen:
         worker(db, f"late-{start}", lambda conn, events, s=start: seen[s].extend(e.id for e in events)).run_once()
     assert seen["beginning"][:2] == [old[2], new] and seen["earliest_kept"][:2] == [old[2], new]

@@ -51,7 +51,7 @@ def test_a_rewind_while_one_of_two_workers_holds_the_lease_replays_from_the_poin
     ids = []
     with db.connection() as conn:
         for n in range(300):
-            ids.append(publish(conn, 0, {"n": n}))
+            ids.append(publish(0, {"n": n}, conn=conn))
             conn.commit()  # one transaction per event: the stream's order is the id order
     spec = ConsumerSpec(consumer_id="rewound", handler=record_handled, batch_size=7, lease_ttl=2, idle_sleep=0.05)
     workers = [ConsumerWorker(db, spec) for _ in range(2)]
@@ -64,7 +64,7 @@ def test_a_rewind_while_one_of_two_workers_holds_the_lease_replays_from_the_poin
         reset_consumer(db, "rewound", 0, to=point, by="test")  # through the watermark lock: no worker stopped
         with db.connection() as conn:
             for n in range(300, 350):  # more events while the consumer replays
-                ids.append(publish(conn, 0, {"n": n}))
+                ids.append(publish(0, {"n": n}, conn=conn))
                 conn.commit()
         wait_until(
             lambda: sum(after for _, after in handled(db)) >= len(ids) - 100,
@@ -102,13 +102,13 @@ def collect(db, consumer_id="c"):
 def test_a_rewind_skips_nothing_undelivered_and_a_time_means_the_first_event_created_since(db):
     drain, seen = collect(db)
     with db.connection() as conn:
-        first = [publish(conn, 0, {"n": n}) for n in range(3)]
+        first = [publish(0, {"n": n}, conn=conn) for n in range(3)]
     long = db.connect()  # a transaction with a lower txid than the point, committed after the rewind
-    late = publish(long, 0, {"n": "late"})
+    late = publish(0, {"n": "late"}, conn=long)
     ids = []
     with db.connection() as conn:
         for n in range(5):
-            ids.append(publish(conn, 0, {"n": n}))
+            ids.append(publish(0, {"n": n}, conn=conn))
             conn.commit()
     assert drain() == first + ids
     with db.connection() as conn:
@@ -122,7 +122,7 @@ def test_a_rewind_skips_nothing_undelivered_and_a_time_means_the_first_event_cre
 
 def test_a_rewind_clears_a_failure_and_refuses_bad_points_naming_the_field(db):
     with db.connection() as conn:
-        ids = [publish(conn, 0, {"n": n}) for n in range(3)]
+        ids = [publish(0, {"n": n}, conn=conn) for n in range(3)]
     drain, _ = collect(db)
     drain()
     with db.connection() as conn:
@@ -147,7 +147,7 @@ def test_a_rewind_clears_a_failure_and_refuses_bad_points_naming_the_field(db):
     with db.connect(autocommit=True) as conn:
         assert trim(conn, retain=timedelta(0)) == 3
     with db.connection() as conn:
-        kept = publish(conn, 0, {"n": "kept"})
+        kept = publish(0, {"n": "kept"}, conn=conn)
     drain()
     with pytest.raises(InvalidPubSubInput, match="^to: no event"):
         reset_consumer(db, "c", 0, to=ids[2])

@@ -15,7 +15,7 @@ def test_status_reports_each_consumer_and_the_totals(db):
     assert status(db) == PubSubStatus(consumers=[])
     with db.connection() as conn:
         for n in range(5):
-            publish(conn, 0, {"n": n})
+            publish(0, {"n": n}, conn=conn)
     for consumer_id, batch_size in (("ahead", 4), ("behind", 1)):
         ConsumerWorker(
             db, ConsumerSpec(consumer_id=consumer_id, handler=lambda conn, events: None, batch_size=batch_size)

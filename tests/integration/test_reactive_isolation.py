@@ -93,8 +93,10 @@ def test_a_change_event_published_by_hand_without_entity_does_not_stop_the_tick(
     scheduler = engine(db, ["good"])
     scheduler.tick(no_runs, now=NOW)
     with db.connection() as conn:
-        pubsub.publish(conn, CTL_BRANCH_ID, {"changes": [{"entity": 1}, "nonsense"]}, topic=CTL_TOPIC, schema=db.schema)
-        pubsub.publish(conn, CTL_BRANCH_ID, {"no changes": True}, topic=CTL_TOPIC, schema=db.schema)
+        pubsub.publish(
+            CTL_BRANCH_ID, {"changes": [{"entity": 1}, "nonsense"]}, topic=CTL_TOPIC, schema=db.schema, conn=conn
+        )
+        pubsub.publish(CTL_BRANCH_ID, {"no changes": True}, topic=CTL_TOPIC, schema=db.schema, conn=conn)
     CtlStore(db).set(*KEY, T0)
     assert [launch.task for launch in scheduler.tick(no_runs, now=NOW).launches] == ["good"]
 

@@ -59,27 +59,27 @@ def test_an_emit_refused_before_sending_leaves_the_callers_transaction_usable(la
         conn.execute("DELETE FROM eventqueue_events WHERE id >= %s", (kept,))
 
 
-def test_an_emit_the_server_refuses_says_that_the_callers_transaction_is_aborted(latin1):
+def test_an_emit_the_server_refuses_writes_nothing_and_leaves_the_callers_transaction_usable(latin1):
     before = count(latin1, "eventqueue_events")
     with latin1.connection() as conn:
         conn.execute("SET client_encoding = 'UTF8'")  # the server converts the text, and refuses it
-        emit("ns", "h", "lost with the transaction", conn=conn)
-        with pytest.raises(InvalidEventQueueInput, match="the transaction of conn is aborted: roll it back$") as e:
+        emit("ns", "h", "kept with the transaction", conn=conn)
+        with pytest.raises(InvalidEventQueueInput, match="nothing was written$") as e:
             emit("ns", "h", UNSTORABLE, conn=conn)
         assert isinstance(e.value.__cause__, psycopg.errors.UntranslatableCharacter)
-        conn.rollback()
-    assert count(latin1, "eventqueue_events") == before
+        emit("ns", "h", "kept too", conn=conn)
+    assert count(latin1, "eventqueue_events") == before + 2
 
 
 def test_publish_raises_the_typed_error_and_says_what_became_of_the_callers_transaction(latin1):
     before = count(latin1, "pubsub_events")
     with latin1.connection() as conn:
         with pytest.raises(InvalidPubSubInput, match=r"^event: refused by the database .*nothing was written$"):
-            publish(conn, 0, {"text": UNSTORABLE})
+            publish(0, {"text": UNSTORABLE}, conn=conn)
         assert conn.execute("SELECT 1").fetchone() == (1,)
         conn.execute("SET client_encoding = 'UTF8'")
         with pytest.raises(InvalidPubSubInput, match="the transaction of conn is aborted: roll it back$"):
-            publish(conn, 0, {"text": UNSTORABLE})
+            publish(0, {"text": UNSTORABLE}, conn=conn)
         conn.rollback()
     assert count(latin1, "pubsub_events") == before
 

@@ -1,9 +1,18 @@
 """The shape every engine follows: the same files, and Dagster imported only by its ``dagster_*`` modules."""
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 
 import pytest
+
+from cmb_dagster import FlowLimits, RateLimit
+from cmb_dagster.callbacks import CallbackClient
+from cmb_dagster.ctl import CtlStore
+from cmb_dagster.eventqueue import emit, emit_many
+from cmb_dagster.pubsub import publish
+from cmb_dagster.stages import StageStore
 
 PACKAGE = Path(__file__).parents[2] / "cmb_dagster"
 ENGINES = ["callbacks", "eventqueue", "pubsub", "reactive", "stages"]
@@ -232,3 +241,28 @@ def test_a_private_dagster_import_says_why():
             if private.match(line):
                 above = lines[number - 1]
                 assert above.startswith("#") or private.match(above), f"{path.name}:{number + 1} says not why"
+
+
+def _writes() -> dict[str, object]:
+    methods = {
+        CallbackClient: ["create", "create_many", "update", "cancel"],
+        StageStore: ["put", "put_many", "patch", "delete"],
+        CtlStore: ["set", "set_many"],
+    }
+    writes = {f"{owner.__name__}.{name}": getattr(owner, name) for owner, names in methods.items() for name in names}
+    return writes | {"emit": emit, "emit_many": emit_many, "publish": publish}
+
+
+def test_every_public_write_joins_a_callers_transaction_through_the_conn_keyword():
+    for name, write in _writes().items():
+        parameters = inspect.signature(write).parameters
+        assert parameters["conn"].kind is inspect.Parameter.KEYWORD_ONLY, name
+        if "." not in name:  # a function (a method writes to its object's database)
+            assert parameters["db"].kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+@pytest.mark.parametrize("engine", ["callbacks", "eventqueue", "stages"])
+def test_every_engine_taking_flow_limits_exports_their_types(engine):
+    module = importlib.import_module(f"cmb_dagster.{engine}")
+    assert module.RateLimit is RateLimit and module.FlowLimits is FlowLimits
+    assert {"RateLimit", "FlowLimits"} <= set(module.__all__)
