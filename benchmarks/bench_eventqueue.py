@@ -9,7 +9,7 @@ Two kinds of run, each engine with its own worker processes:
   concurrency / wait. --wait 0 runs a no-op handler of --kind the same way (one worker, rounds).
 
 How each side is set up (the same in every run unless said):
-- cmb: ``EventWorker`` with ``WorkerSettings`` defaults (batch_size 100) except ``concurrency`` = --concurrency,
+- cmb: ``EventWorker`` with ``WorkerSettings`` defaults (batch_size 100) except ``worker_concurrency`` = --concurrency,
   ``sweep_interval`` = --poll-interval and ``listen`` (off in the polling run). The no-op handler is a plain
   function; with --wait, a function calling ``time.sleep`` (--kind sync) or an ``async def`` awaiting
   ``asyncio.sleep`` (--kind async).
@@ -88,7 +88,7 @@ from proc_cpu import cpu_seconds, find_postmaster, postgres_cpu_seconds
 from psycopg import sql
 
 HERE = Path(__file__).resolve()
-DEFAULT_CONCURRENCY = 10  # calls one worker runs at once: cmb WorkerSettings.concurrency, procrastinate's
+DEFAULT_CONCURRENCY = 10  # calls one worker runs at once: cmb WorkerSettings.worker_concurrency, procrastinate's
 PEER_POOL_MAX = 30  # procrastinate's pool at concurrency 100: a job holds a connection to fetch and to finish
 PRODUCERS = 8  # threads, one connection each: a commit (fsync) per event caps what one producer can send
 LOAD_BATCH = 1_000  # events a transaction when loading a backlog
@@ -200,7 +200,7 @@ def run_cmb_worker(url: str, out: str, listen: bool, poll: float, work: Work) ->
             fn(event.value["t"])
 
     registry.add("noop", call)
-    settings = WorkerSettings(listen=listen, sweep_interval=poll, concurrency=work.concurrency)
+    settings = WorkerSettings(listen=listen, sweep_interval=poll, worker_concurrency=work.concurrency)
     worker = EventWorker(url, EventQueueOptions(handlers=registry, worker=settings))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop())

@@ -4,11 +4,12 @@ iteration of status models."""
 from __future__ import annotations
 
 import math
+import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cmb_dagster.errors import InvalidInput
 
@@ -40,6 +41,24 @@ class Options(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
     error: ClassVar[type[InvalidInput]] = InvalidInput
+    DEPRECATED_NAMES: ClassVar[Mapping[str, str]] = {}
+    """Field names of the last release (old -> new), read for one more with a DeprecationWarning."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deprecated_names(cls, values: Any) -> Any:
+        if not cls.DEPRECATED_NAMES or not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for old, new in cls.DEPRECATED_NAMES.items():
+            if old in values and new not in values:  # both given: the old one is refused as unknown
+                warnings.warn(
+                    f"{cls.__name__}({old}=...) is deprecated: {new}=...",
+                    DeprecationWarning,
+                    stacklevel=_callers_level(),
+                )
+                values[new] = values.pop(old)
+        return values
 
     def __init__(self, /, **values: Any) -> None:
         try:
@@ -48,6 +67,15 @@ class Options(BaseModel):
             error = self.error(f"{type(self).__name__}: {describe(exc)}")
             error.field_path = field_path(exc)
             raise error from None
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package and pydantic: the code that gave the values.
+    (Python 3.11 has no ``skip_file_prefixes``; the depth of pydantic's validation varies with the nesting.)"""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("cmb_dagster", "pydantic")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def field_path(exc: Exception) -> tuple[str | int, ...]:

@@ -232,7 +232,13 @@ def buckets(count: int) -> None:
     help="Number of workers splitting the buckets (with --index).",
 )
 @click.option("--duration", type=DURATION, help="Seconds to work (default: until SIGTERM or Ctrl-C).")
-@click.option("--concurrency", type=click.IntRange(1, 10_000), help="Parallel calls.")
+@click.option("--worker-concurrency", type=click.IntRange(1, 10_000), help="Parallel calls of this worker.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 10_000),
+    deprecated="use --worker-concurrency instead",
+    hidden=True,
+)
 @click.option(
     "--per-host-concurrency",
     type=click.IntRange(0, MAX_CONCURRENCY),
@@ -263,6 +269,7 @@ def worker(
     index: int | None,
     workers: int | None,
     duration: float | None,
+    worker_concurrency: int | None,
     concurrency: int | None,
     per_host_concurrency: int | None,
     timeout: float | None,
@@ -276,7 +283,7 @@ def worker(
         raise click.UsageError("give --index and --workers together, or --buckets")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {
-        "concurrency": concurrency,
+        "worker_concurrency": worker_concurrency or concurrency,
         "timeout": timeout,
         "poll_interval": poll_interval,
         "lease_ttl": lease_ttl,

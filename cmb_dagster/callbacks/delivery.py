@@ -6,7 +6,7 @@ gives the two limits a callback needs: a deadline for the whole call (resolve, c
 call is cancelled there), and a cap on the response bytes read. It connects only to addresses the settings
 allow, checked on the address actually connected to (after name resolution).
 
-The calls run on the worker's :class:`~cmb_dagster.executor.Executor`, up to ``concurrency`` at once: HTTP calls
+The calls run on the worker's :class:`~cmb_dagster.executor.Executor`, up to ``worker_concurrency`` at once: HTTP calls
 on its event loop, ``dagster://`` launches in its threads. A dispatcher on that loop takes due deliveries, highest
 priority first, as many as the executor has free slots, and passes them through the worker's
 *gate* first: one transaction that takes the slots of the limits their destinations need (those it cannot get
@@ -409,7 +409,7 @@ def _general(exc: BaseException) -> str:
 class DeliveryPool:
     """Calls due deliveries, let through the worker's gate, on an executor of user code, with fast retries.
 
-    The calls run on a :class:`~cmb_dagster.executor.Executor` of ``concurrency`` slots: HTTP calls on its event
+    The calls run on a :class:`~cmb_dagster.executor.Executor` of ``worker_concurrency`` slots: HTTP calls on its event
     loop, cancelled at their deadline (``timeout``), ``dagster://`` launches in its threads. On the same loop, a
     dispatcher waits for the earliest due delivery and for the executor's free slots, passes as many due
     deliveries as there are free slots through the gate (one transaction), highest priority first, then earliest
@@ -445,7 +445,7 @@ class DeliveryPool:
         self._closed = False
         self._wake_at = -math.inf  # a submit due before this wakes the dispatcher (-inf: it is not asleep)
         self._wake = asyncio.Event()
-        self._executor = Executor("callbacks", settings.concurrency, on_end=self._settle_ended)
+        self._executor = Executor("callbacks", settings.worker_concurrency, on_end=self._settle_ended)
         self._loop = self._executor.loop
         self._loop_thread: int | None = None
         self._dispatcher: asyncio.Task[None] | None = None

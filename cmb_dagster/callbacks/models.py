@@ -9,9 +9,10 @@ import os
 import re
 import socket
 import warnings
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -178,6 +179,7 @@ class CallbackSettings(Options):
     """Limits and tuning of the callbacks engine, shared by clients and workers."""
 
     error = InvalidCallbackInput
+    DEPRECATED_NAMES: ClassVar[Mapping[str, str]] = {"concurrency": "worker_concurrency"}
 
     max_context_bytes: int = Field(
         default_factory=lambda: min(max_payload_bytes(), MAX_CONTEXT_BYTES),
@@ -215,7 +217,7 @@ class CallbackSettings(Options):
     lookahead: float = Field(default=2.0, ge=0, le=10, description="Poll events due within this many seconds.")
     poll_batch_size: int = Field(default=1000, gt=0, le=10_000, description="Events fetched per poll query.")
     max_in_flight: int = Field(default=5000, gt=0, le=1_000_000, description="Events a worker holds in memory at most.")
-    concurrency: int = Field(default=128, gt=0, le=512, description="Parallel callback calls per worker.")
+    worker_concurrency: int = Field(default=128, gt=0, le=512, description="Parallel callback calls per worker.")
     timeout: float = Field(default=5.0, gt=0, le=60, description="Seconds one HTTP call may take.")
     backoff: Backoff = Field(
         default=FAST_RETRY_BACKOFF,

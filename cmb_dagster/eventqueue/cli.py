@@ -49,7 +49,15 @@ def events() -> None:
     "--sweep-interval", type=FloatRange(0.01, 3600), default=None, help="Seconds between sweeps without notifications."
 )
 @click.option("--listen/--no-listen", default=True, show_default=True, help="Wake on LISTEN/NOTIFY hints.")
-@click.option("--concurrency", type=click.IntRange(1, 1_000), default=None, help="Handler calls at once (default: 10).")
+@click.option(
+    "--worker-concurrency", type=click.IntRange(1, 1_000), default=None, help="Handler calls at once (default: 10)."
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 1_000),
+    deprecated="use --worker-concurrency instead",
+    hidden=True,
+)
 @click.option(
     "--isolation",
     type=click.Choice(["thread", "process"]),
@@ -63,6 +71,7 @@ def worker(
     batch_size: int | None,
     sweep_interval: float | None,
     listen: bool,
+    worker_concurrency: int | None,
     concurrency: int | None,
     isolation: str | None,
 ) -> None:
@@ -72,7 +81,7 @@ def worker(
         "batch_size": batch_size,
         "sweep_interval": sweep_interval,
         "listen": listen,
-        "concurrency": concurrency,
+        "worker_concurrency": worker_concurrency or concurrency,
         "isolation": isolation,
     }
     settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})

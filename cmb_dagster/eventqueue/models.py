@@ -4,7 +4,7 @@ and what :func:`cmb_dagster.eventqueue.status` reports."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
@@ -221,9 +221,10 @@ class WorkerSettings(Options):
     """How an event queue worker polls, listens and claims."""
 
     error = InvalidEventQueueInput
+    DEPRECATED_NAMES: ClassVar[Mapping[str, str]] = {"concurrency": "worker_concurrency"}
 
     batch_size: int = Field(default=100, ge=1, le=10_000, description="Events claimed in one statement at most.")
-    concurrency: int = Field(
+    worker_concurrency: int = Field(
         default=10,
         ge=1,
         le=1_000,

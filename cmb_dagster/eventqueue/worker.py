@@ -117,9 +117,9 @@ class EventWorker(EngineWorker):
     """Runs the handlers of ``options.handlers`` for the events emitted to them.
 
     ``run(duration)`` loops on the shared worker runtime, woken by notifications, until time is up, running up
-    to ``settings.concurrency`` handlers at once; ``run_once()`` runs one batch to its end; ``dequeue(ids)`` walks
-    the flowchart for named events. ``EventWorker(db, handlers, settings)`` (a registry, a list or
-    ``"module:attr"``, and ``WorkerSettings``) is the deprecated form of
+    to ``settings.worker_concurrency`` handlers at once; ``run_once()`` runs one batch to its end;
+    ``dequeue(ids)`` walks the flowchart for named events. ``EventWorker(db, handlers, settings)`` (a registry, a
+    list or ``"module:attr"``, and ``WorkerSettings``) is the deprecated form of
     ``EventWorker(db, EventQueueOptions(handlers=handlers, worker=settings))``.
     """
 
@@ -146,7 +146,10 @@ class EventWorker(EngineWorker):
         self._loop: Worker | None = None  # the loop of the current run
         self._lease: Lease | None = None  # its liveness lease: the events it claims carry it
         self.executor = Executor(
-            f"eventqueue:{self.owner}", self.settings.concurrency, self.settings.isolation, on_end=self._call_ended
+            f"eventqueue:{self.owner}",
+            self.settings.worker_concurrency,
+            self.settings.isolation,
+            on_end=self._call_ended,
         )
         self._held: dict[int, Claimed] = {}  # events whose lock this worker holds: to start, running, outcome unwritten
         self._waiting: deque[Claimed] = deque()  # claimed, waiting for a slot, in claim order
@@ -638,7 +641,9 @@ class EventWorker(EngineWorker):
         free = self.executor.free
         if free <= 0:
             return self._tick
-        if free == self.settings.concurrency or 2 * free >= min(self.settings.batch_size, self.settings.concurrency):
+        if free == self.settings.worker_concurrency or 2 * free >= min(
+            self.settings.batch_size, self.settings.worker_concurrency
+        ):
             return 0.0
         cooldown = min(FILL_COOLDOWN, self.executor.mean_seconds / 10)
         return max(0.0, self._claimed_at + cooldown - time.monotonic())

@@ -175,7 +175,9 @@ def retry(stage: str | None, entity_id: str | None) -> None:
 def rescan(stages_path: str | None, duration: float | None) -> None:
     """Ask every stage about every entity; fill the low-priority queues."""
     options = load_options(stages_path)
-    engine = Engine(open_database(), options.stages, concurrency=options.concurrency, isolation=options.isolation)
+    engine = Engine(
+        open_database(), options.stages, concurrency=options.worker_concurrency, isolation=options.isolation
+    )
     seen, offered, stopped = engine.rescan(duration=duration)
     where = "" if stopped is None else f"; stopped after {stopped!r}"
     click.echo(f"{seen} entities, {offered} low-priority entries{where}")

@@ -81,7 +81,7 @@ def stages_definitions(
                 cmb.database,
                 options.stages,
                 publish=options.publish,
-                concurrency=options.concurrency,
+                concurrency=options.worker_concurrency,
                 isolation=options.isolation,
             )
             seen, offered, stopped = engine.rescan(duration=options.rescan_seconds)

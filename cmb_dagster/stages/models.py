@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from croniter import croniter
 from pydantic import BaseModel, Field, field_validator
@@ -136,11 +137,12 @@ class StageOptions(Options):
     ``stages`` are :class:`~cmb_dagster.stages.Stage` instances. ``shard_count`` is applied to the
     database when a worker starts (re-sharding what is queued, losing nothing); ``workers`` Dagster
     worker jobs split the shards (job i serves shards with id % workers == i). Each worker runs up to
-    ``concurrency`` ``process`` calls at once (``async def`` ones on its event loop, others in threads, or in
+    ``worker_concurrency`` ``process`` calls at once (``async def`` ones on its event loop, others in threads, or in
     child processes killed at their timeout with ``isolation="process"``).
     """
 
     error = InvalidStageInput
+    DEPRECATED_NAMES: ClassVar[Mapping[str, str]] = {"concurrency": "worker_concurrency"}
 
     stages: list[Any] = Field(description="The Stage instances of this code location.")
     shard_count: int | None = Field(
@@ -148,7 +150,7 @@ class StageOptions(Options):
     )
     workers: int = Field(default=1, ge=1, le=64, description="Worker jobs; job i serves shards with id % workers == i.")
     batch_size: int = Field(default=500, ge=1, le=10_000, description="Queue entries per transaction.")
-    concurrency: int = Field(
+    worker_concurrency: int = Field(
         default=DEFAULT_CONCURRENCY,
         ge=1,
         le=MAX_CONCURRENCY,

@@ -76,7 +76,7 @@ class StageWorker(EngineWorker):
             idle_timeout=max(10.0, 3 * options.lease_ttl),
             owner=self.owner,
             slot_ttl=options.lease_ttl,
-            concurrency=options.concurrency,
+            concurrency=options.worker_concurrency,
             isolation=options.isolation,
             on_end=self._call_ended,
         )

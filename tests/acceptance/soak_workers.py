@@ -50,7 +50,7 @@ def eventqueue_options(log: str) -> EventQueueOptions:
 
     registry.add("limited", record, key="value.k", rate_limit="20/s", concurrency=1, lock_expiry=10)
     return EventQueueOptions(
-        handlers=registry, worker=WorkerSettings(sweep_interval=0.5, lease_ttl=3, concurrency=100)
+        handlers=registry, worker=WorkerSettings(sweep_interval=0.5, lease_ttl=3, worker_concurrency=100)
     )  # claims of 100
 
 

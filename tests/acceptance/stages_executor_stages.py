@@ -94,7 +94,7 @@ def _options(stages: list[Stage], **kw: object) -> StageOptions:
     return StageOptions(stages=stages, shard_count=2, lease_ttl=2.0, idle_sleep=0.2, **kw)
 
 
-concurrent = _options([Recorded("slow")], concurrency=4)
+concurrent = _options([Recorded("slow")], worker_concurrency=4)
 # a first call past its timeout, retried at once; another stage due on the same entity
 held = _options([Recorded("a_slow", timeout=0.5, backoff=Backoff(first=0.0)), Recorded("b_fast")])
 exits = _options([Recorded("exits", max_attempts=1)])

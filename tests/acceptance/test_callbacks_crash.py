@@ -103,7 +103,7 @@ def test_kill_9_mid_delivery_loses_nothing(db, database_url):
         # duplicates only for events already called (in flight) when the worker died
         assert all(first_call[key] < killed_at for key in duplicated)
         # and those started between that count and the kill: one per call slot at most
-        assert len(duplicated) <= max(in_flight_at_kill, 0) + CallbackSettings().concurrency
+        assert len(duplicated) <= max(in_flight_at_kill, 0) + CallbackSettings().worker_concurrency
 
 
 def test_worker_rides_out_a_postgres_restart(server_home):

@@ -110,7 +110,7 @@ def test_a_killed_workers_events_run_again_within_its_lease_ttl_not_their_lock_e
     ids = emit(db, "plain", [{"n": n, "sleep": 0.1} for n in range(5)])
     with db.connection() as conn:  # the first worker's calls hang until it is killed
         conn.execute("UPDATE eventqueue_events SET value = value || '{\"sleep\": 600}'")
-    first = start_workers(database_url, 1, "--concurrency", "10", EQ_LOCK_EXPIRY="300")
+    first = start_workers(database_url, 1, "--worker-concurrency", "10", EQ_LOCK_EXPIRY="300")
     try:
         wait_until(lambda: len(runs(db)) == 5, timeout=60, what="five calls running", interval=0.05)
         first[0].send_signal(signal.SIGKILL)
@@ -137,7 +137,7 @@ def test_a_killed_worker_charges_a_crash_only_to_the_calls_that_ran(db, database
         " (SELECT 1 FROM public.eq_runs r WHERE r.event_id = e.id AND r.ended_at IS NOT NULL)"
     )
     unlimited = ("--handlers", "eventqueue_concurrency_handlers:unlimited")
-    [worker] = start_workers(database_url, 1, *unlimited, "--concurrency", "2", EQ_LOCK_EXPIRY="300")
+    [worker] = start_workers(database_url, 1, *unlimited, "--worker-concurrency", "2", EQ_LOCK_EXPIRY="300")
 
     def stopped_with_events_waiting() -> bool:
         """Stop the worker at a moment it holds more events than its two slots (claimed ahead, not started)."""

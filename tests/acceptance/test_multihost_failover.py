@@ -374,7 +374,7 @@ def test_callback_workers_resume_on_the_new_primary(pair):
     repeated = [key for key, times in calls.items() if times > 1]
     # at least once; a second call only for a call in flight at the failover (its outcome not committed)
     assert all(first_call[key] <= failed_over_at for key in repeated)
-    assert len(repeated) <= len(procs) * CallbackSettings().concurrency
+    assert len(repeated) <= len(procs) * CallbackSettings().worker_concurrency
 
 
 # -- reactive scheduler ------------------------------------------------------------------------------------

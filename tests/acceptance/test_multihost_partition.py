@@ -218,7 +218,7 @@ def test_callbacks_partition(cluster: Cluster, tmp_path: Path) -> None:
             for i in range(events)
         )
         args = ["callbacks", "worker", "--lease-ttl", str(TTL), "--timeout", "1", "--poll-interval", "0.2",
-                "--concurrency", str(concurrency), "--no-materialize",
+                "--worker-concurrency", str(concurrency), "--no-materialize",
                 "--allow-host", net.receiver_address]  # fmt: skip
         for host in net.hosts:
             cluster.start(host, *args, log_dir=tmp_path)

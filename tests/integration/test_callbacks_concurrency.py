@@ -107,7 +107,7 @@ def create(client: CallbackClient, keys: list[str], url: str, **kwargs) -> None:
 
 
 def test_n_slow_targets_are_called_n_at_once_at_concurrency_n_and_never_more(db, target, work):
-    settings = SETTINGS.model_copy(update={"concurrency": 4})
+    settings = SETTINGS.model_copy(update={"worker_concurrency": 4})
     keys = [f"k{i}" for i in range(16)]
     with CallbackClient(db, settings) as client:
         create(client, keys, f"{target.url}/slow")
@@ -186,7 +186,7 @@ def test_a_launch_that_hangs_holds_its_event_until_it_ends_while_http_calls_and_
 
 def test_a_worker_whose_every_call_slot_hangs_stops_with_worker_stuck(db):
     launcher = Launcher()
-    settings = SETTINGS.model_copy(update={"concurrency": 2})
+    settings = SETTINGS.model_copy(update={"worker_concurrency": 2})
     worker, raised = CallbackWorker(db, settings, launcher=launcher), []
 
     def run():

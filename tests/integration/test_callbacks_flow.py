@@ -209,7 +209,7 @@ def test_the_slots_of_a_killed_worker_return_after_their_ttl_not_before(db, data
 
 def test_a_high_priority_callback_due_with_many_low_ones_is_called_in_the_first_batch(db, receivers):
     receiver = receivers("127.0.0.1", slow=0.05)
-    settings = SETTINGS.model_copy(update={"concurrency": 4, "poll_batch_size": 50, "per_host": None})
+    settings = SETTINGS.model_copy(update={"worker_concurrency": 4, "poll_batch_size": 50, "per_host": None})
     with CallbackClient(db, settings) as client:
         client.set_bucket_count(1)  # the first poll reads them all (each bucket is polled in turn)
         past = datetime.now(UTC) - timedelta(seconds=10)
@@ -241,7 +241,7 @@ def test_a_priority_out_of_bounds_is_refused_naming_the_field(db, priority):
 
 def test_a_high_priority_callback_created_while_low_ones_wait_goes_before_them(db, receivers):
     receiver = receivers("127.0.0.1", slow=0.3)
-    settings = SETTINGS.model_copy(update={"concurrency": 1, "per_host": None})
+    settings = SETTINGS.model_copy(update={"worker_concurrency": 1, "per_host": None})
     with CallbackClient(db, settings) as client:
         create(client, f"{receiver.url}/slow", [f"low{i}" for i in range(20)])
         with Running(CallbackWorker(db, settings)):

@@ -20,7 +20,9 @@ from cmb_dagster.eventqueue import (
 )
 from cmb_dagster.eventqueue.worker import STAGE_LIMIT
 
-SETTINGS = WorkerSettings(listen=False, sweep_interval=0.1, batch_size=100, concurrency=1)  # calls in claim order
+SETTINGS = WorkerSettings(
+    listen=False, sweep_interval=0.1, batch_size=100, worker_concurrency=1
+)  # calls in claim order
 CLAIM_PARAMETERS = {
     "handlers": ["plain", "tenants", "limited"],
     "limit": 100,
@@ -88,7 +90,7 @@ def test_a_delayed_event_takes_its_turn_when_it_comes_due(db, worker, seen):
         conn.execute("UPDATE eventqueue_events SET delay_until = now(), visible_at = now() WHERE id = %s", [delayed])
     seen.clear()
     worker.run_once()  # its first claim finds it came due, the next one stages it at the head of the round-robin
-    assert delayed in [e.id for e in seen[: 2 * SETTINGS.concurrency]]
+    assert delayed in [e.id for e in seen[: 2 * SETTINGS.worker_concurrency]]
 
 
 def test_a_key_at_concurrency_1_never_starts_an_event_ahead_of_one_another_claim_holds(db, worker, seen):

@@ -31,7 +31,7 @@ def test_no_claimed_event_of_a_paused_handler_starts_after_pause_returns(db):
     registry = HandlerRegistry()
     registry.add("slow", lambda e: (starts.append((e.id, time.monotonic())), time.sleep(0.5)))
     registry.add("other", lambda e: others.append(e.id))
-    worker = worker_for(db, registry, WorkerSettings(batch_size=10, sweep_interval=0.1, concurrency=1))
+    worker = worker_for(db, registry, WorkerSettings(batch_size=10, sweep_interval=0.1, worker_concurrency=1))
     ids = [emit("ns", "slow", i, db=db) for i in range(10)]
     with Running(worker):
         wait_until(lambda: worker.listening and starts, 10, "the first event started")
