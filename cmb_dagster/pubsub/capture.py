@@ -139,15 +139,16 @@ def publish(
     Raises :class:`StreamRestored` (and writes nothing) after a pg_dump/pg_restore into another
     cluster until ``cmb-dagster pubsub reset`` has run; captured tables refuse their writes likewise.
     ``publish(conn, branch_id, payload)`` is deprecated: ``publish(branch_id, payload, conn=conn)``."""
-    if isinstance(branch_id, psycopg.Connection):
+    legacy_form = isinstance(branch_id, psycopg.Connection)
+    if len(legacy) != int(legacy_form):
+        raise TypeError("publish() takes branch_id and payload as its positional arguments (conn= as a keyword)")
+    if legacy_form:
         warnings.warn(
             "publish(conn, branch_id, payload) is deprecated: publish(branch_id, payload, conn=conn)",
             DeprecationWarning,
             stacklevel=2,
         )
-        conn, branch_id, payload = branch_id, payload, *legacy
-    elif legacy:
-        raise TypeError(f"publish() takes 2 positional arguments but {2 + len(legacy)} were given")
+        conn, branch_id, payload = branch_id, payload, legacy[0]
     check_int(branch_id, "branch_id", error=InvalidPubSubInput)
     check_text(topic, "topic", max_length=MAX_TOPIC_LENGTH, error=InvalidPubSubInput)
     if key is not None and not isinstance(key, dict):

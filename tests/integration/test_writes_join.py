@@ -154,8 +154,9 @@ def test_a_callback_created_in_the_callers_transaction_is_called_once_after_the_
         app.commit()
         wait_until(lambda: len(sink.received) == 2, 30, "the call after the commit")
         assert sorted(c.body["event_key"] for c in sink.received) == ["in-transaction", "marker"]
-        notified = lambda: client.get("app", "g", "in-transaction").status.value == "notified"  # noqa: E731
-        wait_until(notified, 30, "the call's outcome")
+        wait_until(
+            lambda: client.get("app", "g", "in-transaction").status.value == "notified", 30, "the call's outcome"
+        )
 
 
 def test_changes_of_existing_items_roll_back_with_the_callers_transaction(db, app):
