@@ -17,8 +17,13 @@ install: $(BIN)/cmb-dagster
 dev: install
 	$(BIN)/cmb-dagster dev $(DEV_ARGS)
 
+# The suite in parallel processes (pytest-xdist): most tests wait on Postgres, worker processes or `dagster dev`, so
+# more processes than cores. Each process is handed its next test as it finishes one, the longest first
+# (tests/conftest.py orders them).
+TEST_PROCESSES ?= 4
+
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_PROCESSES) --dist load --maxschedchunk 1
 
 # The slower job run before each release (as root, with Debian's PostgreSQL 15 and iproute2): worker processes
 # against servers of their own, through a failover, a network partition and a stopped process.

@@ -14,7 +14,8 @@ from pydantic import Field, field_validator
 from cmb_dagster import sql
 from cmb_dagster.callbacks.client import CallbackClient
 from cmb_dagster.callbacks.errors import CallbackConflict
-from cmb_dagster.callbacks.models import CONTEXT, CallbackSettings, NewCallback, RetryPolicy, check_url
+from cmb_dagster.callbacks.hosts import check_url
+from cmb_dagster.callbacks.models import CONTEXT, CallbackSettings, NewCallback, RetryPolicy
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.health import Severity, Transition, check_label
 from cmb_dagster.models import Options

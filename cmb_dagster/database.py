@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeAlias
+from typing import Generic, TypeAlias, TypeVar
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -434,7 +434,27 @@ def check_connection(conn: psycopg.Connection) -> None:
         ConnectionPool.check_connection(conn)
 
 
-class OwnConnection:
+_Connection = TypeVar("_Connection", psycopg.Connection, psycopg.AsyncConnection)
+_SET_SESSION_SETTING = "SELECT set_config(%s, %s, false)"
+
+
+class _OwnConnectionBase(Generic[_Connection]):
+    """What a connection of one's own keeps, sync or async: its database, its session settings, the connection."""
+
+    def __init__(self, db: Database, *, custom_plans: bool = False, settings: Mapping[str, str] | None = None) -> None:
+        self.db = db
+        self.settings = dict(settings or {})
+        if custom_plans:
+            self.settings["plan_cache_mode"] = "force_custom_plan"
+        self._conn: _Connection | None = None
+
+    @property
+    def lost(self) -> bool:
+        """Whether the connection broke or closed (the next ``get`` opens a new one)."""
+        return self._conn is None or self._conn.closed or self._conn.broken
+
+
+class OwnConnection(_OwnConnectionBase[psycopg.Connection]):
     """One thread's connection of its own, outside the pool (no check on each use), in autocommit.
 
     Opened on first use, and again on the use after it broke or closed. ``settings`` are session settings
@@ -448,25 +468,13 @@ class OwnConnection:
     prepared there, so every statement is planned when it runs anyway.
     """
 
-    def __init__(self, db: Database, *, custom_plans: bool = False, settings: Mapping[str, str] | None = None) -> None:
-        self.db = db
-        self.settings = dict(settings or {})
-        if custom_plans:
-            self.settings["plan_cache_mode"] = "force_custom_plan"
-        self._conn: psycopg.Connection | None = None
-
-    @property
-    def lost(self) -> bool:
-        """Whether the connection broke or closed (the next :meth:`get` opens a new one)."""
-        return self._conn is None or self._conn.closed or self._conn.broken
-
     def get(self) -> psycopg.Connection:
         """The connection, opened anew if it was lost."""
         if self.lost:
             self.close()
             self._conn = self.db.connect(autocommit=True)
             for name, value in session_settings(self.db, self.settings).items():
-                self._conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+                self._conn.execute(_SET_SESSION_SETTING, (name, value))
         return self._conn  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -480,23 +488,16 @@ def session_settings(db: Database, settings: Mapping[str, str]) -> Mapping[str, 
     return {} if db.pooled else settings
 
 
-class OwnAsyncConnection:
+class OwnAsyncConnection(_OwnConnectionBase[psycopg.AsyncConnection]):
     """:class:`OwnConnection` for an event loop: an async connection of its own, in autocommit."""
-
-    def __init__(self, db: Database, *, custom_plans: bool = False, settings: Mapping[str, str] | None = None) -> None:
-        self.db = db
-        self.settings = dict(settings or {})
-        if custom_plans:
-            self.settings["plan_cache_mode"] = "force_custom_plan"
-        self._conn: psycopg.AsyncConnection | None = None
 
     async def get(self) -> psycopg.AsyncConnection:
         """The connection, opened anew if it was lost."""
-        if self._conn is None or self._conn.closed or self._conn.broken:
+        if self.lost:
             await self.close()
             self._conn = await self.db.connect_async(autocommit=True)
             for name, value in session_settings(self.db, self.settings).items():
-                await self._conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+                await self._conn.execute(_SET_SESSION_SETTING, (name, value))
         return self._conn
 
     async def close(self) -> None:

@@ -155,6 +155,11 @@ def _ends_at(record: RunRecord, job_name: str) -> float:
     return started + float(config.get("duration_seconds", WorkerConfig().duration_seconds))
 
 
+def dagster_name(text: str) -> str:
+    """``text`` as a part of a Dagster name: every character but A-Z a-z 0-9 _ as ``_``."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", text)
+
+
 def worker_job_names(prefix: str, base: str, workers: int) -> list[str]:
     """Names of an engine's worker jobs: ``<prefix><base>`` for one, ``<prefix><base>_<i>_of_<n>`` for several."""
     if workers == 1:
@@ -381,7 +386,7 @@ def _observed_asset(key: AssetKey, group_name: str, description: str, observe: O
     """An observable asset whose Observe button records what ``observe`` reports for ``key`` (no Materialize)."""
     spec = AssetSpec(key, group_name=group_name, description=description)
 
-    @multi_observable_source_asset(specs=[spec], name=f"observe_{re.sub(r'[^A-Za-z0-9_]', '_', '__'.join(key.path))}")
+    @multi_observable_source_asset(specs=[spec], name=f"observe_{dagster_name('__'.join(key.path))}")
     def _observed(cmb: CmbResource) -> Iterator[ObserveResult]:
         found = [o for o in observe(cmb.database) if isinstance(o, AssetObservation) and o.asset_key == key]
         yield ObserveResult(asset_key=key, metadata=found[0].metadata if found else {})

@@ -36,6 +36,35 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The modules whose tests take minutes (`dagster dev`, hundreds of CLI processes, the soak): moved ahead of the tests
+# collected with them, so that `make test`'s parallel workers (pytest-xdist, ``--dist load``) start them first and run
+# the rest around them. Paths given in another order (the server suite of ``.ci/run``) keep theirs.
+STARTED_FIRST = (
+    "tests/acceptance/test_dev_command.py",
+    "tests/acceptance/test_cli_safety.py",
+    "tests/acceptance/test_soak.py",
+    "tests/acceptance/test_init.py",
+    "tests/acceptance/test_dg.py",
+    "tests/acceptance/test_dev_stop.py",
+    "tests/acceptance/test_pubsub_cli.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of :data:`STARTED_FIRST`, in its order, ahead of the other tests of their folder."""
+    rank = {path: n for n, path in enumerate(STARTED_FIRST)}
+    first = sorted(
+        (item for item in items if item.nodeid.partition("::")[0] in rank),
+        key=lambda item: rank[item.nodeid.partition("::")[0]],
+    )
+    if not first:
+        return
+    rest = [item for item in items if item.nodeid.partition("::")[0] not in rank]
+    folder = STARTED_FIRST[0].rpartition("/")[0] + "/"
+    at = next((n for n, item in enumerate(rest) if item.nodeid.startswith(folder)), len(rest))
+    items[:] = rest[:at] + first + rest[at:]
+
+
 def with_dbname(url: str, dbname: str) -> str:
     """``url`` pointing at another database on the same server."""
     return urlsplit(url)._replace(path=f"/{dbname}").geturl()

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from cmb_dagster import flow
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
+from cmb_dagster.callbacks.hosts import check_url
 from cmb_dagster.callbacks.models import (
     MAX_BUCKETS,
     BucketSetCounts,
@@ -25,7 +26,6 @@ from cmb_dagster.callbacks.models import (
     LimitUse,
     SigningSecretInfo,
     check_key,
-    check_url,
     validated,
 )
 from cmb_dagster.callbacks.signing import check_secret, new_secret
@@ -36,6 +36,7 @@ from cmb_dagster.inputs import refused_input
 
 class _BucketCount(BaseModel):
     count: int = Field(ge=1, le=MAX_BUCKETS)
+    move_batch: int = CallbackSettings.model_fields["move_batch"]
 
 
 class _StatusRequest(BaseModel):
@@ -65,7 +66,7 @@ LIMIT_KEYS_SHOWN = 1000
 
 
 def _limit_uses(conn: psycopg.Connection) -> list[LimitUse]:
-    scopes = [row[0] for row in conn.execute(sql.FLOW_SCOPES)]
+    scopes = [limits.scope for limits in flow.scopes(conn, "callbacks/")]
     return [
         LimitUse(
             scope=use.scope,
@@ -146,7 +147,9 @@ def bucket_set_counts(database: DatabaseSource, sets: int) -> list[BucketSetCoun
     return status(database, bucket_sets=sets, totals=False).bucket_sets
 
 
-def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
+def set_bucket_count(
+    database: DatabaseSource, count: int, *, move_batch: int = CallbackSettings.model_fields["move_batch"].default
+) -> list[int]:
     """Set the number of buckets to ``count`` (1 to MAX_BUCKETS); return the bucket ids.
 
     Raising adds empty buckets (existing events keep theirs). Lowering removes the highest ones at once
@@ -154,7 +157,8 @@ def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
     bucket no worker holds, otherwise by its worker once its calls in flight have ended. Nothing is lost and
     nothing is called twice by the move.
     """
-    count = validated(_BucketCount, {"count": count}).count
+    request = validated(_BucketCount, {"count": count, "move_batch": move_batch})
+    count = request.count
     db = Database.of(database)
     with db.connection() as conn:
         conn.execute(sql.LOCK_EVENT_IDS_EXCLUSIVE)  # inserts read the count under the shared lock: none is half-way
@@ -164,7 +168,7 @@ def set_bucket_count(database: DatabaseSource, count: int) -> list[int]:
             conn.execute(sql.ADD_BUCKETS, {"count": count})
         elif count < current:
             conn.execute(sql.REMOVE_BUCKETS, {"count": count})
-    move_stranded_events(db)
+    move_stranded_events(db, request.move_batch)
     with db.connection() as conn:
         return [row[0] for row in conn.execute(sql.BUCKET_IDS)]
 

@@ -22,6 +22,7 @@ from cmb_dagster.callbacks.errors import (
     CallbackNotFound,
     InvalidCallbackInput,
 )
+from cmb_dagster.callbacks.hosts import check_url
 from cmb_dagster.callbacks.models import (
     ENVELOPE,
     MAX_TTL_DAYS,
@@ -38,17 +39,11 @@ from cmb_dagster.callbacks.models import (
     check_key,
     check_many,
     check_run_at,
-    check_url,
     validated,
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import bucket_ids
-from cmb_dagster.callbacks.writer import (
-    EventWriter,
-    create_connection,
-    insert_events_skipping_taken,
-    insert_new_events,
-)
+from cmb_dagster.callbacks.writer import EventWriter, create_connection, insert_events, insert_new_events
 from cmb_dagster.database import Database, DatabaseSource, connection_for
 from cmb_dagster.inputs import check_int, refused_input
 
@@ -156,8 +151,8 @@ class CallbackClient:
                 except psycopg.errors.UniqueViolation:
                     pass  # a key exists, or comes twice: written again, each key compared with the stored one
                 with conn.transaction():  # a conflict raised in it writes nothing
-                    results = insert_events_skipping_taken(
-                        conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout
+                    results = insert_events(
+                        conn, self._new_many(events), soon=soon, lock_timeout=lock_timeout, some_taken=True
                     )
                     for result in results:
                         if isinstance(result, Exception):
@@ -437,7 +432,7 @@ class CallbackClient:
         Raising adds empty buckets. Lowering moves the pending events of the removed ones to the rest,
         each called once (see :func:`cmb_dagster.callbacks.admin.set_bucket_count`).
         """
-        return set_bucket_count(self.db, count)
+        return set_bucket_count(self.db, count, move_batch=self.settings.move_batch)
 
     def clean(self, ttl_days: int = 30) -> CleanReport:
         """Delete finished events whose run_at is older than ``ttl_days``, and change_log entries as old."""

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import functools
 import heapq
-import ipaddress
 import itertools
 import json
 import logging
@@ -37,7 +36,9 @@ from datetime import datetime
 from typing import NamedTuple, Protocol
 from urllib.parse import urlsplit
 
-from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy, dagster_job_name
+from cmb_dagster.callbacks.hosts import allowed_resolutions, host_allowed
+from cmb_dagster.callbacks.launches import CALLBACK_TAG, dagster_job_name
+from cmb_dagster.callbacks.models import CallbackSettings, RetryPolicy
 from cmb_dagster.callbacks.signing import signature_headers
 from cmb_dagster.executor import Executor, Task
 from cmb_dagster.isolation import TimedOut, describe_error, sanitize
@@ -185,7 +186,7 @@ class HttpSender:
         if isinstance(target, str):
             return Answer(FAILED, target)
         scheme, host, port, head = target
-        if not self.settings.host_allowed(host):
+        if not host_allowed(host, self.settings.allowed_hosts):
             return Answer(FAILED, f"host {host!r} is not allowed")
         request = b"%s%d\r\n%s\r\n%s" % (head, len(body), headers, body)
         return await self._post((scheme, host, port), request)
@@ -243,7 +244,7 @@ class HttpSender:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError):
             raise CallError("could not resolve the host") from None
-        allowed = [i for i in infos if self.settings.address_allowed(ipaddress.ip_address(i[4][0].split("%")[0]))]
+        allowed = allowed_resolutions(infos, self.settings.allowed_hosts)
         if not allowed:
             raise RefusedTarget
         for family, kind, proto, _, address in allowed:
@@ -687,7 +688,7 @@ class DeliveryPool:
         context = context if isinstance(context, dict) else {}
         tags = {str(k): str(v) for k, v in (context.get("tags") or {}).items()}
         key = f"{delivery.owner_client_id}/{delivery.group_key}/{delivery.event_key}"
-        tags.update({"cmb/callback": key, LAUNCHED_BY_TAG: f"cmb callback {key}"[:MAX_TAG_VALUE]})
+        tags.update({CALLBACK_TAG: key, LAUNCHED_BY_TAG: f"cmb callback {key}"[:MAX_TAG_VALUE]})
         try:
             self.launcher.launch(
                 job_name,

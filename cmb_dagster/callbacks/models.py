@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import math
-import os
-import re
-import socket
 import warnings
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
-from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
@@ -28,7 +22,9 @@ from pydantic import (
     model_validator,
 )
 
+from cmb_dagster.callbacks import hosts
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
+from cmb_dagster.callbacks.launches import JOB_NAME, check_dagster_context, dagster_job_name
 from cmb_dagster.flow import FlowLimits
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.inputs import check_text, max_payload_bytes, to_json
@@ -39,7 +35,6 @@ MAX_GROUP_LENGTH = 128
 MAX_KEY_LENGTH = 256
 MAX_SCHEDULE_KEY_LENGTH = MAX_KEY_LENGTH - 40  # its events' keys append '@<fire time>'
 MAX_URL_LENGTH = 2048
-DAGSTER_SCHEME = "dagster"
 MAX_STOP_AFTER = 366 * 86400.0  # seconds: a year of retries at most
 MAX_DELAY = 30 * 86400.0  # seconds between two main retries, at most
 MAX_FACTOR = 1000.0
@@ -57,33 +52,6 @@ MAX_OWNER_LIMITS = 1000  # entries of CallbackSettings.per_owner: each is a scop
 HOST_SCOPE = "callbacks/host"
 OWNER_SCOPE = "callbacks/owner/"  # + owner, or + owner/group
 DEFAULT_PER_HOST = FlowLimits(concurrency=64)
-ALLOWED_HOSTS_ENV = "CMB_CALLBACK_ALLOWED_HOSTS"
-ANY_PUBLIC_HOST = "*"
-# Names refused unless listed by name: they point at this machine or at a cloud metadata service.
-_LOCAL_NAMES = ("localhost", "metadata.google.internal", "metadata")
-_CONTROL = re.compile(r"[\x00-\x20\x7f]")
-_NUMERIC_HOST = re.compile(r"[0-9a-fA-FxX.]+")  # what an IPv4 address may look like to the resolver
-_JOB_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# The context of a dagster:// event: the launched run's config and tags.
-DAGSTER_CONTEXT_KEYS = ("run_config", "tags")
-DAGSTER_CONTEXT_SHAPE = "an object with only run_config (an object) and tags (an object of strings)"
-# Dagster's rule for tag keys (dagster._utils.tags.VALID_TAG_KEY_REGEX, without the asset-only 'dagster/kind/').
-_TAG_KEY = re.compile(r"([A-Za-z0-9_.-]{1,63}/)?[A-Za-z0-9_.-]{1,63}")
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_./-]{1,130}")
-_DAGSTER_TAG_PREFIXES = ("dagster/", ".dagster/")  # Dagster's own tags (system and hidden)
-# The 'dagster/' tags a run may be given (dagster._core.storage.tags.USER_EDITABLE_SYSTEM_TAGS)
-DAGSTER_USER_TAGS = (
-    "dagster/priority",
-    "dagster/max_retries",
-    "dagster/retry_strategy",
-    "dagster/max_runtime",
-    "dagster/isolation",
-    "dagster/retry_on_asset_or_op_failure",
-)
-# Tags the engine sets on the runs it launches (the event's keys, and its run key, also under an older release's name).
-ENGINE_TAGS = ("cmb/callback", "cmb/callbacks.run_key", "cmb/callback_run_key")
-# A tag value at most: Dagster indexes (key, value) of run tags in a btree, whose entries Postgres caps near 2.7 kB.
-MAX_TAG_VALUE_BYTES = 1024
 HOOK_GROUP = "cmb.failure"  # the group of failure hook events (reserved)
 MAX_REPLAY_BATCH = 10_000  # dead letters listed or replayed per call, at most
 MAX_SECRETS_REFRESH = 300.0  # seconds: a rotated or retired signing secret takes effect within this at most
@@ -188,7 +156,7 @@ class CallbackSettings(Options):
         description="Largest context as compact JSON (default: the payload limit CMB_MAX_PAYLOAD_BYTES, up to 16 MiB).",
     )
     allowed_hosts: tuple[str, ...] | None = Field(
-        default_factory=lambda: _hosts_from_env(),
+        default_factory=hosts.hosts_from_env,
         description=(
             "Targets callbacks may call: host names, '*.domain' patterns, addresses, CIDR ranges, and '*' for any "
             "host. None (the default, unless CMB_CALLBACK_ALLOWED_HOSTS is set) is '*'. Whatever the names, a call "
@@ -223,6 +191,13 @@ class CallbackSettings(Options):
         default=FAST_RETRY_BACKOFF,
         description=f"Pauses before fast retries (first at most {MAX_FAST_RETRY_FIRST:g} s, max at most "
         f"{MAX_FAST_RETRY_PAUSE:g} s: they wait in the worker's memory).",
+    )
+    move_batch: int = Field(
+        default=5_000,
+        ge=1,
+        le=100_000,
+        description="Pending events of a removed bucket moved to the others per transaction (new callbacks wait for "
+        "each one).",
     )
     lease_ttl: float = Field(
         default=15.0,
@@ -277,17 +252,7 @@ class CallbackSettings(Options):
             )
         return value
 
-    @field_validator("allowed_hosts", mode="before")
-    @classmethod
-    def _normalise_hosts(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = value.split(",")
-        if value is None:
-            return None
-        hosts = tuple(_without_root_dot(str(h).strip().lower().strip("[]")) for h in value if str(h).strip())
-        for host in hosts:
-            _check_pattern(host)
-        return hosts
+    _normalise_hosts = field_validator("allowed_hosts", mode="before")(lambda cls, v: hosts.normalise_hosts(v))
 
     @model_validator(mode="after")
     def _timeout_fits_the_lease(self) -> CallbackSettings:
@@ -327,180 +292,13 @@ class CallbackSettings(Options):
 
     def host_allowed(self, host: str) -> bool:
         """Whether callbacks may name ``host`` (by the name rule; addresses are checked again at call time)."""
-        return _host_allowed(host, self.allowed_hosts)
+        return hosts.host_allowed(host, self.allowed_hosts)
 
-    def _host_allowed(self, host: str) -> bool:
-        host = _without_root_dot(host.lower().strip("[]"))
-        patterns = self.allowed_hosts if self.allowed_hosts is not None else (ANY_PUBLIC_HOST,)
-        address = _address(host)
-        if address is not None:
-            judged = carried_ipv4(address) or (address,)  # an entry that opens them opens this spelling too
-            listed = all(any(_name_matches(p, host, a) for p in patterns) for a in judged)
-            return listed and self.address_allowed(address)
-        if host in patterns:
-            return True
-        if host in _LOCAL_NAMES or host.endswith(".localhost"):
-            return False  # only by name: '*' does not open them
-        return any(_name_matches(p, host, None) for p in patterns)
-
-    def address_allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    def address_allowed(self, address: hosts.Address) -> bool:
         """Whether a call may connect to ``address``: a public one, or one this setting opens explicitly. An IPv6
-        address that carries IPv4 ones (:func:`carried_ipv4`) is judged by each of those: a call to it reaches them."""
-        return all(self._one_address_allowed(a) for a in carried_ipv4(address) or (address,))
-
-    def _one_address_allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-        for pattern in self.allowed_hosts or ():
-            network = _network(pattern)
-            if network is not None and address.version == network.version and address in network:
-                return True
-        return address.is_global and not address.is_multicast
-
-
-_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # RFC 4291 (deprecated): ::a.b.c.d, but :: and ::1 are IPv6's own
-_IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # RFC 2765 (SIIT): ::ffff:0:a.b.c.d
-_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052, the well-known prefix
-_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: a network's own NAT64 prefix within it
-_LOCAL_NAT64_LENGTHS = (48, 56, 64, 96)  # the RFC 6052 prefix lengths that fit within it: the network's choice
-
-
-def carried_ipv4(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address, ...]:
-    """The IPv4 addresses an IPv6 ``address`` carries, which a call to it reaches through a translator or a tunnel:
-    IPv4-mapped, IPv4-compatible, IPv4-translated, NAT64 (64:ff9b::/96; 64:ff9b:1::/48 read at each prefix length
-    a network may use there), 6to4 (2002::/16), Teredo (2001::/32: its server and its client); () for any other.
-
-    The standard library reads the mapped, 6to4 and Teredo forms (``ipv4_mapped``, ``sixtofour``, ``teredo``) but
-    not the others, and calls some of them global by their IPv6 range alone (``::127.0.0.1``, ``64:ff9b::7f00:1``)."""
-    if not isinstance(address, ipaddress.IPv6Address):
-        return ()
-    if address.ipv4_mapped is not None:
-        return (address.ipv4_mapped,)
-    if address.sixtofour is not None:
-        return (address.sixtofour,)
-    if address.teredo is not None:
-        return address.teredo
-    value = int(address)
-    if address in _NAT64 or address in _IPV4_TRANSLATED or (address in _IPV4_COMPATIBLE and value > 1):
-        return (ipaddress.IPv4Address(value & 0xFFFFFFFF),)
-    if address in _LOCAL_NAT64:
-        return tuple(_nat64_ipv4(value, length) for length in _LOCAL_NAT64_LENGTHS)
-    return ()
-
-
-def _nat64_ipv4(value: int, prefix_length: int) -> ipaddress.IPv4Address:
-    """The IPv4 address after a NAT64 prefix of ``prefix_length`` bits in the IPv6 address ``value`` (RFC 6052 2.2:
-    bits 64 to 71 are zero and carry none of it)."""
-    if prefix_length == 96:
-        return ipaddress.IPv4Address(value & 0xFFFFFFFF)
-    without_bits_64_to_71 = (value >> 64 << 56) | (value & (1 << 56) - 1)  # 120 bits
-    return ipaddress.IPv4Address(without_bits_64_to_71 >> (120 - prefix_length - 32) & 0xFFFFFFFF)
-
-
-@functools.lru_cache(maxsize=4096)
-def _host_allowed(host: str, allowed_hosts: tuple[str, ...] | None) -> bool:
-    return CallbackSettings.model_construct(allowed_hosts=allowed_hosts)._host_allowed(host)
-
-
-def _hosts_from_env() -> tuple[str, ...] | None:
-    value = os.environ.get(ALLOWED_HOSTS_ENV, "").strip()
-    try:
-        return CallbackSettings._normalise_hosts(value) if value else None
-    except ValueError as exc:
-        raise InvalidCallbackInput(f"{ALLOWED_HOSTS_ENV}: {exc}") from None
-
-
-def _without_root_dot(host: str) -> str:
-    """``host`` without the trailing dots of a fully qualified name: ``localhost.`` is ``localhost``."""
-    prefix = "*." if host.startswith("*.") else ""
-    return prefix + host[len(prefix) :].rstrip(".")
-
-
-def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address ``host`` spells, None for a name."""
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    if not _NUMERIC_HOST.fullmatch(host):
-        return None
-    # the resolver reads hex, octal, one-number and shortened IPv4 too ('0x7f000001', '127.1'): calls reach that address
-    try:
-        return ipaddress.IPv4Address(socket.inet_aton(host))
-    except OSError:
-        return None
-
-
-@functools.lru_cache(maxsize=1024)
-def _network(pattern: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
-    if pattern == ANY_PUBLIC_HOST or pattern.startswith("*."):
-        return None
-    try:
-        return ipaddress.ip_network(pattern, strict=False)
-    except ValueError:
-        return None
-
-
-def _check_pattern(pattern: str) -> None:
-    if pattern == ANY_PUBLIC_HOST or _network(pattern) is not None:
-        return
-    name = pattern.removeprefix("*.")
-    if not name or "*" in name or "/" in name or _CONTROL.search(name):
-        raise ValueError(f"{pattern!r} is not a host name, '*.domain', address, CIDR range or '*'")
-
-
-def _name_matches(pattern: str, host: str, address: ipaddress.IPv4Address | ipaddress.IPv6Address | None) -> bool:
-    if pattern in (ANY_PUBLIC_HOST, host):
-        return True
-    if address is not None:
-        network = _network(pattern)
-        return network is not None and address.version == network.version and address in network
-    return pattern.startswith("*.") and host.endswith(pattern[1:])
-
-
-def check_url(url: str, settings: CallbackSettings, field: str = "cb_url") -> None:
-    """Raise InvalidCallbackInput unless ``url`` is an http(s) URL to an allowed host or ``dagster://<job>``."""
-    problem = _url_problem(url, settings.allowed_hosts)
-    if problem is not None:
-        raise InvalidCallbackInput(f"{field}: {problem}")
-
-
-@functools.lru_cache(maxsize=8192)
-def _url_problem(url: str, allowed_hosts: tuple[str, ...] | None) -> str | None:
-    """What is wrong with ``url`` (None: nothing); cached, as creates repeat a few URLs many times."""
-    try:
-        _check_url(url, CallbackSettings.model_construct(allowed_hosts=allowed_hosts), "")
-    except InvalidCallbackInput as exc:
-        return str(exc).removeprefix(": ")
-    return None
-
-
-def _check_url(url: str, settings: CallbackSettings, field: str) -> None:
-    if _CONTROL.search(url):
-        raise InvalidCallbackInput(f"{field}: control characters and spaces are not allowed in a URL")
-    try:
-        url.encode()
-        parts = urlsplit(url)
-        port = parts.port
-    except (ValueError, UnicodeError) as exc:
-        raise InvalidCallbackInput(f"{field}: {url!r} is not a valid URL ({exc})") from None
-    if parts.scheme == DAGSTER_SCHEME:
-        if not _JOB_NAME.match(parts.netloc) or parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise InvalidCallbackInput(f"{field}: {url!r} must be dagster://<job_name>")
-        return
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidCallbackInput(f"{field}: {url!r} must be an http(s) URL with a host, or dagster://<job_name>")
-    if port == 0:
-        raise InvalidCallbackInput(f"{field}: port 0 is not a port")
-    if not settings.host_allowed(parts.hostname):
-        raise InvalidCallbackInput(
-            f"{field}: host {parts.hostname!r} is not allowed (loopback, link-local, private and metadata targets are "
-            f"closed unless opened: CallbackSettings(allowed_hosts=...) or {ALLOWED_HOSTS_ENV})"
-        )
-
-
-def dagster_job_name(url: str) -> str | None:
-    """The job of a ``dagster://<job>`` URL, None for other URLs."""
-    parts = urlsplit(url)
-    return parts.netloc if parts.scheme == DAGSTER_SCHEME else None
+        address that carries IPv4 ones (:func:`~cmb_dagster.callbacks.hosts.carried_ipv4`) is judged by each of
+        those: a call to it reaches them."""
+        return hosts.address_allowed(address, self.allowed_hosts)
 
 
 def check_run_at(value: datetime, field: str = "run_at") -> datetime:
@@ -521,73 +319,13 @@ def check_context(context: Any, settings: CallbackSettings, cb_url: str) -> str 
     return text
 
 
-def check_dagster_context(context: Any) -> None:
-    """Refuse a context a ``dagster://`` target cannot launch a run with: it must be an object whose keys are only
-    ``run_config`` (an object) and ``tags`` (an object of strings, keys and values as a Dagster run takes them).
-    InvalidCallbackInput names the field (``context.<key>``, ``context.tags.<key>``)."""
-    if not isinstance(context, dict):
-        raise InvalidCallbackInput(f"context: for dagster:// targets it must be {DAGSTER_CONTEXT_SHAPE}")
-    for key in context:
-        if key not in DAGSTER_CONTEXT_KEYS:
-            where = _field("context", str(key))
-            raise InvalidCallbackInput(
-                f"{where}: unknown key; for dagster:// targets the context is {DAGSTER_CONTEXT_SHAPE}"
-            )
-    if not isinstance(context.get("run_config", {}), dict):
-        raise InvalidCallbackInput("context.run_config: must be an object (the run's config)")
-    tags = context.get("tags", {})
-    if not isinstance(tags, dict):
-        raise InvalidCallbackInput("context.tags: must be an object of strings (the run's tags)")
-    for key, value in tags.items():
-        problem = _tag_problem(key, value)
-        if problem is not None:
-            raise InvalidCallbackInput(f"{_field('context.tags', str(key))}: {problem}")
-
-
-def _tag_problem(key: Any, value: Any) -> str | None:
-    """What keeps ``key: value`` from being a tag of a Dagster run (None: nothing)."""
-    if not isinstance(key, str) or not _TAG_KEY.fullmatch(key):
-        return (
-            "not a Dagster tag key (letters, digits, '_', '-' and '.', at most 63 characters, optionally after a "
-            "'namespace/' of at most 63)"
-        )
-    if key.startswith(_DAGSTER_TAG_PREFIXES) and key not in DAGSTER_USER_TAGS:
-        return f"reserved by Dagster (of its 'dagster/' tags a run may set {', '.join(DAGSTER_USER_TAGS)})"
-    if key in ENGINE_TAGS:
-        return "set by the callbacks engine on every run it launches"
-    if not isinstance(value, str):
-        return f"must be a string, not {_json_type(value)}"
-    size = len(value.encode("utf-8", "surrogatepass"))
-    if size > MAX_TAG_VALUE_BYTES:
-        return f"{size} bytes, at most {MAX_TAG_VALUE_BYTES} allowed"
-    return None
-
-
-def _field(prefix: str, key: str) -> str:
-    """The field ``key`` of ``prefix`` as an error names it: ``prefix.key``, or ``prefix['k...']`` for odd keys."""
-    if _PLAIN_KEY.fullmatch(key):
-        return f"{prefix}.{key}"
-    shown = key if len(key) <= 60 else f"{key[:57]}..."
-    return f"{prefix}[{shown!r}]"
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return "an object" if isinstance(value, dict) else "an array"
-
-
 _DEFAULT_RETRY = RetryPolicy()
 
 ENVELOPE, CONTEXT = "envelope", "context"
 Body = Literal["envelope", "context"]
+"""What an HTTP callback's request carries: the envelope (keys, times, attempt and context) or the context alone."""
 CatchUp = Literal["none", "latest", "all"]
 MAX_CATCH_UP = 1000  # missed fire times of one schedule called after a downtime, at most
-"""What an HTTP callback's request carries: the envelope (keys, times, attempt and context) or the context alone."""
 
 
 class NewCallback(BaseModel):
@@ -617,32 +355,35 @@ class NewCallback(BaseModel):
         if self.group_key == HOOK_GROUP:
             raise InvalidCallbackInput(f"group_key: {HOOK_GROUP!r} is the group of failure hooks")
         check_run_at(self.run_at)
-        check_url(self.cb_url, settings)
+        hosts.check_url(self.cb_url, settings)
         if self.on_failure is not None:
-            check_url(self.on_failure, settings, "on_failure")
+            hosts.check_url(self.on_failure, settings, "on_failure")
         check_context(self.context, settings, self.cb_url)
-        if self.body == CONTEXT and (self.context is None or urlsplit(self.cb_url).scheme == DAGSTER_SCHEME):
-            raise InvalidCallbackInput("body: 'context' sends the context as an HTTP request's body; give one")
+        self.check_body()
         return self
+
+    def check_body(self) -> None:
+        """``body='context'`` needs a context and an HTTP target."""
+        if self.body == CONTEXT and (self.context is None or dagster_job_name(self.cb_url) is not None):
+            raise InvalidCallbackInput("body: 'context' sends the context as an HTTP request's body; give one")
 
 
 def check_many(events: list[NewCallback], settings: CallbackSettings) -> list[NewCallback]:
     """:meth:`NewCallback.check` of every event, the text checks done once for the whole batch; return ``events``."""
     texts = "\x01".join(text for e in events for text in (e.owner_client_id, e.group_key, e.event_key))
-    if "\x00" in texts or not _encodes(texts):
-        return [event.check(settings) for event in events]  # the first bad event names its field
-    if any(event.group_key == HOOK_GROUP for event in events):
+    if "\x00" in texts or not _encodes(texts) or any(event.group_key == HOOK_GROUP for event in events):
         return [event.check(settings) for event in events]  # the first bad event names its field
     dagster_urls = set()
     for url in {event.cb_url for event in events}:
-        check_url(url, settings)
+        hosts.check_url(url, settings)
         if dagster_job_name(url) is not None:
             dagster_urls.add(url)
     for url in {event.on_failure for event in events if event.on_failure is not None}:
-        check_url(url, settings, "on_failure")
+        hosts.check_url(url, settings, "on_failure")
     each_context = not _contexts_fit([e.context for e in events if e.context is not None], settings)
     for event in events:
         check_run_at(event.run_at)
+        event.check_body()
         if event.context is not None and (each_context or event.cb_url in dagster_urls):
             check_context(event.context, settings, event.cb_url)
     return events
@@ -764,7 +505,7 @@ class NewSchedule(BaseModel):
     def check(self, settings: CallbackSettings) -> NewSchedule:
         """Apply the settings' URL policy and context limit; return self."""
         _check_keys(self, ("owner_client_id", "group_key", "schedule_key"))
-        check_url(self.cb_url, settings)
+        hosts.check_url(self.cb_url, settings)
         check_context(self.context, settings, self.cb_url)
         return self
 
@@ -964,7 +705,7 @@ class CallbackOptions(Options):
     @classmethod
     def _job_names(cls, names: list[str]) -> list[str]:
         for name in names:
-            if not _JOB_NAME.match(name):
+            if not JOB_NAME.match(name):
                 raise ValueError(f"{name!r} is not a Dagster job name (letters, digits and _)")
         return sorted(set(names))
 

@@ -1,7 +1,5 @@
 """Every SQL statement of the callbacks engine (tables: migrations/0004_callbacks.sql)."""
 
-from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until, flow_slots_lacking
-
 EVENT_COLUMNS = """
     event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
     context, body, retry, attempts, main_retries, last_error, schedule_id, priority, created_at, updated_at,
@@ -49,10 +47,16 @@ WITH ins AS (
     RETURNING event_id, owner_client_id, group_key, event_key, bucket_id, run_at
 )"""
 
-_WAKE_SOON = """(SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
-                                s.bucket_id || ':' || extract(epoch FROM s.run_at)::text))
-        FROM (SELECT bucket_id, min(run_at) AS run_at FROM ins
-              WHERE run_at <= now() + make_interval(secs => %(soon)s) GROUP BY bucket_id) AS s)"""
+
+def _wake(rows: str, where: str = "true") -> str:
+    """SQL: the wake-up hints for the buckets of ``rows`` (bucket_id, run_at) where ``where`` holds, one NOTIFY per
+    bucket (payload "<bucket>:<epoch of its earliest run_at>", delivered at commit); the count sent."""
+    return f"""(SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
+                                w.bucket_id || ':' || extract(epoch FROM w.run_at)::text))
+        FROM (SELECT bucket_id, min(run_at) AS run_at FROM {rows} WHERE {where} GROUP BY bucket_id) AS w)"""
+
+
+_WAKE_SOON = _wake("ins", "run_at <= now() + make_interval(secs => %(soon)s)")
 
 # Events whose keys are all new (the common case): a plain insert, which a key already taken fails with a
 # unique violation. It costs about a third less than INSERT_EVENTS, which checks every key before its row.
@@ -355,7 +359,7 @@ SELECT bucket_id FROM s WHERE bucket_id IS NOT NULL
 # A batch of a removed bucket's pending events moves to the live bucket its keys hash to, under LOCK_EVENT_IDS
 # and a new id: the receiving poller sees them as freshly inserted (query 1 or 2, whatever its cursor), and a
 # call of an old id can neither pass the gate nor write an outcome. Nothing moves if the bucket is live again.
-MOVE_EVENTS = """
+MOVE_EVENTS = f"""
 WITH live AS (SELECT count(*) AS buckets FROM callback_buckets),
 moving AS (
     SELECT event_id FROM callback_events
@@ -371,10 +375,7 @@ moving AS (
     FROM moving WHERE e.event_id = moving.event_id
     RETURNING e.bucket_id, e.run_at
 )
-SELECT count(*)::int,
-       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
-                               m.bucket_id || ':' || extract(epoch FROM m.run_at)::text))
-        FROM (SELECT bucket_id, min(run_at) AS run_at FROM moved GROUP BY bucket_id) AS m)
+SELECT count(*)::int, {_wake("moved")}
 FROM moved
 """
 
@@ -608,85 +609,6 @@ LEFT JOIN per_set p USING (bucket_set)
 ORDER BY s.bucket_set
 """
 
-# -- limits per destination (flow control, cmb_dagster/flow.py's tables) ----------------------------
-
-# The scopes of the callbacks' limits registered so far.
-FLOW_SCOPES = "SELECT scope FROM flow_limits WHERE scope LIKE 'callbacks/%%' ORDER BY scope"
-
-# flow.take for several keys in one statement (the gate's). Per (scope, key): %(items)s calls want to start,
-# %(want)s of them need a slot from here (the others have one the worker holds already). Free slots are taken
-# (skipping those locked by another taker) for at most as many calls as the key's tokens allow, given to the
-# holder %(holder)s (item: holder || slot) for %(ttl)s seconds. Buckets are locked in (scope, key) order, so
-# takers never deadlock. Returns, per key of a registered scope: the calls granted, the slots taken, when none was
-# granted for want of tokens the seconds until the next one, and whether the key lacks its bucket or slot rows
-# (FLOW_ENSURE makes them, then the take runs again: a key new, or removed while idle, is taken like a full one).
-FLOW_TAKE_MANY = f"""
-WITH l AS MATERIALIZED (
-    SELECT w.scope, w.key, w.want, w.items, f.rate, f.burst, f.concurrency
-    FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(want)s::int[], %(items)s::int[]) AS w(scope, key, want, items)
-    JOIN flow_limits f ON f.scope = w.scope
-), free AS MATERIALIZED (
-    SELECT f.scope, f.key, f.slot, row_number() OVER (PARTITION BY f.scope, f.key ORDER BY f.slot) AS r
-    FROM l CROSS JOIN LATERAL (
-        SELECT s.scope, s.key, s.slot FROM flow_slots s
-        WHERE s.scope = l.scope AND s.key = l.key AND s.slot < l.concurrency AND {FLOW_SLOT_FREE}
-        ORDER BY s.slot LIMIT l.want
-        FOR NO KEY UPDATE OF s SKIP LOCKED
-    ) AS f
-), can AS MATERIALIZED (
-    SELECT l.*, CASE WHEN l.concurrency IS NULL THEN l.items
-                     ELSE l.items - l.want + (SELECT count(*) FROM free f WHERE f.scope = l.scope AND f.key = l.key)
-                END AS n
-    FROM l
-), now_ AS MATERIALIZED (
-    SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail, l.rate, l.n
-    FROM flow_buckets b JOIN can l ON b.scope = l.scope AND b.key = l.key
-    WHERE l.rate IS NOT NULL
-    ORDER BY b.scope, b.key
-    FOR UPDATE OF b
-), bucket AS (
-    UPDATE flow_buckets b
-    SET tokens = t.avail - least(floor(greatest(t.avail, 0)), t.n), refilled_at = clock_timestamp(),
-        empty_until = {flow_empty_until("(t.avail - least(floor(greatest(t.avail, 0)), t.n))")}
-    FROM now_ t, flow_limits l WHERE b.scope = t.scope AND b.key = t.key AND l.scope = t.scope
-), granted AS MATERIALIZED (
-    SELECT c.scope, c.key, c.items - c.want AS held,
-           CASE WHEN c.rate IS NULL THEN c.n ELSE coalesce(least(floor(greatest(t.avail, 0)), t.n), 0) END::int AS n,
-           CASE WHEN c.rate IS NOT NULL AND coalesce(floor(greatest(t.avail, 0)), 0) < 1
-                THEN greatest((1 - t.avail) / t.rate, 0) END AS wait,
-           (c.rate IS NOT NULL AND t.key IS NULL)
-           OR (c.concurrency IS NOT NULL AND c.n < c.items
-               AND {flow_slots_lacking("c.scope", "c.key", "c.concurrency")}) AS missing
-    FROM can c LEFT JOIN now_ t ON t.scope = c.scope AND t.key = c.key
-), slots AS (
-    UPDATE flow_slots s
-    SET item = %(holder)s || s.slot, taken_at = now(), expires_at = now() + make_interval(secs => %(ttl)s)
-    FROM free f JOIN granted g ON g.scope = f.scope AND g.key = f.key
-    WHERE s.scope = f.scope AND s.key = f.key AND s.slot = f.slot AND f.r <= g.n - g.held
-    RETURNING s.scope, s.key, s.slot
-)
-SELECT g.scope, g.key, g.n,
-       ARRAY(SELECT s.slot FROM slots s WHERE s.scope = g.scope AND s.key = g.key ORDER BY s.slot), g.wait, g.missing
-FROM granted g
-"""
-
-# The slots (%(scopes)s, %(keys)s, %(slots)s) the holder %(holder)s holds last another %(ttl)s seconds; returns
-# those renewed (the others had expired: no longer held).
-FLOW_RENEW_HELD = """
-UPDATE flow_slots s SET expires_at = now() + make_interval(secs => %(ttl)s)
-FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(slots)s::int[]) AS u(scope, key, slot)
-WHERE s.scope = u.scope AND s.key = u.key AND s.slot = u.slot AND s.item = %(holder)s || s.slot
-  AND s.expires_at > now()
-RETURNING s.scope, s.key, s.slot
-"""
-
-# The slots (%(scopes)s, %(keys)s, %(slots)s) the holder %(holder)s holds, freed.
-FLOW_RELEASE_HELD = """
-UPDATE flow_slots s SET item = NULL, taken_at = NULL, expires_at = '-infinity'
-FROM unnest(%(scopes)s::text[], %(keys)s::text[], %(slots)s::int[]) AS u(scope, key, slot)
-WHERE s.scope = u.scope AND s.key = u.key AND s.slot = u.slot AND s.item = %(holder)s || s.slot
-"""
-
 # -- failure hooks, dead letters and replay, signing secrets -------------------------------------------
 
 # The failure hooks of the events %(ids)s that failed for good in this transaction (finished_at = now()), run in the
@@ -730,10 +652,7 @@ WITH failed AS MATERIALIZED (
     ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
     RETURNING bucket_id, run_at
 )
-SELECT count(*)::int,
-       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
-                               i.bucket_id || ':' || extract(epoch FROM i.run_at)::text))
-        FROM (SELECT bucket_id, min(run_at) AS run_at FROM ins GROUP BY bucket_id) AS i)
+SELECT count(*)::int, {_wake("ins")}
 FROM ins
 """
 
@@ -772,10 +691,7 @@ WITH picked AS (
     WHERE e.event_id = picked.event_id AND e.status = 'failed'
     RETURNING e.bucket_id, e.run_at
 )
-SELECT count(*)::int,
-       (SELECT count(pg_notify(current_schema() || '.' || 'callbacks',
-                               r.bucket_id || ':' || extract(epoch FROM r.run_at)::text))
-        FROM (SELECT bucket_id, min(run_at) AS run_at FROM replayed GROUP BY bucket_id) AS r)
+SELECT count(*)::int, {_wake("replayed")}
 FROM replayed
 """
 

@@ -31,7 +31,6 @@ import psycopg
 from pydantic import ValidationError
 
 from cmb_dagster import flow
-from cmb_dagster import sql as root_sql
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.delivery import (
     ABANDONED,
@@ -67,7 +66,6 @@ COMMIT_EVERY = 0.1  # seconds: outcomes of calls wait at most this long (or for 
 COMMIT_BATCH = 500
 REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls not logged one by one)
 FAILURES_LOGGED_PER_WINDOW = 20
-MOVE_BATCH = 5000  # events of a removed bucket moved per transaction (inserts wait for each one)
 MAX_KEYS_REMEMBERED = 100_000  # owners whose signing secrets a worker remembers
 STUCK_CHECK_EVERY = 1.0  # seconds: how often the worker asks whether every call slot is held by a hung launch
 
@@ -131,11 +129,11 @@ class EventIdHorizon:
 
 
 class HeldSlots:
-    """The slots of the limits a worker holds (rows of ``flow_slots`` whose item is ``holder`` + the slot): in use
-    by a call, or free for the worker's next call under the same limits until released."""
+    """The flow slots a worker holds (their holder is ``holder``): in use by a call, or free for the worker's next
+    call under the same limits until released."""
 
     def __init__(self, settings: CallbackSettings, owner: str) -> None:
-        self.holder = f"{owner}/{uuid.uuid4().hex[:8]}#"
+        self.holder = f"{owner}/{uuid.uuid4().hex[:8]}"
         self.ttl = settings.lease_ttl
         limits = settings.flow_scopes()
         self._concurrency = {scope: limits.concurrency for scope, limits in limits.items() if limits is not None}
@@ -217,15 +215,6 @@ class HeldSlots:
             for scope, key, slot in asked:
                 if (scope, key, slot) not in kept:
                     self._busy.get((scope, key), set()).discard(slot)
-
-    def params(self, slots: list[tuple[str, str, int]]) -> dict[str, object]:
-        return {
-            "scopes": [s[0] for s in slots],
-            "keys": [s[1] for s in slots],
-            "slots": [s[2] for s in slots],
-            "holder": self.holder,
-            "ttl": self.ttl,
-        }
 
     def usage(self) -> dict[FlowKey, int]:
         """Slots in use here per key."""
@@ -323,14 +312,21 @@ class BucketGate:
             need = {k: ds for k, ds in asking.items() if self._slots.rated(k) or any(d.slot is None for d in ds)}
             new: list[Delivery] = []
             if need:
-                for key, (granted, slots, key_wait) in (await self._take(conn, need)).items():
-                    taken[key] = (granted, slots)
-                    if granted < len(need[key]):  # slots held elsewhere free at any time; tokens come later
-                        key_wait = SLOT_RECHECK if key_wait is None else key_wait
+                grants = await flow.take_async(
+                    conn,
+                    {key: len(ds) for key, ds in need.items()},
+                    holder=self._slots.holder,
+                    ttl=self._slots.ttl,
+                    holding={key: sum(d.slot is not None for d in ds) for key, ds in need.items()},
+                )
+                for key, grant in grants.items():
+                    taken[key] = (grant.count, grant.slots)
+                    if grant.count < len(need[key]):  # slots held elsewhere free at any time; tokens come later
+                        key_wait = SLOT_RECHECK if grant.retry_after is None else grant.retry_after
                         wait = key_wait if wait is None else min(wait, key_wait)
             refused: list[Delivery] = []
             for key, ds in need.items():
-                granted, slots = taken.get(key, (len(ds), []))  # a scope no longer registered: no limit
+                granted, slots = taken[key]
                 new_slots = iter(slots)
                 for n, d in enumerate(ds):
                     if n >= granted:
@@ -361,45 +357,6 @@ class BucketGate:
             d.slot = None
         gone = [d for d in passing if d.event_id not in pending and d.event_id not in let_through]
         return gone, waiting + refused, wait
-
-    async def _take(
-        self, conn: psycopg.AsyncConnection, need: dict[FlowKey, list[Delivery]]
-    ) -> dict[FlowKey, tuple[int, list[int], float | None]]:
-        """flow.take for each key of ``need`` (its deliveries, those holding a slot first): the deliveries granted,
-        the slots taken and the seconds until a token. Keys lacking their rows get them made and are taken again
-        for the deliveries not granted yet."""
-        taken = await self._take_many(conn, need)
-        lacking = sorted(key for key, (_, _, _, missing) in taken.items() if missing)
-        if lacking:
-            await conn.execute(
-                root_sql.FLOW_ENSURE, {"scopes": [k[0] for k in lacking], "keys": [k[1] for k in lacking]}
-            )
-            more = await self._take_many(conn, {key: need[key][taken[key][0] :] for key in lacking})
-            for key, (granted, slots, wait, _) in more.items():
-                taken[key] = (taken[key][0] + granted, taken[key][1] + slots, wait, False)
-        return {key: (granted, slots, wait) for key, (granted, slots, wait, _) in taken.items()}
-
-    async def _take_many(
-        self, conn: psycopg.AsyncConnection, need: dict[FlowKey, list[Delivery]]
-    ) -> dict[FlowKey, tuple[int, list[int], float | None, bool]]:
-        """One FLOW_TAKE_MANY: per key, the deliveries granted, the slots taken, the seconds until a token and
-        whether the key lacks rows."""
-        keys = sorted(need)
-        cursor = await conn.execute(
-            sql.FLOW_TAKE_MANY,
-            {
-                "scopes": [k[0] for k in keys],
-                "keys": [k[1] for k in keys],
-                "want": [sum(d.slot is None for d in need[k]) for k in keys],
-                "items": [len(need[k]) for k in keys],
-                "holder": self._slots.holder,
-                "ttl": self._slots.ttl,
-            },
-        )
-        return {
-            (scope, key): (granted, slots, wait, missing)
-            for scope, key, granted, slots, wait, missing in await cursor.fetchall()
-        }
 
     async def close(self) -> None:
         await self._conn.close()
@@ -575,15 +532,12 @@ class CallbackWorker(EngineWorker):
             return
         try:
             with self._on_loop_connection(pipeline=False, transaction=True) as conn:
-                if free:
-                    conn.execute(sql.FLOW_RELEASE_HELD, self._slots.params(free))
-                if busy:
-                    kept = conn.execute(sql.FLOW_RENEW_HELD, self._slots.params(busy)).fetchall()
+                flow.release(conn, free, holder=self._slots.holder)
+                kept = flow.renew(conn, busy, holder=self._slots.holder, ttl=self._slots.ttl)
         except BaseException:
             self._slots.put_back(free)
             raise
-        if busy:
-            self._slots.lost({tuple(row) for row in kept}, busy)
+        self._slots.lost(kept, busy)
 
     def _poll_woken(self) -> int:
         """Poll the buckets a notification made due now, before this step's own work (whichever bucket it is for).
@@ -612,10 +566,10 @@ class CallbackWorker(EngineWorker):
         with state.lock:
             if state.in_flight or state.done:
                 return handled
-        moved = move_bucket_events(self.db, lease)
+        moved = move_bucket_events(self.db, lease, self.settings.move_batch)
         if moved:
             log.info("bucket %s was removed: %d pending events moved to the remaining buckets", lease.partition, moved)
-        if moved < MOVE_BATCH:  # all moved; otherwise the next step moves the next batch
+        if moved < self.settings.move_batch:  # all moved; otherwise the next step moves the next batch
             self._states.pop(state.bucket_id, None)
             self._moved.add((state.bucket_id, lease.fence))
         return handled + moved
@@ -851,8 +805,7 @@ class CallbackWorker(EngineWorker):
                 sql.SAVE_WATERMARK,
                 {"bucket": state.bucket_id, "run_at": saved[0], "event_id": saved[1], "max_event_id": seen},
             )
-            if free:
-                conn.execute(sql.FLOW_RELEASE_HELD, self._slots.params(free))
+            flow.release(conn, free, holder=self._slots.holder)
 
 
 class BucketLoop(Worker):
@@ -952,8 +905,9 @@ def bucket_slice(db: Database, index: int, workers: int) -> Callable[[], list[in
     return lambda: [b for b in served_bucket_ids(db) if b % workers == index]
 
 
-def move_stranded_events(db: Database) -> int:
-    """Move the pending events of removed buckets no worker holds to live buckets; return how many moved.
+def move_stranded_events(db: Database, batch: int) -> int:
+    """Move the pending events of removed buckets no worker holds to live buckets, ``batch`` per transaction; return
+    how many moved.
 
     A removed bucket still held is left to its worker, which moves its events once its calls have ended.
     """
@@ -964,27 +918,27 @@ def move_stranded_events(db: Database) -> int:
     moved = 0
     try:
         for partition, lease in held.items():
-            while (batch := move_bucket_events(db, lease)) == MOVE_BATCH:
-                moved += batch
+            while (done := move_bucket_events(db, lease, batch)) == batch:
+                moved += done
                 lease = leases.acquire([partition])[partition]  # renewed between batches
-            moved += batch
+            moved += done
     finally:
         if held:
             leases.release(held)
     return moved
 
 
-def move_bucket_events(db: Database, lease: Lease) -> int:
-    """Move up to MOVE_BATCH pending events of the removed bucket ``lease`` holds to live buckets; return how many."""
+def move_bucket_events(db: Database, lease: Lease, batch: int) -> int:
+    """Move up to ``batch`` pending events of the removed bucket ``lease`` holds to live buckets; return how many."""
     with db.connection() as conn:
         conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # new ids drawn as inserts draw them: the horizon waits
         Leases.check(conn, lease)
-        return conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": MOVE_BATCH}).fetchone()[0]
+        return conn.execute(sql.MOVE_EVENTS, {"bucket": int(lease.partition), "limit": batch}).fetchone()[0]
 
 
 def register_limits(db: Database, settings: CallbackSettings) -> None:
     """Record the limits of ``settings`` for every worker (the per-owner limits no longer given are forgotten)."""
     scopes = settings.flow_scopes()
     with db.connection() as conn:
-        registered = [row[0] for row in conn.execute(sql.FLOW_SCOPES)]
-        flow.register(conn, {**dict.fromkeys(s for s in registered if s.startswith(OWNER_SCOPE)), **scopes})
+        registered = [limits.scope for limits in flow.scopes(conn, OWNER_SCOPE)]
+        flow.register(conn, {**dict.fromkeys(registered), **scopes})

@@ -221,30 +221,27 @@ def insert_events(
     *,
     soon: float = 3.0,
     lock_timeout: float = 0.0,
+    some_taken: bool = False,
 ) -> list[int | Exception]:
-    """Insert ``events`` in ``conn``'s transaction; per event, its id or a conflict (new keys in one
-    statement; if one is taken, :func:`insert_events_skipping_taken`).
+    """Insert ``events`` in ``conn``'s transaction; per event, its id or a conflict.
 
-    Waiting longer than ``lock_timeout`` seconds (0: no limit) for a lock raises LockNotAvailable.
+    New keys go in one statement. If a key is taken (or ``some_taken`` says so beforehand), the events whose keys
+    are free are inserted and the others compared with the stored events. Waiting longer than ``lock_timeout``
+    seconds (0: no limit) for a lock raises LockNotAvailable.
     """
     params = _insert_params(events, schedule_id, soon, lock_timeout)
-    new_ids = _insert_new_rows(conn, params)
-    if new_ids is not None:  # every key new and distinct
-        return list(new_ids)
-    return insert_events_skipping_taken(conn, events, schedule_id, soon=soon, lock_timeout=lock_timeout)
+    if not some_taken:
+        new_ids = _insert_new_rows(conn, params)
+        if new_ids is not None:  # every key new and distinct
+            return list(new_ids)
+    return _insert_skipping_taken(conn, events, params)
 
 
-def insert_events_skipping_taken(
-    conn: psycopg.Connection,
-    events: Sequence[NewCallback],
-    schedule_id: int | None = None,
-    *,
-    soon: float = 3.0,
-    lock_timeout: float = 0.0,
+def _insert_skipping_taken(
+    conn: psycopg.Connection, events: Sequence[NewCallback], params: dict[str, Any]
 ) -> list[int | Exception]:
-    """Insert ``events`` whose keys are not taken, and compare the others with the stored events; per event,
-    its id or a conflict."""
-    params = _insert_params(events, schedule_id, soon, lock_timeout)
+    """Insert the events whose keys are not taken, and compare the others with the stored events; per event, its id
+    or a conflict."""
     inserted = {(o, g, k): i for i, o, g, k, _ in conn.execute(sql.INSERT_EVENTS, params).fetchall()}
     missing = [e for e in events if (e.owner_client_id, e.group_key, e.event_key) not in inserted]
     existing: dict[tuple[str, str, str], dict[str, Any]] = {}

@@ -8,7 +8,6 @@ asset page) and ``paused`` / ``blocked`` / ``rules``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -28,6 +27,7 @@ from cmb_dagster.flow import KeyUse, describe_limits
 from cmb_dagster.health import Verdict
 from cmb_dagster.jobs import (
     RunRequestLauncher,
+    dagster_name,
     keep_running_sensor,
     launch_sensor_name,
     launch_sensors,
@@ -90,7 +90,7 @@ class EventQueueResource(ConfigurableResource):
 
 def handler_asset_key(handler: str, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
     """The external asset whose observations carry a handler's queue counts."""
-    return translator.get_asset_key("eventqueue", [re.sub(r"[^A-Za-z0-9_]", "_", handler)])
+    return translator.get_asset_key("eventqueue", [dagster_name(handler)])
 
 
 def handler_observation(

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validat
 from cmb_dagster import inputs
 from cmb_dagster.eventqueue.errors import InvalidEventQueueInput
 from cmb_dagster.executor import Isolation
-from cmb_dagster.flow import FlowLimits, KeyUse, RateLimit
+from cmb_dagster.flow import MAX_VERSION, FlowLimits, KeyUse, RateLimit
 from cmb_dagster.health import Checks, Threshold, Verdict
 from cmb_dagster.isolation import DEFAULT_MAX_CRASHES
 from cmb_dagster.models import Backoff, Options, deprecated_iteration
@@ -160,6 +160,13 @@ class HandlerConfig(Options):
     concurrency: int | None = Field(
         default=None, ge=1, le=10_000, description="Events of one key in flight at once across all workers."
     )
+    limits_version: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_VERSION,
+        description="The version of rate_limit and concurrency: workers with a lower one leave the registered "
+        "limits as they are (raise it with each change).",
+    )
     debounce: float | None = Field(
         default=None,
         gt=0,
@@ -199,7 +206,7 @@ class HandlerConfig(Options):
     @property
     def limits(self) -> FlowLimits:
         """The flow limits of the handler's keys."""
-        return FlowLimits(rate_limit=self.rate_limit, concurrency=self.concurrency)
+        return FlowLimits(rate_limit=self.rate_limit, concurrency=self.concurrency, version=self.limits_version)
 
     @model_validator(mode="before")
     @classmethod

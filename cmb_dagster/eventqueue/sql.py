@@ -10,13 +10,13 @@ came due (index eventqueue_events_waiting), then walks the ready ones in (priori
 eventqueue_events_ready and stops after ``limit`` rows, so neither needs planner statistics. A turn is the event's
 place in a round-robin over its handler's keys: after the events of its key already ready, no earlier than the head
 of its priority. Keys whose rate or concurrency limit is reached are passed over, and of the rows read, each limited
-key gets as many as its tokens and free slots allow (cmb_dagster/flow.py: the same tables and expressions). The
+key gets as many as its tokens and free slots allow (flow control's take, inlined: cmb_dagster/flow/sql.py). The
 handler filter is written ``array_position(...) IS NOT NULL`` on purpose: without statistics the planner takes
 ``handler = ANY(...)`` to keep 0.5% of the rows and prefers reading every ready row and sorting them; an IS NOT NULL
 test is estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
 """
 
-from cmb_dagster.sql import FLOW_AVAILABLE, FLOW_SLOT_FREE, flow_empty_until, flow_slots_lacking
+from cmb_dagster.flow import sql as flow_sql
 
 # The flow-control scope of handler %(handler)s's events.
 SCOPE_PREFIX = "eventqueue/"
@@ -54,13 +54,17 @@ def _turns(rows: str) -> str:
 )"""
 
 
-# Frees the concurrency slots the events of ``rows`` (id, handler, flow_key, flow_slot) hold.
-def _free_slots(rows: str) -> str:
-    return f"""UPDATE flow_slots s SET item = NULL, taken_at = NULL, expires_at = '-infinity'
-    FROM {rows} d
-    WHERE d.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || d.handler AND s.key = d.flow_key
-      AND s.slot = d.flow_slot AND s.item = d.id::text
-    RETURNING d.handler"""
+def _slots_of(rows: str) -> str:
+    """The flow slots the events of ``rows`` (handler, flow_key, flow_slot, and more columns) hold, as flow control's
+    statements name held slots (scope, key, slot, then the columns of ``rows``)."""
+    return f"""(SELECT '{SCOPE_PREFIX}' || d.handler AS scope, d.flow_key AS key, d.flow_slot AS slot, d.*
+     FROM {rows} d WHERE d.flow_slot IS NOT NULL)"""
+
+
+def _free_slots(rows: str, holder: str = "%(holder)s") -> str:
+    """Frees the concurrency slots the events of ``rows`` (handler, flow_key, flow_slot) hold for ``holder``;
+    returns the rows of those freed."""
+    return flow_sql.release(_slots_of(rows), holder)
 
 
 # The events of ``ids`` whose lock is still the one the worker took (``locked``, in the same order), found by id
@@ -189,6 +193,21 @@ _RULE = """
 """
 
 
+# The columns of a claim's rows, read by name: what a row says is its ``decision``; a 'claim' row carries the event
+# claimed, the others the columns they name ('flow_missing': scope and flow_key; 'flow_wait': the wait in value).
+CLAIM_COLUMNS = (
+    "decision", "id", "namespace", "module", "handler", "modifier", "value", "retries", "enqueued_at", "locked_at",
+    "seen_locked_at", "priority", "flow_key", "batch_count", "place", "crashes", "scope",
+)  # fmt: skip
+_CLAIMED = CLAIM_COLUMNS[1:-1]  # the columns of a claimed event
+
+
+def _row(decision: str, **columns: str) -> str:
+    """The select list of a claim's row saying ``decision`` (an SQL expression) with ``columns`` (name: SQL
+    expression) given and the others NULL."""
+    return ", ".join([f"{decision} AS decision"] + [f"{columns.get(c, 'NULL')} AS {c}" for c in CLAIM_COLUMNS[1:]])
+
+
 # The flow limits of the claim's candidates (``offered``: id, scope, flow_key, priority, turn, decision, take):
 # of each limited key's candidates in order, as many as its tokens and free slots allow are granted (taking
 # them), the others are 'throttled'. ``candidates`` adds the slot granted; 'flow_missing' names the limited keys
@@ -202,8 +221,9 @@ def _admit(read: str) -> str:
 limits AS MATERIALIZED (
     SELECT l.scope, l.rate, l.burst, l.concurrency FROM flow_limits l
     WHERE l.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
+      AND (l.rate IS NOT NULL OR l.concurrency IS NOT NULL)
 ), ranked AS (
-    SELECT o.id, o.scope, o.flow_key,
+    SELECT o.id, o.scope, o.flow_key, o.handler,
            row_number() OVER (PARTITION BY o.scope, o.flow_key ORDER BY o.priority DESC, o.turn, o.id) AS r
     FROM offered o JOIN limits l USING (scope)
     WHERE o.decision = 'claim' AND o.take
@@ -218,52 +238,14 @@ limits AS MATERIALIZED (
                 AND (x.priority > o.priority OR (x.priority = o.priority AND x.turn < o.turn))
                 AND x.id NOT IN (SELECT id FROM {read}))))
 ), wanted AS (  -- a worker starts every event it claims at once: as many slots of a key as it can run now
-    SELECT r.scope, r.flow_key AS key, CASE WHEN l.concurrency IS NULL THEN count(*) ELSE least(count(*), l.concurrency)
-                                       END AS n, l.rate, l.concurrency
-    FROM ranked r JOIN limits l USING (scope) GROUP BY r.scope, r.flow_key, l.rate, l.concurrency
-), free AS MATERIALIZED (
-    SELECT w.scope, w.key, f.slot, row_number() OVER (PARTITION BY w.scope, w.key ORDER BY f.slot) AS r
-    FROM wanted w CROSS JOIN LATERAL (
-        SELECT s.slot FROM flow_slots s
-        WHERE s.scope = w.scope AND s.key = w.key AND s.slot < w.concurrency AND {FLOW_SLOT_FREE}
-        ORDER BY s.slot LIMIT w.n
-        FOR NO KEY UPDATE OF s SKIP LOCKED
-    ) AS f
-    WHERE w.concurrency IS NOT NULL
-), can AS (
-    SELECT w.scope, w.key, w.rate,
-           CASE WHEN w.concurrency IS NULL THEN w.n
-                ELSE least(w.n, (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key)) END AS n,
-           w.concurrency IS NOT NULL AND (SELECT count(*) FROM free f WHERE f.scope = w.scope AND f.key = w.key) < w.n
-           AND {flow_slots_lacking("w.scope", "w.key", "w.concurrency")} AS slots_missing
-    FROM wanted w
-), bucket_now AS (
-    SELECT b.scope, b.key, {FLOW_AVAILABLE} AS avail
-    FROM flow_buckets b JOIN can c ON c.scope = b.scope AND c.key = b.key JOIN limits l ON l.scope = b.scope
-    WHERE c.rate IS NOT NULL
-    ORDER BY b.scope, b.key  -- locked in one order: two claims never deadlock
-    FOR UPDATE OF b
-), tokens AS (
-    UPDATE flow_buckets b
-    SET tokens = n.avail - n.took, refilled_at = clock_timestamp(),
-        empty_until = {flow_empty_until("(n.avail - n.took)")}
-    FROM (SELECT bn.scope, bn.key, bn.avail, least(floor(greatest(bn.avail, 0)), c.n) AS took
-          FROM bucket_now bn JOIN can c ON c.scope = bn.scope AND c.key = bn.key) AS n
-    JOIN limits l ON l.scope = n.scope
-    WHERE b.scope = n.scope AND b.key = n.key
-    RETURNING b.scope, b.key, n.took
-), granted AS (
-    SELECT c.scope, c.key, CASE WHEN c.rate IS NULL THEN c.n ELSE coalesce(t.took, 0) END AS n
-    FROM can c LEFT JOIN tokens t ON t.scope = c.scope AND t.key = c.key
-), admitted AS (
-    SELECT r.id, f.slot
-    FROM ranked r JOIN granted g ON g.scope = r.scope AND g.key = r.flow_key AND r.r <= g.n
-    LEFT JOIN free f ON f.scope = r.scope AND f.key = r.flow_key AND f.r = r.r
-), slots_taken AS (
-    UPDATE flow_slots s SET item = a.id::text, taken_at = now(),
-                            expires_at = now() + make_interval(secs => h.lock_expiry_seconds)
-    FROM admitted a JOIN offered o ON o.id = a.id JOIN eventqueue_handlers h ON h.name = o.handler
-    WHERE a.slot IS NOT NULL AND s.scope = o.scope AND s.key = o.flow_key AND s.slot = a.slot
+    SELECT r.scope, r.flow_key AS key, n.want, n.want AS slots, h.lock_expiry_seconds AS ttl
+    FROM (SELECT scope, flow_key, handler, count(*) AS n FROM ranked GROUP BY scope, flow_key, handler) AS r
+    JOIN limits l USING (scope) JOIN eventqueue_handlers h ON h.name = r.handler
+    CROSS JOIN LATERAL (SELECT CASE WHEN l.concurrency IS NULL THEN r.n ELSE least(r.n, l.concurrency) END AS want) n
+), {flow_sql.take("wanted", "%(holder)s")}, admitted AS (
+    SELECT r.id, t.slot
+    FROM ranked r JOIN flow_granted g ON g.scope = r.scope AND g.key = r.flow_key AND r.r <= g.n
+    LEFT JOIN flow_taken t ON t.scope = r.scope AND t.key = r.flow_key AND t.r = r.r
 ), candidates AS (
     SELECT o.id, o.seen_locked_at, o.crashes, o.take, o.place, a.slot AS flow_slot,
            CASE WHEN o.decision = 'claim' AND o.take AND o.scope IN (SELECT scope FROM limits) AND a.id IS NULL
@@ -287,12 +269,10 @@ candidates AS (
 
 def _apply(limited: bool, read: str = "offered") -> str:
     """The end of a claim: its candidates (admitted by the flow limits when ``limited``), applied."""
-    missing = """
+    missing = f"""
 UNION ALL
-SELECT 'flow_missing', NULL, c.scope, c.key, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM can c
-WHERE c.slots_missing
-   OR (c.rate IS NOT NULL AND NOT EXISTS (SELECT 1 FROM bucket_now b WHERE b.scope = c.scope AND b.key = c.key))"""
+SELECT {_row("'flow_missing'", scope="g.scope", flow_key="g.key")}
+FROM flow_granted g WHERE g.missing"""
     return f"""
 {_admit(read) if limited else _UNLIMITED}, rules AS MATERIALIZED (
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
@@ -325,26 +305,25 @@ WHERE c.slots_missing
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at,
               e.locked_at, c.seen_locked_at, e.priority, e.flow_key, e.batch_count, c.place, c.crashes
 )
-SELECT 'claim', id, namespace, module, handler, modifier, value, retries, enqueued_at, locked_at, seen_locked_at,
-       priority, flow_key, batch_count, place, crashes
+SELECT {_row("'claim'", **{c: c for c in _CLAIMED})}
 FROM claimed
 UNION ALL
-SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM held
+SELECT {_row("decision", id="id")} FROM held
 UNION ALL
-SELECT 'crashed', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM dead
+SELECT {_row("'crashed'", id="id")} FROM dead
 UNION ALL
-SELECT decision, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM candidates
+SELECT {_row("decision", id="id")} FROM candidates
 WHERE decision NOT IN ('claim', 'pause', 'block')
 UNION ALL
-SELECT 'lock_claim_failed', c.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {_row("'lock_claim_failed'", id="c.id")}
 FROM candidates c
 WHERE c.decision = 'claim' AND c.take AND c.id NOT IN (SELECT id FROM claimed)  -- hashed: one pass over each
   AND c.id NOT IN (SELECT id FROM crashed)
 UNION ALL
-SELECT 'rules', newest, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {_row("'rules'", id="newest")}
 FROM rules
 UNION ALL
-SELECT 'freed', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {_row("'freed'")}
 FROM ({_FREED}) AS n{missing if limited else ""}
 """
 
@@ -378,7 +357,7 @@ WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}due AS (
     WHERE decision <> 'claim' OR NOT EXISTS (SELECT 1 FROM suspect) OR id = (SELECT id FROM suspect)
 ), {_apply(limited, "due")}
 UNION ALL
-SELECT 'came_due', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {_row("'came_due'")}
 WHERE EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.visible_at <= now()
               AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL){_FLOW_WAIT if limited else ""}
 """
@@ -405,23 +384,13 @@ SELECT count(*) FROM staged
 # Keys at their rate limit (an empty bucket) or concurrency limit (every slot taken), through the indexes on
 # the few buckets empty now and on the slots taken.
 _AT_LIMIT = f"""at_limit AS MATERIALIZED (
-    SELECT b.scope, b.key, extract(epoch FROM b.empty_until - clock_timestamp())::float8 AS wait
-    FROM flow_buckets b
-    WHERE b.empty_until > now() AND b.empty_until > clock_timestamp()  -- now(): a range of the index on empty_until
-      AND b.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
-    UNION ALL
-    SELECT s.scope, s.key, NULL
-    FROM flow_slots s JOIN flow_limits l ON l.scope = s.scope
-    WHERE s.item IS NOT NULL AND NOT {FLOW_SLOT_FREE} AND s.slot < l.concurrency
-      AND s.scope = ANY(ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h))
-    GROUP BY s.scope, s.key, l.concurrency HAVING count(*) >= l.concurrency
+    {flow_sql.at_limit(f"ARRAY(SELECT '{SCOPE_PREFIX}' || h FROM unnest(%(handlers)s::text[]) AS h)")}
 )"""
 _NOT_AT_LIMIT = f"""AND NOT EXISTS (SELECT 1 FROM at_limit a
                       WHERE a.scope = '{SCOPE_PREFIX}' || e.handler AND a.key = e.flow_key)"""
-_FLOW_WAIT = """
+_FLOW_WAIT = f"""
 UNION ALL
-SELECT 'flow_wait', NULL, NULL, NULL, NULL, NULL, to_jsonb(min(wait)),
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {_row("'flow_wait'", value="to_jsonb(min(wait))")}
 FROM at_limit HAVING count(*) > 0"""
 
 
@@ -461,8 +430,9 @@ WITH {_DONE}
 """
 
 # The events held by workers whose liveness lease lapsed (a kill -9, a lost host): visible again at once (they
-# take their turns when staged; the crashes of those whose calls had started are counted), their slots free. Read
-# through eventqueue_events_claimed, which holds the events being run and nothing else. Returns how many.
+# take their turns when staged; the crashes of those whose calls had started are counted), the slots their worker
+# held for them free (its name read in the statement's snapshot, which this update is not part of). Read through
+# eventqueue_events_claimed, which holds the events being run and nothing else. Returns how many.
 RECLAIM_LAPSED = f"""
 WITH lapsed AS (
     UPDATE eventqueue_events e SET visible_at = now(), locked_by = NULL, lock_fence = NULL
@@ -470,9 +440,10 @@ WITH lapsed AS (
       AND e.visible_at > now() AND e.visible_at < 'infinity'
       AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.kind = %(kind)s AND l.partition = e.locked_by
                       AND l.fence = e.lock_fence AND l.expires_at > now())
-    RETURNING e.id, e.handler, e.flow_key, e.flow_slot
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot,
+              (SELECT x.locked_by FROM eventqueue_events x WHERE x.id = e.id) AS holder  -- before this update
 ), freed AS (
-    {_free_slots("lapsed")}
+    {_free_slots("lapsed", "h.holder")}
 )
 SELECT count(*) FROM lapsed
 """
@@ -507,12 +478,9 @@ WITH extended AS (
     UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => h.lock_expiry_seconds)
     FROM eventqueue_handlers h
     WHERE {_held("%(ids)s", "%(locked)s")} AND h.name = e.handler
-    RETURNING e.id, e.handler, e.flow_key, e.flow_slot, h.lock_expiry_seconds
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot, h.lock_expiry_seconds AS ttl
 ), slots AS (
-    UPDATE flow_slots s SET expires_at = now() + make_interval(secs => x.lock_expiry_seconds)
-    FROM extended x
-    WHERE x.flow_slot IS NOT NULL AND s.scope = '{SCOPE_PREFIX}' || x.handler AND s.key = x.flow_key
-      AND s.slot = x.flow_slot AND s.item = x.id::text
+    {flow_sql.renew(_slots_of("extended"), "%(holder)s")}
 )
 SELECT id FROM extended
 """

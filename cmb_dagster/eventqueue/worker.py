@@ -35,6 +35,7 @@ from zoneinfo import ZoneInfo
 
 import psycopg
 from croniter import croniter
+from psycopg.rows import RowFactory, namedtuple_row, tuple_row
 
 from cmb_dagster import flow
 from cmb_dagster.database import DatabaseSource, OwnConnection
@@ -173,10 +174,12 @@ class EventWorker(EngineWorker):
             self._registered = True
         return conn
 
-    def _execute(self, query: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    def _execute(self, query: str, params: Mapping[str, Any], *, row_factory: RowFactory[Any] = tuple_row) -> list[Any]:
+        """Run one of the worker's statements; those that take, renew or free flow slots name it their holder."""
         conn = self._connection()
         try:
-            cursor = conn.execute(query, params)
+            cursor = conn.execute(query, {**params, "holder": self.owner})
+            cursor.row_factory = row_factory
             return cursor.fetchall() if cursor.description else []
         except psycopg.OperationalError:
             self._own.close()
@@ -341,50 +344,55 @@ class EventWorker(EngineWorker):
         if self.limited:
             self._flush()
         lease = self._lease
-        holder = {"owner": self._holder, "fence": lease.fence if lease else None}
+        claimant = {"owner": self._holder, "fence": lease.fence if lease else None}
         now = time.monotonic()  # before the database's clock is read: a claim's local deadline errs early
-        rows = self._execute(query, {**params, **holder, **self._finished()})
+        rows = self._execute(query, {**params, **claimant, **self._finished()}, row_factory=namedtuple_row)
         self._deleted()
-        missing = [(row[2], row[3]) for row in rows if row[0] == "flow_missing"]
+        missing = [(row.scope, row.flow_key) for row in rows if row.decision == "flow_missing"]
         if missing:
             conn = self._connection()
             with conn.transaction():
                 flow.ensure(conn, missing)
             now = time.monotonic()
-            rows = [row for row in rows if row[0] != "flow_missing"]
-            counted = sum(1 for row in rows if row[0] == "claim" and (row[14] or math.inf) <= params["start_now"])
+            rows = [row for row in rows if row.decision != "flow_missing"]
+            counted = sum(
+                1 for row in rows if row.decision == "claim" and (row.place or math.inf) <= params["start_now"]
+            )
             again = {**params, "start_now": params["start_now"] - counted}
-            rows += self._execute(query, {**again, **holder, **self._finished()})
+            rows += self._execute(query, {**again, **claimant, **self._finished()}, row_factory=namedtuple_row)
         claimed: list[tuple[float, int, Claimed]] = []  # in claim order: (place, id, event)
         edges: dict[int, list[Edge]] = {}
         self._came_due, self._flow_wait = False, None
         for row in rows:
-            decision, event_id, namespace, module, handler, modifier, value, retries, enqueued, locked, seen = row[:11]
+            decision = row.decision
             if decision == "rules":
-                self._acknowledge(event_id)
+                self._acknowledge(row.id)
             elif decision == "came_due":
                 self._came_due = True
             elif decision == "flow_wait":
-                self._flow_wait = value or 0.0  # 0: keys wait for a slot only
+                self._flow_wait = row.value or 0.0  # 0: keys wait for a slot only
             elif decision in ("flow_missing", "freed"):
                 continue
             elif decision == "claim":
-                priority, key, batch_count, place, crashes = row[11:]
-                event = Event(event_id, namespace, module, handler, modifier, value, retries, enqueued, priority, key)
-                batch = _members(event) if batch_count is not None else [event]
-                suspect = crashes > 0
-                counted = place is not None and place <= params["start_now"] and (not suspect or params["idle"])
-                handler_ = self.registry.handlers[handler]
-                item = Claimed(event, handler_, locked, seen is not None, now, batch, counted, suspect)
-                claimed.append((place or math.inf, event_id, item))
-                self._held[event_id] = item
-                edges[event_id] = [Edge.LOCK_EXPIRED if seen is not None else Edge.LOCK_NONE]
-            elif event_id not in edges:
-                edges[event_id] = [_HELD[decision]]
+                event = Event(
+                    row.id, row.namespace, row.module, row.handler, row.modifier, row.value, row.retries,
+                    row.enqueued_at, row.priority, row.flow_key,
+                )  # fmt: skip
+                batch = _members(event) if row.batch_count is not None else [event]
+                suspect = row.crashes > 0
+                counted = row.place is not None and row.place <= params["start_now"] and (not suspect or params["idle"])
+                handler = self.registry.handlers[row.handler]
+                expired = row.seen_locked_at is not None
+                item = Claimed(event, handler, row.locked_at, expired, now, batch, counted, suspect)
+                claimed.append((row.place or math.inf, row.id, item))
+                self._held[row.id] = item
+                edges[row.id] = [Edge.LOCK_EXPIRED if expired else Edge.LOCK_NONE]
+            elif row.id not in edges:
+                edges[row.id] = [_HELD[decision]]
                 if decision == "crashed":
                     log.error(
                         "event %s: its last runs ended with the death of their worker; moved to the dead-letter table",
-                        event_id,
+                        row.id,
                     )
         return [item for *_, item in sorted(claimed, key=lambda c: c[:2])], edges
 

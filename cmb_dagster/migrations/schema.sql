@@ -450,17 +450,19 @@ CREATE TABLE cmb.flow_limits (
     burst double precision,
     concurrency integer,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    version integer DEFAULT 0 NOT NULL,
     CONSTRAINT flow_limits_burst_check CHECK ((burst >= (1)::double precision)),
     CONSTRAINT flow_limits_check CHECK (((rate IS NULL) = (burst IS NULL))),
     CONSTRAINT flow_limits_concurrency_check CHECK ((concurrency > 0)),
-    CONSTRAINT flow_limits_rate_check CHECK ((rate > (0)::double precision))
+    CONSTRAINT flow_limits_rate_check CHECK ((rate > (0)::double precision)),
+    CONSTRAINT flow_limits_version_check CHECK ((version >= 0))
 );
 
 CREATE TABLE cmb.flow_slots (
     scope text NOT NULL,
     key text NOT NULL,
     slot integer NOT NULL,
-    item text,
+    holder text,
     taken_at timestamp with time zone,
     expires_at timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
     CONSTRAINT flow_slots_slot_check CHECK ((slot >= 0))
@@ -980,7 +982,7 @@ CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (vis
 
 CREATE INDEX flow_buckets_empty ON cmb.flow_buckets USING btree (empty_until);
 
-CREATE INDEX flow_slots_taken ON cmb.flow_slots USING btree (scope, key) WHERE (item IS NOT NULL);
+CREATE INDEX flow_slots_taken ON cmb.flow_slots USING btree (scope, key) WHERE (holder IS NOT NULL);
 
 CREATE UNIQUE INDEX leases_fence ON cmb.leases USING btree (kind, partition, fence);
 

@@ -35,7 +35,7 @@ from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
 from cmb_dagster.inputs import BIGINT, check_int
-from cmb_dagster.jobs import keep_running_sensor, status_definitions, worker_job
+from cmb_dagster.jobs import dagster_name, keep_running_sensor, status_definitions, worker_job
 from cmb_dagster.pubsub.admin import status, trim
 from cmb_dagster.pubsub.backfill import backfill
 from cmb_dagster.pubsub.engine import read_batch, record_watermark, refuse_if_restored
@@ -56,7 +56,7 @@ from cmb_dagster.workers import WorkerReport
 
 def lag_asset_key(consumer_id: str, branch_id: int, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetKey:
     """The external asset whose observations carry a consumer's lag."""
-    return translator.get_asset_key("pubsub", [_name(consumer_id), f"branch_{branch_id}"])
+    return translator.get_asset_key("pubsub", [dagster_name(consumer_id), f"branch_{branch_id}"])
 
 
 def lag_observation(lag: Lag, translator: CmbTranslator = DEFAULT_TRANSLATOR) -> AssetObservation:
@@ -86,7 +86,7 @@ def consumer_job(
     def run_consumer(database: Database, duration: float, context: OpExecutionContext) -> WorkerReport:
         return ConsumerWorker(database, spec).run(duration)
 
-    name = f"{prefix}pubsub_consumer_{_name(spec.consumer_id)}_branch_{spec.branch_id}"
+    name = f"{prefix}pubsub_consumer_{dagster_name(spec.consumer_id)}_branch_{spec.branch_id}"
     return worker_job(
         name,
         run_consumer,
@@ -292,7 +292,3 @@ def pubsub_definitions(
         checks=dict.fromkeys(assets, options.checks.descriptions()),
     )
     return Definitions.merge(engine, observed)
-
-
-def _name(value: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", value)

@@ -1,7 +1,6 @@
 """Reactive tasks in Dagster: ``ReactiveTask`` (a job or asset selection plus a trigger) and their Definitions."""
 
 import difflib
-import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +27,7 @@ from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.database import Database
 from cmb_dagster.health import Verdict
 from cmb_dagster.inputs import load_reference, shorten
-from cmb_dagster.jobs import Observe, status_definitions
+from cmb_dagster.jobs import Observe, dagster_name, status_definitions
 from cmb_dagster.models import describe
 from cmb_dagster.reactive.admin import status
 from cmb_dagster.reactive.checks import AssetPath, deadline_check, deadline_verdicts, tick_verdicts
@@ -174,7 +173,7 @@ class ReactiveTask(BaseModel):
         """The job this task launches (for an asset selection, an asset job ``<prefix>reactive_<task>``)."""
         if isinstance(self.target, Job):
             return self.target
-        return define_asset_job(f"{prefix}reactive_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)}", selection=self.target)
+        return define_asset_job(f"{prefix}reactive_{dagster_name(self.name)}", selection=self.target)
 
     @property
     def spec(self) -> TaskSpec:

@@ -58,16 +58,16 @@ def status(source: DatabaseSource) -> StagesStatus:
 def _limits(conn: psycopg.Connection) -> dict[str, StageLimits]:
     """Each limited stage's limits and their use per key (at most 1000 keys in all)."""
     found: dict[str, StageLimits] = {}
-    scopes = conn.execute(sql.FLOW_SCOPES).fetchall()
-    for scope, rate, burst, concurrency in scopes:
-        stage, _, kind = scope.removeprefix("stages/").partition("/")
+    scopes = flow.scopes(conn, "stages/")
+    for scope in scopes:
+        stage, _, kind = scope.scope.removeprefix("stages/").partition("/")
         limits = found.setdefault(stage, StageLimits())
         if kind == "parallel":
-            limits.max_parallelism = concurrency
+            limits.max_parallelism = scope.concurrency
         else:
-            limits.rate_per_second, limits.burst = rate, burst
+            limits.rate_per_second, limits.burst = scope.rate_per_second, scope.burst
     keys: dict[tuple[str, str], StageKeyUse] = {}
-    for use in flow.usage(conn, [row[0] for row in scopes]):
+    for use in flow.usage(conn, [scope.scope for scope in scopes]):
         stage, _, kind = use.scope.removeprefix("stages/").partition("/")
         row = keys.get((stage, use.key))
         if row is None:

@@ -37,7 +37,6 @@ retried after the stage's ``backoff`` and parked after ``max_attempts``.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -89,8 +88,8 @@ WAIT_STEP = 0.05
 # the counters of stage_counters, in this order
 PROCESSED, CHANGED, CONFLICTS, ERRORS, PARKED, CAPPED = range(6)
 
-Slots = dict[tuple[str, str], dict[str, int]]
-"""Flow slots held: {(scope, key): {item: slot}}."""
+Slots = set[flow.HeldSlot]
+"""Flow slots held: {(scope, key, slot)}."""
 
 
 @dataclass
@@ -144,7 +143,7 @@ class _Claimed:
     ready: set[str]
     lease: Lease | None = None
     shard_count: int | None = None  # the shard count it was claimed with
-    slots: Slots = field(default_factory=dict)
+    slots: Slots = field(default_factory=set)
     claimed_at: float = field(default_factory=time.monotonic)
     task: Task[Any] | None = None  # its call, once started
 
@@ -332,7 +331,7 @@ class Engine:
         self._asking: _ChangeBatch | None = None
         self.slot_ttl = slot_ttl
         self._slots_renewed = time.monotonic()
-        self._slot_items = (f"{owner or 'engine'}:{uuid.uuid4().hex[:12]}:{n}" for n in itertools.count())
+        self._slot_holder = f"{owner or 'engine'}:{uuid.uuid4().hex[:12]}"  # of the flow slots it takes
         self._held_back: dict[str, dict[str, float]] = {}  # stage -> entity id -> monotonic time it may go
         self._key_paced: dict[tuple[str, str], float] = {}  # (stage, key) -> when its next held-back entry may go
         self._registered = False
@@ -428,8 +427,7 @@ class Engine:
             claimed, failed = self._take_for_keys(claimed, report)
             for c in claimed:
                 if c.stage.key is None and c.entity is not None and taken.get(c.stage.name):
-                    scope_key, item, slot = taken[c.stage.name].pop()
-                    c.slots[scope_key] = {item: slot}
+                    c.slots.add(taken[c.stage.name].pop())
         finally:
             self._free_taken(taken)
         by_shard = dict(zip(shards, leases, strict=True)) if leases else {}
@@ -1086,12 +1084,12 @@ class Engine:
 
     def _take_for_stages(
         self, names: list[str], limit: int, report: BatchReport
-    ) -> tuple[dict[str, int], dict[str, list[tuple[tuple[str, str], str, int]]]]:
+    ) -> tuple[dict[str, int], dict[str, list[flow.HeldSlot]]]:
         """The entries each stage may claim: a stage without a key takes its flow slots and tokens first, one per
         call (none: it waits, ``report.blocked_until``); a stage with a key takes them per key after the claim.
-        Returns the limits and the slots taken, per stage: [((scope, key), item, slot)]."""
+        Returns the limits and the slots taken, per stage."""
         limits: dict[str, int] = {}
-        taken: dict[str, list[tuple[tuple[str, str], str, int]]] = {}
+        taken: dict[str, list[flow.HeldSlot]] = {}
         conn = self._own.get()
         with conn.transaction():
             for name in sorted(names):  # one lock order for every worker
@@ -1099,7 +1097,7 @@ class Engine:
                 if stage.key is not None:
                     limits[name] = want
                     continue
-                slots: list[tuple[tuple[str, str], str, int]] = []
+                slots: list[flow.HeldSlot] = []
                 if stage.max_parallelism is not None:
                     slots = self._take_slots(conn, name, "", want)
                     if not slots:
@@ -1107,8 +1105,8 @@ class Engine:
                         continue
                     want = len(slots)
                 if stage.rate_limit is not None:
-                    grant = flow.take(conn, rate_scope(name), "", [str(i) for i in range(want)], ttl=self.slot_ttl)
-                    _free(conn, slots[grant.count :])
+                    grant = self._take_tokens(conn, name, "", want)
+                    self._free(conn, slots[grant.count :])
                     slots = slots[: grant.count]
                     if grant.count == 0:
                         report.blocked_until = time.monotonic() + max(0.01, grant.retry_after or 0.0)
@@ -1147,22 +1145,20 @@ class Engine:
             for (name, key), entries in sorted(by_key.items(), key=lambda item: item[0]):
                 stage = self.stages[name]
                 count, wait = len(entries), 0.0
-                slots: list[tuple[tuple[str, str], str, int]] = []
+                slots: list[flow.HeldSlot] = []
                 if stage.max_parallelism is not None:
                     slots = self._take_slots(conn, name, key, count)
                     if len(slots) < count:
                         count, wait = len(slots), SLOT_RETRY
                 rate = stage.rate()
                 if count and rate is not None:
-                    grant = flow.take(
-                        conn, rate_scope(name), key, [c.entity_id for c in entries[:count]], ttl=self.slot_ttl
-                    )
+                    grant = self._take_tokens(conn, name, key, count)
                     if grant.count < count:
-                        _free(conn, slots[grant.count :])
+                        self._free(conn, slots[grant.count :])
                         wait = grant.retry_after if grant.count == 0 and grant.retry_after else 1.0 / rate.per_second
                     count = grant.count
-                for c, (scope_key, item, slot) in zip(entries[:count], slots, strict=False):
-                    c.slots[scope_key] = {item: slot}
+                for c, slot in zip(entries[:count], slots, strict=False):
+                    c.slots.add(slot)
                 granted.update(id(c) for c in entries[:count])
                 if count < len(entries):
                     retry_at = min(retry_at, now + max(wait, 0.01))
@@ -1194,22 +1190,26 @@ class Engine:
         self._key_paced[(stage, key)] = untils[-1] + step
         return untils
 
-    def _take_slots(
-        self, conn: psycopg.Connection, stage: str, key: str, want: int
-    ) -> list[tuple[tuple[str, str], str, int]]:
-        """Up to ``want`` flow slots of (stage, key)'s max parallelism, one per call: [((scope, key), item, slot)]."""
+    def _take_slots(self, conn: psycopg.Connection, stage: str, key: str, want: int) -> list[flow.HeldSlot]:
+        """Up to ``want`` flow slots of (stage, key)'s max parallelism, one per call."""
         scope = parallel_scope(stage)
-        items = list(itertools.islice(self._slot_items, want))
-        grant = flow.take(conn, scope, key, items, ttl=self.slot_ttl)
-        return [
-            ((scope, key[: flow.MAX_KEY_LENGTH]), item, slot) for item, slot in zip(items, grant.slots, strict=False)
-        ]
+        grant = flow.take(conn, {(scope, key): want}, holder=self._slot_holder, ttl=self.slot_ttl)[(scope, key)]
+        return [(scope, key[: flow.MAX_KEY_LENGTH], slot) for slot in grant.slots]
+
+    def _take_tokens(self, conn: psycopg.Connection, stage: str, key: str, want: int) -> flow.Grant:
+        """Up to ``want`` tokens of (stage, key)'s rate limit, one per call."""
+        scope = rate_scope(stage)
+        return flow.take(conn, {(scope, key): want}, holder=self._slot_holder, ttl=self.slot_ttl)[(scope, key)]
+
+    def _free(self, conn: psycopg.Connection, slots: Sequence[flow.HeldSlot]) -> None:
+        """Free flow slots in ``conn``'s transaction."""
+        flow.release(conn, slots, holder=self._slot_holder)
 
     def _free_taken(self, taken: dict[str, list[tuple[tuple[str, str], str, int]]]) -> None:
         """Free the slots taken before a claim that no claimed entry holds."""
         left = [slot for slots in taken.values() for slot in slots]
         if left:
-            self._quietly(f"free {len(left)} flow slots", lambda conn: _free(conn, left))
+            self._quietly(f"free {len(left)} flow slots", lambda conn: self._free(conn, left))
 
     def _held_back_ids(self, limits: dict[str, int]) -> list[str]:
         """Entities of the stages in ``limits`` held back until their key may go again."""
@@ -1228,12 +1228,11 @@ class Engine:
         time limit too) once a third of their time-to-live has passed since they were last renewed."""
         if time.monotonic() < self._slots_renewed + self.slot_ttl / 3:
             return
-        held = _merged([task.item.slots for task in self._calls.values()] + [c.slots for c in self._waiting])
+        held = set().union(*(task.item.slots for task in self._calls.values()), *(c.slots for c in self._waiting))
         if held:
 
             def renew(conn: psycopg.Connection) -> None:
-                for (scope, key), items in held.items():
-                    flow.renew(conn, scope, key, items, ttl=self.slot_ttl)
+                flow.renew(conn, held, holder=self._slot_holder, ttl=self.slot_ttl)
 
             if not self._quietly(f"renew {len(held)} flow slots", renew):
                 return
@@ -1241,16 +1240,11 @@ class Engine:
 
     def _free_slots(self, claimed: Sequence[_Claimed]) -> None:
         """Free the flow slots of entries whose calls ended (once their outcome is committed, or dropped)."""
-        held = _merged([c.slots for c in claimed])
+        held = set().union(*(c.slots for c in claimed))
         for c in claimed:
-            c.slots = {}
+            c.slots = set()
         if held:
-
-            def free(conn: psycopg.Connection) -> None:
-                for (scope, key), items in sorted(held.items()):
-                    flow.release(conn, scope, key, items)
-
-            self._quietly(f"free {len(held)} flow slots", free)
+            self._quietly(f"free {len(held)} flow slots", lambda conn: self._free(conn, list(held)))
 
     def _quietly(self, what: str, write: Callable[[psycopg.Connection], None]) -> bool:
         """Run ``write`` in a transaction of its own; a database error is logged (slots free themselves when their
@@ -1401,21 +1395,6 @@ def _ask_all(executor: Executor, chunks: list[_AskChunk], ask: Callable[[_AskChu
         executor.wait(WAIT_STEP)
         executor.ended()  # each chunk reads its own task
         executor.check()
-
-
-def _merged(held: Sequence[Slots]) -> Slots:
-    """The flow slots of several holders, by (scope, key)."""
-    merged: Slots = {}
-    for slots in held:
-        for scope_key, items in slots.items():
-            merged.setdefault(scope_key, {}).update(items)
-    return merged
-
-
-def _free(conn: psycopg.Connection, slots: Sequence[tuple[tuple[str, str], str, int]]) -> None:
-    """Free flow slots [((scope, key), item, slot)] in ``conn``'s transaction."""
-    for (scope, key), item, slot in slots:
-        flow.release(conn, scope, key, {item: slot})
 
 
 __all__ = ["BatchReport", "Engine"]

@@ -422,9 +422,6 @@ SELECT stage, coalesce(l.queued, 0)::bigint, coalesce(l.timers, 0)::bigint, coal
 FROM live l FULL JOIN parked p USING (stage) FULL JOIN failing f USING (stage)
 """
 
-# The flow scopes the stage workers registered (cmb_dagster.flow): stages/<stage> and stages/<stage>/parallel.
-FLOW_SCOPES = "SELECT scope, rate, burst, concurrency FROM flow_limits WHERE starts_with(scope, 'stages/')"
-
 COUNTERS = """
 SELECT stage, sum(processed)::bigint, sum(changed)::bigint, sum(conflicts)::bigint, sum(errors)::bigint,
        sum(capped)::bigint

@@ -39,7 +39,8 @@ class Stage:
     whose call failed runs again: 1 s, doubling, at most 300 s), ``rate_limit`` (process calls across all
     workers: calls per second, a :class:`~cmb_dagster.flow.RateLimit` or text such as ``"600/m"``),
     ``max_parallelism`` (``process`` calls running at once across all workers, each holding a slot until it has
-    ended and its outcome is committed),
+    ended and its outcome is committed), ``limits_version`` (the version of those two limits: workers with a lower
+    one leave the registered limits as they are; raise it with each change),
     ``key`` (a function of the entity, e.g. ``lambda entity: entity.payload["tenant"]``: ``rate_limit`` and
     ``max_parallelism`` then hold per key, each key with its own tokens and slots; it must be fast, and an
     entry whose key raises fails like a ``process`` that raised), ``max_triggers`` per
@@ -56,6 +57,7 @@ class Stage:
     backoff: Backoff = Backoff(first=1.0, factor=2, max=300.0)
     rate_limit: float | str | RateLimit | None = None
     max_parallelism: int | None = None
+    limits_version: int = 0
     key: Any = None  # Callable[[Entity], str] | None
     max_triggers: int | None = None
     trigger_window: float = 60.0
@@ -101,12 +103,12 @@ class Stage:
             return RateLimit.model_validate(self.rate_limit)
         return RateLimit(rate=self.rate_limit)
 
-    def flow_limits(self) -> dict[str, FlowLimits | None]:
+    def flow_limits(self) -> dict[str, FlowLimits]:
         """The stage's scopes of :mod:`cmb_dagster.flow` and their limits (None: not limited)."""
         rate, parallel = self.rate(), self.max_parallelism
         return {
-            rate_scope(self.name): FlowLimits(rate_limit=rate) if rate is not None else None,
-            parallel_scope(self.name): FlowLimits(concurrency=parallel) if parallel is not None else None,
+            rate_scope(self.name): FlowLimits(rate_limit=rate, version=self.limits_version),
+            parallel_scope(self.name): FlowLimits(concurrency=parallel, version=self.limits_version),
         }
 
     def key_of(self, entity: Entity) -> str:

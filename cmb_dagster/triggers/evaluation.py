@@ -203,13 +203,20 @@ def _moved_back(moved_back: bool) -> str:
     return "; current is before last: the parameter moved back, reset the task's last state" if moved_back else ""
 
 
+def _current(trigger: CtlTriggerBase, inputs: _Inputs) -> TriggerResult | datetime:
+    """The current value of the trigger's parameter, or its result while the parameter has none."""
+    current = inputs.current_of(trigger.key)
+    if current is None:
+        return _waiting_to_appear(trigger, inputs.timezone, trigger.key, {})
+    return current
+
+
 def _current_and_last(trigger: Delta | ChunkDelta, inputs: _Inputs) -> TriggerResult | tuple[datetime, datetime]:
     """The current and last values a Delta-type trigger compares, or its result when one of them is missing."""
-    key = trigger.key
-    current = inputs.current_of(key)
-    if current is None:
-        return _waiting_to_appear(trigger, inputs.timezone, key, {})
-    last = inputs.last_of(key)
+    current = _current(trigger, inputs)
+    if isinstance(current, TriggerResult):
+        return current
+    last = inputs.last_of(trigger.key)
     if last is None:
         return _first_time(trigger, inputs.timezone, current)
     return current, last
@@ -229,6 +236,23 @@ def _current_and_reference(
     if reference is None:
         return _waiting_to_appear(trigger, inputs.timezone, ref_key, used)
     return current, reference, used
+
+
+def _current_and_ahead(
+    trigger: Delay | RefDelay | ChunkDelay | ChunkRefDelay, inputs: _Inputs
+) -> TriggerResult | tuple[datetime, dict[ParameterKey, datetime], str, datetime]:
+    """What a Delay-type trigger compares: the current value, the values it read, and what the current value must
+    not lag far behind, by name (the reference value, or now); or its result when a value is missing."""
+    if isinstance(trigger, RefDelay | ChunkRefDelay):
+        values = _current_and_reference(trigger, inputs)
+        if isinstance(values, TriggerResult):
+            return values
+        current, reference, used = values
+        return current, used, "reference", reference
+    current = _current(trigger, inputs)
+    if isinstance(current, TriggerResult):
+        return current
+    return current, {trigger.key: current}, "now", inputs.now
 
 
 def _delta(trigger: Delta, inputs: _Inputs) -> TriggerResult:
@@ -258,41 +282,23 @@ def _delta(trigger: Delta, inputs: _Inputs) -> TriggerResult:
     return TriggerResult(trigger, fired, {key: current}, render, brief=brief)
 
 
-def _delay(trigger: Delay, inputs: _Inputs) -> TriggerResult:
-    key, task_timezone, now = trigger.key, inputs.timezone, inputs.now
-    current = inputs.current_of(key)
-    if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, {})
-    lag = inputs.now_utc - _utc(current)
-    return TriggerResult(
-        trigger,
-        lag <= trigger.max_delay,
-        {key: current},
-        lambda: _lag_text(_label(trigger, task_timezone), f"now − current = {now} − {current}", lag, trigger.max_delay),
-        brief=lambda: (
-            f"{_label(trigger, task_timezone)} waits on {display_key(key)} = {current}, "
-            f"{human_duration(lag)} behind now, allowed {human_duration(trigger.max_delay)}"
-        ),
-    )
-
-
-def _ref_delay(trigger: RefDelay, inputs: _Inputs) -> TriggerResult:
-    values = _current_and_reference(trigger, inputs)
+def _delay(trigger: Delay | RefDelay, inputs: _Inputs) -> TriggerResult:
+    values = _current_and_ahead(trigger, inputs)
     if isinstance(values, TriggerResult):
         return values
-    (current, reference, used), task_timezone = values, inputs.timezone
-    lag = _utc(reference) - _utc(current)
+    (current, used, name, ahead), task_timezone = values, inputs.timezone
+    behind = f"{display_key(trigger.ref_key)} = {ahead}" if isinstance(trigger, RefDelay) else "now"
+    lag = _utc(ahead) - _utc(current)
     return TriggerResult(
         trigger,
         lag <= trigger.max_delay,
         used,
         lambda: _lag_text(
-            _label(trigger, task_timezone), f"reference − current = {reference} − {current}", lag, trigger.max_delay
+            _label(trigger, task_timezone), f"{name} − current = {ahead} − {current}", lag, trigger.max_delay
         ),
         brief=lambda: (
             f"{_label(trigger, task_timezone)} waits on {display_key(trigger.key)} = {current}, "
-            f"{human_duration(lag)} behind {display_key(trigger.ref_key)} = {reference}, "
-            f"allowed {human_duration(trigger.max_delay)}"
+            f"{human_duration(lag)} behind {behind}, allowed {human_duration(trigger.max_delay)}"
         ),
     )
 
@@ -342,44 +348,16 @@ def _chunk_delta(trigger: ChunkDelta, inputs: _Inputs) -> TriggerResult:
     return TriggerResult(trigger, fired, {key: current}, render, brief=brief)
 
 
-def _chunk_delay(trigger: ChunkDelay, inputs: _Inputs) -> TriggerResult:
-    key, task_timezone, now = trigger.key, inputs.timezone, inputs.now
-    current = inputs.current_of(key)
-    if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, {})
-    scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
-    now_index, now_local = chunk_of(inputs.now_utc, scale, zone)
-    current_index, current_local = chunk_of(current, scale, zone)
-    lag = now_index - current_index
-    allowed = trigger.max_delay or 0
-    return TriggerResult(
-        trigger,
-        lag <= allowed,
-        {key: current},
-        lambda: _chunk_lag_text(
-            _label(trigger, task_timezone),
-            f"current {current} is in chunk {scale.label_of(current_local)}, "
-            f"now {now} in chunk {scale.label_of(now_local)}",
-            lag,
-            allowed,
-        ),
-        brief=lambda: (
-            f"{_label(trigger, task_timezone)} waits on {display_key(key)} = {current} (chunk "
-            f"{scale.label_of(current_local)}), {_chunks(lag)} behind now's chunk {scale.label_of(now_local)}, "
-            f"allowed {allowed}"
-        ),
-    )
-
-
-def _chunk_ref_delay(trigger: ChunkRefDelay, inputs: _Inputs) -> TriggerResult:
-    values = _current_and_reference(trigger, inputs)
+def _chunk_delay(trigger: ChunkDelay | ChunkRefDelay, inputs: _Inputs) -> TriggerResult:
+    values = _current_and_ahead(trigger, inputs)
     if isinstance(values, TriggerResult):
         return values
-    (current, reference, used), task_timezone = values, inputs.timezone
+    (current, used, name, ahead), task_timezone = values, inputs.timezone
+    behind = f"{display_key(trigger.ref_key)}'s" if isinstance(trigger, ChunkRefDelay) else "now's"
     scale, zone = parse_scale(trigger.scale), get_zone(trigger.timezone or task_timezone)
-    reference_index, reference_local = chunk_of(reference, scale, zone)
+    ahead_index, ahead_local = chunk_of(ahead, scale, zone)
     current_index, current_local = chunk_of(current, scale, zone)
-    lag = reference_index - current_index
+    lag = ahead_index - current_index
     allowed = trigger.max_delay or 0
     return TriggerResult(
         trigger,
@@ -388,14 +366,14 @@ def _chunk_ref_delay(trigger: ChunkRefDelay, inputs: _Inputs) -> TriggerResult:
         lambda: _chunk_lag_text(
             _label(trigger, task_timezone),
             f"current {current} is in chunk {scale.label_of(current_local)}, "
-            f"reference {reference} in chunk {scale.label_of(reference_local)}",
+            f"{name} {ahead} in chunk {scale.label_of(ahead_local)}",
             lag,
             allowed,
         ),
         brief=lambda: (
             f"{_label(trigger, task_timezone)} waits on {display_key(trigger.key)} = {current} (chunk "
-            f"{scale.label_of(current_local)}), {_chunks(lag)} behind {display_key(trigger.ref_key)}'s chunk "
-            f"{scale.label_of(reference_local)}, allowed {allowed}"
+            f"{scale.label_of(current_local)}), {_chunks(lag)} behind {behind} chunk {scale.label_of(ahead_local)}, "
+            f"allowed {allowed}"
         ),
     )
 
@@ -407,10 +385,10 @@ def _chunk_lag_text(label: str, shown: str, lag: int, allowed: int) -> str:
 
 
 def _settle(trigger: Settle, inputs: _Inputs) -> TriggerResult:
+    current = _current(trigger, inputs)
+    if isinstance(current, TriggerResult):
+        return current
     key, task_timezone, now = trigger.key, inputs.timezone, inputs.now
-    current = inputs.current_of(key)
-    if current is None:
-        return _waiting_to_appear(trigger, task_timezone, key, {})
     changed = inputs.changed_of(key)
     label = _label(trigger, task_timezone)
     if changed is None:
@@ -501,10 +479,10 @@ def _any(trigger: Any, inputs: _Inputs) -> TriggerResult:
 _EVALUATORS: dict[type, Callable[[Trigger, _Inputs], TriggerResult]] = {
     Delta: _delta,
     Delay: _delay,
-    RefDelay: _ref_delay,
+    RefDelay: _delay,
     ChunkDelta: _chunk_delta,
     ChunkDelay: _chunk_delay,
-    ChunkRefDelay: _chunk_ref_delay,
+    ChunkRefDelay: _chunk_delay,
     Settle: _settle,
     All: _all,
     Any: _any,

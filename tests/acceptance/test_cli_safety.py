@@ -6,6 +6,7 @@ import itertools
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -23,7 +24,7 @@ BAD = "bad"
 GOOD = "good"
 
 # Every command with values that work and values that must be refused, in the order they run. Commands
-# added later (new engine groups) are still run with a bogus option by test_no_password_anywhere.
+# added later (new engine groups) are still run with a bogus option by test_no_password_in_any_refusal.
 COMMANDS: list[tuple[str, list[str]]] = [
     (GOOD, ["db", "upgrade"]),
     (GOOD, ["db", "status"]),
@@ -161,36 +162,47 @@ def check_one_line_error(result: subprocess.CompletedProcess[str], args: list[st
     assert lines[0].startswith("cmb-dagster") and ": error: " in lines[0], (args, lines)
 
 
-def test_no_password_anywhere(database_url, tmp_path):
-    # the URL carries the password in its user-info or as ?password=, the two forms alternating from command to
-    # command (both go through the same masking; one pass over the commands keeps this short)
-    forms = itertools.cycle(["user-info", "query"])
+def with_passwords(database_url: str, tmp_path) -> Iterator[dict[str, str]]:
+    """The environment of each command: the URL carries the password in its user-info or as ?password=, the two
+    forms alternating from command to command (both go through the same masking; one pass over the commands keeps
+    this short)."""
     env = {"CMB_HOME": str(tmp_path / "home"), "CMB_CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
+    for form in itertools.cycle(["user-info", "query"]):
+        yield env | {"CMB_DATABASE_URL": with_password(database_url, form)}
 
-    def run_with_a_password(args: list[str]) -> subprocess.CompletedProcess[str]:
-        return run_cli(args, env | {"CMB_DATABASE_URL": with_password(database_url, next(forms))})
 
+def check_no_password(results: list[tuple[list[str], subprocess.CompletedProcess[str]]], tmp_path) -> None:
+    for args, result in results:
+        for stream in (result.stdout, result.stderr):
+            assert SECRET not in stream, (args, stream)
+    logs = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert all(SECRET not in p.read_text(errors="replace") for p in logs)
+
+
+def test_no_password_anywhere(database_url, tmp_path):
+    envs = with_passwords(database_url, tmp_path)
     # in order: they build on each other
-    results = [(args, run_with_a_password(args)) for kind, args in COMMANDS if kind == GOOD]
+    results = [(args, run_cli(args, next(envs))) for kind, args in COMMANDS if kind == GOOD]
     for args, result in results:
         assert result.returncode == 0, (args, result.stderr)
+    check_no_password(results, tmp_path)
+    status = next(result for args, result in results if args == ["db", "status"])
+    assert "password=***" in status.stdout or ":***@" in status.stdout
+
+
+def test_no_password_in_any_refusal(database_url, tmp_path):
     covered = {tuple(a[: len(c)]) for _, a in COMMANDS for c in all_commands() if tuple(a[: len(c)]) == c}
     bad = [args for kind, args in COMMANDS if kind == BAD]
     bad += [[*command, "--no-such-option"] for command in all_commands() if command not in covered]
     bad += [["--debug", "ctl", "history", "--limit", "-1"], ["--debug", "db", "status", "--schema", "pg_x"]]
-    bad_envs = [env | {"CMB_DATABASE_URL": with_password(database_url, next(forms))} for _ in bad]
+    envs = with_passwords(database_url, tmp_path)
+    bad_envs = [next(envs) for _ in bad]
     with ThreadPoolExecutor(4) as pool:
         refused = list(zip(bad, pool.map(run_cli, bad, bad_envs), strict=True))
     for args, result in refused:
         if "--debug" not in args:
             check_one_line_error(result, args)
-    for args, result in results + refused:
-        for stream in (result.stdout, result.stderr):
-            assert SECRET not in stream, (args, stream)
-    logs = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert all(SECRET not in p.read_text(errors="replace") for p in logs)
-    status = next(result for args, result in results if args == ["db", "status"])
-    assert "password=***" in status.stdout or ":***@" in status.stdout
+    check_no_password(refused, tmp_path)
 
 
 def test_item1_db_url_and_status_mask_a_query_password(database_url):
@@ -236,7 +248,7 @@ def test_item3_env_quotes_hostile_values(tmp_path, show_secrets):
 
 def test_item4_every_group_ends_a_bad_value_in_one_line(database_url):
     """Each group's typical failures (a psycopg error, a pydantic error, a bad option value, an overflow, a
-    ValueError); test_no_password_anywhere checks every bad value of COMMANDS the same way."""
+    ValueError); test_no_password_in_any_refusal checks every bad value of COMMANDS the same way."""
     env = {"CMB_DATABASE_URL": database_url}
     bad = [
         ["db", "status", "--schema", "pg_x"],
@@ -331,7 +343,7 @@ def test_item7_out_of_range_values_end_in_one_line_naming_the_parameter(database
                 before = ["x" for p in arguments[: arguments.index(param)]]
                 cases.append(([*path, *before, value], param.human_readable_name))
     # refused while the command line is parsed, before any command runs: in-process (a process per case took a
-    # minute on a shared machine); the entry point in a process of its own is test_no_password_anywhere's
+    # minute on a shared machine); the entry point in a process of its own is test_no_password_in_any_refusal's
     runner = CliRunner()
     for args, named in cases:
         invoked = runner.invoke(main, args, prog_name="cmb-dagster", env={"CMB_DATABASE_URL": database_url})

@@ -59,7 +59,11 @@ class DevServer:
         self.port = port
         self.log = log.open("ab")
         self.proc = subprocess.Popen(
-            [*CLI, "dev", "--port", str(port)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT
+            [*CLI, "dev", "--port", str(port), "--sink-port", str(free_port())],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         wait_until(lambda: answers(f"http://127.0.0.1:{port}/server_info"), 120, "the UI", interval=0.5)
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)

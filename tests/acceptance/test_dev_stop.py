@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psycopg
@@ -86,7 +85,9 @@ def wait_stopped(proc: subprocess.Popen, sessions: list[int]) -> None:
         ) from None
 
 
-def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: float, settled: list[str]) -> None:
+def check_stopped_cleanly(env: dict[str, str], sessions: list[int], settled: list[str]) -> None:
+    """Every process gone, and the worker runs ended as successes: stopped by the signal, not killed at the end of
+    `cmb-dagster dev`'s grace period."""
     try:
         wait_until(
             lambda: not any(session_processes(s) for s in sessions),
@@ -96,7 +97,6 @@ def check_stopped_cleanly(env: dict[str, str], sessions: list[int], stopped_at: 
         )
     except AssertionError:
         raise AssertionError("left running:\n" + "\n".join(session_processes(s)[:2000] for s in sessions)) from None
-    assert time.monotonic() - stopped_at < STOP_WITHIN_S
     statuses = run_statuses(env, settled)
     assert not [r for r in statuses if r[1] in ("FAILURE", "CANCELED", "STARTED", "STARTING")], statuses
     assert ("cmb_callbacks_worker", "SUCCESS") in statuses
@@ -125,9 +125,8 @@ def test_sigterm_to_the_process_group_of_make_dev(stop_env):
         sessions = [make.pid, *dagster_sessions(make.pid)]
         settled = settled_runs(stop_env)
         os.killpg(make.pid, signal.SIGTERM)
-        stopped_at = time.monotonic()
         wait_stopped(make, sessions)
-        check_stopped_cleanly(stop_env, sessions, stopped_at, settled)
+        check_stopped_cleanly(stop_env, sessions, settled)
     finally:
         with_kill(make.pid)
 
@@ -155,9 +154,8 @@ def test_ctrl_c_in_a_terminal(stop_env):
         sessions = [proc.pid, *dagster_sessions(proc.pid)]
         settled = settled_runs(stop_env)
         os.write(master, b"\x03")  # Ctrl-C: the terminal sends SIGINT to its foreground process group
-        stopped_at = time.monotonic()
         wait_stopped(proc, sessions)
-        check_stopped_cleanly(stop_env, sessions, stopped_at, settled)
+        check_stopped_cleanly(stop_env, sessions, settled)
     finally:
         with_kill(proc.pid)
 
@@ -199,22 +197,25 @@ def _drain(master: int) -> None:
         pass
 
 
-# A command that, on SIGINT, starts a process in its group and exits: what `dagster dev` does when a code
-# server stopped before it did (it restarts the code server, which never had the signal).
-LATE_STARTER = """
-import pathlib, signal, subprocess, sys, time
-LATE = '''
+# A process that says whether it had SIGINT ("interrupted") or was killed without one ("started").
+LATE = """
 import pathlib, sys, time
 try:
     pathlib.Path(sys.argv[1]).write_text("started")
     time.sleep(120)
 except KeyboardInterrupt:
     pathlib.Path(sys.argv[1]).write_text("interrupted")
-'''
+"""
+# A command that, on SIGINT, starts that process in its group (after ``STOPS_FOR`` seconds) and exits: what `dagster
+# dev` does when a code server stopped before it did (it restarts the code server, which never had the signal).
+LATE_STARTER = f"""
+import pathlib, signal, subprocess, sys, time
+STOPS_FOR = {{stops_for}}
 marker, ready = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 
 def start_late(signum, frame):
-    subprocess.Popen([sys.executable, "-c", LATE, str(marker)])
+    time.sleep(STOPS_FOR)
+    subprocess.Popen([sys.executable, "-c", {LATE!r}, str(marker)])
     while not marker.exists() or marker.read_text() != "started":
         time.sleep(0.05)
     sys.exit(0)
@@ -246,31 +247,13 @@ def stop_under_run_process_group(script: str, marker: Path, ready: Path, grace_s
 
 def test_a_process_started_in_the_group_after_the_stop_is_stopped_too(tmp_path):
     marker = tmp_path / "late"
-    stop_under_run_process_group(LATE_STARTER, marker, tmp_path / "ready")
+    stop_under_run_process_group(LATE_STARTER.format(stops_for=0), marker, tmp_path / "ready")
     assert marker.read_text() == "interrupted"  # not killed at the end of the grace period
 
 
-# A command that is slow to exit after SIGINT, with a process in its group that ignores SIGINT (a code server
-# hung in its shutdown).
-SLOW_STOPPER = """
-import pathlib, signal, subprocess, sys, time
-exited = pathlib.Path(sys.argv[1])
-stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "time.sleep(120)"])
-
-def stop_slowly(signum, frame):
-    time.sleep(8)
-    exited.write_text(str(time.time()))
-    sys.exit(0)
-
-signal.signal(signal.SIGINT, stop_slowly)
-pathlib.Path(sys.argv[2]).touch()
-time.sleep(120)
-"""
-
-
 def test_what_is_left_is_killed_a_grace_period_after_the_signal_not_after_the_command(tmp_path):
-    exited = tmp_path / "exited"
-    stop_under_run_process_group(SLOW_STOPPER, exited, tmp_path / "ready", grace_s=3)
-    # the grace period (3 s) ended while the command still stopped (8 s): the rest went with it
-    assert time.time() - float(exited.read_text()) < 2
+    marker = tmp_path / "late"
+    stop_under_run_process_group(LATE_STARTER.format(stops_for=3), marker, tmp_path / "ready", grace_s=1)
+    # the command stopped for longer than the grace period: what it left was killed at once, not interrupted and
+    # given a grace period of its own
+    assert marker.read_text() == "started"

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -217,10 +216,8 @@ def test_dev_in_a_project_is_quiet_and_ctrl_c_stops_it_without_a_traceback(proje
 
         sessions = [dev.pid, *dagster_sessions(dev.pid)]
         os.killpg(dev.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
-        stopped_at = time.monotonic()
         dev.wait(timeout=60)
         wait_until(lambda: not any(session_processes(s) for s in sessions), 30, "every process to stop", interval=0.2)
-        assert time.monotonic() - stopped_at < 30
     finally:
         with_kill(dev.pid)
     output = log.read_text()

@@ -9,6 +9,9 @@ from datetime import timedelta
 from pydantic import BaseModel
 
 from cmb_dagster.stages import Entity, MergePatch, Stage, StageResult, StageWorker, shard_count
+from cmb_dagster.stages.models import LEASE_KIND
+from cmb_dagster.stages.worker import CONSUMER_IDLE_SECONDS
+from cmb_dagster.workers import Lease
 
 
 class Seen(BaseModel):
@@ -46,6 +49,13 @@ class Step(Stage):
         )
 
 
+def consumer_partitions(worker: StageWorker) -> list[str]:
+    """The pub/sub consumers of worker 0, the capture first (its loops built: the shard count applied, the capture
+    installed)."""
+    _, consumers = worker.loops()
+    return sorted(consumers.partitions, key=lambda partition: partition != "capture")
+
+
 def pipeline(**kw: object) -> list[Step]:
     """a -> b -> c -> d: each stage changes the entity once."""
     return [Step("first", "a", "b", **kw), Step("second", "b", "c", **kw), Step("third", "c", "d", **kw)]
@@ -53,18 +63,18 @@ def pipeline(**kw: object) -> list[Step]:
 
 def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int:
     """Step every shard (no leases) and every pub/sub consumer until a round handles nothing and no call runs
-    (for ``settle`` seconds); a round with calls running waits for one to end."""
-    if not worker._consumers:
-        worker.setup()
+    (for ``settle`` seconds, and long enough for each consumer to be asked again); a round with calls running waits
+    for one to end."""
+    consumers = [Lease(LEASE_KIND, partition, worker.owner, 0) for partition in consumer_partitions(worker)]
+    quiet_for = max(settle, 2 * CONSUMER_IDLE_SECONDS)  # a consumer that found nothing is asked again after that
     total = 0
     quiet_since = None
     for _ in range(rounds):
         count = shard_count(worker.db)
-        n = worker._consumers["capture"].run_once()
+        n = worker.consumer_step(consumers[0])  # the capture first: the changes the shards then read
         n += worker.shards_step(range(count), count)
-        for key, consumer in worker._consumers.items():
-            if key != "capture":
-                n += consumer.run_once()
+        for consumer in consumers[1:]:
+            n += worker.consumer_step(consumer)
         total += n
         if worker.engine.executor.running:
             worker.engine.executor.wait(1.0)
@@ -73,7 +83,7 @@ def drain(worker: StageWorker, rounds: int = 200, *, settle: float = 0.0) -> int
             quiet_since = None
         elif n == 0:
             quiet_since = quiet_since or time.monotonic()
-            if time.monotonic() - quiet_since >= settle:
+            if time.monotonic() - quiet_since >= quiet_for:
                 return total
             time.sleep(0.02)
         else:

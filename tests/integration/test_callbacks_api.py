@@ -6,6 +6,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import psycopg
 import pytest
+from running import Running
+from sessions_helpers import WatchedDatabase
 from waiting import wait_until
 
 from cmb_dagster.callbacks import (
@@ -465,10 +467,17 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
         "ahead": (sql.POLL_AHEAD, {"bucket": 1, "lookahead": 2.0, "limit": 1000, "run_at": now, "event_id": 0}),
         "late": (sql.POLL_LATE, {"bucket": 1, "limit": 1000, "run_at": now, "max_event_id": 20}),
     }
-    insert(1, 40)
-    worker = CallbackWorker(db, LOCAL)
-    conn = worker._loop_conn.get()  # as the worker's connections are set up
+    watched = WatchedDatabase(db.url)
     try:
+        with Running(CallbackWorker(watched, LOCAL)):
+            wait_until(lambda: watched.connections, what="the worker's own connection")
+    finally:
+        watched.close()
+    [worker_settings] = watched.session_settings
+    insert(1, 40)
+    with db.connect(autocommit=True) as conn:  # set up as the worker's connection was
+        for name, value in worker_settings.items():
+            conn.execute("SELECT set_config(%s, %s, false)", (name, value))
         executions = {}  # name: (EXECUTE statement, its arguments)
         for name, (statement, params) in statements.items():
             names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
@@ -483,8 +492,6 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
             name: "\n".join(r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
             for name, (run, args) in executions.items()
         }
-    finally:
-        worker._loop_conn.close()
     for plan in plans.values():
         assert "Seq Scan on callback_events" not in plan, plans
     assert "callback_events_pkey" in plans["gate"] and "callback_events_pkey" in plans["finish"], plans
@@ -529,3 +536,7 @@ def test_a_context_only_body_is_stored_compared_and_refused_without_a_context(cl
     with pytest.raises(InvalidCallbackInput, match="body"):
         client.create("hooks", "chat", "other", at, URL, {"text": "x"}, body="raw")
     assert client.get("hooks", "chat", "k").event_id == event_id and count(db) == 1
+    row = {"owner_client_id": "hooks", "group_key": "chat", "run_at": at, "cb_url": URL, "body": "context"}
+    with pytest.raises(InvalidCallbackInput, match="body: 'context' sends the context"):  # create_many: the same rule
+        client.create_many([{**row, "event_key": "many", "context": {"text": "x"}}, {**row, "event_key": "none"}])
+    assert count(db) == 1

@@ -23,12 +23,12 @@ from cmb_dagster.callbacks import (
     CallbackTimeout,
     CallbackWorker,
     InvalidCallbackInput,
-    NewCallback,
     RetryPolicy,
 )
 from cmb_dagster.database import Database
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.models import Backoff
+from cmb_dagster.workers import list_leases
 
 LOCAL = CallbackSettings(
     poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=2, allowed_hosts=["127.0.0.1"]
@@ -246,28 +246,20 @@ def test_one_bad_create_fails_alone(db):
 
 
 def test_a_batch_that_fails_anyway_is_retried_row_by_row(db):
+    with db.connection() as conn:  # a rule of the deployment's own, which validation cannot know
+        conn.execute("ALTER TABLE callback_events ADD CONSTRAINT nothing_refused CHECK (event_key <> 'refused')")
     settings = LOCAL.model_copy(update={"write_linger": 0.05})
     with CallbackClient(db, settings) as client, ThreadPoolExecutor(10) as pool:
 
         def create(i: int):
-            # what validation would refuse, slipped past it: Postgres text cannot hold U+0000
-            key = "bad\u0000" if i == 3 else f"k{i}"
-            event = NewCallback.model_construct(
-                owner_client_id="a",
-                group_key="g",
-                event_key=key,
-                run_at=datetime.now(UTC),
-                cb_url="http://127.0.0.1:9/cb",
-                context=None,
-                retry=RetryPolicy(),
-            )
+            key = "refused" if i == 3 else f"k{i}"
             try:
-                return client._writer.write(event)
+                return client.create("a", "g", key, datetime.now(UTC), "http://127.0.0.1:9/cb")
             except Exception as exc:  # noqa: BLE001
                 return exc
 
         results = list(pool.map(create, range(10)))
-    assert not isinstance(results[3], int)
+    assert isinstance(results[3], InvalidCallbackInput) and "nothing_refused" in str(results[3]), results[3]
     assert all(isinstance(r, int) for i, r in enumerate(results) if i != 3), results
 
 
@@ -362,21 +354,28 @@ def test_no_event_is_missed_while_processes_commit_ids_out_of_order(db, database
 
 
 def test_a_create_due_before_the_next_poll_wakes_the_worker(db, sink):
-    slow_polls = LOCAL.model_copy(update={"poll_interval": 8.0, "lease_ttl": 15.0, "lookahead": 0.5})
+    slow_polls = LOCAL.model_copy(update={"poll_interval": 60.0, "lease_ttl": 120.0, "lookahead": 0.5})
     running = Running(CallbackWorker(db, slow_polls))
     try:
-        wait_until(lambda: len(running.worker._states) == 4 and running.worker._pool is not None, what="buckets held")
-        time.sleep(0.5)  # every bucket polled once: the next polls are 8 s away
         with CallbackClient(db, slow_polls) as client:
+            wait_until(lambda: buckets_held(db, running.worker.owner) == 4, what="buckets held")
+            client.create("a", "g", "probe", datetime.now(UTC), f"{sink.url}/cb")
+            wait_until(
+                lambda: sink.received, timeout=30, what="a first call: every bucket polled, the next polls 60 s away"
+            )
             for key, delay in (("now", 0.0), ("soon", 1.0)):
                 at = datetime.now(UTC) + timedelta(seconds=delay)
                 client.create("a", "g", key, at, f"{sink.url}/cb")
-            wait_until(lambda: len(sink.received) == 2, timeout=4, what="both called long before the next poll")
+            wait_until(lambda: len(sink.received) == 3, timeout=20, what="both called long before the next poll")
         for call in sink.received:
             lateness = call.started - datetime.fromisoformat(call.body["run_at"]).timestamp()
-            assert 0 <= lateness < 2.0, (call.body["event_key"], lateness)
+            assert lateness >= 0, (call.body["event_key"], lateness)  # never before its time
     finally:
         running.stop()
+
+
+def buckets_held(db, owner: str) -> int:
+    return sum(1 for lease in list_leases(db) if lease.kind == "callbacks.bucket" and lease.owner == owner)
 
 
 # -- a create that cannot get a connection or a lock in time raises CallbackTimeout ----------------

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 import psycopg
 import pytest
 from running import Running
+from sessions_helpers import CommitWatchingDatabase
 from waiting import wait_until
 
 from cmb_dagster.callbacks import (
@@ -19,6 +20,7 @@ from cmb_dagster.callbacks import (
     RetryPolicy,
     sql,
 )
+from cmb_dagster.callbacks.client import CREATE_CHUNK
 from cmb_dagster.database import Database
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.inputs import DEFAULT_MAX_PAYLOAD_BYTES, MAX_PAYLOAD_ENV
@@ -261,35 +263,31 @@ def test_two_tenants_in_one_database_never_wait_on_each_others_event_id_lock(dat
 # -- no commit inside a pipeline ----------------------------------------------------------------------
 
 
-def test_create_many_the_gate_and_the_outcome_writes_commit_outside_their_pipelines(db, endpoint, work, monkeypatch):
-    from psycopg._connection_base import BaseConnection  # private: every COMMIT psycopg sends goes through it
-
-    inside = []  # per COMMIT sent: whether a pipeline was open
-    exec_command = BaseConnection._exec_command
-
-    def spy(conn, command, *args, **kwargs):
-        if command == b"COMMIT":
-            inside.append(conn._pipeline is not None)
-        return exec_command(conn, command, *args, **kwargs)
-
-    monkeypatch.setattr(BaseConnection, "_exec_command", spy)
-    with CallbackClient(db, CallbackSettings(**TUNING)) as client:
-        now = datetime.now(UTC)
-        client.create_many(
-            [
-                {
-                    "owner_client_id": "a",
-                    "group_key": "g",
-                    "event_key": f"k{i}",
-                    "run_at": now,
-                    "cb_url": f"{endpoint.url}/ok",
-                }
-                for i in range(5)
-            ]
-        )
-        work()
-        wait_until(lambda: [e.status for e in client.list()] == ["notified"] * 5)
-    assert len(inside) >= 3 and not any(inside)  # create_many, at least one gate, at least one outcome write
+def test_create_many_the_gate_and_the_outcome_writes_commit_outside_their_pipelines(database_url, endpoint):
+    db = CommitWatchingDatabase(database_url)
+    try:
+        with CallbackClient(db, CallbackSettings(**TUNING)) as client:
+            now = datetime.now(UTC)
+            client.create_many(  # more than one chunk: inserted in a pipeline
+                [
+                    {
+                        "owner_client_id": "a",
+                        "group_key": "g",
+                        "event_key": f"k{i:03}",
+                        "run_at": now if i < 5 else now + LATER,
+                        "cb_url": f"{endpoint.url}/ok",
+                    }
+                    for i in range(CREATE_CHUNK + 1)
+                ]
+            )
+            assert db.commits_in_pipeline and not any(db.commits_in_pipeline)
+            created = len(db.commits_in_pipeline)
+            with Running(CallbackWorker(db, CallbackSettings(**TUNING))):
+                wait_until(lambda: len(client.list(status="notified")) == 5, what="the due events notified")
+    finally:
+        db.close()
+    # at least one gate and one outcome write besides
+    assert len(db.commits_in_pipeline) >= created + 2 and not any(db.commits_in_pipeline)
 
 
 def _socket_url(database_url: str) -> str:

@@ -3,13 +3,13 @@ from dagster import (
     DagsterEvent,
     DagsterEventType,
     DagsterInstance,
+    DagsterRun,
     DagsterRunStatus,
     RunRequest,
     SkipReason,
     build_sensor_context,
     instance_for_test,
 )
-from dagster._core.test_utils import create_run_for_test
 from observed import observations
 
 from cmb_dagster import cmb_definitions
@@ -63,7 +63,7 @@ def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url, m
         assert isinstance(keeper(build_sensor_context(instance=instance)), SkipReason)
     with instance_for_test() as instance:
         started(instance, 30)
-        create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.NOT_STARTED)
+        instance.add_run(DagsterRun(job_name="demo_worker", status=DagsterRunStatus.NOT_STARTED))
         # a successor is starting: nothing more to launch
         assert isinstance(keeper(build_sensor_context(instance=instance)), SkipReason)
 
@@ -71,7 +71,7 @@ def test_worker_job_runs_the_worker_and_the_keeper_relaunches_it(database_url, m
 def started(instance, duration):
     """A working run of demo_worker, started now, configured to work ``duration`` seconds."""
     config = {"ops": {"demo_worker_op": {"config": {"duration_seconds": duration}}}}
-    run = create_run_for_test(instance, job_name="demo_worker", status=DagsterRunStatus.STARTED, run_config=config)
+    run = instance.add_run(DagsterRun(job_name="demo_worker", status=DagsterRunStatus.STARTED, run_config=config))
     instance.report_dagster_event(
         DagsterEvent(event_type_value=DagsterEventType.RUN_START.value, job_name="demo_worker"), run.run_id
     )

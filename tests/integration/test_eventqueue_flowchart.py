@@ -3,6 +3,9 @@
 import time
 
 import pytest
+from running import Running
+from sessions_helpers import cut_other_sessions
+from waiting import wait_until
 
 from cmb_dagster.eventqueue import (
     Backoff,
@@ -50,6 +53,12 @@ def worker(db, calls):
     w.close()
 
 
+def lock_lapsed(db, event_id) -> bool:
+    with db.connection() as conn:
+        row = conn.execute("SELECT visible_at <= now() FROM eventqueue_events WHERE id = %s", (event_id,)).fetchone()
+    return row[0]
+
+
 def row(db, event_id):
     with db.connection() as conn:
         return conn.execute(
@@ -91,12 +100,13 @@ def test_blocked_ends(db, worker, calls):
 
 
 def test_delay_not_yet_requeues(db, worker, calls):
-    event_id = emit("ns", "h", 1, delay=0.5, db=db)
+    event_id = emit("ns", "h", 1, delay=1, db=db)
     assert worker.dequeue([event_id]) == {event_id: [Edge.DELAY_NOT_YET]}
     assert worker.run_once() == 0 and calls.events == []
-    assert 0 < worker._sleep_for() <= 0.5  # the worker looks again when the delay is over
-    time.sleep(0.5)
-    assert worker.run_once() == 1 and len(calls.events) == 1
+    rare_sweeps = WorkerSettings(listen=False, sweep_interval=300)
+    with Running(EventWorker(db, EventQueueOptions(handlers=worker.registry, worker=rare_sweeps))):
+        wait_until(lambda: calls.events, 60, "the event run when its delay is over, long before the next sweep")
+    assert [e.id for e in calls.events] == [event_id]
 
 
 def test_is_locked_requeues(db, worker, calls):
@@ -191,17 +201,16 @@ def test_exception_in_retry_check_requeues_after_lock_expiry(db, calls):
     def cut_off(event):  # the worker's connection dies while the handler runs: its failure cannot be recorded
         calls.events.append(event)
         if len(calls.events) == 1:
-            with db.connection() as conn:
-                conn.execute("SELECT pg_terminate_backend(%s)", (worker._own.get().info.backend_pid,))
+            assert cut_other_sessions(db) >= 1
             raise RuntimeError("boom")
 
     registry = HandlerRegistry()
-    registry.add("h", cut_off, lock_expiry=1.0)
+    registry.add("h", cut_off, lock_expiry=5.0)
     worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=SETTINGS))
     event_id = emit("ns", "h", 1, db=db) if worker.register() is None else None
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_NONE, Edge.RETRY_CHECK_FAILED]}
     assert row(db, event_id)[1] is not None  # still locked
     assert worker.run_once() == 0
-    time.sleep(1.05)
+    wait_until(lambda: lock_lapsed(db, event_id), 10, "the event's lock lapsed")
     assert worker.dequeue([event_id]) == {event_id: [Edge.LOCK_EXPIRED, Edge.EXECUTES_TO_COMPLETION]}
     worker.close()

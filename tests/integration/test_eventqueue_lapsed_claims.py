@@ -11,12 +11,19 @@ from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegist
 FAST = WorkerSettings(sweep_interval=0.2)
 
 
-def worker_running(db, handler) -> EventWorker:
+def worker_running(db, handler, lock_expiry: float = 60) -> EventWorker:
     registry = HandlerRegistry()
-    registry.add("h", handler, lock_expiry=60)
+    registry.add("h", handler, lock_expiry=lock_expiry)
     worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=FAST))
     worker.register()
     return worker
+
+
+def event_row(db, event_id: int) -> tuple | None:
+    with db.connection() as conn:
+        return conn.execute(
+            "SELECT locked_at, visible_at, retries FROM eventqueue_events WHERE id = %s", (event_id,)
+        ).fetchone()
 
 
 def test_a_handler_finishing_after_its_claim_lapsed_leaves_the_new_claim_alone(db):
@@ -32,8 +39,7 @@ def test_a_handler_finishing_after_its_claim_lapsed_leaves_the_new_claim_alone(d
         second_go.wait(60)
         raise RuntimeError("the second run fails: the event is to be retried")
 
-    late = worker_running(db, first)
-    with Running(late):
+    with Running(worker_running(db, first)) as late:
         emit("ns", "h", {"n": 1}, db=db)
         wait_until(first_started.is_set, what="the first worker's run")
         with db.connection() as conn:  # its lock expires (as after a stop or a partition longer than lock_expiry)
@@ -41,7 +47,7 @@ def test_a_handler_finishing_after_its_claim_lapsed_leaves_the_new_claim_alone(d
         with Running(worker_running(db, second)):
             wait_until(second_started.is_set, what="the second worker's run of the lapsed event")
             first_go.set()
-            wait_until(lambda: not late._held, what="the first worker done with the event")
+            late.stop()  # returns once the first worker has written the outcome of its call
             second_go.set()
 
             def retried() -> bool:
@@ -53,20 +59,31 @@ def test_a_handler_finishing_after_its_claim_lapsed_leaves_the_new_claim_alone(d
             wait_until(retried, what="the event retried after the second run failed")
 
 
-def test_a_renewal_that_finds_the_lock_taken_forgets_the_event(db):
+def test_a_renewal_that_finds_the_lock_taken_leaves_the_event_to_its_new_claim(db, caplog):
+    """The worker renews the locks of the events it holds; one whose lock another worker took meanwhile is no longer
+    its own: that lock is not extended, and its call failing afterwards neither retries it nor says so."""
     go = threading.Event()
-    worker = worker_running(db, lambda event: go.wait(60))
-    emit("ns", "h", {"n": 1}, db=db)
-    assert worker._fill()[0] == 1
-    [item] = worker._held.values()
-    with db.connection() as conn:  # another worker's claim since (as after a stop longer than lock_expiry)
-        conn.execute("UPDATE eventqueue_events SET locked_at = clock_timestamp()")
-    item.renewed_at -= item.handler.config.lock_expiry / 2  # its renewal is due
-    worker._renew_locks()
-    assert not worker._held, "the event is still counted as this worker's"
-    go.set()
-    assert worker.executor.wait_all(10)
-    worker._settle_ended()
-    worker._flush()
-    with db.connection() as conn:
-        assert conn.execute("SELECT count(*) FROM eventqueue_events").fetchone()[0] == 1, "deleted under its new claim"
+
+    def hold(event):
+        go.wait(60)
+        if event.value == "taken over":
+            raise RuntimeError("the call fails after its claim was taken over")
+
+    worker = worker_running(db, hold, lock_expiry=1.5)  # a renewal every half second
+    taken, kept = (emit("ns", "h", value, db=db) for value in ("taken over", "kept"))
+    with Running(worker):
+        wait_until(lambda: all(event_row(db, i)[0] for i in (taken, kept)), what="both events claimed")
+        with db.connection() as conn:  # another worker's claim since, for an hour (as after a long stop)
+            conn.execute(
+                "UPDATE eventqueue_events SET locked_at = clock_timestamp(), visible_at = now() + interval '1 hour' "
+                "WHERE id = %s",
+                (taken,),
+            )
+        new_claim = event_row(db, taken)
+        kept_until = event_row(db, kept)[1]
+        wait_until(lambda: event_row(db, kept)[1] > kept_until, what="a renewal of the locks the worker holds")
+        go.set()
+        wait_until(lambda: event_row(db, kept) is None, what="the event still held done")
+    assert event_row(db, taken) == new_claim, "the worker acted on an event another worker claimed"
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"event {taken} ")]
+    assert not told, "the worker reported a retry of an event it no longer held"

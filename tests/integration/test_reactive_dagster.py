@@ -458,7 +458,7 @@ def test_the_sensor_logs_a_scheduler_name_warning_once_across_ticks(db, instance
     """A location refused by another's scheduler name, and one starting with no state while another name has some:
     each warning is in the first tick's log only (the refused location's tick keeps failing)."""
     from dagster import SensorEvaluationContext
-    from dagster._core.remote_origin import RegisteredCodeLocationOrigin
+    from dagster._core.remote_origin import RegisteredCodeLocationOrigin  # Dagster has no public name for it
 
     from cmb_dagster.reactive.dagster_testing import reactive_sensor
 
@@ -493,16 +493,16 @@ def test_the_sensor_logs_a_scheduler_name_warning_once_across_ticks(db, instance
 
 
 def test_a_run_tagged_by_an_older_release_is_still_found_by_its_run_key():
-    from dagster._core.test_utils import create_run_for_test
+    from dagster import DagsterRun
 
     from cmb_dagster.reactive.dagster_sensors import lookup_runs
     from cmb_dagster.reactive.models import RunState
 
     with instance_for_test() as instance:
         older = {"cmb/reactive/scheduler": "s", "cmb/reactive/run_key": "k1", "cmb/reactive/task": "t"}
-        old_run = create_run_for_test(instance, job_name="j", status=DagsterRunStatus.SUCCESS, tags=older)
+        old_run = instance.add_run(DagsterRun(job_name="j", status=DagsterRunStatus.SUCCESS, tags=older))
         new = {"cmb/reactive.scheduler": "s", "cmb/reactive.run_key": "k2", "cmb/reactive.task": "t"}
-        new_run = create_run_for_test(instance, job_name="j", status=DagsterRunStatus.STARTED, tags=new)
+        new_run = instance.add_run(DagsterRun(job_name="j", status=DagsterRunStatus.STARTED, tags=new))
         found = lookup_runs(instance, "s", ["k1", "k2", "k3"])
     assert {key: (info.run_id, info.state) for key, info in found.items()} == {
         "k1": (old_run.run_id, RunState.SUCCESS),

@@ -111,7 +111,7 @@ def test_a_tick_launches_nothing_once_its_lease_lapsed_by_the_process_clock(db):
     CtlStore(db).set(*KEY, T0)
     lease.term.valid_until = time.monotonic() + 1  # as after a stop: by this process's clock, about to lapse
     with pytest.raises(LeaseLost):
-        reactive._tick(lease)
+        loop.step(lease)  # the tick, as the loop runs it
     assert runs.requested == []
     with db.connection() as conn:
         assert conn.execute("SELECT task FROM reactive_launches").fetchall() == [("mart",)]

@@ -87,7 +87,7 @@ def test_a_busy_key_does_not_hold_up_another_keys_rate(db, database_url):
     runs = _runs(db, "per_tenant")
     a_starts = [r[3] for r in runs if r[1] == "a"]
     b_starts = [r[3] for r in runs if r[1] == "b"]
-    assert max(b_starts) < a_starts[40]  # b never waited for a's tokens
+    assert max(b_starts) < a_starts[70]  # b never waited for a's tokens (behind them it would go after a's 100th)
     assert most_within(a_starts, timedelta(seconds=1)) <= 20 + 20  # a's own bucket still holds
 
 
@@ -152,7 +152,7 @@ def test_the_slot_of_a_killed_worker_returns_after_its_ttl_and_not_before(db, da
             killed_at = conn.execute("SELECT clock_timestamp()").fetchone()[0]
             [use] = [u for u in flow.usage(conn, [parallel_scope("held")]) if u.in_flight]
             expires = conn.execute(
-                "SELECT expires_at FROM flow_slots WHERE scope = %s AND item IS NOT NULL", (parallel_scope("held"),)
+                "SELECT expires_at FROM flow_slots WHERE scope = %s AND holder IS NOT NULL", (parallel_scope("held"),)
             ).fetchone()[0]
             conn.execute("INSERT INTO public.stage_release VALUES (1)")  # the next calls return at once
         assert use.in_flight == 1  # the dead worker's slot is still taken...

@@ -3,14 +3,13 @@ over both transports, tenants sharing a database, and the state API's compare-an
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 from urllib.parse import urlsplit
 
 import psycopg
 import pytest
 from pydantic import BaseModel
+from sessions_helpers import WatchedDatabase, cut_other_sessions, session_ended
 from stages_helpers import drain
 from waiting import wait_until
 
@@ -28,30 +27,29 @@ from cmb_dagster.stages import (
     StageWorker,
     entries,
 )
-from cmb_dagster.stages import engine as engine_module
 
 
 class Patch(Stage):
-    """Adds ``done`` to every entity; ``bad`` entities get a value Postgres refuses (a NUL character)."""
+    """Adds ``done`` to every entity; ``bad`` entities get a value the test database's own rule refuses."""
 
     name = "patch"
 
     def process(self, entity: Entity, state: BaseModel) -> StageResult:
-        if entity.payload.get("bad"):
-            return StageResult(update=MergePatch({"done": "a\x00b"}))
-        return StageResult(update=MergePatch({"done": True}))
+        return StageResult(update=MergePatch({"done": "refused" if entity.payload.get("bad") else True}))
 
 
-def test_a_result_postgres_refuses_is_split_off_and_the_others_commit(db, monkeypatch):
-    # let a bad value past the engine's own check, so that Postgres itself refuses the batch's commit
-    monkeypatch.setattr(engine_module, "to_json", lambda value, field, **kw: json.dumps(value))
+def test_a_result_postgres_refuses_is_split_off_and_the_others_commit(db):
+    with db.connection() as conn:  # a rule of the deployment's own, which only Postgres knows
+        conn.execute("""ALTER TABLE stage_entities
+                        ADD CONSTRAINT nothing_refused CHECK (payload->>'done' IS DISTINCT FROM 'refused')""")
     store = StageStore(db, [Patch()])
     store.put_many({f"e{i}": {"i": i} for i in range(50)} | {"bad": {"bad": True}})
     drain(StageWorker(db, [Patch(max_attempts=1)]))
     assert all(store.get(f"e{i}").payload.get("done") is True for i in range(50))
+    assert store.get("bad").payload == {"bad": True}
     [bad] = entries(db, stage="patch")
     assert bad.entity_id == "bad" and bad.parked_at is not None and bad.attempts == 1
-    assert bad.last_error.startswith("its result cannot be stored: "), bad.last_error
+    assert bad.last_error.startswith("its result cannot be stored: CheckViolation: "), bad.last_error
 
 
 class Held(Stage):
@@ -100,9 +98,7 @@ def test_calls_that_ended_while_the_connection_was_lost_commit_at_the_next_colle
     engine = Engine(db, [Patch()])
     engine.changes_batch(range(8))
     assert engine.start_batch(range(8)).taken == 1 and engine.executor.wait_all(10)
-    with db.connection() as conn:
-        pid = engine._own.get().info.backend_pid
-        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    assert cut_other_sessions(db) >= 1  # the engine's connection among them
     with pytest.raises(psycopg.OperationalError):
         engine.collect()
     assert engine.start_batch(range(8)).taken == 0  # still held: its outcome waits for its commit
@@ -221,14 +217,17 @@ def test_a_batch_with_large_payloads_commits_within_seconds(database_url, transp
     db.close()
 
 
-def test_the_engine_session_limit_on_idling_in_a_transaction_takes_effect(db):
-    engine = Engine(db, [Patch()], idle_timeout=0.5)
-    conn = engine._own.get()
-    conn.execute("BEGIN")
-    time.sleep(1.5)  # idle inside a transaction for longer than the limit: the server ends the session
+def test_the_engine_session_limit_on_idling_in_a_transaction_takes_effect(db, database_url):
+    watched = WatchedDatabase(database_url)
+    engine = Engine(watched, [Patch()], idle_timeout=0.5)
+    engine.changes_batch(range(8))  # its connection opened, with its session settings
+    [conn] = watched.connections
+    conn.execute("BEGIN")  # idle inside a transaction for longer than the limit: the server ends the session
+    wait_until(lambda: session_ended(db, conn.info.backend_pid), 30, "the idle session ended by the server")
     with pytest.raises((psycopg.OperationalError, psycopg.errors.IdleInTransactionSessionTimeout)):
         conn.execute("SELECT 1")
     engine.close()
+    watched.close()
 
 
 class Counter(BaseModel):

@@ -45,6 +45,13 @@ def test_only_the_dagster_shell_imports_dagster():
     assert modules_importing_dagster() == allowed, sorted(modules_importing_dagster() - allowed)
 
 
+def test_the_callbacks_host_policy_lives_in_its_module():
+    """Which hosts and addresses callbacks may call is judged in ``callbacks/hosts.py`` alone."""
+    judging_addresses = re.compile(r"^\s*(import ipaddress|from ipaddress )|\.is_global\b", re.MULTILINE)
+    judges = {p.name for p in (PACKAGE / "callbacks").glob("*.py") if judging_addresses.search(p.read_text())}
+    assert judges == {"hosts.py"}
+
+
 def _with_calls(node) -> list[str]:
     """The names called by a ``with`` statement's items (``conn.pipeline()`` -> ``pipeline``)."""
     import ast
@@ -233,6 +240,34 @@ def test_every_engine_has_the_same_dagster_shell(engine):
     assert "worker_job_names(" in source or engine in ("pubsub", "reactive")  # one worker per consumer / none
 
 
+REACTIVE_TICK_STEPS = ["start", "changes", "runs", "evaluation", "launch", "record"]
+
+
+def test_the_reactive_tick_is_its_steps_and_keeps_no_tick_state_on_the_scheduler():
+    """``TaskScheduler.tick`` calls the steps, each in a module of its own, passing them the tick; between ticks the
+    scheduler keeps only what it knows of its tables (``_known``): no method but ``__init__`` sets another attribute."""
+    import ast
+
+    tree = ast.parse((PACKAGE / "reactive" / "engine.py").read_text())
+    imported = {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert {f"cmb_dagster.reactive.{step}" for step in REACTIVE_TICK_STEPS} <= imported
+    [scheduler] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TaskScheduler"]
+    set_later = set()
+    for method in scheduler.body:
+        if not isinstance(method, ast.FunctionDef) or method.name == "__init__":
+            continue
+        for node in ast.walk(method):
+            targets = list(node.targets) if isinstance(node, ast.Assign) else []
+            targets += [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            set_later |= {
+                found.attr
+                for target in targets
+                for found in ast.walk(target)
+                if isinstance(found, ast.Attribute) and isinstance(found.value, ast.Name) and found.value.id == "self"
+            }
+    assert set_later == {"_known"}
+
+
 def test_a_private_dagster_import_says_why():
     private = re.compile(r"^from dagster\._core\S* import", re.MULTILINE)
     for path in PACKAGE.rglob("*.py"):
@@ -266,3 +301,17 @@ def test_every_engine_taking_flow_limits_exports_their_types(engine):
     module = importlib.import_module(f"cmb_dagster.{engine}")
     assert module.RateLimit is RateLimit and module.FlowLimits is FlowLimits
     assert {"RateLimit", "FlowLimits"} <= set(module.__all__)
+
+
+FLOW_WRITE = re.compile(r"\b(UPDATE|INSERT INTO|DELETE FROM)\s+flow_(buckets|slots|limits)\b", re.IGNORECASE)
+
+
+def test_flow_control_is_written_once_in_its_module():
+    """Takes, renewals, releases and the token bucket are flow control's statements: an engine's claim inlines its
+    fragments (cmb_dagster/flow/sql.py) rather than writing to its tables itself."""
+    writers = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if FLOW_WRITE.search(path.read_text()) or "tokens + " in path.read_text()
+    }
+    assert writers == {"flow/sql.py"}

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, InvalidCallbackInput
 from cmb_dagster.callbacks.cli import callbacks
-from cmb_dagster.callbacks.models import check_url
+from cmb_dagster.callbacks.hosts import check_url
 
 LOOPBACK_SPELLINGS = [
     "http://0x7f000001/cb",  # hex

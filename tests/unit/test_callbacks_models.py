@@ -5,7 +5,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from cmb_dagster.callbacks import CallbackSettings, InvalidCallbackInput, NewCallback, RetryPolicy
-from cmb_dagster.callbacks.models import DAGSTER_USER_TAGS, NewSchedule, _tag_problem, check_many, validated
+from cmb_dagster.callbacks.launches import DAGSTER_USER_TAGS, check_dagster_context
+from cmb_dagster.callbacks.models import NewSchedule, check_many, validated
 from cmb_dagster.callbacks.schedules import fire_times
 from cmb_dagster.errors import InvalidInput
 from cmb_dagster.flow import FlowLimits
@@ -199,15 +200,30 @@ def test_a_context_a_dagster_run_cannot_take_is_refused_naming_the_field(context
 
 
 def test_the_dagster_tag_rules_are_dagsters_own():
-    from dagster._core.storage.tags import USER_EDITABLE_SYSTEM_TAGS
-    from dagster._utils.tags import is_private_system_tag_key, is_valid_tag_key
+    from dagster import AssetSpec, DagsterInvalidDefinitionError
+    from dagster._core.storage.tags import USER_EDITABLE_SYSTEM_TAGS  # Dagster has no public name for them
 
     assert set(DAGSTER_USER_TAGS) == set(USER_EDITABLE_SYSTEM_TAGS)
+
+    def valid_for_dagster(key: str) -> bool:  # definition tags are checked strictly, with Dagster's rule for keys
+        try:
+            AssetSpec("a", tags={key: "v"})
+        except DagsterInvalidDefinitionError:
+            return False
+        return True
+
+    def taken(key: str) -> bool:
+        try:
+            check_dagster_context({"tags": {key: "v"}})
+        except InvalidCallbackInput:
+            return False
+        return True
+
     keys = ["team", "a/b", "a.b-c_d", "k" * 63, "k" * 64, f"{'n' * 63}/k", f"{'n' * 64}/k", "a b", "", "a/b/c", "ü"]
     keys += ["/k", "k/", "dagster/priority", "dagster/solid_selection", ".dagster/x", "dagster/kind/python"]
     for key in keys:
-        dagster_takes = is_valid_tag_key(key) and not is_private_system_tag_key(key) and not key.startswith(".dagster/")
-        assert (_tag_problem(key, "v") is None) == dagster_takes, key
+        reserved = key.startswith(("dagster/", ".dagster/")) and key not in USER_EDITABLE_SYSTEM_TAGS
+        assert taken(key) == (valid_for_dagster(key) and not reserved), key
 
 
 def test_settings_keep_a_call_shorter_than_the_lease():

@@ -141,21 +141,19 @@ def test_a_call_starts_while_another_thread_waits_for_calls_to_end(new_executor)
 
 
 def test_async_calls_run_on_the_executors_loop_many_at_once(new_executor):
-    calls, nap = 100, 0.2
+    calls = 100
     ex = new_executor(calls)
     seen: list[tuple[str, asyncio.AbstractEventLoop]] = []
 
-    async def call(item: int) -> int:
+    async def call(item: int) -> int:  # returns once every call has started: all of them run at once, or none ends
         seen.append((threading.current_thread().name, asyncio.get_running_loop()))
-        await asyncio.sleep(nap)
+        while len(seen) < calls:
+            await asyncio.sleep(0.01)
         return item
 
-    began = time.monotonic()
     tasks = [ex.start(i, call, LONG) for i in range(calls)]
-    assert ex.wait_all(LONG)
-    elapsed = time.monotonic() - began
+    assert ex.wait_all(2 * LONG)
     assert [t.outcome for t in tasks] == list(range(calls))
-    assert elapsed < calls * nap / 4, f"{calls} naps of {nap} s took {elapsed:.1f} s"
     assert {name for name, _ in seen} == {f"cmb-user-code-loop:{ex.name}"}
     assert len({id(loop) for _, loop in seen}) == 1
 
