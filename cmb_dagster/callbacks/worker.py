@@ -449,11 +449,16 @@ class CallbackWorker(EngineWorker):
     def _stop_when_drained(self, then: Callable[[], None]) -> None:
         deadline = time.monotonic() + self._longest_call()
         while time.monotonic() < deadline:
-            if (self._pool is None or self._pool.busy == 0) and not any(s.done for s in self._states.values()):
+            if (self._pool is None or self._pool.busy == 0) and not any(map(self._to_write, self._states.values())):
                 break
             self._wake()
             time.sleep(0.02)
         then()
+
+    @staticmethod
+    def _to_write(state: BucketState) -> bool:
+        """Whether ``state`` has outcomes its worker can still write (those of a bucket lost are the next holder's)."""
+        return bool(state.done) and state.lease is not None and state.lease.valid_for(0)
 
     def _wake(self) -> None:
         if self._bucket_loop is not None:
