@@ -1,14 +1,14 @@
 """Flow-control benchmark: what keys, turns and limits cost the event queue.
 
-One worker process drains a backlog of no-op events (``--events``, enough to take seconds) in each variant:
-- ``baseline``: the code at ``--baseline`` (a checkout of an earlier version, optional), no limits;
-- ``no-limits``: this code, no key, no limits;
+One worker process drains a backlog of no-op events (``--events``, enough to take seconds) in each variant, with this
+code and, given ``--baseline`` (a checkout of an earlier version), with that code too (``baseline/<variant>``):
+- ``no-limits``: no key, no limits;
 - ``keyed``: a key per event (100 keys taking turns), no limits;
 - ``rate-limited``: 100 keys, each with a rate limit far above what is reached (every start takes a token);
 - ``concurrency``: 100 keys, each with a concurrency limit far above what is reached (every start takes a slot).
 Each variant runs ``--rounds`` times, alternating, each in its own database (ANALYZE after loading), dropped at
 the end. Reports the median events/s, the worker's and the server's CPU seconds per 1,000 events, and the cost
-per event of each variant against ``no-limits`` (µs). Prints a summary, then one JSON line last.
+per event of each variant against ``no-limits`` of the same code (µs). Prints a summary, then one JSON line last.
 
     .venv/bin/python benchmarks/bench_flow.py [--url postgresql://...] [--events 100000] [--baseline ../old]
 """
@@ -99,7 +99,7 @@ def server_cpu(conn: psycopg.Connection) -> float:
 
 
 def run_variant(url: str, name: str, config: dict, events: int, code: Path | None) -> dict[str, float]:
-    database = f"cmb_bench_flow_{os.getpid()}_{name.replace('-', '_')}"
+    database = f"cmb_bench_flow_{os.getpid()}_{name.replace('-', '_').replace('/', '_')}"
     env = {**os.environ, "PYTHONPATH": str(code)} if code else dict(os.environ)
     with psycopg.connect(url, autocommit=True) as admin:
         admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
@@ -146,8 +146,9 @@ def main() -> None:
     if args.role == "work":
         return work(args.url, json.loads(args.config))
     url = args.url or os.environ.get("CMB_DATABASE_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
-    variants = [("baseline", {}, args.baseline.resolve())] if args.baseline else []
-    variants += [(name, config, None) for name, config in VARIANTS.items()]
+    variants = [(name, config, None) for name, config in VARIANTS.items()]
+    if args.baseline:
+        variants += [(f"baseline/{name}", config, args.baseline.resolve()) for name, config in VARIANTS.items()]
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in variants}
     for _ in range(args.rounds):
         for name, config, code in variants:
@@ -161,12 +162,13 @@ def main() -> None:
         figures["all_events_per_second"] = [round(r["events_per_second"]) for r in runs]  # type: ignore[assignment]
         result[name] = figures
         print(
-            f"  {name:13} {figures['events_per_second']:9,.0f} events/s  {figures['all_events_per_second']}  "
+            f"  {name:22} {figures['events_per_second']:9,.0f} events/s  {figures['all_events_per_second']}  "
             f"worker CPU {figures['worker_cpu_per_1000']:.3f} s/1000  "
             f"server CPU {figures['server_cpu_per_1000']:.3f} s/1000"
         )
-    plain = result["no-limits"]["events_per_second"]  # type: ignore[index]
-    for name in [n for n in rounds if n != "no-limits"]:
+    for name in [n for n in rounds if not n.endswith("no-limits")]:
+        code = name.rpartition("/")[0]
+        plain = result[f"{code}/no-limits" if code else "no-limits"]["events_per_second"]  # type: ignore[index]
         cost = (1 / result[name]["events_per_second"] - 1 / plain) * 1e6  # type: ignore[index]
         result[name]["us_per_event_vs_no_limits"] = cost  # type: ignore[index]
         print(f"  {name}: {cost:+.1f} µs per event against no-limits")

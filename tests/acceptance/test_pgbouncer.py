@@ -110,7 +110,7 @@ def test_statements_repeated_by_concurrent_clients_run_through_the_pooler(db: Da
             for n in range(40):
                 with db.connection() as conn:
                     conn.execute("SELECT count(*) FROM leases WHERE kind = %s", (f"k{n % 3}",)).fetchone()
-                own.get().execute("SELECT count(*) FROM flow_slots WHERE item = %s", (str(n),)).fetchone()
+                own.get().execute("SELECT count(*) FROM flow_slots WHERE holder = %s", (str(n),)).fetchone()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
         finally:
