@@ -360,8 +360,10 @@ def test_the_gate_starts_nothing_when_its_bucket_is_no_longer_held(db, client, s
             for n in range(5):
                 client.create("a", "g", f"k{n}", datetime.now(UTC), f"{sink.url}/cb")
             with db.connection() as conn:
-                wait_until(lambda: conn.execute(waiting_on_a_lock).fetchall(), what="the gate waits")
-        wait_until(lambda: sink.received or "gate failed (LeaseLost)" in caplog.text, what="the gate answered")
+                wait_until(lambda: conn.execute(waiting_on_a_lock).fetchall(), timeout=60, what="the gate waits")
+        wait_until(
+            lambda: sink.received or "gate failed (LeaseLost)" in caplog.text, timeout=60, what="the gate answered"
+        )
     assert sink.received == [] and all(e.attempts == 0 and e.status == "pending" for e in client.list())
 
 
