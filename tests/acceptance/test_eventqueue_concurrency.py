@@ -106,24 +106,30 @@ def test_a_call_past_its_timeout_holds_its_key_until_it_ends(db, database_url):
     assert quick not in dead(db)
 
 
-def test_a_killed_workers_events_run_again_within_its_lease_ttl_not_their_lock_expiry(db, database_url):
-    ids = emit(db, "plain", [{"n": n, "sleep": 0.1} for n in range(5)])
-    with db.connection() as conn:  # the first worker's calls hang until it is killed
-        conn.execute("UPDATE eventqueue_events SET value = value || '{\"sleep\": 600}'")
-    first = start_workers(database_url, 1, "--worker-concurrency", "10", EQ_LOCK_EXPIRY="300")
+def kill_running_then_finish_on_another(db, database_url: str, calls: int, *args: str) -> None:
+    """A worker (``args``) is killed once ``calls`` calls run; the events, their sleep cut to 0, are done by a second
+    worker within a minute: the lease TTL and a sweep, far within the 300 s lock expiry and slot time to live."""
+    first = start_workers(database_url, 1, *args, EQ_LOCK_EXPIRY="300")
     try:
-        wait_until(lambda: len(runs(db)) == 5, timeout=60, what="five calls running", interval=0.05)
+        wait_until(lambda: len(runs(db)) == calls, timeout=60, what=f"{calls} calls running", interval=0.05)
         first[0].send_signal(signal.SIGKILL)
         first[0].wait(10)
         with db.connection() as conn:
             conn.execute("UPDATE eventqueue_events SET value = value || '{\"sleep\": 0}'")
         second = start_workers(database_url, 1, EQ_LOCK_EXPIRY="300")
-        try:  # the lease TTL and a sweep: far within the 300 s lock expiry
+        try:
             wait_until(lambda: left(db) == 0, timeout=60, what="the killed worker's events done", interval=0.2)
         finally:
             stop(second)
     finally:
         stop(first)
+
+
+def test_a_killed_workers_events_run_again_within_its_lease_ttl_not_their_lock_expiry(db, database_url):
+    ids = emit(db, "plain", [{"n": n, "sleep": 0.1} for n in range(5)])
+    with db.connection() as conn:  # the first worker's calls hang until it is killed
+        conn.execute("UPDATE eventqueue_events SET value = value || '{\"sleep\": 600}'")
+    kill_running_then_finish_on_another(db, database_url, 5, "--worker-concurrency", "10")
     assert sorted(r[0] for r in runs(db) if r[4] is not None) == ids  # each done once after the kill
 
 
@@ -131,20 +137,7 @@ def test_a_killed_workers_slot_is_free_within_its_lease_ttl_not_the_slots_own(db
     """The concurrency slot a killed worker held for its call is freed with its events, once its lease lapses, not
     when the slot's own 300 s time to live passes: the key's events run on another worker at once."""
     emit(db, "one_per_key", [{"tenant": "t", "sleep": 600}, {"tenant": "t", "sleep": 0}])
-    first = start_workers(database_url, 1, EQ_LOCK_EXPIRY="300")
-    try:
-        wait_until(lambda: len(runs(db)) == 1, timeout=60, what="the key's first call running", interval=0.05)
-        first[0].send_signal(signal.SIGKILL)
-        first[0].wait(10)
-        with db.connection() as conn:
-            conn.execute("UPDATE eventqueue_events SET value = value || '{\"sleep\": 0}'")
-        second = start_workers(database_url, 1, EQ_LOCK_EXPIRY="300")
-        try:  # the lease TTL and a sweep: far within the slot's 300 s
-            wait_until(lambda: left(db) == 0, timeout=60, what="the key's events done on another worker", interval=0.2)
-        finally:
-            stop(second)
-    finally:
-        stop(first)
+    kill_running_then_finish_on_another(db, database_url, 1)
     assert most_at_once(intervals_of(runs(db)[1:])) == 1  # the limit held: one call of the key at a time
 
 
