@@ -1,17 +1,14 @@
 """cmb_dagster: reactive, event-driven pipelines for Dagster on Postgres.
 
 Everything a definitions file needs is importable from here. The engines are plain Python over
-Postgres; the Dagster names load Dagster only when first used, so the CLI and workers start fast.
+Postgres; but for the errors and ``__version__``, each name loads its module (Dagster, psycopg, pydantic) only
+when first used, so the CLI and workers start fast.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
-from cmb_dagster import triggers
 from cmb_dagster._lazy import lazy_names
-from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError, ConfigError, DatabaseUnavailable, InvalidInput, SchemaTooNew
-from cmb_dagster.pubsub.models import ConsumerSpec, PubSubOptions
-from cmb_dagster.settings import Settings
 
 try:
     __version__ = version("cmb-dagster")
@@ -30,6 +27,7 @@ __all__ = [
     "ConsumerSpec",
     "CtlResource",
     "Database",
+    "DatabaseOptions",
     "DatabaseUnavailable",
     "Deadline",
     "EventQueueComponent",
@@ -70,10 +68,13 @@ __getattr__ = lazy_names(
         "EventQueueComponent": "cmb_dagster.dagster_component",
         "CmbResource": "cmb_dagster.resources",
         "CmbTranslator": "cmb_dagster.dagster_translator",
+        "ConsumerSpec": "cmb_dagster.pubsub.models",
         "CtlResource": "cmb_dagster.ctl.dagster_resources",
+        "Database": "cmb_dagster.database",
         "Deadline": "cmb_dagster.reactive",
         "FlowLimits": "cmb_dagster.flow",
         "RateLimit": "cmb_dagster.flow",
+        "PubSubOptions": "cmb_dagster.pubsub.models",
         "ReactiveOptions": "cmb_dagster.reactive.models",
         "ReactiveTask": "cmb_dagster.reactive.dagster_defs",
         "cmb_definitions": "cmb_dagster.definitions",
@@ -84,7 +85,10 @@ __getattr__ = lazy_names(
         "Stage": "cmb_dagster.stages",
         "StageOptions": "cmb_dagster.stages",
         "StageResult": "cmb_dagster.stages",
+        "Settings": "cmb_dagster.settings",
         "Threshold": "cmb_dagster.health",
+        "DatabaseOptions": "cmb_dagster.vacuum",
+        "triggers": "cmb_dagster.triggers",
     },
 )
 

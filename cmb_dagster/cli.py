@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import keyword
 import logging
@@ -18,23 +19,17 @@ import tomllib
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import psutil
 
-from cmb_dagster.callbacks.cli import callbacks
-from cmb_dagster.cli_common import open_database
-from cmb_dagster.ctl.cli import ctl
-from cmb_dagster.database import Database
 from cmb_dagster.errors import CmbError
-from cmb_dagster.eventqueue.cli import events
 from cmb_dagster.isolation import escaped
-from cmb_dagster.pubsub.cli import pubsub
-from cmb_dagster.reactive.cli import reactive
 from cmb_dagster.secrets import scrub, secrets_of
-from cmb_dagster.settings import Settings, dagster_storage_url
-from cmb_dagster.stages.cli import stages
+
+if TYPE_CHECKING:  # the commands that use the database import it (psycopg, pydantic): the others start faster
+    from cmb_dagster.database import Database
+    from cmb_dagster.settings import Settings
 
 DEBUG_ENV = "CMB_DEBUG"
 MAX_ERROR_LINE = 500
@@ -45,6 +40,8 @@ SECRET_ENV = ("CMB_DATABASE_URL", "CMB_DIRECT_DATABASE_URL", "CMB_DAGSTER_STORAG
 
 def dagster_env(settings: Settings, db: Database) -> dict[str, str]:
     """Variables that dagster.yaml reads: storage on the cmb server, artifacts under CMB_HOME."""
+    from cmb_dagster.settings import dagster_storage_url
+
     env = {
         "CMB_HOME": str(settings.home),
         "CMB_DAGSTER_ARTIFACTS": str(settings.home / "dagster"),
@@ -55,7 +52,44 @@ def dagster_env(settings: Settings, db: Database) -> dict[str, str]:
     return env
 
 
-class CmbGroup(click.Group):
+ENGINE_GROUPS = {
+    "callbacks": "cmb_dagster.callbacks.cli:callbacks",
+    "ctl": "cmb_dagster.ctl.cli:ctl",
+    "events": "cmb_dagster.eventqueue.cli:events",
+    "pubsub": "cmb_dagster.pubsub.cli:pubsub",
+    "reactive": "cmb_dagster.reactive.cli:reactive",
+    "stages": "cmb_dagster.stages.cli:stages",
+}
+"""The engines' command groups, each imported (with its engine) only when a command line names it."""
+
+
+class LazyGroup(click.Group):
+    """A group whose ``lazy_commands`` (name -> "module:attribute") are imported when first asked for, so that a
+    command line pays only for the commands it names (``--help`` imports them all, for their short help)."""
+
+    def __init__(self, *args: Any, lazy_commands: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy_commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in self.lazy_commands:
+            module, _, attribute = self.lazy_commands[cmd_name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), attribute), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in self.list_commands(ctx):  # mistyped: click suggests the closest of all commands
+            for name in self.lazy_commands:
+                self.get_command(ctx, name)
+        return super().resolve_command(ctx, args)
+
+
+class CmbGroup(LazyGroup):
     """The root ``cmb-dagster`` group: whatever goes wrong in any command of any group added to it
     (engine groups included) ends as one line on stderr and a non-zero exit code, with every secret of
     the configured database URLs masked, in that line, in the traceback ``--debug`` adds and in logs.
@@ -90,7 +124,8 @@ class CmbGroup(click.Group):
         return result
 
     def command_path_of(self, args: Sequence[str] | None) -> str:
-        """``cmb-dagster group command``: the command that ``args`` name, as far as they name one."""
+        """``cmb-dagster group command``: the command that ``args`` name, as far as they name one loaded
+        (reporting an error imports nothing)."""
         words, group = ["cmb-dagster"], self
         for arg in sys.argv[1:] if args is None else args:
             if arg.startswith("-"):
@@ -110,7 +145,7 @@ def _set_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
             root.debug = True
 
 
-@click.group(cls=CmbGroup)
+@click.group(cls=CmbGroup, lazy_commands=ENGINE_GROUPS)
 @click.version_option(package_name="cmb-dagster")
 @click.option(
     "--debug",
@@ -188,10 +223,6 @@ def bounded(line: str) -> str:
 
 def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[str, int]:
     """One line naming what was wrong and what to check, and the exit code."""
-    import psycopg
-    import psycopg_pool
-    import pydantic
-
     if isinstance(exc, KeyboardInterrupt | click.exceptions.Abort):
         return "aborted", 130
     if isinstance(exc, click.UsageError):
@@ -201,6 +232,10 @@ def describe_error(exc: BaseException, command: str = "cmb-dagster") -> tuple[st
         return _one_line(exc.format_message()), exc.exit_code
     if isinstance(exc, CmbError):
         return _one_line(str(exc)), 1
+    import psycopg
+    import psycopg_pool
+    import pydantic
+
     if isinstance(exc, pydantic.ValidationError):
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
@@ -303,6 +338,8 @@ def dev(host: str, port: int, workspace: str | None, sink_port: int | None, verb
             f"{Path.cwd()} is no dg project (pyproject.toml with [tool.dg]) and holds no workspace.yaml; run from "
             "your project's folder, pass -w, or run `cmb-dagster init`"
         )
+    from cmb_dagster.settings import Settings
+
     settings = Settings.from_env()
     db = open_dagster_database(settings)
     db.ensure_ready()
@@ -422,6 +459,7 @@ def _announce_when_up(host: str, port: int, within_s: float = 600) -> None:
 
 def open_dagster_database(settings: Settings) -> Database:
     """The database of ``settings``; says on stderr when it has to start the embedded server (it keeps running)."""
+    from cmb_dagster.database import Database
     from cmb_dagster.embedded import data_dir, embedded_running
 
     if settings.database_url is None and not embedded_running(settings.home):
@@ -526,6 +564,8 @@ def _write(target: Any, lines: list[str]) -> None:
 
 def _session_members(session: int) -> set[int]:
     """The processes of session ``session``, zombies not yet reaped included."""
+    import psutil
+
     members = set()
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error, OSError):  # gone meanwhile, or not ours to see
@@ -626,6 +666,8 @@ def env(show_secrets: bool) -> None:
             f"no dagster.yaml in {Path.cwd()} or its {INSTANCE_HOME}/; run `cmb-dagster init` here first, or cd to "
             "your project's folder"
         )
+    from cmb_dagster.settings import Settings
+
     settings = Settings.from_env()
     db = open_dagster_database(settings)
     values = {"DAGSTER_HOME": str(home), **dagster_env(settings, db)}
@@ -647,6 +689,8 @@ def storage_source(settings: Settings) -> tuple[str, str] | None:
 
 def env_lines(values: dict[str, str], settings: Settings, *, show_secrets: bool) -> list[str]:
     """``export`` lines for ``values``, each value quoted; values with a secret refer to the environment."""
+    from cmb_dagster.settings import dagster_storage_url
+
     lines = []
     for key, value in values.items():
         if show_secrets or not secrets_of(value):
@@ -681,6 +725,8 @@ def db() -> None:
 @click.option("--schema", default=None, help="Schema of cmb tables (default: CMB_SCHEMA or 'cmb').")
 def upgrade(schema: str | None) -> None:
     """Apply pending migrations (safe to run from several processes at once)."""
+    from cmb_dagster.cli_common import open_database
+
     database = open_database(schema)
     applied = database.upgrade()
     for migration in applied:
@@ -691,18 +737,28 @@ def upgrade(schema: str | None) -> None:
 @db.command()
 @click.option("--schema", default=None, help="Schema of cmb tables (default: CMB_SCHEMA or 'cmb').")
 def status(schema: str | None) -> None:
-    """Show the server, the schema and its migration version."""
+    """Show the server, the schema and its migration version, and what keeps vacuum from cleaning its tables."""
+    from cmb_dagster import vacuum
+    from cmb_dagster.database import Database
+    from cmb_dagster.settings import Settings
+
     database = Database.from_settings(Settings.from_env(schema_name=schema), migrate=False)
     info = database.status()
     click.echo(f"server:  {info['server']} (Postgres {info['server_version']})")
     click.echo(f"schema:  {info['schema']}")
     state = "not migrated" if info["version"] is None else f"{info['version']} (package knows {info['latest']})"
     click.echo(f"version: {state}")
+    found = vacuum.status(database)
+    click.echo(f"vacuum:  oldest snapshot {f'held by {found.holder}' if found.holder else 'none held'}")
+    dead = sorted((t for t in found.tables if t.dead), key=lambda t: t.dead, reverse=True)[:3]
+    click.echo(f"dead rows: {', '.join(f'{t.table} {t.dead:,}' for t in dead) or 'none'}")
 
 
 @db.command()
 def url() -> None:
     """Print the database URL with the password masked."""
+    from cmb_dagster.cli_common import open_database
+
     click.echo(open_database().display_url)
 
 
@@ -710,6 +766,9 @@ def url() -> None:
 def start() -> None:
     """Start the embedded Postgres server under CMB_HOME (the Dagster processes of `dg dev` use it, never start it)
     and migrate it."""
+    from cmb_dagster.database import Database
+    from cmb_dagster.settings import Settings
+
     settings = Settings.from_env()
     if settings.database_url:
         raise click.ClickException("CMB_DATABASE_URL is set: there is no embedded server to start")
@@ -725,6 +784,7 @@ def stop() -> None:
     Also in a shell that ran eval "$(cmb-dagster env)", whose CMB_DATABASE_URL names the embedded server.
     """
     from cmb_dagster.embedded import data_dir, running_embedded_url, stop_embedded
+    from cmb_dagster.settings import Settings
 
     settings = Settings.from_env()
     url = settings.database_url
@@ -737,6 +797,7 @@ def stop() -> None:
 @click.option("--failing", is_flag=True, help="Only the checks that warn or fail.")
 def checks(failing: bool) -> None:
     """The engines' asset checks as last evaluated (by the status sensors): severity, since when, why."""
+    from cmb_dagster.cli_common import open_database
     from cmb_dagster.health import check_label, states
 
     found = states(open_database(), failing=failing)
@@ -773,6 +834,7 @@ def metrics(host: str, port: int, bucket_sets: int) -> None:
     Each scrape reads the engines' status from the database (docs/operations.md, "Metrics", lists the
     metrics). Ctrl-C or SIGTERM stops it.
     """
+    from cmb_dagster.cli_common import open_database
     from cmb_dagster.metrics import serve
     from cmb_dagster.workers import stop_workers_on_signals
 
@@ -785,10 +847,6 @@ def metrics(host: str, port: int, bucket_sets: int) -> None:
                 pass
         finally:
             server.stop()
-
-
-for engine_group in (pubsub, ctl, reactive, callbacks, stages, events):
-    main.add_command(engine_group)
 
 
 def run() -> None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from cmb_dagster.database import Database
-from cmb_dagster.flow import KeyUse
 from cmb_dagster.liveness import DEFAULT_STALL_AFTER, MAX_STALL_AFTER, serving_liveness
+
+if TYPE_CHECKING:
+    from cmb_dagster.flow import KeyUse
 
 
 def open_database(schema: str | None = None) -> Database:

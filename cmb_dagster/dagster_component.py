@@ -43,6 +43,7 @@ from cmb_dagster.reactive.models import ReactiveOptions
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.stages.models import StageOptions
 from cmb_dagster.triggers.models import trigger_data_problems
+from cmb_dagster.vacuum import DatabaseOptions
 
 T = TypeVar("T", bound=BaseModel)
 _ENGINE_HELP = (
@@ -295,6 +296,8 @@ class _Shell(Component, Model, Resolvable):
         if not isinstance(reactive, YamlReactive):
             return cmb_definitions(reactive=reactive, **engines, **shell)
         options, assets = reactive.resolved(context)
+        if engines.get("database") is True:  # the reactive tasks are an engine of this location too
+            engines["database"] = DatabaseOptions()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ReactiveTriggerWarning)
             try:
@@ -331,6 +334,7 @@ class CmbComponent(_Shell):
     stages: _engine(StageOptions, "stages") = None  # type: ignore[valid-type]
     eventqueue: _engine(EventQueueOptions, "eventqueue") = None  # type: ignore[valid-type]
     alerts: _engine(AlertOptions, "alerts") = None  # type: ignore[valid-type]
+    database: _engine(DatabaseOptions, "database") = None  # type: ignore[valid-type]
 
     def build_defs(self, context: ComponentLoadContext) -> Definitions:
         return self._definitions(
@@ -341,16 +345,18 @@ class CmbComponent(_Shell):
             stages=self.stages,
             events=self.eventqueue,
             alerts=self.alerts,
+            database=self.database or True,
         )
 
 
 class _OneEngine(_Shell):
-    """A component for one engine: its options in ``options``."""
+    """A component for one engine: its options in ``options``. The database checks come with a CmbComponent or
+    ``cmb_definitions`` (several one-engine components may share a code location)."""
 
     engine: ClassVar[str]
 
     def build_defs(self, context: ComponentLoadContext) -> Definitions:
-        return self._definitions(context, **{self.engine: self.options})
+        return self._definitions(context, **{self.engine: self.options}, database=False)
 
 
 @scaffold_with(_Scaffolder)

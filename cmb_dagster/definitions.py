@@ -7,6 +7,7 @@ from dagster import Definitions
 from cmb_dagster.alerts import AlertOptions
 from cmb_dagster.callbacks.dagster_defs import callback_definitions
 from cmb_dagster.callbacks.models import CallbackOptions
+from cmb_dagster.dagster_database import database_definitions
 from cmb_dagster.dagster_translator import DEFAULT_TRANSLATOR, CmbTranslator
 from cmb_dagster.eventqueue.dagster_defs import eventqueue_definitions
 from cmb_dagster.eventqueue.models import EventQueueOptions
@@ -18,6 +19,7 @@ from cmb_dagster.reactive.models import ReactiveOptions
 from cmb_dagster.resources import CmbResource
 from cmb_dagster.stages.dagster_defs import stages_definitions
 from cmb_dagster.stages.models import StageOptions
+from cmb_dagster.vacuum import DatabaseOptions
 
 
 def cmb_definitions(
@@ -28,6 +30,7 @@ def cmb_definitions(
     stages: StageOptions | None = None,
     events: EventQueueOptions | None = None,
     alerts: AlertOptions | None = None,
+    database: DatabaseOptions | bool = True,
     prefix: str = "cmb_",
     resource: CmbResource | None = None,
     translator: CmbTranslator = DEFAULT_TRANSLATOR,
@@ -35,13 +38,15 @@ def cmb_definitions(
 ) -> Definitions:
     """Definitions with the ``cmb`` resource, each engine whose options are given, and your own definitions.
 
-    Each engine's options object documents what it adds and its defaults. ``prefix`` starts the name of
-    every job, sensor and schedule cmb_dagster adds, so two code locations don't collide. ``resource``
-    defaults to ``CmbResource()`` (``CMB_DATABASE_URL`` or the embedded server); ``translator`` names the assets
-    the engines add (subclass :class:`CmbTranslator` to choose their keys and groups). ``alerts`` sends a message
-    to a webhook whenever an engine's asset check changes severity (the callbacks engine delivers it; its workers
-    are added with default options when ``callbacks`` is not given). Your own ``jobs``,
-    ``assets``, ``schedules``, ``sensors``, ``resources`` (any ``Definitions`` argument) are merged in.
+        Each engine's options object documents what it adds and its defaults. ``prefix`` starts the name of
+        every job, sensor and schedule cmb_dagster adds, so two code locations don't collide. ``resource``
+        defaults to ``CmbResource()`` (``CMB_DATABASE_URL`` or the embedded server); ``translator`` names the assets
+        the engines add (subclass :class:`CmbTranslator` to choose their keys and groups). ``alerts`` sends a message
+        to a webhook whenever an engine's asset check changes severity (the callbacks engine delivers it; its workers
+        are added with default options when ``callbacks`` is not given). ``database`` adds the checks of the database
+    the engines share (whether vacuum can clean their tables): with any engine (True), with these options, or never
+    (False, for a code location whose other part adds them). Your own ``jobs``,
+        ``assets``, ``schedules``, ``sensors``, ``resources`` (any ``Definitions`` argument) are merged in.
     """
     resource = resource or CmbResource()
     shell = {"prefix": prefix, "resource": resource, "translator": translator}
@@ -61,4 +66,8 @@ def cmb_definitions(
         parts.append(stages_definitions(stages, **shell))
     if events is not None:
         parts.append(eventqueue_definitions(events, **shell))
+    engines = (reactive, pubsub, callbacks, stages, events)
+    if isinstance(database, DatabaseOptions) or (database is True and any(e is not None for e in engines)):
+        options = database if isinstance(database, DatabaseOptions) else DatabaseOptions()
+        parts.append(database_definitions(options, prefix=prefix, translator=translator))
     return Definitions.merge(*parts)

@@ -15,12 +15,15 @@ from contextlib import contextmanager
 
 # One fixed answer on one path: the standard library's server is enough (prometheus_client's serves only metrics).
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from cmb_dagster.errors import ConfigError
-from cmb_dagster.metrics import DEFAULT_HOST, MetricsServer, check_host, check_port
-from cmb_dagster.workers import loops_started, stalled_loops
+
+if TYPE_CHECKING:
+    from cmb_dagster.metrics import MetricsServer
 
 PATH = "/healthz"
+DEFAULT_HOST = "127.0.0.1"
 DEFAULT_STALL_AFTER = 600.0
 MAX_STALL_AFTER = 86_400.0
 
@@ -40,6 +43,9 @@ def serve_liveness(
     A loop is stalled when it has not turned for ``stall_after`` seconds; so is a process in which no worker loop
     has started ``stall_after`` seconds after this call.
     """
+    from cmb_dagster.metrics import MetricsServer, check_host, check_port  # every engine: imported once served
+    from cmb_dagster.workers import loops_started, stalled_loops
+
     host, port, stall_after = check_host(host), check_port(port), check_stall_after(stall_after)
     started = time.monotonic()
 

@@ -42,11 +42,12 @@ from cmb_dagster.pubsub import admin as pubsub_admin
 from cmb_dagster.reactive import admin as reactive_admin
 from cmb_dagster.secrets import scrub
 from cmb_dagster.stages import admin as stages_admin
+from cmb_dagster.vacuum import status as vacuum_status
 from cmb_dagster.workers import list_leases
 
 log = logging.getLogger("cmb_dagster.metrics")
 
-ENGINES = ("callbacks", "stages", "eventqueue", "pubsub", "reactive", "workers")
+ENGINES = ("callbacks", "stages", "eventqueue", "pubsub", "reactive", "workers", "database")
 """What a scrape reads, in this order; each is read on its own, so one failing leaves the others."""
 
 DEFAULT_PORT = 9464
@@ -106,6 +107,7 @@ class StatusCollector(Collector):
             "pubsub": self._pubsub,
             "reactive": self._reactive,
             "workers": self._workers,
+            "database": self._database,
         }
         self._lock = threading.Lock()
         self._reading: _Reading | None = None
@@ -294,6 +296,30 @@ class StatusCollector(Collector):
             expiry.add_metric(key, lease.expires_in)
             fence.add_metric(key, lease.fence)
         return [expiry, fence]
+
+    def _database(self) -> list[Metric]:
+        found = vacuum_status(self.reader)
+        labels = ["kind", "pid", "name"]
+        seconds = _gauge(
+            "cmb_vacuum_horizon_age_seconds",
+            "Seconds the oldest snapshot in the database has been held (absent: none held, or its age unknown).",
+            labels,
+        )
+        xids = _gauge(
+            "cmb_vacuum_horizon_age_xids", "Transactions begun since the oldest snapshot in the database.", labels
+        )
+        if found.holder is not None:
+            holder = found.holder
+            key = [holder.kind, "" if holder.pid is None else str(holder.pid), holder.name]
+            xids.add_metric(key, holder.age_xids)
+            if holder.age_seconds is not None:
+                seconds.add_metric(key, holder.age_seconds)
+        live = _gauge("cmb_table_live_rows", "Live rows of the cmb table, as last counted.", ["table"])
+        dead = _gauge("cmb_table_dead_rows", "Dead rows of the cmb table not yet removed by vacuum.", ["table"])
+        for table in found.tables:
+            live.add_metric([table.table], table.live)
+            dead.add_metric([table.table], table.dead)
+        return [seconds, xids, live, dead]
 
 
 class _Reading:

@@ -130,3 +130,35 @@ SELECT asset, check_name, scope, severity, text, changed_at FROM check_states
 WHERE NOT %(failing)s OR severity <> 'ok'
 ORDER BY asset, check_name, scope
 """
+
+# What holds back vacuum in this database: the session, prepared transaction or replication slot with the oldest
+# snapshot (xmin) or transaction id, with its age in seconds where the server keeps one (a role that may not see
+# another user's session still sees its pid, application, user and xid, not its state or times).
+VACUUM_HOLDER = """
+SELECT kind, pid, name, state, username, age_seconds, age_xids FROM (
+    SELECT 'session' AS kind, a.pid, a.application_name AS name, a.state, a.usename AS username,
+           extract(epoch FROM now() - a.xact_start)::float8 AS age_seconds,
+           greatest(age(a.backend_xmin), age(a.backend_xid)) AS age_xids
+    FROM pg_stat_activity a
+    WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL) AND a.pid <> pg_backend_pid()
+      AND (a.datname = current_database() OR a.datname IS NULL)
+    UNION ALL
+    SELECT 'prepared transaction', NULL, p.gid, 'prepared', p.owner::text,
+           extract(epoch FROM now() - p.prepared)::float8, age(p.transaction)
+    FROM pg_prepared_xacts p WHERE p.database = current_database()
+    UNION ALL
+    SELECT 'replication slot', s.active_pid, s.slot_name, CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL,
+           NULL, age(s.xmin)
+    FROM pg_replication_slots s WHERE s.xmin IS NOT NULL
+) AS holders
+ORDER BY age_xids DESC, age_seconds DESC NULLS LAST
+LIMIT 1
+"""
+
+# Live and dead rows of every table of the cmb schema, as the statistics last counted them (no lock taken: a table
+# locked by a migration or a TRUNCATE does not stop the reading).
+TABLE_ROWS = """
+SELECT relname, n_live_tup, n_dead_tup
+FROM pg_stat_user_tables WHERE schemaname = %(schema)s
+ORDER BY relname
+"""

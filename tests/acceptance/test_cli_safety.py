@@ -132,7 +132,9 @@ COMMANDS: list[tuple[str, list[str]]] = [
 def all_commands(group: click.Group = main, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """Every command of the CLI, as the words that name it, groups added later included."""
     found = []
-    for name, command in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
         if isinstance(command, click.Group):
             found.extend(all_commands(command, (*path, name)))
         else:
@@ -294,7 +296,7 @@ def numeric_parameters() -> list[tuple[tuple[str, ...], click.Parameter]]:
     for path in all_commands():
         command = main
         for word in path:
-            command = command.commands[word]
+            command = command.get_command(click.Context(command), word)
         for param in command.params:
             if isinstance(param.type, click.types.IntParamType | click.types.FloatParamType):
                 found.append((path, param))

@@ -132,7 +132,7 @@ def test_a_translator_chooses_the_key_and_group_of_every_asset_the_engines_add()
 
     default = assets(None)
     engines = {key.path[0] for key in default}
-    assert engines == {"callbacks", "eventqueue", "pubsub", "reactive", "stages"}
+    assert engines == {"callbacks", "database", "eventqueue", "pubsub", "reactive", "stages"}
     chosen = assets(Translator())
     assert set(chosen) == {AssetKey(["ops", *key.path]) for key in default}
     assert {key: asset.group_name for key, asset in chosen.items()} == {

@@ -1,5 +1,6 @@
 """What a definitions file imports comes from ``cmb_dagster`` alone, and loads Dagster only when used."""
 
+import json
 import subprocess
 import sys
 
@@ -20,6 +21,26 @@ def test_importing_the_package_and_engines_does_not_load_dagster():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_command_loads_only_its_own_engine():
+    engines = ["callbacks", "ctl", "eventqueue", "pubsub", "reactive", "stages", "metrics"]
+    code = (
+        "import atexit, json, sys; from cmb_dagster.cli import run; "
+        "loaded = lambda: sorted({m.split('.')[1] for m in sys.modules if m.startswith('cmb_dagster.')}); "
+        "atexit.register(lambda: print(json.dumps(loaded()), file=sys.stderr)); run()"
+    )
+    # stages uses pub/sub (an entity's changes are published), never the others
+    for args, used in ((["db", "url"], set()), (["--bogus"], set()), (["stages", "--help"], {"stages", "pubsub"})):
+        out = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"CMB_DATABASE_URL": "postgresql://u@127.0.0.1:1/d", "PATH": ""},
+        )
+        loaded = set(json.loads(out.stderr.strip().splitlines()[-1]))
+        assert {e for e in engines if e in loaded} == used, (args, loaded)
 
 
 def test_engine_packages_export_no_internals():
