@@ -307,6 +307,8 @@ def test_the_asset_checks_are_declared_on_the_target_assets_and_the_tasks_asset(
         ("shop/mart", "deadline_mart"),
         ("reactive/tasks", "deadline_report"),
         ("reactive/tasks", "tick_age"),
+        ("database/vacuum", "vacuum_horizon_seconds"),
+        ("database/vacuum", "dead_rows_share"),
     }
     assert AssetKey(["shop", "mart"]) in graph.get_all_asset_keys()
 
