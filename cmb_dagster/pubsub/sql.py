@@ -122,7 +122,9 @@ target AS MATERIALIZED (
     END AS t
 )"""
 
-# The next %(limit)s events after the position, in (txid, id) order.
+# The next %(limit)s events after the position, in (txid, id) order. The events at or above the snapshot's xmax are
+# read from one lower bound, the position or the xmax whichever is later (ids start at 1): given both, the index scan
+# would start at the position, the branch's first event when no batch is half delivered.
 _NEXT_EVENTS = f"""(
     (SELECT {_EVENT_COLUMNS}
      FROM pg_snapshot_xip(%(snapshot)s::pg_snapshot) AS x
@@ -136,10 +138,11 @@ _NEXT_EVENTS = f"""(
     UNION ALL
     (SELECT {_EVENT_COLUMNS} FROM pubsub_events e
      WHERE e.branch_id = %(branch_id)s
-       AND e.txid >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
+       AND (e.txid, e.id) > (greatest(%(txid)s::xid8, pg_snapshot_xmax(%(snapshot)s::pg_snapshot)),
+                             CASE WHEN %(txid)s::xid8 >= pg_snapshot_xmax(%(snapshot)s::pg_snapshot)
+                                  THEN %(event_id)s::bigint ELSE 0 END)
        AND e.txid < (SELECT pg_snapshot_xmax(t) FROM target)
        AND pg_visible_in_snapshot(e.txid, (SELECT t FROM target))
-       AND (e.txid, e.id) > (%(txid)s::xid8, %(event_id)s)
      ORDER BY e.txid, e.id LIMIT %(limit)s)
     ORDER BY 2, 1
     LIMIT %(limit)s
