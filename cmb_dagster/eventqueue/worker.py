@@ -348,6 +348,7 @@ class EventWorker(EngineWorker):
         now = time.monotonic()  # before the database's clock is read: a claim's local deadline errs early
         rows = self._execute(query, {**params, **claimant, **self._finished()}, row_factory=namedtuple_row)
         self._deleted()
+        start_now = [params["start_now"]] * len(rows)  # each row's claim counted the starts of places up to this
         missing = [(row.scope, row.flow_key) for row in rows if row.decision == "flow_missing"]
         if missing:
             conn = self._connection()
@@ -359,11 +360,13 @@ class EventWorker(EngineWorker):
                 1 for row in rows if row.decision == "claim" and (row.place or math.inf) <= params["start_now"]
             )
             again = {**params, "start_now": params["start_now"] - counted}
-            rows += self._execute(query, {**again, **claimant, **self._finished()}, row_factory=namedtuple_row)
+            more = self._execute(query, {**again, **claimant, **self._finished()}, row_factory=namedtuple_row)
+            start_now = [params["start_now"]] * len(rows) + [again["start_now"]] * len(more)
+            rows += more
         claimed: list[tuple[float, int, Claimed]] = []  # in claim order: (place, id, event)
         edges: dict[int, list[Edge]] = {}
         self._came_due, self._flow_wait = False, None
-        for row in rows:
+        for row, starts in zip(rows, start_now, strict=True):
             decision = row.decision
             if decision == "rules":
                 self._acknowledge(row.id)
@@ -380,7 +383,7 @@ class EventWorker(EngineWorker):
                 )  # fmt: skip
                 batch = _members(event) if row.batch_count is not None else [event]
                 suspect = row.crashes > 0
-                counted = row.place is not None and row.place <= params["start_now"] and (not suspect or params["idle"])
+                counted = row.place is not None and row.place <= starts and (not suspect or params["idle"])
                 handler = self.registry.handlers[row.handler]
                 expired = row.seen_locked_at is not None
                 item = Claimed(event, handler, row.locked_at, expired, now, batch, counted, suspect)

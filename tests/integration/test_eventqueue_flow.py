@@ -1,6 +1,7 @@
 """Keys, fair turns, priorities and limits of the event queue, one worker in the test process."""
 
 import json
+import time
 
 import pytest
 from plans import rows_read
@@ -239,3 +240,22 @@ def test_the_handlers_asset_shows_its_limits_and_their_use(db, worker, seen):
     assert (metadata["in_flight"].value, metadata["keys_at_limit"].value) == (1, 1)
     plain = next(h for h in now.handlers if h.handler == "plain")
     assert "limits" not in handler_observation(plain).metadata
+
+
+def test_a_claim_meeting_keys_without_flow_rows_starts_no_more_calls_than_its_free_slots(db):
+    """A claim that finds limited keys whose flow rows do not exist yet makes them and claims again: the two claims
+    together start at most the worker's free slots, the others wait their turn."""
+    started = []
+    registry = HandlerRegistry()
+    registry.add("slow", lambda event: started.append(event.key) or time.sleep(0.2), key="value.k", concurrency=50)
+    settings = WorkerSettings(listen=False, sweep_interval=0.1, batch_size=100, worker_concurrency=4)
+    worker = EventWorker(db, EventQueueOptions(handlers=registry, worker=settings))
+    worker.register()
+    try:
+        emit("ns", "slow", {"k": "known"}, db=db)
+        worker.run_once()  # the key "known" has its flow rows now
+        emit_many([{"namespace": "ns", "handler": "slow", "value": {"k": k}} for k in ["known", "new"] * 4], db=db)
+        worker.run_once()
+        assert sorted(started[1:]) == ["known"] * 4 + ["new"] * 4
+    finally:
+        worker.close()
