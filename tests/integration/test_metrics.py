@@ -223,8 +223,11 @@ def test_callback_depths_are_exact_up_to_the_bound_and_estimated_above(db):
 
 
 def load_big_tables(db: Database) -> None:
-    """Tens of thousands of rows in each big table, by bulk inserts into the engines' tables (no ANALYZE)."""
+    """Tens of thousands of rows in each big table, by bulk inserts into the engines' tables (no ANALYZE, and none by
+    autovacuum on a server that runs it: the embedded one)."""
     with db.connection() as conn:
+        for table in sorted(BIG_TABLES):
+            conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(sql.Identifier(table)))
         conn.execute(
             """
             INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at,
