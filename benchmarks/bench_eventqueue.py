@@ -80,12 +80,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import psycopg
 from proc_cpu import cpu_seconds, find_postmaster, postgres_cpu_seconds
 from psycopg import sql
+
+if TYPE_CHECKING:
+    from cmb_dagster.eventqueue import EventWorker
 
 HERE = Path(__file__).resolve()
 DEFAULT_CONCURRENCY = 10  # calls one worker runs at once: cmb WorkerSettings.worker_concurrency, procrastinate's
@@ -202,6 +205,11 @@ def run_cmb_worker(url: str, out: str, listen: bool, poll: float, work: Work) ->
     registry.add("noop", call)
     settings = WorkerSettings(listen=listen, sweep_interval=poll, worker_concurrency=work.concurrency)
     worker = EventWorker(url, EventQueueOptions(handlers=registry, worker=settings))
+    serve_until_stopped(worker)
+
+
+def serve_until_stopped(worker: EventWorker) -> None:
+    """Register the worker's handlers, wait for the go, then run it until SIGTERM or SIGINT."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.stop())
     worker.register()

@@ -81,7 +81,7 @@ Sender = tuple[Callable[[int], object], Callable[[], object]]  # send item i; cl
 
 def run_eventqueue_worker(url: str, out: str, config: dict[str, Any]) -> None:
     """An ``EventWorker`` with one no-op handler (``config``: its key and limits) recording emit and start times."""
-    from bench_eventqueue import Work, _ready_then_wait, handler
+    from bench_eventqueue import Work, handler, serve_until_stopped
 
     from cmb_dagster.eventqueue import EventQueueOptions, EventWorker, HandlerRegistry, WorkerSettings
 
@@ -90,11 +90,7 @@ def run_eventqueue_worker(url: str, out: str, config: dict[str, Any]) -> None:
     registry.add("noop", lambda event: record(event.value["t"]), **config)
     settings = WorkerSettings(listen=True, sweep_interval=SWEEP, worker_concurrency=WORKER_CONCURRENCY)
     worker = EventWorker(url, EventQueueOptions(handlers=registry, worker=settings))
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: worker.stop())
-    worker.register()
-    _ready_then_wait()
-    worker.run()
+    serve_until_stopped(worker)
 
 
 def run_pubsub_consumer(url: str, out: str) -> None:
@@ -194,30 +190,19 @@ class Engine:
         return []
 
 
-class EventQueue(Engine):
-    latency = "emit -> handler start"
+class RoleEngine(Engine):
+    """An engine whose worker is this script in a ``role`` of its own, writing a line per item handled to ``out``."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-        self.keyed = "key" in config
+    role = ""
+
+    def role_args(self) -> list[str]:
+        return []
 
     def start(self, url: str, out: str) -> None:
         from bench_eventqueue import Lines
 
         self.out, self.lines = out, Lines(out)
-        self.workers = start_role("eventqueue-worker", url, out, "--config", json.dumps(self.config))
-
-    def sender(self, url: str) -> Sender:
-        from bench_flow import KEYS
-
-        from cmb_dagster.eventqueue import emit
-
-        conn = psycopg.connect(url, autocommit=True, options="-c search_path=cmb,public")
-
-        def send(i: int) -> None:
-            emit("bench", "noop", {"t": time.time(), "k": i % KEYS} if self.keyed else {"t": time.time()}, conn=conn)
-
-        return send, conn.close
+        self.workers = start_role(self.role, url, out, *self.role_args())
 
     def handled(self, monitor: psycopg.Connection) -> int:
         return self.lines.update()
@@ -230,6 +215,31 @@ class EventQueue(Engine):
     def stop(self) -> list[str]:
         self.workers.stop()
         return error_lines(self.workers.logs[0].read_text(errors="replace"))
+
+
+class EventQueue(RoleEngine):
+    latency = "emit -> handler start"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.keyed = "key" in config
+
+    role = "eventqueue-worker"
+
+    def role_args(self) -> list[str]:
+        return ["--config", json.dumps(self.config)]
+
+    def sender(self, url: str) -> Sender:
+        from bench_flow import KEYS
+
+        from cmb_dagster.eventqueue import emit
+
+        conn = psycopg.connect(url, autocommit=True, options="-c search_path=cmb,public")
+
+        def send(i: int) -> None:
+            emit("bench", "noop", {"t": time.time(), "k": i % KEYS} if self.keyed else {"t": time.time()}, conn=conn)
+
+        return send, conn.close
 
     def probes(self, monitor: psycopg.Connection) -> list[Probe]:
         from cmb_dagster.eventqueue import sql as eq
@@ -469,7 +479,7 @@ class Stages(Engine):
         ]
 
 
-class PubSub(Engine):
+class PubSub(RoleEngine):
     latency = "capture -> handler"
 
     def setup(self, url: str) -> None:
@@ -481,29 +491,13 @@ class PubSub(Engine):
             conn.execute(SETUP)
             install_capture(conn, "public.orders", ops=["insert"])
 
-    def start(self, url: str, out: str) -> None:
-        from bench_eventqueue import Lines
-
-        self.out, self.lines = out, Lines(out)
-        self.workers = start_role("pubsub-consumer", url, out)
+    role = "pubsub-consumer"
 
     def sender(self, url: str) -> Sender:
         from bench_pubsub import INSERT_ORDERS
 
         conn = psycopg.connect(url, autocommit=True)
         return (lambda i: conn.execute(INSERT_ORDERS, {"n": 1})), conn.close
-
-    def handled(self, monitor: psycopg.Connection) -> int:
-        return self.lines.update()
-
-    def latencies(self, since: float) -> list[float]:
-        from bench_eventqueue import records
-
-        return milliseconds_since(records(self.out), since)
-
-    def stop(self) -> list[str]:
-        self.workers.stop()
-        return error_lines(self.workers.logs[0].read_text(errors="replace"))
 
     def probes(self, monitor: psycopg.Connection) -> list[Probe]:
         from cmb_dagster.pubsub import sql as ps
