@@ -35,18 +35,25 @@ _FLOW_KEY = _flow_key("e.value")
 _DEAD_FLOW_KEY = _flow_key("CASE WHEN e.batch_count IS NULL THEN e.value ELSE e.value -> 0 -> 'value' END")
 
 
+# An event's place in claim order, priority descending (eventqueue_events_ready: (rank, turn, id)).
+_RANK = "(-{}.priority::integer)"
+
+
 def _turns(rows: str) -> str:
     """CTEs giving each row of ``rows`` (id or n, handler, flow_key, priority, place) its turn: ``turns``. Each
-    key's last turn is read once (``heads`` is materialized: inlined, it was read again for every row)."""
+    key's last turn and its priority's head are read once (``heads`` is materialized: inlined, it was read again
+    for every row), both from the priority's ``next`` turn up (eventqueue_turn_floors; 0 for a priority without a
+    row): a new turn is never below it, and the entries below it belong to events claimed or finished."""
     return f"""heads AS MATERIALIZED (
     SELECT g.handler, g.flow_key, g.priority, greatest(
         coalesce((SELECT x.turn + 1 FROM eventqueue_events x
                   WHERE x.handler = g.handler AND x.flow_key = g.flow_key AND x.priority = g.priority
-                    AND x.turn IS NOT NULL
+                    AND x.turn >= g.bound
                   ORDER BY x.turn DESC LIMIT 1), 0),
-        coalesce((SELECT x.turn FROM eventqueue_events x WHERE x.priority = g.priority AND x.turn IS NOT NULL
-                  ORDER BY x.priority DESC, x.turn LIMIT 1), 0)) AS first
-    FROM (SELECT DISTINCT handler, flow_key, priority FROM {rows}) AS g
+        coalesce((SELECT x.turn FROM eventqueue_events x WHERE {_RANK.format("x")} = -g.priority AND x.turn >= g.bound
+                  ORDER BY {_RANK.format("x")}, x.turn LIMIT 1), g.bound)) AS first
+    FROM (SELECT DISTINCT r.handler, r.flow_key, r.priority, coalesce(f.next, 0) AS bound
+          FROM {rows} r LEFT JOIN eventqueue_turn_floors f ON f.priority = r.priority) AS g
 ), turns AS (
     SELECT r.*, hd.first - 1 + row_number() OVER (PARTITION BY r.handler, r.flow_key, r.priority ORDER BY r.place)
            AS turn
@@ -328,26 +335,45 @@ FROM ({_FREED}) AS n{missing if limited else ""}
 """
 
 
+# The ranges of eventqueue_events_ready a claim reads, highest priority first: each priority with a row in
+# eventqueue_turn_floors from its floor up, and the priorities between them (none claimed yet: a new priority) whole.
+_SEGMENTS = """segments AS MATERIALIZED (
+    SELECT f.priority AS high, f.priority AS low, f.floor FROM eventqueue_turn_floors f
+    UNION ALL
+    SELECT coalesce(lag(f.priority::integer) OVER (ORDER BY f.priority DESC) - 1, 32767), f.priority + 1, 0
+    FROM eventqueue_turn_floors f
+    UNION ALL
+    SELECT coalesce(min(f.priority::integer) - 1, 32767), -32768, 0 FROM eventqueue_turn_floors f
+)"""
+
+
 # The worker's batch: the ready events of its handlers whose key is not at a limit, in (priority, turn) order:
 # held rows are skipped, not waited for. Events under a rule are parked (visible_at = 'infinity'), the rule row
 # share-locked so an unpause waits for this transaction and then finds them parked. An event whose earlier run
 # never ended (crashes > 0) is claimed alone: the batch is then that one event. A 'came_due' row says waiting
 # events came due (the worker stages them, STAGE); 'flow_wait' returns the seconds until a key at its rate limit
 # has a token again. A worker whose handlers have no rate or concurrency limit runs the claim without the
-# flow-control parts (``limited`` False).
+# flow-control parts (``limited`` False). Each priority is read from its floor up, a ``full`` claim from its first
+# turn: a worker makes one now and then for the events whose transaction committed long after their emit (their
+# turns can be below the floor).
 def claim_due(limited: bool) -> str:
     """The claim of a batch, with the flow limits applied when ``limited``."""
     return f"""
-WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}due AS (
-    SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
-           '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
-    FROM eventqueue_events e
-    WHERE e.turn IS NOT NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
-      AND coalesce(e.locked_by <> %(owner)s, true)  -- its lock lapsed while its call runs here: not to run again here
-      {_NOT_AT_LIMIT if limited else ""}
-    ORDER BY e.priority DESC, e.turn, e.id
+WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}{_SEGMENTS}, due AS (
+    SELECT d.* FROM (SELECT * FROM segments ORDER BY high DESC) AS s CROSS JOIN LATERAL (
+        SELECT e.id, e.locked_at AS seen_locked_at, e.crashes, e.priority, e.turn, e.handler, e.flow_key,
+               '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
+        FROM eventqueue_events e
+        WHERE ({_RANK.format("e")}, e.turn) >= (-s.high, CASE WHEN %(full)s THEN 0 ELSE s.floor END)
+          AND {_RANK.format("e")} <= -s.low AND e.turn IS NOT NULL
+          AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+          AND coalesce(e.locked_by <> %(owner)s, true)  -- its lock lapsed while its call runs here: not again here
+          {_NOT_AT_LIMIT if limited else ""}
+        ORDER BY {_RANK.format("e")}, e.turn, e.id
+        LIMIT %(limit)s
+        FOR UPDATE OF e SKIP LOCKED
+    ) AS d
     LIMIT %(limit)s
-    FOR UPDATE OF e SKIP LOCKED
 ), suspect AS (
     SELECT id FROM due WHERE decision = 'claim' AND crashes > 0 ORDER BY priority DESC, turn, id LIMIT 1
 ), offered AS (
@@ -380,6 +406,22 @@ WITH came_due AS (
 SELECT count(*) FROM staged
 """
 
+
+# The turn floors of the priorities a worker claimed events of: ``next`` becomes the floor and the lowest turn ready
+# from it up (or, none being ready, the event ids' high mark, above every turn given) the next, at most once a
+# second for each priority whatever the workers, and only when one of them moves.
+REFRESH_TURN_FLOORS = f"""
+INSERT INTO eventqueue_turn_floors AS f (priority, floor, next, shifted_at)
+SELECT p.priority, p.next, coalesce(
+    (SELECT e.turn FROM eventqueue_events e WHERE {_RANK.format("e")} = -p.priority AND e.turn >= p.next
+     ORDER BY {_RANK.format("e")}, e.turn LIMIT 1),
+    greatest(p.next, pg_sequence_last_value(pg_get_serial_sequence('eventqueue_events', 'id')::regclass))), now()
+FROM (SELECT u.priority, coalesce(o.next, 0) AS next
+      FROM unnest(%(priorities)s::smallint[]) AS u(priority)
+      LEFT JOIN eventqueue_turn_floors o ON o.priority = u.priority) AS p
+ON CONFLICT (priority) DO UPDATE SET floor = EXCLUDED.floor, next = EXCLUDED.next, shifted_at = EXCLUDED.shifted_at
+WHERE f.shifted_at <= now() - interval '1 second' AND (EXCLUDED.next > f.next OR f.floor < f.next)
+"""
 
 # Keys at their rate limit (an empty bucket) or concurrency limit (every slot taken), through the indexes on
 # the few buckets empty now and on the slots taken.

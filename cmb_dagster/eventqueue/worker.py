@@ -93,6 +93,8 @@ _HELD = {
     "throttled": Edge.THROTTLED,
 }
 STAGE_LIMIT = 10_000  # waiting events one staging statement makes ready at most
+TURN_FLOORS_EVERY = 1.0  # seconds between a worker's refreshes of the turn floors of the priorities it claimed
+FULL_CLAIM_EVERY = 10.0  # seconds between a worker's claims that read every priority from its first turn
 
 
 @dataclass(eq=False)
@@ -163,6 +165,9 @@ class EventWorker(EngineWorker):
         self._tick = min(1.0, min(h.config.lock_expiry for h in self.registry.handlers.values()) / 4)
         self._next_reclaim = 0.0
         self._claimed_at = -math.inf  # time.monotonic() of the last claim
+        self._claimed_priorities: set[int] = set()  # of the events claimed since the turn floors were refreshed
+        self._next_floors = 0.0  # time.monotonic() of the next refresh of the turn floors
+        self._next_full_claim = 0.0  # time.monotonic() of the next claim from every priority's first turn
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -242,8 +247,14 @@ class EventWorker(EngineWorker):
             return 0, 0
         # with flow limits a claim takes no more than the free slots, and each of its events starts at once
         start_now = size if self.limited else max(0, self.executor.free - len(self._waiting))
-        params = {"handlers": self.names, "limit": size, "start_now": start_now, "idle": not self.executor.running}
         self._claimed_at = time.monotonic()
+        full = self._claimed_at >= self._next_full_claim
+        if full:
+            self._next_full_claim = self._claimed_at + FULL_CLAIM_EVERY
+        params = {
+            "handlers": self.names, "limit": size, "start_now": start_now, "idle": not self.executor.running,
+            "full": full,
+        }  # fmt: skip
         if self._came_due:
             self._stage()
         claimed, edges = self._claim(sql.CLAIM_DUE[self.limited], params)
@@ -335,6 +346,19 @@ class EventWorker(EngineWorker):
         staged = self._execute(sql.STAGE, {"handlers": self.names, "stage_limit": STAGE_LIMIT})[0][0]
         self._came_due = staged == STAGE_LIMIT  # more may have come due
 
+    def _refresh_turn_floors(self) -> None:
+        """Once a second: move the turn floors of the priorities this worker claimed events of (a hint that bounds
+        the reads of emits and claims; kept for the next refresh if the database cannot be reached)."""
+        if not self._claimed_priorities or time.monotonic() < self._next_floors:
+            return
+        self._next_floors = time.monotonic() + TURN_FLOORS_EVERY
+        try:
+            self._execute(sql.REFRESH_TURN_FLOORS, {"priorities": sorted(self._claimed_priorities)})
+        except psycopg.Error as exc:
+            log.warning("could not refresh the turn floors (%s); retrying", exc)
+            return
+        self._claimed_priorities.clear()
+
     def _claim(self, query: str, params: Mapping[str, Any]) -> tuple[list[Claimed], dict[int, list[Edge]]]:
         """Acknowledge new rules, then claim with ``query``: the events claimed, and the edge each event took. The
         claim first deletes the events finished since the last one (those with limits are deleted before it: the
@@ -387,6 +411,7 @@ class EventWorker(EngineWorker):
                 handler = self.registry.handlers[row.handler]
                 expired = row.seen_locked_at is not None
                 item = Claimed(event, handler, row.locked_at, expired, now, batch, counted, suspect)
+                self._claimed_priorities.add(row.priority)
                 claimed.append((row.place or math.inf, row.id, item))
                 self._held[row.id] = item
                 edges[row.id] = [Edge.LOCK_EXPIRED if expired else Edge.LOCK_NONE]
@@ -639,6 +664,7 @@ class EventWorker(EngineWorker):
             fill_in = self._fill_in()
             count = 0 if fill_in else self._fill()[0]
             self._renew_locks()
+            self._refresh_turn_floors()
             if count == 0 and not fill_in and not self._waiting:  # idle: no claim deletes the finished events
                 self._flush()
         self.executor.check()

@@ -430,6 +430,14 @@ ALTER TABLE cmb.eventqueue_rules ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTIT
     CACHE 1
 );
 
+CREATE TABLE cmb.eventqueue_turn_floors (
+    priority smallint NOT NULL,
+    floor bigint DEFAULT 0 NOT NULL,
+    next bigint DEFAULT 0 NOT NULL,
+    shifted_at timestamp with time zone DEFAULT now() NOT NULL
+)
+WITH (fillfactor='10');
+
 CREATE TABLE cmb.eventqueue_workers (
     owner text NOT NULL,
     rules_seen bigint DEFAULT 0 NOT NULL,
@@ -860,6 +868,9 @@ ALTER TABLE ONLY cmb.eventqueue_rules
 ALTER TABLE ONLY cmb.eventqueue_rules
     ADD CONSTRAINT eventqueue_rules_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY cmb.eventqueue_turn_floors
+    ADD CONSTRAINT eventqueue_turn_floors_pkey PRIMARY KEY (priority);
+
 ALTER TABLE ONLY cmb.eventqueue_workers
     ADD CONSTRAINT eventqueue_workers_pkey PRIMARY KEY (owner);
 
@@ -976,7 +987,7 @@ CREATE INDEX eventqueue_events_key_turn ON cmb.eventqueue_events USING btree (ha
 
 CREATE INDEX eventqueue_events_open_batch ON cmb.eventqueue_events USING btree (handler, flow_key, id) WHERE ((batch_count IS NOT NULL) AND (locked_at IS NULL));
 
-CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (priority DESC, turn, id) WHERE (turn IS NOT NULL);
+CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (((- (priority)::integer)), turn, id) WHERE (turn IS NOT NULL);
 
 CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (visible_at) WHERE (turn IS NULL);
 

@@ -28,6 +28,7 @@ CLAIM_PARAMETERS = {
     "limit": 100,
     "start_now": 10,
     "idle": True,
+    "full": False,
     "stage_limit": STAGE_LIMIT,
     "owner": "a worker",
     "holder": "a worker",

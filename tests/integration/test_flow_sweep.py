@@ -119,6 +119,7 @@ def test_after_100000_keys_taken_once_the_sweep_leaves_the_rows_of_the_keys_in_u
             "limit": 100,
             "start_now": 100,
             "idle": True,
+            "full": False,
             "stage_limit": STAGE_LIMIT,
             "done": [],
             "done_locked": [],

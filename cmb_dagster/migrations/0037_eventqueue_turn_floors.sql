@@ -1,0 +1,18 @@
+-- Where each priority's ready events begin in turn order, so that emits, stagings and claims read bounded ranges of
+-- eventqueue_events_ready and eventqueue_events_key_turn instead of stepping over the entries of every event claimed
+-- since the oldest snapshot. ``next`` is the lowest turn ready when a worker last looked (or, none being ready, the
+-- event ids' high mark): new turns are never below it. ``floor`` is the ``next`` of the look before (at least a
+-- second older): claims read from it, so an event whose transaction was still open at the last look is not passed
+-- over. One row per priority in use; a row is written at most once a second.
+CREATE TABLE eventqueue_turn_floors (
+    priority smallint PRIMARY KEY,
+    floor bigint NOT NULL DEFAULT 0,
+    next bigint NOT NULL DEFAULT 0,
+    shifted_at timestamptz NOT NULL DEFAULT now()
+) WITH (fillfactor = 10);
+
+-- The ready events in claim order (priority descending, then turn), the priority negated so that a claim can start
+-- a range at one priority's floor with a row comparison (the planner keeps it an ordered index scan whatever the
+-- statistics, where an equality on the priority would be taken to keep 0.5% of the rows and sorted).
+DROP INDEX eventqueue_events_ready;
+CREATE INDEX eventqueue_events_ready ON eventqueue_events ((-priority::integer), turn, id) WHERE turn IS NOT NULL;
