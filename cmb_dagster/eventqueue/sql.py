@@ -384,18 +384,21 @@ WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}{_SEGMENTS}, due AS (
 ), {_apply(limited, "due")}
 UNION ALL
 SELECT {_row("'came_due'")}
-WHERE EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.visible_at <= now()
+WHERE EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.locked_by IS NULL AND e.visible_at <= now()
               AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL){_FLOW_WAIT if limited else ""}
 """
 
 
-# The waiting events of the worker's handlers that came due (delayed, retried, their lock expired, released by
-# a rule) become ready, taking their turns; returns how many.
-STAGE = f"""
+def stage(locked: bool) -> str:
+    """The waiting events of the worker's handlers that came due become ready, taking their turns; returns how many.
+    Those no worker holds (delayed, retried, released by a rule, given back by a worker or taken from a lapsed one:
+    eventqueue_events_waiting), or with ``locked`` those whose claim's lock expired (eventqueue_events_locks)."""
+    return f"""
 WITH came_due AS (
     SELECT e.id, e.handler, e.flow_key, e.priority, e.visible_at AS place
     FROM eventqueue_events e
-    WHERE e.turn IS NULL AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
+    WHERE e.turn IS NULL AND e.locked_by IS {"NOT NULL" if locked else "NULL"} AND e.visible_at <= now()
+      AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
     ORDER BY e.visible_at
     LIMIT %(stage_limit)s
     FOR UPDATE OF e SKIP LOCKED
@@ -405,6 +408,9 @@ WITH came_due AS (
 )
 SELECT count(*) FROM staged
 """
+
+
+STAGE = {locked: stage(locked) for locked in (False, True)}
 
 
 # The turn floors of the priorities a worker claimed events of: ``next`` becomes the floor and the lowest turn ready
@@ -459,10 +465,12 @@ CLAIM_IDS = {limited: claim_ids(limited) for limited in (False, True)}
 
 EXISTING_IDS = "SELECT id FROM eventqueue_events WHERE id = ANY(%(ids)s::bigint[])"
 
-# Seconds until the next waiting event of these handlers comes due (for the worker's sleep; 0: one is due).
+# Seconds until the next waiting event of these handlers that no worker holds comes due (for the worker's sleep;
+# 0: one is due). A lock's expiry is found by RECLAIM_LAPSED's check.
 NEXT_VISIBLE = """
 SELECT greatest(extract(epoch FROM visible_at - now())::float8, 0) FROM eventqueue_events
-WHERE turn IS NULL AND array_position(%(handlers)s::text[], handler) IS NOT NULL AND visible_at < 'infinity'
+WHERE turn IS NULL AND locked_by IS NULL AND array_position(%(handlers)s::text[], handler) IS NOT NULL
+  AND visible_at < 'infinity'
 ORDER BY visible_at LIMIT 1
 """
 
@@ -474,7 +482,8 @@ WITH {_DONE}
 # The events held by workers whose liveness lease lapsed (a kill -9, a lost host): visible again at once (they
 # take their turns when staged; the crashes of those whose calls had started are counted), the slots their worker
 # held for them free (its name read in the statement's snapshot, which this update is not part of). Read through
-# eventqueue_events_claimed, which holds the events being run and nothing else. Returns how many.
+# eventqueue_events_claimed, which holds the events being run and nothing else. Returns how many, and whether a
+# claim's lock expired meanwhile (through eventqueue_events_locks: the worker then stages them).
 RECLAIM_LAPSED = f"""
 WITH lapsed AS (
     UPDATE eventqueue_events e SET visible_at = now(), locked_by = NULL, lock_fence = NULL
@@ -487,7 +496,10 @@ WITH lapsed AS (
 ), freed AS (
     {_free_slots("lapsed", "h.holder")}
 )
-SELECT count(*) FROM lapsed
+SELECT count(*),
+       EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.locked_by IS NOT NULL
+               AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL)
+FROM lapsed
 """
 
 # Claimed events about to start: their crashes counted up (a run that never ends is then charged to them alone), each

@@ -161,6 +161,7 @@ class EventWorker(EngineWorker):
         self._rules_changed = threading.Event()
         self._acknowledged = 0  # the newest rule this worker applies to every event it starts
         self._came_due = True  # waiting events came due: staged before the next claim
+        self._expired_locks = True  # claims' locks expired: staged with the next waiting events
         self._flow_wait: float | None = None  # seconds until a key at its rate limit has a token again
         self._tick = min(1.0, min(h.config.lock_expiry for h in self.registry.handlers.values()) / 4)
         self._next_reclaim = 0.0
@@ -342,8 +343,12 @@ class EventWorker(EngineWorker):
         return self._lease.owner if self._lease else None
 
     def _stage(self) -> None:
-        """Make the waiting events that came due ready (they take their turns)."""
-        staged = self._execute(sql.STAGE, {"handlers": self.names, "stage_limit": STAGE_LIMIT})[0][0]
+        """Make the waiting events that came due ready (they take their turns): those no worker holds, and those
+        whose lock expired when the last check found some (outside the loop, always)."""
+        params = {"handlers": self.names, "stage_limit": STAGE_LIMIT}
+        staged = self._execute(sql.STAGE[False], params)[0][0]
+        if self._expired_locks or self._loop is None:
+            self._expired_locks = self._execute(sql.STAGE[True], params)[0][0] == STAGE_LIMIT
         self._came_due = staged == STAGE_LIMIT  # more may have come due
 
     def _refresh_turn_floors(self) -> None:
@@ -579,12 +584,15 @@ class EventWorker(EngineWorker):
                 self._held.pop(item.event.id, None)
 
     def _reclaim_lapsed(self) -> None:
-        """Every third of the lease's TTL: the events held by workers whose lease lapsed go back to the queue."""
+        """Every third of the lease's TTL: the events held by workers whose lease lapsed go back to the queue, and
+        those whose lock expired are staged next."""
         if time.monotonic() < self._next_reclaim:
             return
         self._next_reclaim = time.monotonic() + self.settings.lease_ttl / 3
-        if self._execute(sql.RECLAIM_LAPSED, {"kind": WORKER_KIND, "handlers": self.names})[0][0]:
+        [(lapsed, expired)] = self._execute(sql.RECLAIM_LAPSED, {"kind": WORKER_KIND, "handlers": self.names})
+        if lapsed or expired:
             self._came_due = True
+            self._expired_locks = self._expired_locks or expired
 
     def _acknowledge_new_rules(self) -> None:
         """After a rule changed: give the waiting events back, then acknowledge the newest rule (every event claimed

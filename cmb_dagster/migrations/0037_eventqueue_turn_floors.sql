@@ -16,3 +16,10 @@ CREATE TABLE eventqueue_turn_floors (
 -- statistics, where an equality on the priority would be taken to keep 0.5% of the rows and sorted).
 DROP INDEX eventqueue_events_ready;
 CREATE INDEX eventqueue_events_ready ON eventqueue_events ((-priority::integer), turn, id) WHERE turn IS NOT NULL;
+
+-- The waiting events no worker holds (delayed, retried, released) apart from those being run (their lock's expiry):
+-- a worker's sleep and each claim's look for waiting events that came due read the first, and do not step over the
+-- entries of every event claimed since the oldest snapshot; the lock expiries are looked at every few seconds.
+DROP INDEX eventqueue_events_waiting;
+CREATE INDEX eventqueue_events_waiting ON eventqueue_events (visible_at) WHERE turn IS NULL AND locked_by IS NULL;
+CREATE INDEX eventqueue_events_locks ON eventqueue_events (visible_at) WHERE turn IS NULL AND locked_by IS NOT NULL;

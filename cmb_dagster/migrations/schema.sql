@@ -985,11 +985,13 @@ CREATE INDEX eventqueue_events_held ON cmb.eventqueue_events USING btree (handle
 
 CREATE INDEX eventqueue_events_key_turn ON cmb.eventqueue_events USING btree (handler, flow_key, priority, turn) WHERE (turn IS NOT NULL);
 
+CREATE INDEX eventqueue_events_locks ON cmb.eventqueue_events USING btree (visible_at) WHERE ((turn IS NULL) AND (locked_by IS NOT NULL));
+
 CREATE INDEX eventqueue_events_open_batch ON cmb.eventqueue_events USING btree (handler, flow_key, id) WHERE ((batch_count IS NOT NULL) AND (locked_at IS NULL));
 
 CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (((- (priority)::integer)), turn, id) WHERE (turn IS NOT NULL);
 
-CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (visible_at) WHERE (turn IS NULL);
+CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (visible_at) WHERE ((turn IS NULL) AND (locked_by IS NULL));
 
 CREATE INDEX flow_buckets_empty ON cmb.flow_buckets USING btree (empty_until);
 

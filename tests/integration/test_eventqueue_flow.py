@@ -150,7 +150,7 @@ def test_the_claim_reads_a_batch_through_indexes_over_a_100000_event_backlog(db,
         if statistics:
             conn.execute("VACUUM ANALYZE eventqueue_events")
         conn.execute("SET jit = off")
-        for query in (sql.CLAIM_DUE[True], sql.CLAIM_DUE[False], sql.STAGE, sql.NEXT_VISIBLE):
+        for query in (sql.CLAIM_DUE[True], sql.CLAIM_DUE[False], *sql.STAGE.values(), sql.NEXT_VISIBLE):
             with conn.transaction(force_rollback=True):
                 (plan,) = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query, CLAIM_PARAMETERS).fetchone()[0]
             assert rows_read(plan["Plan"], "eventqueue_events") < 1_000, json.dumps(plan, indent=1)
