@@ -1,30 +1,47 @@
 """Held-xmin probe: which hot statements and indexes of each engine get dearer while a snapshot is held (issue 48).
 
     .venv/bin/python benchmarks/bench_held_xmin.py [--engines eventqueue,flow,callbacks,stages,pubsub]
-        [--rate 400] [--rates stages=200,...] [--seconds 60] [--vacuum-every 10]
+        [--rate 400] [--rates stages=200,...] [--seconds 60] [--vacuum-every 10] [--window SECONDS]
+    .venv/bin/python benchmarks/bench_held_xmin.py --engines eventqueue,procrastinate,callbacks,pgqueuer
+        --seconds 600 --window 60        # issue 48's acceptance figure
 
 For each engine, in a database of its own (``bench_callbacks.bench_database``: on CMB_DATABASE_URL's server, or
 the embedded one; dropped at the end), one producer and one worker run the engine's normal work through its public
 API in two phases of the same work, ``--rate`` x ``--seconds`` items each:
 - A: nothing held;
 - B: another session in REPEATABLE READ that ran one SELECT holds its snapshot for the whole phase (until the
-  phase's figures are read), so no row that dies during the phase can be removed.
+  phase's figures are read), so no row that dies during the phase can be removed; then it is released with the
+  engine at work again (below).
 The producer is one thread with one connection, one item per transaction at ``--rate`` a second (``--rates`` sets
 an engine's own), sending at once when it is behind. Every ``--vacuum-every`` seconds the tables changed since the
 last round are vacuumed and analyzed (what autovacuum would do; the test server runs without it); at the end of
 each phase, once more (this one counted in the statistics: its n_dead_tup are the dead rows it could not remove).
 
-The figure that does not depend on the machine's speed: buffers touched (hit + read) per item over the phase's last
-fifth, for every heap and index the phase used (pg_statio_user_tables, pg_statio_user_indexes), with the index
-entries read per item (idx_tup_read of pg_stat_user_indexes: the dead entries a scan steps over count too) and the
-share of HOT updates. The counters are read when 80% of the items are sent and at the end, once every item is
+Every figure of a phase is taken over its window: its last fifth of items, or with ``--window`` the items of its
+last SECONDS at the rate (issue 48 reads the last minute of a 600 s phase), from the moment the producer starts
+them to the last item handled. The figure that does not depend on the machine's speed: buffers touched (hit +
+read) per item, for every heap and index the phase used (pg_statio_user_tables, pg_statio_user_indexes), with the
+index entries read per item (idx_tup_read of pg_stat_user_indexes: the dead entries a scan steps over count too)
+and the share of HOT updates. The counters are read when the window opens and at the end, once every item is
 handled and the engine's sessions have ended (a backend flushes its statistics when it exits; while it runs, at
 most once a second, so the first reading may miss up to a second of work, counted in the window). The vacuums and
 this probe's own reads run in sessions with track_counts off (a superuser setting): they add nothing to those
-counters. Also per phase: the producer's rate and the duration of one send (p50/p99) over the last fifth, the
-latency the engine gives (below), n_dead_tup and the tables' sizes at the end, and EXPLAIN (ANALYZE, BUFFERS) of
-each engine's hot reads as the phase left the tables (the snapshot still held in B). After B the snapshot is
-released and the tables vacuumed again: what a vacuum gets back.
+counters. Also per phase: the items handled a second, the producer's rate and the duration of one send (p50/p99),
+the latency the engine gives (below, p50/p99), n_dead_tup and the tables' sizes at the end, and EXPLAIN (ANALYZE,
+BUFFERS) of each engine's hot reads as the phase left the tables (the snapshot still held in B).
+
+The release: once B's figures are read, the engine is started again and the producer sends at the rate; then the
+snapshot is released, the vacuum rounds run every ``--vacuum-every`` seconds from that moment, and each second each
+table the engine changed in B is measured (heap and indexes, pg_table_size + pg_indexes_size) against its size at
+A's end, for up to 120 s: ``back_within_s`` is the first second at which every one of them is within 1.5x of it or
+truncated since the release (a new file). Files do not shrink on a vacuum, and a table that keeps a row per item
+(procrastinate's jobs, kept by its default ``delete_jobs``; PgQueuer's log) grows with the work alone: with phases
+not much longer than the watch, such a table cannot be back. Then the engine is stopped and the tables vacuumed
+once more (counted): what a vacuum gets back.
+
+Issue 48's figures, per engine: ``ratio``, B over A of the items handled a second and of the p99 latency over the
+window, and ``back_within_s``; ``within_acceptance`` when both ratios are within 1.5x and the tables are back within
+60 s of the release. A peer runs where it has a counterpart among our engines, in the same run.
 
 Engines (the worker in a process of its own, started before the phase and warmed up):
 - ``eventqueue``: a no-op handler without a key (``EventWorker``, concurrency 10, LISTEN on, sweep 2 s), one
@@ -38,13 +55,27 @@ Engines (the worker in a process of its own, started before the phase and warmed
 - ``pubsub``: ``bench_pubsub``'s captured ``orders`` table, one row inserted per item, one ``ConsumerWorker``
   with default settings writing a result row per event; latency from the capture to the handler.
 
-Prints a table per engine (relations whose buffers per item reach 0.05 in a phase), then one JSON line last.
+The peers, in ``--engines`` only (they need the bench extras: ``pip install -e '.[bench]'``), each in a database of
+its own like ours, its tables vacuumed and counted like ours:
+- ``procrastinate`` (the counterpart of ``eventqueue``): ``bench_eventqueue``'s worker, set up as its docs advise
+  (its no-op ``async def`` task, concurrency 10, LISTEN/NOTIFY on, polling every 2 s as our sweep), and its
+  producer's ``defer`` through a pool of one connection, one transaction per item; latency from defer to the
+  task's start.
+- ``pgqueuer`` (the counterpart of ``callbacks`` and ``eventqueue``): a ``QueueManager`` set up as
+  ``bench_callbacks`` sets it up (asyncpg, batch 50, 200 tasks at most, dequeue timeout 1 s) with a no-op
+  entrypoint; one ``enqueue`` per item on an asyncpg connection (one transaction each); latency from the enqueue
+  to the entrypoint's start.
+
+Prints a table per engine (relations whose buffers per item reach 0.05 in a phase), a line per engine with issue
+48's figures, then one JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -54,7 +85,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +95,20 @@ from psycopg import sql
 
 HERE = Path(__file__).resolve()
 ENGINES = ("eventqueue", "flow", "callbacks", "stages", "pubsub")
+PEERS = {"procrastinate": ("eventqueue",), "pgqueuer": ("callbacks", "eventqueue")}  # a peer: our engines it mirrors
 PROBE_APP = "cmb_held_xmin_probe"  # application_name of this probe's own sessions
 COUNTED = f"-c application_name={PROBE_APP} -c search_path=cmb,public"
 UNCOUNTED = f"-c track_counts=off {COUNTED}"  # its reads add nothing to the statistics
-WINDOW = 0.8  # the counters are read when this share of the items is sent, and at the end
+WINDOW = 0.8  # without --window, the counters are read when this share of the items is sent, and at the end
 CATCH_UP = 120.0  # seconds the worker has, once the producer is done, to handle the last items
 SESSIONS_GONE = 30.0  # seconds the engine's sessions have to end once its processes are stopped
 SETTLE = 1.0  # seconds between a worker's gate and the first item
 WORKER_CONCURRENCY = 10
 SWEEP = 2.0
 SHOWN = 0.05  # buffers per item below which a relation is left out of the printed table (not of the JSON)
+ACCEPTED = 1.5  # issue 48: B's items/s and p99 within this factor of A's; the tables back within it of A's end size
+BACK_BY = 60.0  # issue 48: seconds after the release by which the tables are back
+WATCH = 120.0  # seconds the tables' sizes are watched after the release, at most
 Sender = tuple[Callable[[int], object], Callable[[], object]]  # send item i; close
 
 
@@ -114,6 +150,33 @@ def run_pubsub_consumer(url: str, out: str) -> None:
     worker.check()
     _ready_then_wait()
     worker.run()
+
+
+async def run_pgqueuer_consumer(url: str, out: str) -> None:
+    """PgQueuer's ``QueueManager`` set up as ``bench_callbacks`` sets it up, with one no-op entrypoint recording
+    enqueue and start times."""
+    import asyncpg
+    from bench_callbacks import LOCAL, PGQUEUER_BATCH_SIZE, PGQUEUER_MAX_CONCURRENT_TASKS
+    from bench_eventqueue import Work, _ready_then_wait, handler
+    from pgqueuer import QueueManager
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.queries import Queries
+
+    record = handler(out, Work(), "async")
+    manager = QueueManager(Queries(AsyncpgDriver(await asyncpg.connect(url))))
+
+    @manager.entrypoint("noop")
+    async def noop(job) -> None:  # type: ignore[no-untyped-def]
+        await record(json.loads(job.payload)["t"])
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, manager.shutdown.set)
+    await asyncio.to_thread(_ready_then_wait)
+    await manager.run(
+        batch_size=PGQUEUER_BATCH_SIZE,
+        max_concurrent_tasks=PGQUEUER_MAX_CONCURRENT_TASKS,
+        dequeue_timeout=timedelta(seconds=LOCAL.poll_interval),
+    )
 
 
 def start_role(role: str, url: str, out: str, *args: str):  # type: ignore[no-untyped-def]
@@ -165,7 +228,7 @@ class Engine:
     items sent since a time, ``stop``; ``probes`` of its hot reads."""
 
     latency: str | None = None
-    phase = ""  # "A" or "B", set before ``start``
+    phase = ""  # "A", "B" or "R" (at work again around the release), set before ``start``
 
     def setup(self, url: str) -> None:
         pass
@@ -217,6 +280,10 @@ class RoleEngine(Engine):
         return error_lines(self.workers.logs[0].read_text(errors="replace"))
 
 
+# The event queue's turn floors: where an emit's reads of priority 0 start.
+NEXT_TURN = "coalesce((SELECT next FROM eventqueue_turn_floors WHERE priority = 0), 0)"
+
+
 class EventQueue(RoleEngine):
     latency = "emit -> handler start"
 
@@ -248,29 +315,32 @@ class EventQueue(RoleEngine):
         handlers = {"handlers": ["noop"]}
         found = [
             (
-                "emit: the key's last turn (_turns' heads; eventqueue_events_key_turn)",
-                """SELECT x.turn + 1 FROM eventqueue_events x
-                   WHERE x.handler = 'noop' AND x.flow_key = %(key)s AND x.priority = 0 AND x.turn IS NOT NULL
+                "emit: the key's last turn from the floors' next (_turns' heads; eventqueue_events_key_turn)",
+                f"""SELECT x.turn + 1 FROM eventqueue_events x
+                   WHERE x.handler = 'noop' AND x.flow_key = %(key)s AND x.priority = 0 AND x.turn >= {NEXT_TURN}
                    ORDER BY x.turn DESC LIMIT 1""",
                 key,
             ),
             (
-                "emit: the head of the priority (_turns' heads; eventqueue_events_ready)",
-                """SELECT x.turn FROM eventqueue_events x WHERE x.priority = 0 AND x.turn IS NOT NULL
-                   ORDER BY x.priority DESC, x.turn LIMIT 1""",
+                "emit: the head of the priority from the floors' next (_turns' heads; eventqueue_events_ready)",
+                f"""SELECT x.turn FROM eventqueue_events x WHERE (-x.priority::integer) = 0 AND x.turn >= {NEXT_TURN}
+                   ORDER BY (-x.priority::integer), x.turn LIMIT 1""",
                 {},
             ),
             (
-                "claim: the ready events in order (CLAIM_DUE's due, unlocked; eventqueue_events_ready)",
+                "claim: the ready events from the floor (CLAIM_DUE's due, unlocked; eventqueue_events_ready)",
                 """SELECT e.id FROM eventqueue_events e
-                   WHERE e.turn IS NOT NULL AND e.visible_at <= now()
+                   WHERE ((-e.priority::integer), e.turn)
+                         >= (0, coalesce((SELECT floor FROM eventqueue_turn_floors WHERE priority = 0), 0))
+                     AND (-e.priority::integer) <= 0 AND e.turn IS NOT NULL AND e.visible_at <= now()
                      AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
-                   ORDER BY e.priority DESC, e.turn, e.id LIMIT 100""",
+                   ORDER BY (-e.priority::integer), e.turn, e.id LIMIT 100""",
                 handlers,
             ),
             (
                 "claim: waiting events came due (CLAIM_DUE's came_due; eventqueue_events_waiting)",
-                """SELECT EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.visible_at <= now()
+                """SELECT EXISTS (SELECT 1 FROM eventqueue_events e WHERE e.turn IS NULL AND e.locked_by IS NULL
+                                  AND e.visible_at <= now()
                                   AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL)""",
                 handlers,
             ),
@@ -521,6 +591,70 @@ class PubSub(RoleEngine):
         ]
 
 
+class Procrastinate(RoleEngine):
+    """``bench_eventqueue``'s procrastinate worker (its no-op ``async def`` task, concurrency 10, LISTEN on, polling
+    as our sweep) and producer (``defer`` through a pool of one connection)."""
+
+    latency = "defer -> task start"
+
+    def setup(self, url: str) -> None:
+        from bench_eventqueue import procrastinate_app
+
+        app = procrastinate_app(url)
+        with app.open():
+            app.schema_manager.apply_schema()
+
+    def start(self, url: str, out: str) -> None:
+        from bench_eventqueue import Lines, Work, Workers
+
+        self.out, self.lines = out, Lines(out)
+        work = Work(concurrency=WORKER_CONCURRENCY)
+        self.workers = Workers.start("procrastinate", url, out, 1, listen=True, poll=SWEEP, work=work)
+        self.workers.open()
+        time.sleep(SETTLE)
+
+    def sender(self, url: str) -> Sender:
+        from bench_eventqueue import procrastinate_app
+
+        app = procrastinate_app(url, min_size=1, max_size=1)
+
+        @app.task(name="noop")
+        async def noop(t: float) -> None: ...
+
+        app.open()
+        return (lambda i: noop.defer(t=time.time())), app.close
+
+
+class PgQueuer(RoleEngine):
+    """``run_pgqueuer_consumer``; the producer: one ``enqueue`` at a time on an asyncpg connection."""
+
+    latency = "enqueue -> entrypoint start"
+    role = "pgqueuer-consumer"
+
+    def setup(self, url: str) -> None:
+        from bench_callbacks import _pgqueuer_install
+
+        asyncio.run(_pgqueuer_install(url))
+
+    def sender(self, url: str) -> Sender:
+        import asyncpg
+        from pgqueuer.db import AsyncpgDriver
+        from pgqueuer.queries import Queries
+
+        loop = asyncio.new_event_loop()  # run by the producer's thread, one enqueue at a time
+        conn = loop.run_until_complete(asyncpg.connect(url))
+        queries = Queries(AsyncpgDriver(conn))
+
+        def send(i: int) -> None:
+            loop.run_until_complete(queries.enqueue("noop", json.dumps({"t": time.time()}).encode()))
+
+        def close() -> None:
+            loop.run_until_complete(conn.close())
+            loop.close()
+
+        return send, close
+
+
 def engine_of(name: str) -> Engine:
     from bench_flow import VARIANTS
 
@@ -530,6 +664,8 @@ def engine_of(name: str) -> Engine:
         "callbacks": Callbacks,
         "stages": Stages,
         "pubsub": PubSub,
+        "procrastinate": Procrastinate,
+        "pgqueuer": PgQueuer,
     }[name]()
 
 
@@ -537,8 +673,8 @@ def engine_of(name: str) -> Engine:
 
 
 class Producer(threading.Thread):
-    """Sends items 0..n-1 at ``rate`` a second (at once when behind), one ``send`` each; ``sent`` so far, and per
-    item the end of its send (``time.time()``) and its duration in seconds."""
+    """Sends items 0..n-1 at ``rate`` a second (at once when behind), one ``send`` each, until ``halt``; ``sent`` so
+    far, and per item the end of its send (``time.time()``) and its duration in seconds."""
 
     def __init__(self, sender: Sender, rate: float, n: int) -> None:
         super().__init__(name="producer", daemon=True)
@@ -548,14 +684,14 @@ class Producer(threading.Thread):
         self.ends = [0.0] * n
         self.durations = [0.0] * n
         self.error: BaseException | None = None
+        self.halted = threading.Event()
 
     def run(self) -> None:
         try:
             began = time.monotonic()
             for i in range(self.n):
-                pause = began + i / self.rate - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
+                if self.halted.wait(max(0.0, began + i / self.rate - time.monotonic())):
+                    break
                 started = time.perf_counter()
                 self.send(i)
                 self.durations[i] = time.perf_counter() - started
@@ -566,6 +702,17 @@ class Producer(threading.Thread):
             raise
         finally:
             self.close()
+
+    def finish(self) -> None:
+        """Wait for the last send; raise what failed the producer, if anything did."""
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"the producer failed: {self.error!r}") from self.error
+
+    def halt(self) -> None:
+        """Stop sending, then ``finish``."""
+        self.halted.set()
+        self.finish()
 
 
 # -- statistics, vacuums, the held snapshot -----------------------------------------------------------
@@ -585,6 +732,11 @@ FROM pg_stat_user_indexes i JOIN pg_statio_user_indexes io USING (indexrelid)
 """
 SIZES = """
 SELECT s.schemaname || '.' || s.relname, pg_table_size(s.relid), pg_indexes_size(s.relid), s.n_dead_tup, s.n_live_tup
+FROM pg_stat_user_tables s
+"""
+FILES = """
+SELECT s.schemaname || '.' || s.relname, pg_table_size(s.relid) + pg_indexes_size(s.relid),
+       pg_relation_filenode(s.relid)
 FROM pg_stat_user_tables s
 """
 VACUUMED = re.compile(
@@ -705,6 +857,11 @@ def explain(monitor: psycopg.Connection, probes: list[Probe]) -> dict[str, dict[
     return found
 
 
+def relation_files(monitor: psycopg.Connection) -> dict[str, tuple[int, int]]:
+    """Per table: its size with its indexes' (bytes), and its file (a new one once truncated)."""
+    return {table: (size, file) for table, size, file in monitor.execute(FILES)}
+
+
 def sizes(monitor: psycopg.Connection, tables: list[str]) -> dict[str, dict[str, int]]:
     """Per table: its size and its indexes' (bytes), n_dead_tup and n_live_tup."""
     return {
@@ -744,16 +901,18 @@ def window(mark: dict[str, dict[str, int]], end: dict[str, dict[str, int]], item
     return found
 
 
-def drive(engine: Engine, url: str, monitor: psycopg.Connection, rate: float, n: int, vacuum_every: float) -> dict:
+def drive(
+    engine: Engine, url: str, monitor: psycopg.Connection, rate: float, n: int, window_from: float, vacuum_every: float
+) -> dict:
     """The producer's ``n`` items at ``rate`` to the running worker, vacuums every ``vacuum_every`` seconds, until
-    every item is handled; the counters at the mark (``WINDOW`` of the items sent) and the figures of the run."""
+    every item is handled; the counters at the mark (``window_from`` items sent) and the figures of the run."""
     vacuums = Vacuums(url, vacuum_every)
     producer = Producer(engine.sender(url), rate, n)
     began = time.monotonic()
     vacuums.start()
     try:
         producer.start()
-        while producer.sent < WINDOW * n and producer.is_alive():
+        while producer.sent < window_from and producer.is_alive():
             time.sleep(0.02)
         mark = counters(monitor)
         mark_sent, mark_at, mark_wall, mark_handled = (
@@ -762,9 +921,7 @@ def drive(engine: Engine, url: str, monitor: psycopg.Connection, rate: float, n:
             time.time(),
             engine.handled(monitor),
         )
-        producer.join()
-        if producer.error is not None:
-            raise RuntimeError(f"the producer failed: {producer.error!r}") from producer.error
+        producer.finish()
         produced_at = time.monotonic()
         while (handled := engine.handled(monitor)) < n and time.monotonic() < produced_at + CATCH_UP:
             time.sleep(0.05)
@@ -792,9 +949,95 @@ def drive(engine: Engine, url: str, monitor: psycopg.Connection, rate: float, n:
     }
 
 
-def run_phase(engine: Engine, url: str, monitor: psycopg.Connection, rate: float, n: int, phase: str, args) -> dict:  # type: ignore[no-untyped-def]
+def watch_release(
+    engine: Engine,
+    url: str,
+    monitor: psycopg.Connection,
+    holder: psycopg.Connection,
+    rate: float,
+    tables: list[str],
+    a_end: dict[str, int],
+    vacuum_every: float,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The engine at work again at ``rate`` (phase "R"), then the snapshot released: each second, each table's size
+    (heap and indexes) against ``a_end`` (its size at A's end), until every table is at once within ACCEPTED of it
+    or truncated since the release (a new file, or gone), for WATCH seconds at most, the vacuum rounds running from
+    the release. Returns the run's figures (``back_within_s``: that moment), and per table its sizes, when it was
+    first within and whether it was at the end."""
+
+    def within(now: dict[str, tuple[int, int]], table: str) -> bool:
+        size, file = now.get(table, (0, -1))
+        reference = a_end.get(table)
+        return file != at_release[table][1] or (reference is not None and size <= ACCEPTED * reference)
+
+    with tempfile.TemporaryDirectory() as out:
+        engine.phase = "R"
+        engine.start(url, out)
+        try:
+            producer = Producer(engine.sender(url), rate, math.ceil(2 * WATCH * rate))  # halted before its end
+            producer.start()
+            try:
+                at_release = relation_files(monitor)
+                holder.rollback()
+                released = time.monotonic()
+                vacuums = Vacuums(url, vacuum_every)
+                vacuums.start()
+                first_within: dict[str, float | None] = dict.fromkeys(tables)
+                back = None
+                try:
+                    second = 0
+                    while back is None and second <= WATCH:
+                        time.sleep(max(0.0, released + second - time.monotonic()))
+                        now = relation_files(monitor)
+                        at = round(time.monotonic() - released, 1)
+                        for table in tables:
+                            if first_within[table] is None and within(now, table):
+                                first_within[table] = at
+                        if all(within(now, table) for table in tables):
+                            back = at
+                        second += 1
+                    watched = time.monotonic() - released
+                finally:
+                    vacuums.stop()
+            finally:
+                producer.halt()
+        finally:
+            errors = engine.stop()
+    per_table = {
+        table: {
+            "a_end_bytes": a_end.get(table),
+            "released_bytes": at_release[table][0],
+            "watch_end_bytes": now.get(table, (None, None))[0],
+            "truncated": now.get(table, (None, None))[1] != at_release[table][1],
+            "first_within_s": first_within[table],
+            "within_at_end": within(now, table),
+        }
+        for table in tables
+    }
+    figures = {
+        "back_within_s": back,
+        "watched_s": round(watched, 1),
+        "items_sent": producer.sent,
+        "vacuum_rounds": vacuums.rounds,
+        "errors_logged": len(errors),
+        "error_lines": errors[-5:],
+    }
+    return figures, per_table
+
+
+def run_phase(  # type: ignore[no-untyped-def]
+    engine: Engine,
+    url: str,
+    monitor: psycopg.Connection,
+    rate: float,
+    n: int,
+    phase: str,
+    args,
+    a_end: dict[str, int] | None = None,
+) -> dict:
     """One phase of ``n`` items at ``rate``; phase "B" with the snapshot held from before its first item until its
-    figures are read."""
+    figures are read, then released as ``watch_release`` tells (``a_end``: A's end size of each table)."""
+    window_from = n - max(1, round(rate * args.window)) if args.window else WINDOW * n
     before_sessions, began_changes = sessions(monitor), changes(monitor)
     holder = None
     try:
@@ -803,7 +1046,7 @@ def run_phase(engine: Engine, url: str, monitor: psycopg.Connection, rate: float
             engine.start(url, out)
             try:
                 holder = hold_snapshot(url) if phase == "B" else None
-                result = drive(engine, url, monitor, rate, n, args.vacuum_every)
+                result = drive(engine, url, monitor, rate, n, window_from, args.vacuum_every)
             finally:
                 result_errors = engine.stop()
         left = wait_sessions_gone(monitor, before_sessions)
@@ -824,11 +1067,13 @@ def run_phase(engine: Engine, url: str, monitor: psycopg.Connection, rate: float
                 result["held_xmin_age"] = monitor.execute(
                     "SELECT age(backend_xmin) FROM pg_stat_activity WHERE pid = %s", (holder.info.backend_pid,)
                 ).fetchone()[0]
-                holder.rollback()  # the snapshot released before the vacuum starts
+                result["release"], watched = watch_release(
+                    engine, url, monitor, holder, rate, tables, a_end or {}, args.vacuum_every
+                )
                 holder.close()
-                released = vacuum(counted, tables)
+                released = vacuum(counted, tables)  # what a vacuum gets back, the engine stopped
                 result["after_release"] = {
-                    table: {**figures, "dead_kept": released.get(table, {}).get("dead_kept")}
+                    table: {**figures, "dead_kept": released.get(table, {}).get("dead_kept"), **watched[table]}
                     for table, figures in sizes(monitor, tables).items()
                 }
     finally:
@@ -844,10 +1089,20 @@ def megabytes(n: int) -> str:
     return f"{n / 2**20:.1f} MB"
 
 
-def print_engine(name: str, figures: dict) -> None:
+def window_text(args: argparse.Namespace) -> str:
+    return f"last {args.window:g}s" if args.window else "last fifth"
+
+
+def times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"x{ratio:.2f}"
+
+
+def print_engine(name: str, figures: dict, window: str) -> None:
     a, b = figures["phases"]["A"], figures["phases"]["B"]
+    peer = f" (peer of {', '.join(figures['peer_of'])})" if figures["peer_of"] else ""
     print(
-        f"\n{name}: {figures['rate']:g} items/s, {a['items']:,} items a phase; last fifth ({a['window_items']:,} items)"
+        f"\n{name}{peer}: {figures['rate']:g} items/s, {a['items']:,} items a phase; {window} "
+        f"({a['window_items']:,} items)"
     )
     for label, phase in (("A (nothing held)", a), ("B (snapshot held)", b)):
         latency = (
@@ -866,6 +1121,22 @@ def print_engine(name: str, figures: dict) -> None:
             f"{phase['send_p50_ms']} ms, p99 {phase['send_p99_ms']} ms), handled {phase['handled_per_s']}/s{latency}; "
             f"{phase['errors_logged']} error lines{held}{flags}"
         )
+    release = b["release"]
+    print(
+        f"  B/A: handled items/s {times(figures['ratio']['items_per_s'])}, p99 latency "
+        f"{times(figures['ratio']['latency_p99'])}; after the release, the engine at work again "
+        f"({release['items_sent']:,} items sent, {release['errors_logged']} error lines): "
+        + (
+            f"each table back within {ACCEPTED:g}x of its size at A's end (or truncated) in {release['back_within_s']}s"
+            if release["back_within_s"] is not None
+            else f"not back within {release['watched_s']:g}s: "
+            + ", ".join(
+                f"{table} {megabytes(t['watch_end_bytes'] or 0)} (A {megabytes(t['a_end_bytes'] or 0)})"
+                for table, t in b["after_release"].items()
+                if not t["within_at_end"]
+            )
+        )
+    )
     keys = sorted(
         set(a["relations"]) | set(b["relations"]),
         key=lambda k: -b["relations"].get(k, {}).get("buffers_per_item", 0),
@@ -892,11 +1163,43 @@ def print_engine(name: str, figures: dict) -> None:
         print(
             f"  {table}: n_dead_tup A {ta['n_dead_tup']:,}, B {tb['n_dead_tup']:,} (after the release and a vacuum "
             f"{released.get('n_dead_tup', 0):,}); size A {megabytes(ta['table_bytes'])} + indexes "
-            f"{megabytes(ta['index_bytes'])}, B {megabytes(tb['table_bytes'])} + {megabytes(tb['index_bytes'])}"
+            f"{megabytes(ta['index_bytes'])}, B {megabytes(tb['table_bytes'])} + {megabytes(tb['index_bytes'])}; "
+            f"after the release {watched_text(released)}"
         )
     for probe, pa in a["probes"].items():
         pb = b["probes"].get(probe, {})
         print(f"  EXPLAIN {probe}: A {explained(pa)}, B {explained(pb)}")
+
+
+def watched_text(table: dict[str, Any]) -> str:
+    """What a table's size did once the snapshot was released, against its size at A's end."""
+    end = f"{megabytes(table['watch_end_bytes'] or 0)} at the end"
+    if table["truncated"]:
+        return f"truncated, {end}"
+    if table["first_within_s"] is None:
+        return f"never within {ACCEPTED:g}x of A's, {end}"
+    return f"within {ACCEPTED:g}x of A's from {table['first_within_s']}s, {end}"
+
+
+def print_acceptance(results: dict[str, dict], window: str) -> None:
+    """One line per engine: issue 48's figures, B over A over the window and the tables after the release."""
+    print(
+        f"\nissue 48 (B/A over the {window}; within {ACCEPTED:g}x, every table back within {ACCEPTED:g}x of its size "
+        f"at A's end or truncated by {BACK_BY:g}s after the release):"
+    )
+    print(
+        f"  {'engine':14} {'peer of':21} {'items/s A':>9} {'B':>7} {'B/A':>6}   {'p99 ms A':>8} {'B':>8} {'B/A':>6}"
+        f"   {'tables back':>11}   within"
+    )
+    for name, figures in results.items():
+        a, b = figures["phases"]["A"], figures["phases"]["B"]
+        back = figures["back_within_s"]
+        print(
+            f"  {name:14} {', '.join(figures['peer_of']):21} {a['handled_per_s']!s:>9} {b['handled_per_s']!s:>7} "
+            f"{times(figures['ratio']['items_per_s']):>6}   {a['latency_p99_ms']!s:>8} {b['latency_p99_ms']!s:>8} "
+            f"{times(figures['ratio']['latency_p99']):>6}   {(f'{back}s' if back is not None else 'no'):>11}   "
+            f"{'yes' if figures['within_acceptance'] else 'no'}"
+        )
 
 
 def explained(probe: dict[str, Any]) -> str:
@@ -931,13 +1234,37 @@ def run_engine(name: str, rate: float, args: argparse.Namespace) -> dict:
         except psycopg.Error as exc:
             raise SystemExit(f"this probe needs a role that may set track_counts (a superuser): {exc}") from None
         with monitor:
-            phases = {phase: run_phase(engine, url, monitor, rate, n, phase, args) for phase in ("A", "B")}
+            a = run_phase(engine, url, monitor, rate, n, "A", args)
+            a_end = {table: f["table_bytes"] + f["index_bytes"] for table, f in a["tables"].items()}
+            phases = {"A": a, "B": run_phase(engine, url, monitor, rate, n, "B", args, a_end)}
     ratios = {}
     for key, rb in phases["B"]["relations"].items():
         buf_a = phases["A"]["relations"].get(key, {}).get("buffers_per_item", 0)
         if buf_a >= SHOWN or rb["buffers_per_item"] >= SHOWN:
             ratios[key] = round(rb["buffers_per_item"] / buf_a, 2) if buf_a else None
-    return {"rate": rate, "latency": engine.latency, "phases": phases, "buffers_per_item_b_over_a": ratios}
+    b = phases["B"]
+    ratio = {
+        "items_per_s": quotient(b["handled_per_s"], a["handled_per_s"]),
+        "latency_p99": quotient(b["latency_p99_ms"], a["latency_p99_ms"]),
+    }
+    back = b["release"]["back_within_s"]
+    return {
+        "rate": rate,
+        "latency": engine.latency,
+        "peer_of": list(PEERS.get(name, ())),
+        "ratio": ratio,
+        "back_within_s": back,
+        "within_acceptance": (ratio["items_per_s"] or 0) >= 1 / ACCEPTED
+        and (engine.latency is None or (ratio["latency_p99"] or ACCEPTED + 1) <= ACCEPTED)
+        and back is not None
+        and back <= BACK_BY,
+        "phases": phases,
+        "buffers_per_item_b_over_a": ratios,
+    }
+
+
+def quotient(b: float | None, a: float | None) -> float | None:
+    return round(b / a, 2) if a and b is not None else None
 
 
 def main() -> None:
@@ -946,27 +1273,38 @@ def main() -> None:
     parser.add_argument("--url", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default="{}", help=argparse.SUPPRESS)
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"among {', '.join(ENGINES)} (default: all)")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"among {', '.join(ENGINES)} (the default) and the peers {', '.join(PEERS)}",
+    )
     parser.add_argument("--rate", type=float, default=400.0, help="items per second of the producer (default 400)")
     parser.add_argument("--rates", default=None, help="an engine's own rate: e.g. stages=200,callbacks=300")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of a phase at the rate (default 60)")
     parser.add_argument("--vacuum-every", type=float, default=10.0, help="seconds between vacuums (default 10)")
+    parser.add_argument(
+        "--window", type=float, default=None, help="figures over a phase's last SECONDS (default: its last fifth)"
+    )
     args = parser.parse_args()
     if args.role == "eventqueue-worker":
         return run_eventqueue_worker(args.url, args.out, json.loads(args.config))
     if args.role == "pubsub-consumer":
         return run_pubsub_consumer(args.url, args.out)
+    if args.role == "pgqueuer-consumer":
+        return asyncio.run(run_pgqueuer_consumer(args.url, args.out))
 
     from bench_callbacks import LOG_DIR, server_url
     from bench_eventqueue import server_info
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(engines) - set(ENGINES))
+    unknown = sorted(set(engines) - set(ENGINES) - set(PEERS))
     if unknown:
         parser.error(f"unknown engines: {', '.join(unknown)}")
     rates = {engine: args.rate for engine in engines} | parse_rates(args.rates, engines)
     if any(r <= 0 for r in rates.values()) or args.seconds <= 0 or args.vacuum_every <= 0:
         parser.error("rates, --seconds and --vacuum-every must be positive")
+    if args.window is not None and not 0 < args.window < args.seconds:
+        parser.error("--window must be positive and shorter than --seconds")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the workers and drop the databases on the way out
     info = server_info(server_url())
     load_start = os.getloadavg()[0]
@@ -988,7 +1326,8 @@ def main() -> None:
         f"{args.vacuum_every:g}s"
     )
     for name, figures in results.items():
-        print_engine(name, figures)
+        print_engine(name, figures, window_text(args))
+    print_acceptance(results, window_text(args))
     sys.stdout.flush()
     print(
         json.dumps(
@@ -996,7 +1335,16 @@ def main() -> None:
                 "benchmark": "held_xmin",
                 "server": info,
                 "machine": {"cores": os.cpu_count()},
-                "setup": {"seconds": args.seconds, "vacuum_every": args.vacuum_every, "window": round(1 - WINDOW, 2)},
+                "setup": {
+                    "seconds": args.seconds,
+                    "vacuum_every": args.vacuum_every,
+                    "window_seconds": args.window,
+                    "window_share": None if args.window else round(1 - WINDOW, 2),
+                    "accepted_factor": ACCEPTED,
+                    "back_by_s": BACK_BY,
+                    "release_watch_s": WATCH,
+                    "peers": {name: version(name) for name in engines if name in PEERS},
+                },
                 "engines": results,
                 "seconds": round(time.monotonic() - began, 1),
             },

@@ -7,13 +7,17 @@ and before a worker sleeps. Arrays of ids and times are sent in binary (the text
 client more than the statement costs the server). An event is *ready* (``turn`` set) or *waiting* (delayed, retried
 later, claimed, held). EMIT makes an event due now ready at once; each claim first stages the waiting events that
 came due (index eventqueue_events_waiting), then walks the ready ones in (priority, turn) order on index
-eventqueue_events_ready and stops after ``limit`` rows, so neither needs planner statistics. A turn is the event's
+eventqueue_events_ready, each priority from its turn floor up (eventqueue_turn_floors), and stops after ``limit``
+rows, so neither needs planner statistics. A turn is the event's
 place in a round-robin over its handler's keys: after the events of its key already ready, no earlier than the head
 of its priority. Keys whose rate or concurrency limit is reached are passed over, and of the rows read, each limited
 key gets as many as its tokens and free slots allow (flow control's take, inlined: cmb_dagster/flow/sql.py). The
 handler filter is written ``array_position(...) IS NOT NULL`` on purpose: without statistics the planner takes
 ``handler = ANY(...)`` to keep 0.5% of the rows and prefers reading every ready row and sorting them; an IS NOT NULL
-test is estimated to keep nearly all rows, so the ordered index scan with LIMIT wins.
+test is estimated to keep nearly all rows, so the ordered index scan with LIMIT wins. A write of events a CTE chose
+finds them by the array of their ids (``e.id = ANY(ARRAY(...))``) and reads their handler's settings by name for
+each (_HANDLER), with no join to the CTE or to eventqueue_handlers: offered one, a planner that takes the table for
+nearly empty (the statistics of a vacuum that a held snapshot kept from removing rows) walks a whole index.
 """
 
 from cmb_dagster.flow import sql as flow_sql
@@ -174,7 +178,7 @@ WITH v AS (
     SET value = e.value || o.batch, batch_count = e.batch_count + o.n, batch_bytes = e.batch_bytes + o.bytes,
         visible_at = o.due, delay_until = o.due, turn = CASE WHEN o.due > now() THEN NULL ELSE e.turn END
     FROM open o
-    WHERE e.id = o.id
+    WHERE e.id = ANY(ARRAY(SELECT id FROM open)) AND e.id = o.id
     RETURNING e.handler, e.flow_key
 ), begun AS (
     INSERT INTO eventqueue_events (id, namespace, module, handler, modifier, value, delay_until, visible_at, flow_key,
@@ -268,6 +272,7 @@ limits AS MATERIALIZED (
 # ended (crashes > 0) runs alone in its worker: it starts at once only in a worker with no call running (idle).
 # Each claim also returns the newest rule it read ('rules' row): a worker acknowledges that rule once no event
 # claimed before it is still to start (it releases those it has not started).
+_HANDLER = "(SELECT h.{} FROM eventqueue_handlers h WHERE h.name = e.handler)"
 _UNLIMITED = """
 candidates AS (
     SELECT o.id, o.seen_locked_at, o.crashes, o.take, o.place, NULL::int AS flow_slot, o.decision FROM offered o
@@ -285,12 +290,15 @@ FROM flow_granted g WHERE g.missing"""
     SELECT coalesce(max(id), 0) AS newest FROM eventqueue_rules
 ), held AS (
     UPDATE eventqueue_events e SET visible_at = 'infinity', turn = NULL
-    FROM candidates c WHERE e.id = c.id AND c.decision IN ('pause', 'block')
+    FROM candidates c
+    WHERE e.id = ANY(ARRAY(SELECT id FROM candidates WHERE decision IN ('pause', 'block')))
+      AND e.id = c.id AND c.decision IN ('pause', 'block')
     RETURNING e.id, c.decision
 ), crashed AS (
     DELETE FROM eventqueue_events e
-    USING candidates c, eventqueue_handlers h
-    WHERE e.id = c.id AND c.decision = 'claim' AND c.crashes > 0 AND h.name = e.handler AND e.crashes >= h.max_crashes
+    USING candidates c
+    WHERE e.id = ANY(ARRAY(SELECT id FROM candidates WHERE decision = 'claim' AND crashes > 0))
+      AND e.id = c.id AND c.decision = 'claim' AND c.crashes > 0 AND e.crashes >= {_HANDLER.format("max_crashes")}
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at, e.crashes,
               e.priority, e.batch_count
 ), dead AS (
@@ -302,12 +310,14 @@ FROM flow_granted g WHERE g.missing"""
     RETURNING id
 ), claimed AS (
     UPDATE eventqueue_events e
-    SET locked_at = now(), visible_at = now() + make_interval(secs => h.lock_expiry_seconds), turn = NULL,
+    SET locked_at = now(), visible_at = now() + make_interval(secs => {_HANDLER.format("lock_expiry_seconds")}),
+        turn = NULL,
         crashes = e.crashes + CASE WHEN c.place <= %(start_now)s AND (c.crashes = 0 OR %(idle)s) THEN 1 ELSE 0 END,
         flow_slot = c.flow_slot,
         locked_by = %(owner)s, lock_fence = %(fence)s
-    FROM candidates c, eventqueue_handlers h
-    WHERE e.id = c.id AND c.decision = 'claim' AND c.take AND h.name = e.handler AND e.crashes < h.max_crashes
+    FROM candidates c
+    WHERE e.id = ANY(ARRAY(SELECT id FROM candidates WHERE decision = 'claim' AND take))
+      AND e.id = c.id AND c.decision = 'claim' AND c.take AND e.crashes < {_HANDLER.format("max_crashes")}
       AND e.locked_at IS NOT DISTINCT FROM c.seen_locked_at        -- compare-and-set on locked_at
     RETURNING e.id, e.namespace, e.module, e.handler, e.modifier, e.value, e.retries, e.enqueued_at,
               e.locked_at, c.seen_locked_at, e.priority, e.flow_key, e.batch_count, c.place, c.crashes
@@ -529,10 +539,9 @@ SELECT count(*) FROM released
 # the events renewed; the others are no longer this worker's (their claim was taken over, or they are gone).
 EXTEND_LOCKS = f"""
 WITH extended AS (
-    UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => h.lock_expiry_seconds)
-    FROM eventqueue_handlers h
-    WHERE {_held("%(ids)s", "%(locked)s")} AND h.name = e.handler
-    RETURNING e.id, e.handler, e.flow_key, e.flow_slot, h.lock_expiry_seconds AS ttl
+    UPDATE eventqueue_events e SET visible_at = now() + make_interval(secs => {_HANDLER.format("lock_expiry_seconds")})
+    WHERE {_held("%(ids)s", "%(locked)s")}
+    RETURNING e.id, e.handler, e.flow_key, e.flow_slot, {_HANDLER.format("lock_expiry_seconds")} AS ttl
 ), slots AS (
     {flow_sql.renew(_slots_of("extended"), "%(holder)s")}
 )
