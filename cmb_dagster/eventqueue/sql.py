@@ -41,13 +41,17 @@ _DEAD_FLOW_KEY = _flow_key("CASE WHEN e.batch_count IS NULL THEN e.value ELSE e.
 
 # An event's place in claim order, priority descending (eventqueue_events_ready: (rank, turn, id)).
 _RANK = "(-{}.priority::integer)"
+# The highest event id given: where a priority with no event ready starts its turns (ids only grow).
+_ID_HIGH_MARK = "coalesce(pg_sequence_last_value(pg_get_serial_sequence('eventqueue_events', 'id')::regclass), 0)"
 
 
 def _turns(rows: str) -> str:
     """CTEs giving each row of ``rows`` (id or n, handler, flow_key, priority, place) its turn: ``turns``. Each
     key's last turn and its priority's head are read once (``heads`` is materialized: inlined, it was read again
     for every row), both from the priority's ``next`` turn up (eventqueue_turn_floors; 0 for a priority without a
-    row): a new turn is never below it, and the entries below it belong to events claimed or finished."""
+    row): a new turn is never below it, and the entries below it belong to events claimed or finished. A priority
+    with no event ready starts at the event ids' high mark, so turns move on as events go and no range is read
+    again."""
     return f"""heads AS MATERIALIZED (
     SELECT g.handler, g.flow_key, g.priority, greatest(
         coalesce((SELECT x.turn + 1 FROM eventqueue_events x
@@ -55,7 +59,7 @@ def _turns(rows: str) -> str:
                     AND x.turn >= g.bound
                   ORDER BY x.turn DESC LIMIT 1), 0),
         coalesce((SELECT x.turn FROM eventqueue_events x WHERE {_RANK.format("x")} = -g.priority AND x.turn >= g.bound
-                  ORDER BY {_RANK.format("x")}, x.turn LIMIT 1), g.bound)) AS first
+                  ORDER BY {_RANK.format("x")}, x.turn LIMIT 1), greatest(g.bound, {_ID_HIGH_MARK}))) AS first
     FROM (SELECT DISTINCT r.handler, r.flow_key, r.priority, coalesce(f.next, 0) AS bound
           FROM {rows} r LEFT JOIN eventqueue_turn_floors f ON f.priority = r.priority) AS g
 ), turns AS (
@@ -431,7 +435,7 @@ INSERT INTO eventqueue_turn_floors AS f (priority, floor, next, shifted_at)
 SELECT p.priority, p.next, coalesce(
     (SELECT e.turn FROM eventqueue_events e WHERE {_RANK.format("e")} = -p.priority AND e.turn >= p.next
      ORDER BY {_RANK.format("e")}, e.turn LIMIT 1),
-    greatest(p.next, pg_sequence_last_value(pg_get_serial_sequence('eventqueue_events', 'id')::regclass))), now()
+    greatest(p.next, {_ID_HIGH_MARK})), now()
 FROM (SELECT u.priority, coalesce(o.next, 0) AS next
       FROM unnest(%(priorities)s::smallint[]) AS u(priority)
       LEFT JOIN eventqueue_turn_floors o ON o.priority = u.priority) AS p
