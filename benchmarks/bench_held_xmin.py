@@ -317,7 +317,8 @@ class EventQueue(RoleEngine):
             (
                 "emit: the key's last turn from the floors' next (_turns' heads; eventqueue_events_key_turn)",
                 f"""SELECT x.turn + 1 FROM eventqueue_events x
-                   WHERE x.handler = 'noop' AND x.flow_key = %(key)s AND x.priority = 0 AND x.turn >= {NEXT_TURN}
+                   WHERE x.handler = 'noop' AND x.flow_key = %(key)s AND x.priority = 0 AND x.turn IS NOT NULL
+                     AND (x.handler, x.flow_key, x.priority, x.turn) >= ('noop', %(key)s, 0, {NEXT_TURN})
                    ORDER BY x.turn DESC LIMIT 1""",
                 key,
             ),

@@ -51,12 +51,15 @@ def _turns(rows: str) -> str:
     for every row), both from the priority's ``next`` turn up (eventqueue_turn_floors; 0 for a priority without a
     row): a new turn is never below it, and the entries below it belong to events claimed or finished. A priority
     with no event ready starts at the event ids' high mark, so turns move on as events go and no range is read
-    again."""
+    again. The key's bound is a row comparison over eventqueue_events_key_turn's columns: estimated by its first
+    column, it keeps that index whatever the statistics (a bound on the turn alone, estimated from a histogram of
+    few live rows, made eventqueue_events_ready, read whole, look cheaper)."""
     return f"""heads AS MATERIALIZED (
     SELECT g.handler, g.flow_key, g.priority, greatest(
         coalesce((SELECT x.turn + 1 FROM eventqueue_events x
                   WHERE x.handler = g.handler AND x.flow_key = g.flow_key AND x.priority = g.priority
-                    AND x.turn >= g.bound
+                    AND (x.handler, x.flow_key, x.priority, x.turn) >= (g.handler, g.flow_key, g.priority, g.bound)
+                    AND x.turn IS NOT NULL
                   ORDER BY x.turn DESC LIMIT 1), 0),
         coalesce((SELECT x.turn FROM eventqueue_events x WHERE {_RANK.format("x")} = -g.priority AND x.turn >= g.bound
                   ORDER BY {_RANK.format("x")}, x.turn LIMIT 1), greatest(g.bound, {_ID_HIGH_MARK}))) AS first
