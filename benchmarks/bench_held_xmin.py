@@ -318,13 +318,14 @@ class EventQueue(RoleEngine):
                 "emit: the key's last turn from the floors' next (_turns' heads; eventqueue_events_key_turn)",
                 f"""SELECT x.turn + 1 FROM eventqueue_events x
                    WHERE x.handler = 'noop' AND x.flow_key = %(key)s AND x.priority = 0 AND x.turn IS NOT NULL
-                     AND (x.handler, x.flow_key, x.priority, x.turn) >= ('noop', %(key)s, 0, {NEXT_TURN})
+                     AND x.turn >= {NEXT_TURN}
                    ORDER BY x.turn DESC LIMIT 1""",
                 key,
             ),
             (
                 "emit: the head of the priority from the floors' next (_turns' heads; eventqueue_events_ready)",
-                f"""SELECT x.turn FROM eventqueue_events x WHERE (-x.priority::integer) = 0 AND x.turn >= {NEXT_TURN}
+                f"""SELECT x.turn FROM eventqueue_events x
+                   WHERE (-x.priority::integer) = 0 AND x.turn >= {NEXT_TURN} AND x.turn >= 0
                    ORDER BY (-x.priority::integer), x.turn LIMIT 1""",
                 {},
             ),
@@ -333,7 +334,7 @@ class EventQueue(RoleEngine):
                 """SELECT e.id FROM eventqueue_events e
                    WHERE ((-e.priority::integer), e.turn)
                          >= (0, coalesce((SELECT floor FROM eventqueue_turn_floors WHERE priority = 0), 0))
-                     AND (-e.priority::integer) <= 0 AND e.turn IS NOT NULL AND e.visible_at <= now()
+                     AND (-e.priority::integer) <= 0 AND e.turn >= 0 AND e.visible_at <= now()
                      AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
                    ORDER BY (-e.priority::integer), e.turn, e.id LIMIT 100""",
                 handlers,

@@ -51,17 +51,17 @@ def _turns(rows: str) -> str:
     for every row), both from the priority's ``next`` turn up (eventqueue_turn_floors; 0 for a priority without a
     row): a new turn is never below it, and the entries below it belong to events claimed or finished. A priority
     with no event ready starts at the event ids' high mark, so turns move on as events go and no range is read
-    again. The key's bound is a row comparison over eventqueue_events_key_turn's columns: estimated by its first
-    column, it keeps that index whatever the statistics (a bound on the turn alone, estimated from a histogram of
-    few live rows, made eventqueue_events_ready, read whole, look cheaper)."""
+    again. The key's read cannot use eventqueue_events_ready (its predicate, ``turn >= 0``, does not follow from the
+    key's bound): with the statistics of a vacuum a held snapshot held back, that index read whole looked cheaper
+    than the key's range of eventqueue_events_key_turn."""
     return f"""heads AS MATERIALIZED (
     SELECT g.handler, g.flow_key, g.priority, greatest(
         coalesce((SELECT x.turn + 1 FROM eventqueue_events x
                   WHERE x.handler = g.handler AND x.flow_key = g.flow_key AND x.priority = g.priority
-                    AND (x.handler, x.flow_key, x.priority, x.turn) >= (g.handler, g.flow_key, g.priority, g.bound)
-                    AND x.turn IS NOT NULL
+                    AND x.turn IS NOT NULL AND x.turn >= g.bound
                   ORDER BY x.turn DESC LIMIT 1), 0),
-        coalesce((SELECT x.turn FROM eventqueue_events x WHERE {_RANK.format("x")} = -g.priority AND x.turn >= g.bound
+        coalesce((SELECT x.turn FROM eventqueue_events x
+                  WHERE {_RANK.format("x")} = -g.priority AND x.turn >= g.bound AND x.turn >= 0
                   ORDER BY {_RANK.format("x")}, x.turn LIMIT 1), greatest(g.bound, {_ID_HIGH_MARK}))) AS first
     FROM (SELECT DISTINCT r.handler, r.flow_key, r.priority, coalesce(f.next, 0) AS bound
           FROM {rows} r LEFT JOIN eventqueue_turn_floors f ON f.priority = r.priority) AS g
@@ -382,7 +382,7 @@ WITH {_DONE}, {_AT_LIMIT + ", " if limited else ""}{_SEGMENTS}, due AS (
                '{SCOPE_PREFIX}' || e.handler AS scope, coalesce({_RULE}, 'claim') AS decision
         FROM eventqueue_events e
         WHERE ({_RANK.format("e")}, e.turn) >= (-s.high, CASE WHEN %(full)s THEN 0 ELSE s.floor END)
-          AND {_RANK.format("e")} <= -s.low AND e.turn IS NOT NULL
+          AND {_RANK.format("e")} <= -s.low AND e.turn >= 0
           AND e.visible_at <= now() AND array_position(%(handlers)s::text[], e.handler) IS NOT NULL
           AND coalesce(e.locked_by <> %(owner)s, true)  -- its lock lapsed while its call runs here: not again here
           {_NOT_AT_LIMIT if limited else ""}
@@ -436,7 +436,8 @@ STAGE = {locked: stage(locked) for locked in (False, True)}
 REFRESH_TURN_FLOORS = f"""
 INSERT INTO eventqueue_turn_floors AS f (priority, floor, next, shifted_at)
 SELECT p.priority, p.next, coalesce(
-    (SELECT e.turn FROM eventqueue_events e WHERE {_RANK.format("e")} = -p.priority AND e.turn >= p.next
+    (SELECT e.turn FROM eventqueue_events e
+     WHERE {_RANK.format("e")} = -p.priority AND e.turn >= p.next AND e.turn >= 0
      ORDER BY {_RANK.format("e")}, e.turn LIMIT 1),
     greatest(p.next, {_ID_HIGH_MARK})), now()
 FROM (SELECT u.priority, coalesce(o.next, 0) AS next

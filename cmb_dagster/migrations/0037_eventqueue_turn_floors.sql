@@ -13,9 +13,11 @@ CREATE TABLE eventqueue_turn_floors (
 
 -- The ready events in claim order (priority descending, then turn), the priority negated so that a claim can start
 -- a range at one priority's floor with a row comparison (the planner keeps it an ordered index scan whatever the
--- statistics, where an equality on the priority would be taken to keep 0.5% of the rows and sorted).
+-- statistics, where an equality on the priority would be taken to keep 0.5% of the rows and sorted). Turns are never
+-- negative; the predicate says ``turn >= 0`` so that only a query saying so reads this index (a key's last turn is
+-- read from eventqueue_events_key_turn, whatever the statistics suggest).
 DROP INDEX eventqueue_events_ready;
-CREATE INDEX eventqueue_events_ready ON eventqueue_events ((-priority::integer), turn, id) WHERE turn IS NOT NULL;
+CREATE INDEX eventqueue_events_ready ON eventqueue_events ((-priority::integer), turn, id) WHERE turn >= 0;
 
 -- The waiting events no worker holds (delayed, retried, released) apart from those being run (their lock's expiry):
 -- a worker's sleep and each claim's look for waiting events that came due read the first, and do not step over the

@@ -989,7 +989,7 @@ CREATE INDEX eventqueue_events_locks ON cmb.eventqueue_events USING btree (visib
 
 CREATE INDEX eventqueue_events_open_batch ON cmb.eventqueue_events USING btree (handler, flow_key, id) WHERE ((batch_count IS NOT NULL) AND (locked_at IS NULL));
 
-CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (((- (priority)::integer)), turn, id) WHERE (turn IS NOT NULL);
+CREATE INDEX eventqueue_events_ready ON cmb.eventqueue_events USING btree (((- (priority)::integer)), turn, id) WHERE (turn >= 0);
 
 CREATE INDEX eventqueue_events_waiting ON cmb.eventqueue_events USING btree (visible_at) WHERE ((turn IS NULL) AND (locked_by IS NULL));
 
