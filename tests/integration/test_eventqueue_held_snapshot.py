@@ -108,13 +108,21 @@ def test_an_emit_a_claim_and_a_sleep_touch_as_much_after_3000_events_handled_und
 ):
     with held_snapshot(db), Running(worker):
         produce(db, handled, 100)
-        produce(db, handled, 40, every=0.05)  # the floors move past the events handled before
+        moved_past(db, handled)
         few = emit_claim_and_sleep_buffers(db)
         produce(db, handled, 3000)
-        produce(db, handled, 40, every=0.05)
+        moved_past(db, handled)
         many = emit_claim_and_sleep_buffers(db)
     # the entries of the last two seconds' events at most (their dead versions kept), not one per event handled
     assert all(m <= f + 60 for f, m in zip(few, many, strict=True)), (few, many)
+
+
+def moved_past(db, handled) -> None:
+    """A few events at a time until the claims' floor of priority 0 is past every event handled before."""
+    with db.connection() as conn:
+        last = conn.execute("SELECT max(id) FROM eventqueue_events").fetchone()[0] or 0
+        last = max(last, conn.execute("SELECT last_value FROM eventqueue_events_id_seq").fetchone()[0])
+    wait_until(lambda: floor_past(db, handled, last), timeout=60, what="the floor past the events handled")
 
 
 def test_an_event_committed_long_after_its_emit_is_handled_once_the_floors_have_moved_past_its_turn(
