@@ -26,6 +26,8 @@ from cmb_dagster.callbacks.models import (
     CallbackSettings,
     CallbacksStatus,
     CallbackStatus,
+    EndpointHealth,
+    EndpointPolicy,
     NewCallback,
     RetryPolicy,
 )
@@ -50,6 +52,8 @@ __all__ = [
     "CallbackWorker",
     "CallbacksStatus",
     "CleanReport",
+    "EndpointHealth",
+    "EndpointPolicy",
     "FlowLimits",
     "InvalidCallbackInput",
     "NewCallback",

@@ -14,15 +14,21 @@ from pydantic import BaseModel, Field
 from cmb_dagster import flow
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
-from cmb_dagster.callbacks.hosts import check_url
+from cmb_dagster.callbacks.hosts import check_url, endpoint_of
 from cmb_dagster.callbacks.models import (
     MAX_BUCKETS,
+    MAX_OWNER_LENGTH,
+    MAX_URL_LENGTH,
     BucketSetCounts,
     CallbackCounts,
     CallbackEvent,
     CallbackSettings,
     CallbacksStatus,
     DeadLetters,
+    EndpointCounts,
+    EndpointHealth,
+    EndpointPolicy,
+    EndpointState,
     LimitUse,
     SigningSecretInfo,
     check_key,
@@ -44,7 +50,7 @@ class _StatusRequest(BaseModel):
 
 
 def status(
-    database: DatabaseSource, *, bucket_sets: int = 0, totals: bool = True, limits: bool = True
+    database: DatabaseSource, *, bucket_sets: int = 0, totals: bool = True, limits: bool = True, endpoints: bool = True
 ) -> CallbacksStatus:
     """What the engine reports.
 
@@ -52,14 +58,29 @@ def status(
     scan of the events). ``bucket_sets``: for each of that many sets of buckets (set i: the buckets with
     ``id % bucket_sets == i``, one worker job's), the figures its observations plot (read from the indexes).
     ``limits``: each key of the limits the workers registered (destination hosts, owners, groups; at most
-    ``LIMIT_KEYS_SHOWN``), its limits and the calls in flight.
+    ``LIMIT_KEYS_SHOWN``), its limits and the calls in flight. ``endpoints``: how many endpoints are open and
+    disabled, and the first ``UNHEALTHY_SHOWN`` of them (disabled first).
     """
     sets = validated(_StatusRequest, {"bucket_sets": bucket_sets}).bucket_sets
     with Database.of(database).connection() as conn:
         counts = _rows(conn, sql.STATUS_COUNTS, {}, CallbackCounts)[0] if totals else None
         per_set = _rows(conn, sql.BUCKET_SET_COUNTS, {"sets": sets}, BucketSetCounts) if sets else []
         uses = _limit_uses(conn) if limits else []
-    return CallbacksStatus(totals=counts, bucket_sets=per_set, limits=uses)
+        health = _rows(conn, sql.ENDPOINT_COUNTS, {}, EndpointCounts)[0] if endpoints else None
+        unhealthy = _unhealthy(conn) if health is not None and (health.open or health.disabled) else []
+    return CallbacksStatus(totals=counts, bucket_sets=per_set, limits=uses, endpoints=health, unhealthy=unhealthy)
+
+
+UNHEALTHY_SHOWN = 20
+
+
+def _unhealthy(conn: psycopg.Connection) -> list[EndpointHealth]:
+    shown = []
+    for state in ("disabled", "open"):
+        params = {"owner": None, "state": state, "limit": UNHEALTHY_SHOWN - len(shown)}
+        if params["limit"] > 0:
+            shown += _rows(conn, sql.LIST_ENDPOINTS, params, EndpointHealth)
+    return shown
 
 
 LIMIT_KEYS_SHOWN = 1000
@@ -232,6 +253,81 @@ def failure_hook(database: DatabaseSource, owner_client_id: str) -> str | None:
     with Database.of(database).connection() as conn:
         row = conn.execute(sql.GET_OWNER_HOOK, {"owner": owner_client_id}).fetchone()
     return None if row is None else row[0]
+
+
+# -- endpoints (circuit breakers) -------------------------------------------------------------------------
+
+MAX_ENDPOINTS_LISTED = 10_000
+
+
+class _EndpointSelection(BaseModel):
+    owner_client_id: str | None = Field(default=None, min_length=1, max_length=MAX_OWNER_LENGTH)
+    state: EndpointState | None = None
+    limit: int = Field(default=100, ge=1, le=MAX_ENDPOINTS_LISTED)
+
+
+@refused_input(InvalidCallbackInput, "arguments")
+def endpoints(
+    database: DatabaseSource, owner_client_id: str | None = None, *, state: str | None = None, limit: int = 100
+) -> list[EndpointHealth]:
+    """The endpoints' health (of one owner, in one state), disabled first, then open, then closed; ``limit`` at
+    most (1 to 10,000)."""
+    chosen = validated(_EndpointSelection, {"owner_client_id": owner_client_id, "state": state, "limit": limit})
+    if chosen.owner_client_id is not None:
+        check_key(chosen.owner_client_id, "owner_client_id")
+    params = {"owner": chosen.owner_client_id, "state": chosen.state, "limit": chosen.limit}
+    with Database.of(database).connection() as conn:
+        return _rows(conn, sql.LIST_ENDPOINTS, params, EndpointHealth)
+
+
+def _endpoint(owner_client_id: str, endpoint: str) -> dict[str, str]:
+    check_key(owner_client_id, "owner_client_id")
+    normalised = endpoint_of(endpoint) if isinstance(endpoint, str) and len(endpoint) <= MAX_URL_LENGTH else None
+    if normalised is None:
+        raise InvalidCallbackInput("endpoint: expected an http(s) URL (its query is ignored)")
+    return {"owner": owner_client_id, "endpoint": normalised}
+
+
+@refused_input(InvalidCallbackInput, "arguments")
+def enable_endpoint(database: DatabaseSource, owner_client_id: str, endpoint: str) -> int:
+    """Close the owner's ``endpoint`` (a URL of it) whatever its state, and send its held and disabled events again,
+    oldest first, within its limits; return how many. InvalidCallbackInput if the endpoint is unknown."""
+    params = _endpoint(owner_client_id, endpoint)
+    with Database.of(database).connection() as conn:
+        endpoint_id, events = conn.execute(sql.ENABLE_ENDPOINT, params).fetchone()
+    if endpoint_id is None:
+        raise InvalidCallbackInput(f"endpoint: {params['endpoint']!r} of owner {owner_client_id!r} is not known")
+    return events
+
+
+@refused_input(InvalidCallbackInput, "arguments")
+def disable_endpoint(database: DatabaseSource, owner_client_id: str, endpoint: str) -> int:
+    """Disable the owner's ``endpoint`` (a URL of it): its events are kept as ``disabled`` until it is enabled;
+    return how many of its held events were kept so."""
+    params = _endpoint(owner_client_id, endpoint)
+    with Database.of(database).connection() as conn:
+        return conn.execute(sql.DISABLE_ENDPOINT, params).fetchone()[1]
+
+
+@refused_input(InvalidCallbackInput, "arguments")
+def set_endpoint_policy(database: DatabaseSource, owner_client_id: str, policy: EndpointPolicy | None) -> None:
+    """The circuit breaker policy of the owner's endpoints (None: the workers' ``CallbackSettings.endpoint_policy``);
+    workers apply it to the next outcomes they write."""
+    check_key(owner_client_id, "owner_client_id")
+    if policy is not None and not isinstance(policy, EndpointPolicy):
+        policy = validated(EndpointPolicy, policy)
+    text = None if policy is None else policy.model_dump_json()
+    with Database.of(database).connection() as conn:
+        conn.execute(sql.SET_ENDPOINT_POLICY, {"owner": owner_client_id, "policy": text})
+
+
+@refused_input(InvalidCallbackInput, "arguments")
+def endpoint_policy(database: DatabaseSource, owner_client_id: str) -> EndpointPolicy | None:
+    """The owner's own endpoint policy (None: the workers' default applies)."""
+    check_key(owner_client_id, "owner_client_id")
+    with Database.of(database).connection() as conn:
+        row = conn.execute(sql.GET_ENDPOINT_POLICY, {"owner": owner_client_id}).fetchone()
+    return None if row is None or row[0] is None else EndpointPolicy.model_validate_json(row[0])
 
 
 # -- signing secrets --------------------------------------------------------------------------------------

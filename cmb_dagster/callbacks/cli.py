@@ -21,6 +21,8 @@ from cmb_dagster.callbacks.models import (
     MAX_TTL_DAYS,
     CallbackEvent,
     CallbackSettings,
+    EndpointHealth,
+    EndpointPolicy,
 )
 from cmb_dagster.callbacks.schedules import materialize_schedules
 from cmb_dagster.callbacks.worker import CallbackWorker, bucket_slice
@@ -325,8 +327,13 @@ def status() -> None:
     click.echo(
         f"pending {counts.pending} (overdue {counts.overdue}, oldest {counts.oldest_overdue_seconds:.1f}s late), "
         f"notified {counts.notified}, failed {counts.failed} (dead letters: `callbacks failed`), "
-        f"rejected {counts.rejected}, cancelled {counts.cancelled}"
+        f"rejected {counts.rejected}, cancelled {counts.cancelled}, held {counts.held} and disabled "
+        f"{counts.disabled} by their endpoints"
     )
+    if report.endpoints is not None:
+        click.echo(f"endpoints: {report.endpoints.open} open, {report.endpoints.disabled} disabled")
+        for health in report.unhealthy:
+            click.echo("  " + _endpoint_line(health))
     for use in report.limits:
         limits = [f"{use.in_flight}/{use.concurrency} in flight" if use.concurrency else f"{use.in_flight} in flight"]
         if use.rate_per_second is not None:
@@ -401,6 +408,103 @@ def on_failure(owner_client_id: str, url: str | None, clear: bool, allow_hosts: 
             return
         client.set_failure_hook(owner_client_id, url)
     click.echo("cleared" if clear else "set")
+
+
+@callbacks.command(name="endpoints")
+@click.option("--owner", "owner_client_id", help="Only this owner's endpoints.")
+@click.option("--state", type=click.Choice(["closed", "open", "disabled"]), help="Only endpoints in this state.")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, admin.MAX_ENDPOINTS_LISTED))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def endpoints_(owner_client_id: str | None, state: str | None, limit: int, as_json: bool) -> None:
+    """The endpoints' health (circuit breakers), disabled first, then open, then closed."""
+    found = admin.endpoints(open_database(), owner_client_id, state=state, limit=limit)
+    if not found and not as_json:
+        click.echo("no endpoints")
+    for health in found:
+        click.echo(health.model_dump_json() if as_json else _endpoint_line(health))
+
+
+def _endpoint_line(h: EndpointHealth) -> str:
+    since = {"open": h.opened_at, "disabled": h.disabled_at}.get(h.state)
+    state = f"{h.state} since {since.isoformat()}" if since else h.state
+    if h.state == "disabled":
+        state += f" (by the {h.disabled_by})"
+    last_ok = h.last_success_at.isoformat() if h.last_success_at else "never"
+    return (
+        f"{h.owner_client_id}\t{h.endpoint}\t{state}\tfailures in a row {h.consecutive_failures}\t"
+        f"window {h.window_failures}/{h.window_calls} failed\tlast success {last_ok}\theld {h.held}\t"
+        f"disabled {h.disabled}\t{h.last_error or ''}"
+    )
+
+
+@callbacks.group()
+def endpoint() -> None:
+    """Act on an owner's endpoint (its circuit breaker)."""
+
+
+_ENDPOINT_ARGS = [
+    click.option("--owner", "owner_client_id", required=True, help="The owner of the endpoint."),
+    click.argument("url"),
+]
+
+
+def _endpoint_args(f):  # type: ignore[no-untyped-def]
+    for decorator in reversed(_ENDPOINT_ARGS):
+        f = decorator(f)
+    return f
+
+
+@endpoint.command()
+@_endpoint_args
+def enable(owner_client_id: str, url: str) -> None:
+    """Close the endpoint of URL and send its held and disabled events again, oldest first."""
+    count = admin.enable_endpoint(open_database(), owner_client_id, url)
+    click.echo(f"enabled; {count} events will be sent again")
+
+
+@endpoint.command()
+@_endpoint_args
+def disable(owner_client_id: str, url: str) -> None:
+    """Keep the events of the endpoint of URL as disabled (not called) until it is enabled."""
+    count = admin.disable_endpoint(open_database(), owner_client_id, url)
+    click.echo(f"disabled; {count} held events kept as disabled")
+
+
+@endpoint.command()
+@click.option("--owner", "owner_client_id", required=True, help="The owner whose endpoints it applies to.")
+@click.option("--failure-threshold", type=click.IntRange(1, 1_000_000), help="Failed calls in a row that open one.")
+@click.option("--probe-interval", type=FloatRange(0.001, 30 * DAY), help="Seconds before the first probe.")
+@click.option("--disable-after", type=FloatRange(1, 366 * DAY), help="Seconds open before it is disabled.")
+@click.option("--never-disable", is_flag=True, help="Never disable the owner's endpoints.")
+@click.option("--clear", is_flag=True, help="Back to the workers' default policy.")
+def policy(
+    owner_client_id: str,
+    failure_threshold: int | None,
+    probe_interval: float | None,
+    disable_after: float | None,
+    never_disable: bool,
+    clear: bool,
+) -> None:
+    """Show or set the owner's circuit breaker policy (what is not given keeps its value, from EndpointPolicy's
+    defaults for an owner without a policy of its own)."""
+    db = open_database()
+    if clear:
+        admin.set_endpoint_policy(db, owner_client_id, None)
+        click.echo("cleared: the workers' default applies")
+        return
+    current = admin.endpoint_policy(db, owner_client_id)
+    base = (current or EndpointPolicy()).model_dump()
+    changes: dict[str, Any] = {}
+    if failure_threshold is not None:
+        changes["failure_threshold"] = failure_threshold
+    if disable_after is not None or never_disable:
+        changes["disable_after"] = None if never_disable else disable_after
+    if probe_interval is not None:
+        changes["probe_interval"] = {**base["probe_interval"], "first": probe_interval}
+    if changes:
+        current = EndpointPolicy(**{**base, **changes})
+        admin.set_endpoint_policy(db, owner_client_id, current)
+    click.echo(current.model_dump_json() if current is not None else "no policy of its own: the workers' default")
 
 
 @callbacks.group()

@@ -26,12 +26,15 @@ from cmb_dagster.callbacks.hosts import check_url
 from cmb_dagster.callbacks.models import (
     ENVELOPE,
     MAX_TTL_DAYS,
+    WAITING_STATUSES,
     Body,
     CallbackEvent,
     CallbackSchedule,
     CallbackSettings,
     CallbackStatus,
     CatchUp,
+    EndpointHealth,
+    EndpointPolicy,
     NewCallback,
     NewSchedule,
     RetryPolicy,
@@ -204,7 +207,8 @@ class CallbackClient:
         i_ensure_pending: bool = False,
         conn: psycopg.Connection | None = None,
     ) -> CallbackEvent:
-        """Change a pending event's run_at, originally_run_at (defaults to the new run_at), cb_url or context.
+        """Change a pending event's run_at, originally_run_at (defaults to the new run_at), cb_url or context (one
+        held or disabled by its endpoint is pending again).
 
         A cancelled event can be changed too with ``i_ensure_pending=True``, which makes it pending again.
         """
@@ -219,7 +223,7 @@ class CallbackClient:
         with connection_for(conn, self.db) as conn:
             conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # before the new id is drawn
             before = self._lock(conn, owner_client_id, group_key, event_key)
-            allowed = before["status"] == "pending" or (before["status"] == "cancelled" and i_ensure_pending)
+            allowed = before["status"] in WAITING_STATUSES or (before["status"] == "cancelled" and i_ensure_pending)
             if not allowed:
                 revivable = before["status"] == "cancelled"
                 hint = " (pass i_ensure_pending=True to revive a cancelled one)" if revivable else ""
@@ -247,10 +251,11 @@ class CallbackClient:
     def cancel(
         self, owner_client_id: str, group_key: str, event_key: str, *, conn: psycopg.Connection | None = None
     ) -> CallbackEvent:
-        """Cancel a pending event (CallbackInvalidState for any other status)."""
+        """Cancel a pending event, or one held or disabled by its endpoint (CallbackInvalidState for any other
+        status)."""
         with connection_for(conn, self.db) as conn:
             before = self._lock(conn, owner_client_id, group_key, event_key)
-            if before["status"] != "pending":
+            if before["status"] not in WAITING_STATUSES:
                 raise CallbackInvalidState(
                     f"{_name(owner_client_id, group_key, event_key)} is {before['status']}: "
                     "only pending events can be cancelled"
@@ -278,6 +283,26 @@ class CallbackClient:
         with self.db.connection() as conn:
             cur = conn.cursor(row_factory=dict_row)
             return cur.execute(sql.CHANGE_LOG, _keys(owner_client_id, group_key, event_key)).fetchall()
+
+    # -- endpoints (circuit breakers) ----------------------------------------------------------------
+
+    def endpoints(
+        self, owner_client_id: str | None = None, *, state: str | None = None, limit: int = 100
+    ) -> list[EndpointHealth]:
+        """The endpoints' health (of one owner, in one state: closed, open or disabled), disabled first."""
+        return admin.endpoints(self.db, owner_client_id, state=state, limit=limit)
+
+    def enable_endpoint(self, owner_client_id: str, endpoint: str) -> int:
+        """Close the owner's endpoint (a URL of it) and send its held and disabled events again; return how many."""
+        return admin.enable_endpoint(self.db, owner_client_id, endpoint)
+
+    def disable_endpoint(self, owner_client_id: str, endpoint: str) -> int:
+        """Keep the events of the owner's endpoint (a URL of it) as disabled until it is enabled."""
+        return admin.disable_endpoint(self.db, owner_client_id, endpoint)
+
+    def set_endpoint_policy(self, owner_client_id: str, policy: EndpointPolicy | None) -> None:
+        """The circuit breaker policy of the owner's endpoints (None: the workers' default)."""
+        admin.set_endpoint_policy(self.db, owner_client_id, policy)
 
     # -- dead letters, failure hooks, signing secrets -------------------------------------------------
 
@@ -449,6 +474,7 @@ class CallbackClient:
             counts.append(total)
         with self.db.connection() as conn:
             fire_times = conn.execute(sql.CLEAN_SCHEDULED_EVENTS, {"ttl_days": ttl}).rowcount
+            conn.execute(sql.CLEAN_ENDPOINTS, {"ttl_days": ttl})
         return CleanReport(events=counts[0], change_log=counts[1], fire_times=fire_times)
 
     # -- helpers -----------------------------------------------------------------------------------

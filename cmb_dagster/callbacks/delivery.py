@@ -56,6 +56,7 @@ FAILED = "failed"  # permanent: retrying cannot help (host not allowed, unknown 
 RETRY = "retry"  # main retry: reschedule in the database
 ABANDONED = "abandoned"  # not called: the lease could lapse first, or the worker is stopping
 GONE = "gone"  # not called: cancelled, updated or deleted since it was polled (nothing to write)
+HELD = "held"  # a failed probe: back to waiting for its endpoint (neither a retry nor a failure of its own)
 MAX_HEADER_BYTES = 16 * 1024
 RESPONSE_EXCERPT_BYTES = 512  # of an answer's body kept with the outcome (last_response)
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"))
@@ -109,6 +110,8 @@ class Delivery:
     flow: FlowKey | None = None  # the limits the call is under (None: none)
     slot: int | None = None  # the slot of those limits it holds while called
     message_id: int = 0  # its webhook-id is cb_<message_id> (0: the event id)
+    endpoint: str | None = None  # its circuit breaker's endpoint (None: not an HTTP call)
+    probe: int | None = None  # the id of the open endpoint it probes (no fast retry; failed, it is held again)
     secrets: tuple[str, ...] = field(default=(), repr=False)  # its owner's active signing secrets (the gate's copy)
     outcome: str | None = None
     tries: int = 0
@@ -428,8 +431,10 @@ class DeliveryPool:
         launcher: JobLauncher | None = None,
         gate: Gate | None = None,
         on_broken: Callable[[BaseException], None] | None = None,
+        on_answer: Callable[[Delivery, Answer], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.on_answer = on_answer  # told of every answer of an endpoint (not of a call refused by the settings)
         self.sender = HttpSender(settings)
         self.launcher = launcher
         self.gate = gate
@@ -719,10 +724,15 @@ class DeliveryPool:
                 self._give_back(delivery)
                 return
             outcome, error, delivery.status_code, delivery.response = answer
+            if delivery.endpoint is not None and outcome in (NOTIFIED, REJECTED, RETRY) and self.on_answer is not None:
+                self.on_answer(delivery, answer)  # every call counts for its endpoint's circuit breaker
             if outcome != RETRY:
                 self._finish(delivery, outcome, error)
                 return
             delivery.error = error
+            if delivery.probe is not None:
+                self._finish(delivery, HELD, error)
+                return
             if delivery.tries <= delivery.retry.fast_retries and not self._closed:
                 # a fast retry: back to the heap, and through the gate again
                 delivery.due = time.monotonic() + self.settings.backoff.delay(delivery.tries - 1)

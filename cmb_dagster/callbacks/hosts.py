@@ -57,6 +57,24 @@ def hosts_from_env() -> tuple[str, ...] | None:
         raise InvalidCallbackInput(f"{ALLOWED_HOSTS_ENV}: {exc}") from None
 
 
+@functools.lru_cache(maxsize=4096)
+def endpoint_of(url: str) -> str | None:
+    """The endpoint an http(s) URL calls: ``scheme://host[:port]/path`` (host in lower case, the port only when not
+    the scheme's default, no query or fragment); None for any other URL (``dagster://`` has none)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    host = parts.hostname
+    if parts.scheme not in ("http", "https") or not host:
+        return None
+    host = f"[{host}]" if ":" in host else host
+    default = 443 if parts.scheme == "https" else 80
+    at = host if port is None or port == default else f"{host}:{port}"
+    return f"{parts.scheme}://{at}{parts.path or '/'}"
+
+
 def check_url(url: str, settings: CallbackSettings, field: str = "cb_url") -> None:
     """Raise InvalidCallbackInput unless ``url`` is an http(s) URL to an allowed host or ``dagster://<job>``."""
     problem = _url_problem(url, settings.allowed_hosts)

@@ -50,6 +50,9 @@ MAX_CONTEXT_BYTES = 16 * 1024 * 1024  # a context travels in the body of every c
 MAX_PRIORITY = 1000
 MAX_OWNER_LIMITS = 1000  # entries of CallbackSettings.per_owner: each is a scope registered by every worker
 HOST_SCOPE = "callbacks/host"
+ENDPOINT_SCOPE = "callbacks/endpoint"  # key: the endpoint; or + "/" + endpoint, key empty (per_endpoint entries)
+ANY_ENDPOINT = "*"
+MAX_ENDPOINT_LIMITS = 1000  # entries of CallbackSettings.per_endpoint
 OWNER_SCOPE = "callbacks/owner/"  # + owner, or + owner/group
 DEFAULT_PER_HOST = FlowLimits(concurrency=64)
 HOOK_GROUP = "cmb.failure"  # the group of failure hook events (reserved)
@@ -65,6 +68,12 @@ class CallbackStatus(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     REJECTED = "rejected"
+    HELD = "held"  # waiting for its endpoint's circuit breaker to close
+    DISABLED = "disabled"  # kept while its endpoint is disabled; sent when it is enabled
+
+
+WAITING_STATUSES = (CallbackStatus.PENDING, CallbackStatus.HELD, CallbackStatus.DISABLED)
+"""Events still to be called: cancel, update and delete treat them alike."""
 
 
 def _seconds(value: Any) -> Any:
@@ -141,6 +150,64 @@ class RetryPolicy(BaseModel):
         if retries_done * math.log(self.factor) + math.log(self.delay) >= math.log(cap):
             return cap
         return min(self.delay * self.factor**retries_done, cap)
+
+
+DAY = 86400.0
+MAX_DISABLE_AFTER = 366 * DAY
+
+
+class EndpointPolicy(Options):
+    """When an endpoint's circuit breaker opens, how it probes, and when it is disabled.
+
+    An endpoint opens after ``failure_threshold`` failed calls in a row, or when at least ``min_calls`` calls of the
+    current ``window`` failed at ``failure_rate`` or more. Open, its due events are held (not called, not counted as
+    attempts or failures) while one probe (its next due event) is sent per ``probe_interval``, longer after each
+    failed probe; a success closes it and its held events go out, oldest first. Open for ``disable_after`` seconds
+    (None: never), it is disabled: its events are kept as ``disabled`` and one notification is sent.
+    """
+
+    error = InvalidCallbackInput
+
+    breaker: bool = Field(
+        default=True,
+        description="Whether an endpoint opens at all (False: every event follows its own retry policy; the "
+        "endpoint's health is still kept).",
+    )
+    failure_threshold: int = Field(default=10, ge=1, le=1_000_000, description="Failed calls in a row that open it.")
+    failure_rate: float | None = Field(
+        default=0.5, gt=0, le=1, description="Share of failed calls in the window that opens it (None: not used)."
+    )
+    min_calls: int = Field(default=20, ge=1, le=1_000_000, description="Calls in the window before the rate counts.")
+    window: float = Field(default=60.0, ge=1, le=DAY, description="Seconds over which the failure rate is counted.")
+    probe_interval: Backoff = Field(
+        default=Backoff(first=30.0, factor=2.0, max=3600.0),
+        description="Seconds between probes of an open endpoint: first, growth per failed probe, longest.",
+    )
+    disable_after: float | None = Field(
+        default=3 * DAY,
+        gt=0,
+        le=MAX_DISABLE_AFTER,
+        allow_inf_nan=False,
+        description="Seconds an endpoint may stay open before it is disabled (None: never).",
+    )
+
+    _to_seconds = field_validator("window", "disable_after", mode="before")(lambda cls, v: _seconds(v))
+
+    @field_validator("probe_interval")
+    @classmethod
+    def _probes_wait(cls, value: Backoff) -> Backoff:
+        if value.first <= 0 or value.max <= 0:
+            raise ValueError("first and max must be above 0 s")
+        return value
+
+    def opens(self, consecutive_failures: int, window_calls: int, window_failures: int) -> bool:
+        """Whether an endpoint with these figures opens."""
+        if not self.breaker:
+            return False
+        if consecutive_failures >= self.failure_threshold:
+            return True
+        rate = self.failure_rate
+        return rate is not None and window_calls >= self.min_calls and window_failures >= rate * window_calls
 
 
 class CallbackSettings(Options):
@@ -225,6 +292,20 @@ class CallbackSettings(Options):
         ),
     )
 
+    per_endpoint: dict[str, FlowLimits] = Field(
+        default_factory=dict,
+        max_length=MAX_ENDPOINT_LIMITS,
+        description=(
+            "Limits replacing per_host for the calls to one endpoint ('https://host[:port]/path', the URL without its "
+            "query), or to each endpoint ('*'); per_owner entries come first."
+        ),
+    )
+    endpoint_policy: EndpointPolicy = Field(
+        default_factory=EndpointPolicy,
+        description="Circuit breaker of each endpoint: when it opens, probes and is disabled (an owner's own policy, "
+        "set by CallbackClient.set_endpoint_policy, comes first).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _fast_retry_pause(cls, values: Any) -> Any:
@@ -271,16 +352,40 @@ class CallbackSettings(Options):
                 raise ValueError(f"{name[:300]!r} is not 'owner' or 'owner/group'")
         return value
 
+    @field_validator("per_endpoint")
+    @classmethod
+    def _endpoint_keys(cls, value: dict[str, FlowLimits]) -> dict[str, FlowLimits]:
+        normalised = {}
+        for name, limits in value.items():
+            endpoint = name if name == ANY_ENDPOINT else hosts.endpoint_of(name)
+            if endpoint is None:
+                raise ValueError(f"{name[:300]!r} is not an http(s) URL or '*'")
+            normalised[endpoint] = limits
+        return normalised
+
     def flow_scopes(self) -> dict[str, FlowLimits | None]:
         """The scopes of the callbacks' limits and their limits, as workers register them."""
-        return {HOST_SCOPE: self.per_host, **{OWNER_SCOPE + name: limits for name, limits in self.per_owner.items()}}
+        return {
+            HOST_SCOPE: self.per_host,
+            **{OWNER_SCOPE + name: limits for name, limits in self.per_owner.items()},
+            **{_endpoint_scope(name): limits for name, limits in self.per_endpoint.items()},
+        }
 
-    def flow_key(self, owner: str, group: str, host: str | None) -> tuple[str, str] | None:
-        """The (scope, key) limiting a callback of ``owner``/``group`` to ``host`` (None: none limits it)."""
+    def flow_key(self, owner: str, group: str, host: str | None, endpoint: str | None = None) -> tuple[str, str] | None:
+        """The (scope, key) limiting a callback of ``owner``/``group`` to ``endpoint`` on ``host`` (None: none limits
+        it): its owner's or group's entry of ``per_owner``, else its endpoint's of ``per_endpoint``, else
+        ``per_host``."""
         for name in (f"{owner}/{group}", owner):
             limits = self.per_owner.get(name)
             if limits is not None:
                 return (OWNER_SCOPE + name, "") if limits.limited else None
+        if endpoint is not None:
+            for name in (endpoint, ANY_ENDPOINT):
+                limits = self.per_endpoint.get(name)
+                if limits is not None:
+                    if not limits.limited:
+                        return None
+                    return (ENDPOINT_SCOPE, endpoint) if name == ANY_ENDPOINT else (_endpoint_scope(name), "")
         if host is None or self.per_host is None or not self.per_host.limited:
             return None
         return HOST_SCOPE, host
@@ -299,6 +404,11 @@ class CallbackSettings(Options):
         address that carries IPv4 ones (:func:`~cmb_dagster.callbacks.hosts.carried_ipv4`) is judged by each of
         those: a call to it reaches them."""
         return hosts.address_allowed(address, self.allowed_hosts)
+
+
+def _endpoint_scope(name: str) -> str:
+    """The flow scope of a ``per_endpoint`` entry: every endpoint's, or one endpoint's own."""
+    return ENDPOINT_SCOPE if name == ANY_ENDPOINT else f"{ENDPOINT_SCOPE}/{name}"
 
 
 def check_run_at(value: datetime, field: str = "run_at") -> datetime:
@@ -556,6 +666,8 @@ class CallbackCounts(BaseModel):
     failed: int
     rejected: int
     cancelled: int
+    held: int = 0  # waiting for an open endpoint
+    disabled: int = 0  # kept while their endpoint is disabled
     oldest_overdue_seconds: float
 
 
@@ -571,6 +683,10 @@ class BucketSetCounts(BaseModel):
     failed_last_hour: int
     rejected_last_hour: int
     dead_letters: int = 0  # failed for good and not replayed, whenever
+    held: int = 0  # events waiting for an open endpoint
+    disabled: int = 0  # events kept while their endpoint is disabled
+    open_endpoints: int = 0  # endpoints holding events of these buckets
+    disabled_endpoints: int = 0  # disabled endpoints keeping events of these buckets
 
 
 class DeadLetters(BaseModel):
@@ -628,6 +744,42 @@ class LimitUse(BaseModel):
     tokens: float | None
 
 
+EndpointState = Literal["closed", "open", "disabled"]
+
+
+class EndpointHealth(BaseModel):
+    """One endpoint of an owner (``scheme://host[:port]/path``) as its circuit breaker sees it."""
+
+    endpoint_id: int
+    owner_client_id: str
+    endpoint: str
+    state: EndpointState
+    consecutive_failures: int = Field(description="Failed calls in a row.")
+    window_started_at: datetime
+    window_calls: int = Field(description="Calls since window_started_at.")
+    window_failures: int = Field(description="Failed calls since window_started_at.")
+    last_success_at: datetime | None
+    last_failure_at: datetime | None
+    last_error: str | None
+    last_status_code: int | None
+    opened_at: datetime | None
+    probes: int = Field(description="Failed probes since it opened.")
+    probe_at: datetime | None = Field(description="Open: when the next probe may start.")
+    disabled_at: datetime | None
+    disabled_by: str | None = Field(description="'breaker' (open longer than disable_after) or 'operator'.")
+    releasing: bool = Field(description="Closed, its held events being sent again.")
+    updated_at: datetime
+    held: int = Field(default=0, description="Its events held while it is open (or being released).")
+    disabled: int = Field(default=0, description="Its events kept while it is disabled.")
+
+
+class EndpointCounts(BaseModel):
+    """How many endpoints are open and disabled."""
+
+    open: int
+    disabled: int
+
+
 class CallbacksStatus(BaseModel):
     """What the callbacks engine reports (:func:`cmb_dagster.callbacks.admin.status`): events per status over every
     bucket, the figures of each worker job's buckets when asked for, and the limits per key with their use."""
@@ -635,6 +787,10 @@ class CallbacksStatus(BaseModel):
     totals: CallbackCounts | None = None
     bucket_sets: list[BucketSetCounts] = Field(default_factory=list)
     limits: list[LimitUse] = Field(default_factory=list)
+    endpoints: EndpointCounts | None = None
+    unhealthy: list[EndpointHealth] = Field(
+        default_factory=list, description="Open and disabled endpoints, the longest open first, at most 20."
+    )
 
 
 class CallbackChecks(Checks):
@@ -651,6 +807,12 @@ class CallbackChecks(Checks):
     failed_last_hour: Threshold = Field(
         default=Threshold(warn_at=1, error_at=100), description="Events that failed for good in the last hour."
     )
+    open_endpoints: Threshold = Field(
+        default=Threshold(warn_at=1), description="Open endpoints (circuit breaker) holding events of these buckets."
+    )
+    disabled_endpoints: Threshold = Field(
+        default=Threshold(error_at=1), description="Disabled endpoints keeping events of these buckets."
+    )
 
     def verdicts(self, asset: list[str], counts: BucketSetCounts) -> list[Verdict]:
         """The checks of one worker job's buckets."""
@@ -663,6 +825,15 @@ class CallbackChecks(Checks):
                     f"the oldest overdue event is {counts.oldest_overdue_seconds:.0f} s late",
                 ),
                 "failed_last_hour": (counts.failed_last_hour, f"{counts.failed_last_hour} failed in the last hour"),
+                "open_endpoints": (
+                    counts.open_endpoints,
+                    f"{counts.open_endpoints} open endpoints hold {counts.held} events",
+                ),
+                "disabled_endpoints": (
+                    counts.disabled_endpoints,
+                    f"{counts.disabled_endpoints} disabled endpoints keep {counts.disabled} events "
+                    "(`cmb-dagster callbacks endpoints`)",
+                ),
             },
         )
 

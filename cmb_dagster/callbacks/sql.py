@@ -110,7 +110,7 @@ UPDATE_EVENT = f"""
 UPDATE callback_events
 SET event_id = nextval('callback_event_ids'), status = 'pending', run_at = %(run_at)s,
     originally_run_at = %(originally_run_at)s, cb_url = %(cb_url)s, context = %(context)s::jsonb,
-    main_retries = 0, finished_at = NULL, updated_at = now(), message_id = NULL, replayed_at = NULL
+    main_retries = 0, finished_at = NULL, updated_at = now(), message_id = NULL, replayed_at = NULL, endpoint_id = NULL
 WHERE event_id = %(event_id)s
 RETURNING {EVENT_COLUMNS}
 """
@@ -227,8 +227,11 @@ CALLS_KEPT = "CASE s.catch_up WHEN 'none' THEN 0 WHEN 'latest' THEN 1 ELSE s.cat
 # attempts. The row locks it takes make cancel, update and delete wait until the calls it let through have
 # started. A schedule's fire time never tried and found later than its misfire grace is missed: it is called only
 # if fewer than the schedule's catch-up policy keeps (CALLS_KEPT) of its later fire times are due, and cancelled
-# otherwise (decided here, under the row lock, whichever worker finds it). Returns how many leases are held
-# (nothing is counted unless all are), the ids let through, and the ids still pending (the others are gone).
+# otherwise (decided here, under the row lock, whichever worker finds it). An event whose endpoint (%(endpoints)s,
+# one per id; NULL: none) is not closed is not called: it is held ('held' while its endpoint is open, 'disabled'
+# while it is disabled), except an open endpoint's probe (PROBE_HELD chose it). Returns how many leases are held
+# (nothing is counted unless all are), the ids let through, the ids still pending (the others are gone), and the
+# probes let through with their endpoints.
 # Its commit need not wait for the WAL flush (synchronous_commit off): the row locks are what orders it
 # before a cancel, and a cancel's own (synchronous) commit flushes the gate's commit record with it. A gate
 # lost in a crash only undercounts attempts.
@@ -243,18 +246,40 @@ WITH held AS (
 ), async AS (
     SELECT set_config('synchronous_commit', 'off', true) AS v
 ), polled AS MATERIALIZED (  -- by primary key (the pending index has no use here, statistics or not)
-    SELECT event_id, status, schedule_id, originally_run_at, attempts FROM callback_events
-    WHERE event_id = ANY(%(ids)s::bigint[])
+    SELECT e.event_id, e.status, e.schedule_id, e.originally_run_at, e.attempts, e.owner_client_id, e.run_at,
+           u.endpoint, u.ord
+    FROM unnest(%(ids)s::bigint[], %(endpoints)s::text[]) WITH ORDINALITY AS u(event_id, endpoint, ord)
+    CROSS JOIN LATERAL (SELECT * FROM callback_events e WHERE e.event_id = u.event_id OFFSET 0) AS e
+), allowed AS (
+    SELECT (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off' AS ok
+), breakers AS MATERIALIZED (  -- the endpoints of these calls that are not closed (callback_endpoints_unhealthy)
+    SELECT c.endpoint_id, c.owner_client_id, c.endpoint, c.state, c.probe_event
+    FROM (SELECT DISTINCT owner_client_id, endpoint FROM polled WHERE endpoint IS NOT NULL AND status = 'pending') AS p
+    JOIN callback_endpoints c ON c.owner_client_id = p.owner_client_id AND c.endpoint = p.endpoint
+    WHERE c.state <> 'closed'
+), probes AS MATERIALIZED (  -- the probe of each open endpoint, if it is in the batch
+    SELECT p.event_id, b.endpoint_id
+    FROM polled p JOIN breakers b ON b.owner_client_id = p.owner_client_id AND b.endpoint = p.endpoint
+    WHERE b.state = 'open' AND p.event_id = b.probe_event
+), blocked AS MATERIALIZED (
+    SELECT p.event_id, b.endpoint_id, b.state
+    FROM polled p JOIN breakers b ON b.owner_client_id = p.owner_client_id AND b.endpoint = p.endpoint
+    WHERE p.status = 'pending' AND p.event_id NOT IN (SELECT event_id FROM probes)
+), holding AS (
+    UPDATE callback_events e
+    SET status = CASE b.state WHEN 'disabled' THEN 'disabled' ELSE 'held' END, endpoint_id = b.endpoint_id,
+        updated_at = now()
+    FROM blocked b
+    WHERE e.event_id = b.event_id AND e.status = 'pending' AND (SELECT ok FROM allowed)
+    RETURNING e.event_id
 ), missed AS MATERIALIZED (  -- by the schedules' and fire times' primary keys
     SELECT p.event_id, s.catch_up FROM polled p JOIN callback_schedules s ON s.schedule_id = p.schedule_id
-    WHERE p.status = 'pending' AND p.attempts = 0
+    WHERE p.status = 'pending' AND p.attempts = 0 AND p.event_id NOT IN (SELECT event_id FROM blocked)
       AND p.originally_run_at < clock_timestamp() - make_interval(secs => s.misfire_grace_seconds)
       AND (SELECT count(*) FROM (SELECT FROM callback_scheduled_events f
                                  WHERE f.schedule_id = p.schedule_id AND f.fire_at > p.originally_run_at
                                    AND f.fire_at <= clock_timestamp()
                                  LIMIT {CALLS_KEPT}) AS later) >= {CALLS_KEPT}
-), allowed AS (
-    SELECT (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off' AS ok
 ), skipped AS (
     UPDATE callback_events e
     SET status = 'cancelled', finished_at = now(), updated_at = now(),
@@ -266,12 +291,16 @@ WITH held AS (
     UPDATE callback_events e SET attempts = e.attempts + 1
     FROM polled p
     WHERE e.event_id = p.event_id AND p.status = 'pending' AND e.status = 'pending' AND e.run_at <= clock_timestamp()
-      AND p.event_id NOT IN (SELECT event_id FROM missed) AND (SELECT ok FROM allowed)
+      AND p.event_id NOT IN (SELECT event_id FROM missed) AND p.event_id NOT IN (SELECT event_id FROM blocked)
+      AND (SELECT ok FROM allowed)
     RETURNING e.event_id
 )
 SELECT (SELECT count(*) FROM held)::int,
        ARRAY(SELECT event_id FROM go),
-       ARRAY(SELECT event_id FROM polled WHERE status = 'pending' EXCEPT SELECT event_id FROM skipped)
+       ARRAY(SELECT event_id FROM polled WHERE status = 'pending'
+             EXCEPT SELECT event_id FROM skipped EXCEPT SELECT event_id FROM holding),
+       ARRAY(SELECT event_id FROM probes WHERE event_id IN (SELECT event_id FROM go) ORDER BY event_id),
+       ARRAY(SELECT endpoint_id FROM probes WHERE event_id IN (SELECT event_id FROM go) ORDER BY event_id)
 """
 
 # An outcome that could not be written (e.g. a stored policy out of range): the event fails with the reason.
@@ -282,7 +311,8 @@ WHERE event_id = %(event_id)s AND status = 'pending'
 
 # Outcomes of calls, in one statement (attempts were counted by the gate), with the last answer's status code and
 # the first bytes of its body. 'retry' moves run_at (never to or before the cursor's run_at, so query 1 finds it
-# again) unless stop_after_delay has passed since originally_run_at (or the last replay): then 'failed'.
+# again) unless stop_after_delay has passed since originally_run_at (or the last replay): then 'failed'. 'held' (a
+# failed probe of the endpoint %(probed)s) waits for its endpoint again while it is open (a retry otherwise).
 # Planned by the primary key whatever the statistics: each event is read by its id (OFFSET 0 keeps the lookup per id),
 # and the update matches the status it read rather than the literal 'pending', which would let a planner without
 # statistics on status (autovacuum off) read the whole partial pending index for every batch. The deadline is only
@@ -291,8 +321,8 @@ FINISH_EVENTS = """
 WITH read AS MATERIALIZED (
     SELECT u.*, e.status AS read_status, e.originally_run_at, e.stop_after_delay
     FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[], %(errors)s::text[], %(delays)s::float8[],
-                %(codes)s::smallint[], %(responses)s::text[])
-         AS u(event_id, outcome, error, delay, code, response)
+                %(codes)s::smallint[], %(responses)s::text[], %(probed)s::bigint[])
+         AS u(event_id, outcome, error, delay, code, response, probed)
     CROSS JOIN LATERAL (
         SELECT e.status, coalesce(e.replayed_at, e.originally_run_at) AS originally_run_at,
                e.retry ->> 'stop_after_delay' AS stop_after_delay
@@ -301,10 +331,16 @@ WITH read AS MATERIALIZED (
         OFFSET 0
     ) e
     WHERE e.status = 'pending'
+), still_open AS MATERIALIZED (  -- key-share-locked: a release of the endpoint's held events waits for this one
+    SELECT c.endpoint_id FROM callback_endpoints c
+    WHERE c.endpoint_id IN (SELECT probed FROM read WHERE outcome = 'held') AND c.state = 'open'
+    FOR KEY SHARE
 ), d AS (
     SELECT read.*, read.originally_run_at + make_interval(secs => read.stop_after_delay::float8) AS deadline FROM read
 ), s AS (
-    SELECT d.*, CASE WHEN d.outcome <> 'retry' THEN d.outcome
+    SELECT d.*, CASE WHEN d.outcome = 'held' AND d.probed IN (SELECT endpoint_id FROM still_open)
+                     THEN 'held'
+                     WHEN d.outcome NOT IN ('retry', 'held') THEN d.outcome
                      WHEN now() >= d.deadline THEN 'failed'
                      ELSE 'pending' END AS new_status
     FROM d
@@ -316,10 +352,11 @@ SET status = s.new_status,
                                 %(cursor_run_at)s::timestamptz + interval '1 microsecond')
                   ELSE e.run_at END,
     main_retries = e.main_retries + (s.new_status = 'pending')::int,
+    endpoint_id = CASE WHEN s.new_status = 'held' THEN s.probed END,
     last_error = coalesce(s.error, e.last_error),
     last_status_code = s.code,
     last_response = s.response,
-    finished_at = CASE WHEN s.new_status <> 'pending' THEN now() END,
+    finished_at = CASE WHEN s.new_status NOT IN ('pending', 'held') THEN now() END,
     updated_at = now()
 FROM s
 WHERE e.event_id = ANY(%(ids)s::bigint[]) AND e.event_id = s.event_id AND e.status = s.read_status
@@ -471,7 +508,8 @@ UPDATE callback_events SET schedule_id = NULL WHERE schedule_id = %(schedule_id)
 CLEAN_EVENTS = """
 WITH doomed AS (
     SELECT event_id FROM callback_events
-    WHERE status <> 'pending' AND run_at < now() - make_interval(days => %(ttl_days)s)
+    WHERE status <> 'pending' AND status NOT IN ('held', 'disabled')  -- those still wait for their endpoint
+      AND run_at < now() - make_interval(days => %(ttl_days)s)
     LIMIT %(limit)s
 )
 DELETE FROM callback_events e USING doomed WHERE e.event_id = doomed.event_id
@@ -497,6 +535,8 @@ SELECT count(*) FILTER (WHERE status = 'pending')                   AS pending,
        count(*) FILTER (WHERE status = 'failed')                    AS failed,
        count(*) FILTER (WHERE status = 'rejected')                  AS rejected,
        count(*) FILTER (WHERE status = 'cancelled')                 AS cancelled,
+       count(*) FILTER (WHERE status = 'held')                      AS held,
+       count(*) FILTER (WHERE status = 'disabled')                  AS disabled,
        coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE status = 'pending' AND run_at < now())), 0)
                                                                     AS oldest_overdue_seconds
 FROM callback_events
@@ -517,6 +557,14 @@ WITH p AS (
     FROM callback_events
     WHERE status = 'failed' AND finished_at >= '-infinity'
     GROUP BY 1
+), h AS (  -- events waiting for their endpoint, by their index
+    SELECT bucket_id %% %(sets)s AS bucket_set, count(*) FILTER (WHERE status = 'held') AS held,
+           count(*) FILTER (WHERE status = 'disabled') AS disabled,
+           count(DISTINCT endpoint_id) FILTER (WHERE status = 'held') AS open_endpoints,
+           count(DISTINCT endpoint_id) FILTER (WHERE status = 'disabled') AS disabled_endpoints
+    FROM callback_events
+    WHERE status IN ('held', 'disabled') AND endpoint_id IS NOT NULL
+    GROUP BY 1
 ), f AS (
     SELECT bucket_id %% %(sets)s AS bucket_set,
            count(*) FILTER (WHERE status = 'notified') AS notified,
@@ -530,9 +578,11 @@ WITH p AS (
 SELECT s.bucket_set, coalesce(p.pending, 0) AS pending, coalesce(p.overdue, 0) AS overdue,
        coalesce(p.oldest, 0)::float8 AS oldest_overdue_seconds, coalesce(f.notified, 0) AS notified_last_hour,
        coalesce(f.failed, 0) AS failed_last_hour, coalesce(f.rejected, 0) AS rejected_last_hour,
-       coalesce(d.dead, 0) AS dead_letters
+       coalesce(d.dead, 0) AS dead_letters, coalesce(h.held, 0) AS held, coalesce(h.disabled, 0) AS disabled,
+       coalesce(h.open_endpoints, 0) AS open_endpoints, coalesce(h.disabled_endpoints, 0) AS disabled_endpoints
 FROM generate_series(0, %(sets)s - 1) AS s(bucket_set)
 LEFT JOIN p USING (bucket_set) LEFT JOIN f USING (bucket_set) LEFT JOIN d USING (bucket_set)
+LEFT JOIN h USING (bucket_set)
 ORDER BY s.bucket_set
 """
 
@@ -752,4 +802,272 @@ SELECT owner_client_id, (array_agg(secret ORDER BY created_at DESC, secret_id DE
 FROM callback_signing_secrets
 WHERE owner_client_id = ANY(%(owners)s::text[]) AND {_ACTIVE_SECRET}
 GROUP BY owner_client_id
+"""
+
+# -- endpoint health (circuit breakers) -----------------------------------------------------------------
+
+# The outcomes of a batch of calls, per (owner, endpoint), added to its health: calls and failures of the current
+# window (a new one starts once %(window)s seconds, or the owner's own, have passed), failures in a row (those after
+# the batch's last success when it had one), the last success and failure. Rows are locked in (owner, endpoint)
+# order, as every writer locks them. Returns each endpoint's figures and its owner's policy (JSON; NULL: the
+# default), from which the worker decides whether it opens or closes (ENDPOINT_TRANSITIONS).
+_WINDOW_OVER = """c.window_started_at <= now() - make_interval(secs => coalesce(
+    (SELECT (o.endpoint_policy ->> 'window')::float8 FROM callback_owner_settings o
+     WHERE o.owner_client_id = c.owner_client_id), %(window)s))"""
+
+RECORD_ENDPOINTS = f"""
+INSERT INTO callback_endpoints AS c (owner_client_id, endpoint, consecutive_failures, window_calls, window_failures,
+                                     last_success_at, last_failure_at, last_error, last_status_code)
+SELECT u.owner, u.endpoint, u.tail, u.calls, u.failures, CASE WHEN u.calls > u.failures THEN now() END,
+       CASE WHEN u.failures > 0 THEN now() END, u.error, u.code
+FROM unnest(%(owners)s::text[], %(endpoints)s::text[], %(calls)s::int[], %(failures)s::int[], %(trailing)s::int[],
+            %(errors)s::text[], %(codes)s::smallint[]) AS u(owner, endpoint, calls, failures, tail, error, code)
+ORDER BY u.owner, u.endpoint
+ON CONFLICT (owner_client_id, endpoint) DO UPDATE SET
+    consecutive_failures = CASE WHEN excluded.last_success_at IS NOT NULL THEN excluded.consecutive_failures
+                                ELSE c.consecutive_failures + excluded.consecutive_failures END,
+    window_started_at = CASE WHEN {_WINDOW_OVER} THEN now() ELSE c.window_started_at END,
+    window_calls = CASE WHEN {_WINDOW_OVER} THEN 0 ELSE c.window_calls END + excluded.window_calls,
+    window_failures = CASE WHEN {_WINDOW_OVER} THEN 0 ELSE c.window_failures END + excluded.window_failures,
+    last_success_at = coalesce(excluded.last_success_at, c.last_success_at),
+    last_failure_at = coalesce(excluded.last_failure_at, c.last_failure_at),
+    last_error = CASE WHEN excluded.last_failure_at IS NOT NULL THEN excluded.last_error ELSE c.last_error END,
+    last_status_code = CASE WHEN excluded.last_failure_at IS NOT NULL THEN excluded.last_status_code
+                            ELSE c.last_status_code END,
+    updated_at = now()
+RETURNING c.endpoint_id, c.owner_client_id, c.endpoint, c.state, c.consecutive_failures, c.window_calls,
+          c.window_failures, c.probes, c.last_success_at = now() AS succeeded,
+          (SELECT o.endpoint_policy::text FROM callback_owner_settings o WHERE o.owner_client_id = c.owner_client_id)
+"""
+
+# What the worker decided from RECORD_ENDPOINTS (in the same transaction, the rows still locked): an endpoint
+# opens (its first probe after %(intervals)s), closes (its held events are then released: releasing), or waits
+# longer after a failed probe. A disabled endpoint changes only by an operator.
+ENDPOINT_TRANSITIONS = """
+UPDATE callback_endpoints c
+SET state = u.state,
+    opened_at = CASE WHEN u.state = 'open' AND c.state <> 'open' THEN now() WHEN u.state = 'open' THEN c.opened_at END,
+    probes = u.probes,
+    probe_interval = CASE WHEN u.state = 'open' THEN u.probe_interval END,
+    probe_at = CASE WHEN u.state = 'open' THEN now() + make_interval(secs => u.probe_interval) END,
+    probe_event = CASE WHEN u.state = 'open' AND c.state = 'open' THEN c.probe_event END,
+    releasing = c.releasing OR (c.state = 'open' AND u.state = 'closed'),
+    window_started_at = CASE WHEN u.state = 'closed' THEN now() ELSE c.window_started_at END,
+    window_calls = CASE WHEN u.state = 'closed' THEN 0 ELSE c.window_calls END,
+    window_failures = CASE WHEN u.state = 'closed' THEN 0 ELSE c.window_failures END,
+    updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(states)s::text[], %(probes)s::int[], %(intervals)s::float8[])
+     AS u(endpoint_id, state, probes, probe_interval)
+WHERE c.endpoint_id = u.endpoint_id AND c.state <> 'disabled'
+"""
+
+# The probes of open endpoints whose probe time has come (a batch at a time, one worker each: SKIP LOCKED): each
+# one's oldest held event goes back to pending as its probe (a new id drawn after LOCK_EVENT_IDS, as a create draws
+# one, so the poller reads it; the same webhook-id), which the gate alone lets through, and the next probe time
+# moves a probe interval ahead. An open endpoint with nothing held waits for its next event. Returns how many.
+PROBE_HELD = f"""
+WITH due AS MATERIALIZED (
+    SELECT c.endpoint_id, c.probe_interval FROM callback_endpoints c
+    WHERE c.state = 'open' AND c.probe_at <= now()
+    ORDER BY c.probe_at
+    LIMIT 100
+    FOR UPDATE SKIP LOCKED
+), picked AS MATERIALIZED (
+    SELECT due.endpoint_id, due.probe_interval, h.event_id, nextval('callback_event_ids') AS new_id
+    FROM due CROSS JOIN LATERAL (
+        SELECT e.event_id FROM callback_events e
+        WHERE e.endpoint_id = due.endpoint_id AND e.status = 'held'
+        ORDER BY e.run_at, e.event_id
+        LIMIT 1
+        FOR UPDATE OF e SKIP LOCKED
+    ) AS h
+), sent AS (
+    UPDATE callback_events e
+    SET event_id = p.new_id, message_id = coalesce(e.message_id, e.event_id), status = 'pending', endpoint_id = NULL,
+        updated_at = now()
+    FROM picked p
+    WHERE e.event_id = p.event_id
+    RETURNING e.bucket_id, e.run_at
+), claimed AS (
+    UPDATE callback_endpoints c
+    SET probe_event = p.new_id, probe_at = now() + make_interval(secs => coalesce(p.probe_interval, 60)),
+        updated_at = now()
+    FROM picked p
+    WHERE c.endpoint_id = p.endpoint_id
+)
+SELECT count(*)::int, {_wake("sent")}
+FROM sent
+"""
+
+# Whether a probe is due (callback_endpoints_probes) and whether an endpoint has held events to release.
+ENDPOINT_WORK = """
+SELECT EXISTS (SELECT FROM callback_endpoints WHERE state = 'open' AND probe_at <= now()),
+       EXISTS (SELECT FROM callback_endpoints WHERE releasing AND state = 'closed')
+"""
+
+# One closed endpoint with held events (not locked by another worker): up to %(limit)s of them, oldest first, back
+# to pending with new ids drawn in that order (run after LOCK_EVENT_IDS, as a create: the poller sees them as freshly
+# inserted, and query 2 reads them by id, so oldest first) and the same webhook-id. The endpoint is done releasing
+# once fewer than %(limit)s were left. Returns whether an endpoint was found, how many events were released, and the
+# wake-up hints sent.
+RELEASE_HELD = f"""
+WITH ep AS MATERIALIZED (
+    SELECT endpoint_id FROM callback_endpoints WHERE releasing AND state = 'closed'
+    ORDER BY endpoint_id LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), picked AS MATERIALIZED (
+    SELECT h.event_id, nextval('callback_event_ids') AS new_id
+    FROM (SELECT e.event_id FROM callback_events e
+          WHERE e.endpoint_id = (SELECT endpoint_id FROM ep) AND e.status = 'held'
+          ORDER BY e.run_at, e.event_id
+          LIMIT %(limit)s
+          FOR UPDATE OF e) AS h
+), released AS (
+    UPDATE callback_events e
+    SET event_id = p.new_id, message_id = coalesce(e.message_id, e.event_id), status = 'pending', endpoint_id = NULL,
+        updated_at = now()
+    FROM picked p
+    WHERE e.event_id = p.event_id
+    RETURNING e.bucket_id, e.run_at
+), done AS (
+    UPDATE callback_endpoints c SET releasing = false, updated_at = now()
+    WHERE c.endpoint_id = (SELECT endpoint_id FROM ep) AND (SELECT count(*) FROM picked) < %(limit)s
+)
+SELECT (SELECT count(*) FROM ep)::int, count(*)::int, {_wake("released")}
+FROM released
+"""
+
+# Endpoints open longer than their owner's disable_after (else %(disable_after)s; NULL: never) are disabled, a
+# batch at a time (one worker each: SKIP LOCKED): their held events become 'disabled', and the owner's failure hook
+# (if any) gets one notification event per disable (group %(group)s, key endpoint.disabled@<endpoint id>:<disables>,
+# in this transaction: a worker killed before the commit leaves it all to the next). Returns what was disabled.
+DISABLE_ENDPOINTS = f"""
+WITH due AS (
+    SELECT c.endpoint_id FROM callback_endpoints c
+    LEFT JOIN callback_owner_settings o ON o.owner_client_id = c.owner_client_id
+    WHERE c.state = 'open'
+      AND c.opened_at <= now() - make_interval(secs => CASE WHEN o.endpoint_policy ? 'disable_after'
+                                                            THEN (o.endpoint_policy ->> 'disable_after')::float8
+                                                            ELSE %(disable_after)s::float8 END)
+    ORDER BY c.opened_at
+    LIMIT 100
+    FOR UPDATE OF c SKIP LOCKED
+), disabled AS (
+    UPDATE callback_endpoints c
+    SET state = 'disabled', disabled_at = now(), disabled_by = 'breaker', disables = c.disables + 1, probe_at = NULL,
+        releasing = false, updated_at = now()
+    FROM due
+    WHERE c.endpoint_id = due.endpoint_id AND c.state = 'open'
+    RETURNING c.*
+), parked AS (
+    UPDATE callback_events e SET status = 'disabled', updated_at = now()
+    FROM disabled d
+    WHERE e.endpoint_id = d.endpoint_id AND e.status = 'held'
+    RETURNING e.endpoint_id
+), counted AS MATERIALIZED (
+    SELECT d.*, (SELECT count(*) FROM parked p WHERE p.endpoint_id = d.endpoint_id) AS events, o.on_failure AS hook_url
+    FROM disabled d LEFT JOIN callback_owner_settings o ON o.owner_client_id = d.owner_client_id
+), b AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM callback_buckets) AS buckets, {TAKE_EVENT_IDS_LOCK} AS locked
+    WHERE EXISTS (SELECT FROM counted WHERE hook_url IS NOT NULL)
+), notices AS (
+    SELECT n.*, 'endpoint.disabled@' || n.endpoint_id || ':' || n.disables AS hook_key,
+           n.hook_url LIKE 'dagster://%%' AS launches
+    FROM counted n WHERE n.hook_url IS NOT NULL
+), ins AS (
+    INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
+                                 originally_run_at, cb_url, context, body, retry, failure_of)
+    SELECT nextval('callback_event_ids'),
+           (hashtextextended(n.owner_client_id || chr(1) || %(group)s || chr(1) || n.hook_key, 0)
+            & 9223372036854775807) %% b.buckets,
+           n.owner_client_id, %(group)s, n.hook_key, now(), now(), n.hook_url,
+           CASE WHEN n.launches
+                THEN jsonb_build_object('tags', jsonb_build_object(
+                    'cmb/disabled_endpoint', left(n.owner_client_id || ' ' || n.endpoint, 250)))
+                ELSE jsonb_build_object(
+                    'type', 'endpoint.disabled', 'owner_client_id', n.owner_client_id, 'endpoint', n.endpoint,
+                    'opened_at', n.opened_at, 'disabled_at', n.disabled_at, 'last_success_at', n.last_success_at,
+                    'last_error', n.last_error, 'status_code', n.last_status_code, 'events', n.events)
+           END,
+           CASE WHEN n.launches THEN 'envelope' ELSE 'context' END, %(retry)s::jsonb, 0
+    FROM notices n CROSS JOIN b
+    ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
+    RETURNING bucket_id, run_at
+)
+SELECT n.owner_client_id, n.endpoint, n.opened_at, n.events, n.last_error, (SELECT count(*) FROM ins)::int,
+       {_wake("ins")}
+FROM counted n
+"""
+
+ENDPOINT_COLUMNS = """
+    c.endpoint_id, c.owner_client_id, c.endpoint, c.state, c.consecutive_failures, c.window_started_at,
+    c.window_calls, c.window_failures, c.last_success_at, c.last_failure_at, c.last_error, c.last_status_code,
+    c.opened_at, c.probes, c.probe_at, c.disabled_at, c.disabled_by, c.releasing, c.updated_at,
+    (SELECT count(*) FROM callback_events e WHERE e.endpoint_id = c.endpoint_id AND e.status = 'held') AS held,
+    (SELECT count(*) FROM callback_events e WHERE e.endpoint_id = c.endpoint_id AND e.status = 'disabled') AS disabled
+"""
+
+# Endpoints as operators list them: the unhealthy first (disabled, open), then by owner and endpoint.
+LIST_ENDPOINTS = f"""
+SELECT {ENDPOINT_COLUMNS} FROM callback_endpoints c
+WHERE (%(owner)s::text IS NULL OR c.owner_client_id = %(owner)s) AND (%(state)s::text IS NULL OR c.state = %(state)s)
+ORDER BY CASE c.state WHEN 'disabled' THEN 0 WHEN 'open' THEN 1 ELSE 2 END, c.owner_client_id, c.endpoint
+LIMIT %(limit)s
+"""
+
+# An operator enables an endpoint: closed, its counts from zero, its disabled events held again and released by the
+# workers (releasing), oldest first. Returns the endpoint's id and how many events will be sent again.
+ENABLE_ENDPOINT = """
+WITH ep AS (
+    UPDATE callback_endpoints
+    SET state = 'closed', releasing = true, opened_at = NULL, probe_at = NULL, probe_interval = NULL, probes = 0,
+        consecutive_failures = 0, window_started_at = now(), window_calls = 0, window_failures = 0, disabled_at = NULL,
+        disabled_by = NULL, updated_at = now()
+    WHERE owner_client_id = %(owner)s AND endpoint = %(endpoint)s
+    RETURNING endpoint_id
+), unparked AS (
+    UPDATE callback_events e SET status = 'held', updated_at = now()
+    FROM ep
+    WHERE e.endpoint_id = ep.endpoint_id AND e.status IN ('held', 'disabled')
+    RETURNING e.event_id
+)
+SELECT (SELECT endpoint_id FROM ep), (SELECT count(*) FROM unparked)::int
+"""
+
+# An operator disables an endpoint (known or not): its held events become 'disabled', and so does every event of it
+# a gate finds due, until it is enabled. No notification: the operator knows.
+DISABLE_ENDPOINT = """
+WITH ep AS (
+    INSERT INTO callback_endpoints AS c (owner_client_id, endpoint, state, disabled_at, disabled_by)
+    VALUES (%(owner)s, %(endpoint)s, 'disabled', now(), 'operator')
+    ON CONFLICT (owner_client_id, endpoint) DO UPDATE
+    SET state = 'disabled', disabled_at = now(), disabled_by = 'operator', probe_at = NULL, releasing = false,
+        updated_at = now()
+    RETURNING endpoint_id
+), parked AS (
+    UPDATE callback_events e SET status = 'disabled', updated_at = now()
+    FROM ep
+    WHERE e.endpoint_id = ep.endpoint_id AND e.status = 'held'
+    RETURNING e.event_id
+)
+SELECT (SELECT endpoint_id FROM ep), (SELECT count(*) FROM parked)::int
+"""
+
+SET_ENDPOINT_POLICY = """
+INSERT INTO callback_owner_settings (owner_client_id, endpoint_policy) VALUES (%(owner)s, %(policy)s::jsonb)
+ON CONFLICT (owner_client_id) DO UPDATE SET endpoint_policy = excluded.endpoint_policy, updated_at = now()
+"""
+
+GET_ENDPOINT_POLICY = "SELECT endpoint_policy::text FROM callback_owner_settings WHERE owner_client_id = %(owner)s"
+
+# How many endpoints are open and disabled (the index of endpoints that are not closed).
+ENDPOINT_COUNTS = """
+SELECT count(*) FILTER (WHERE state = 'open') AS open, count(*) FILTER (WHERE state = 'disabled') AS disabled
+FROM callback_endpoints WHERE state <> 'closed'
+"""
+
+# Closed endpoints with nothing to release and no call for %(ttl_days)s days are forgotten.
+CLEAN_ENDPOINTS = """
+DELETE FROM callback_endpoints
+WHERE state = 'closed' AND NOT releasing AND updated_at < now() - make_interval(days => %(ttl_days)s)
 """

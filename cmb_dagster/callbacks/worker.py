@@ -36,20 +36,24 @@ from cmb_dagster.callbacks.delivery import (
     ABANDONED,
     FAILED,
     GONE,
+    HELD,
     RETRY,
     SLOT_RECHECK,
+    Answer,
     Delivery,
     DeliveryPool,
     FlowKey,
     target_host,
 )
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
+from cmb_dagster.callbacks.hosts import endpoint_of
 from cmb_dagster.callbacks.models import (
     CONTEXT,
     EARLIEST_RUN_AT,
     HOOK_GROUP,
     OWNER_SCOPE,
     CallbackSettings,
+    EndpointPolicy,
     RetryPolicy,
 )
 from cmb_dagster.database import Database, DatabaseSource, OwnAsyncConnection, OwnConnection
@@ -68,6 +72,8 @@ REPORT_EVERY_SECONDS = 30.0  # a progress line (and the count of failed calls no
 FAILURES_LOGGED_PER_WINDOW = 20
 MAX_KEYS_REMEMBERED = 100_000  # owners whose signing secrets a worker remembers
 STUCK_CHECK_EVERY = 1.0  # seconds: how often the worker asks whether every call slot is held by a hung launch
+ENDPOINTS_EVERY = 0.5  # seconds: how often a worker sends due probes, disables endpoints open too long, releases events
+RELEASE_BATCH = 1000  # held events of a closed endpoint sent again per transaction
 
 
 Position = tuple[datetime, int]
@@ -340,9 +346,10 @@ class BucketGate:
             else:
                 passing = deliveries
             params["ids"] = [d.event_id for d in passing]
+            params["endpoints"] = [d.endpoint for d in passing]
             try:
                 cursor = await conn.execute(sql.GATE, params)
-                held, go_ids, pending_ids = await cursor.fetchone()
+                held, go_ids, pending_ids, probe_ids, probed = await cursor.fetchone()
                 if held != len(leases):
                     raise LeaseLost(f"buckets {params['partitions']} are not all held by {self._owner}")
             except BaseException:
@@ -350,6 +357,10 @@ class BucketGate:
                 raise
             let_through, pending = set(go_ids), set(pending_ids)
             go = [d for d in passing if d.event_id in let_through]
+            if probe_ids:
+                probes = dict(zip(probe_ids, probed, strict=True))
+                for d in go:
+                    d.probe = probes.get(d.event_id)
             if go:
                 start(go)
         for d in refused:
@@ -360,6 +371,164 @@ class BucketGate:
 
     async def close(self) -> None:
         await self._conn.close()
+
+
+class Breakers:
+    """The endpoints' circuit breakers, as a worker writes them: the answers of its calls, every try, counted per
+    endpoint and written every ``COMMIT_EVERY`` with the transitions they cause; and the disabling of endpoints open
+    too long. Their state is in Postgres (``callback_endpoints``); what is counted here is written within a fraction
+    of a second (a crash loses only those counts, never an event)."""
+
+    def __init__(self, default: EndpointPolicy) -> None:
+        self.default = default
+        self._tallies: dict[tuple[str, str], _Tally] = {}
+        self._lock = threading.Lock()
+        self.counted_at = 0.0  # monotonic: when the oldest answer not yet written was counted
+
+    def answered(self, delivery: Delivery, answer: Answer) -> None:
+        """Count an answer of ``delivery``'s endpoint (from the executor, wherever the call ended): a good one unless
+        it is to be retried."""
+        assert delivery.endpoint is not None
+        with self._lock:
+            if not self._tallies:
+                self.counted_at = time.monotonic()
+            tally = self._tallies.setdefault((delivery.owner_client_id, delivery.endpoint), _Tally())
+            tally.add(answer, delivery.probe is not None)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._tallies)
+
+    def policy(self, stored: str | None) -> EndpointPolicy:
+        """An owner's stored policy (JSON; None: the default); an invalid one is the default, with a warning."""
+        if stored is None:
+            return self.default
+        try:
+            return stored_endpoint_policy(stored)
+        except ValidationError as exc:
+            log.warning("an owner's stored endpoint policy is invalid (%s): the default applies", describe(exc))
+            return self.default
+
+    def write(self, conn: psycopg.Connection) -> None:
+        """Write the answers counted so far and what they change (in the caller's transaction; given back to be
+        written again if it fails): an endpoint opens (past its policy's failures), closes (any good answer), or
+        waits longer after a failed probe."""
+        with self._lock:
+            tallies, self._tallies = self._tallies, {}
+        try:
+            self._write(conn, tallies)
+        except BaseException:
+            with self._lock:
+                for key, tally in tallies.items():
+                    self._tallies[key] = tally.merged(self._tallies.get(key))
+            raise
+
+    def _write(self, conn: psycopg.Connection, tallies: dict[tuple[str, str], _Tally]) -> None:
+        if not tallies:
+            return
+        keys = sorted(tallies)  # every writer locks the rows in this order
+        rows = conn.execute(
+            sql.RECORD_ENDPOINTS,
+            {
+                "owners": [k[0] for k in keys],
+                "endpoints": [k[1] for k in keys],
+                "calls": [tallies[k].calls for k in keys],
+                "failures": [tallies[k].failures for k in keys],
+                "trailing": [tallies[k].trailing for k in keys],
+                "errors": [tallies[k].error for k in keys],
+                "codes": [tallies[k].code for k in keys],
+                "window": self.default.window,
+            },
+        ).fetchall()
+        changes = []
+        for endpoint_id, owner, endpoint, state, in_a_row, calls, failures, probes, succeeded, stored in rows:
+            policy = self.policy(stored)
+            if state == "closed" and policy.opens(in_a_row, calls, failures):
+                changes.append((endpoint_id, "open", 0, policy.probe_interval.delay(0)))
+                log.warning(
+                    "endpoint %s of owner %s opened: %d failed calls in a row, %d of %d in its window; its due events "
+                    "wait, one probe every %.0fs",
+                    endpoint,
+                    owner,
+                    in_a_row,
+                    failures,
+                    calls,
+                    policy.probe_interval.delay(0),
+                )
+            elif state == "open" and succeeded:
+                changes.append((endpoint_id, "closed", 0, None))
+                log.info("endpoint %s of owner %s answered again: closed, its held events go out", endpoint, owner)
+            elif state == "open" and tallies[(owner, endpoint)].probe_failed:
+                changes.append((endpoint_id, "open", probes + 1, policy.probe_interval.delay(probes + 1)))
+        if changes:
+            conn.execute(
+                sql.ENDPOINT_TRANSITIONS,
+                {
+                    "ids": [c[0] for c in changes],
+                    "states": [c[1] for c in changes],
+                    "probes": [c[2] for c in changes],
+                    "intervals": [c[3] for c in changes],
+                },
+            )
+
+    def disable_overdue(self, conn: psycopg.Connection) -> None:
+        """Disable the endpoints open longer than their policy's ``disable_after``, each with one notification."""
+        rows = conn.execute(
+            sql.DISABLE_ENDPOINTS,
+            {
+                "disable_after": self.default.disable_after,
+                "group": HOOK_GROUP,
+                "retry": _HOOK_RETRY,
+                "lock_timeout": "0",
+            },
+        ).fetchall()
+        for owner, endpoint, opened_at, events, last_error, hooks, _ in rows:
+            log.error(
+                "endpoint %s of owner %s disabled: open since %s (last error: %s); %d events kept as disabled, %s "
+                "(`cmb-dagster callbacks endpoint enable` sends them)",
+                endpoint,
+                owner,
+                opened_at.isoformat(),
+                last_error,
+                events,
+                "its owner's failure hook notified" if hooks else "no failure hook to notify",
+            )
+
+
+@dataclass
+class _Tally:
+    """The answers of one endpoint counted since they were last written, in the order they came."""
+
+    calls: int = 0
+    failures: int = 0
+    trailing: int = 0  # failures after the last good answer
+    error: str | None = None
+    code: int | None = None
+    probe_failed: bool = False
+
+    def add(self, answer: Answer, probe: bool) -> None:
+        self.calls += 1
+        if answer.outcome != RETRY:
+            self.trailing = 0
+            return
+        self.failures += 1
+        self.trailing += 1
+        self.error, self.code = sanitize(answer.error or ""), answer.status
+        self.probe_failed = self.probe_failed or probe
+
+    def merged(self, later: _Tally | None) -> _Tally:
+        """This tally followed by ``later`` (answers counted meanwhile)."""
+        if later is None:
+            return self
+        good_since = later.calls > later.failures
+        return _Tally(
+            calls=self.calls + later.calls,
+            failures=self.failures + later.failures,
+            trailing=later.trailing if good_since else self.trailing + later.trailing,
+            error=later.error or self.error,
+            code=later.code if later.failures else self.code,
+            probe_failed=self.probe_failed or later.probe_failed,
+        )
 
 
 class CallbackWorker(EngineWorker):
@@ -406,6 +575,8 @@ class CallbackWorker(EngineWorker):
         secrets = OwnerSecrets(self.settings.secrets_refresh)
         self._gate = BucketGate(self.db, self._states, self.owner, self._slots, secrets, ended)
         self._flow_key = functools.lru_cache(maxsize=4096)(self.settings.flow_key)
+        self._breakers = Breakers(self.settings.endpoint_policy)
+        self._endpoints_at = 0.0
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
         self._woken_lock = threading.Lock()
@@ -420,7 +591,13 @@ class CallbackWorker(EngineWorker):
         register_limits(self.db, self.settings)
         self._draining.clear()
         self._bucket_loop = BucketLoop(self)
-        self._pool = DeliveryPool(self.settings, self.launcher, gate=self._gate, on_broken=lambda _exc: self.stop())
+        self._pool = DeliveryPool(
+            self.settings,
+            self.launcher,
+            gate=self._gate,
+            on_broken=lambda _exc: self.stop(),
+            on_answer=self._breakers.answered,
+        )
         return [self._bucket_loop]
 
     def finish(self) -> None:
@@ -522,6 +699,12 @@ class CallbackWorker(EngineWorker):
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
         self._keep_slots(now)
+        if self._breakers.pending and now - self._breakers.counted_at >= COMMIT_EVERY:
+            with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+                self._breakers.write(conn)
+        if now >= self._endpoints_at and not self._draining.is_set():
+            self._endpoints_at = now + ENDPOINTS_EVERY
+            handled += self._tend_endpoints()
         if now >= self._stuck_check_at:  # a worker whose every call slot hangs stops (WorkerStuck), releasing all
             self._stuck_check_at = now + STUCK_CHECK_EVERY
             self._pool.check()
@@ -543,6 +726,24 @@ class CallbackWorker(EngineWorker):
             self._slots.put_back(free)
             raise
         self._slots.lost(kept, busy)
+
+    def _tend_endpoints(self) -> int:
+        """Disable the endpoints open longer than their policy allows, send the probes that are due, and one batch of
+        a closed endpoint's held events again; return how many events were released."""
+        with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+            self._breakers.disable_overdue(conn)
+            probing, releasing = conn.execute(sql.ENDPOINT_WORK).fetchone()
+        released = 0
+        if probing or releasing:
+            with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+                conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # new ids drawn as a create draws them
+                if probing:
+                    conn.execute(sql.PROBE_HELD)
+                if releasing:
+                    found, released, _ = conn.execute(sql.RELEASE_HELD, {"limit": RELEASE_BATCH}).fetchone()
+                    if found and released == RELEASE_BATCH:
+                        self._endpoints_at = 0.0  # more to release: at the next step
+        return released
 
     def _poll_woken(self) -> int:
         """Poll the buckets a notification made due now, before this step's own work (whichever bucket it is for).
@@ -679,8 +880,9 @@ class CallbackWorker(EngineWorker):
                 lease_deadline=deadline,
                 on_done=lambda d, s=state: self._on_done(s, d),
                 priority=priority,
-                flow=self._flow_key(owner, group, target_host(url)),
+                flow=self._flow_key(owner, group, target_host(url), endpoint := endpoint_of(url)),
                 message_id=message_id,
+                endpoint=endpoint,
             )
             if policy is None:
                 delivery.outcome, delivery.error = FAILED, error
@@ -804,7 +1006,7 @@ class CallbackWorker(EngineWorker):
                     log.warning("event %s: %s", d.event_id, error)
                     conn.execute(sql.FAIL_EVENT, {"event_id": d.event_id, "error": error})
             # the events that may have failed for good here (a retry past its deadline; any, written one at a time)
-            if failed := [d.event_id for d in finished if careful or d.outcome in (FAILED, RETRY)]:
+            if failed := [d.event_id for d in finished if careful or d.outcome in (FAILED, RETRY, HELD)]:
                 conn.execute(sql.INSERT_FAILURE_HOOKS, _hook_params(failed))
             conn.execute(
                 sql.SAVE_WATERMARK,
@@ -867,6 +1069,7 @@ def _outcomes(finished: list[Delivery], cursor: Position) -> dict[str, object]:
         "delays": [d.retry_delay for d in finished],
         "codes": [d.status_code for d in finished],
         "responses": [d.response for d in finished],
+        "probed": [d.probe for d in finished],
         "cursor_run_at": cursor[0],
     }
 
@@ -877,6 +1080,12 @@ _HOOK_RETRY = RetryPolicy().model_dump_json()
 def _hook_params(ids: list[int]) -> dict[str, object]:
     """Parameters of ``sql.INSERT_FAILURE_HOOKS`` for the events ``ids`` (those that failed for good get a hook)."""
     return {"ids": ids, "group": HOOK_GROUP, "retry": _HOOK_RETRY, "lock_timeout": "0"}
+
+
+@functools.lru_cache(maxsize=1024)
+def stored_endpoint_policy(text: str) -> EndpointPolicy:
+    """A stored endpoint policy (JSON text), validated once per distinct text."""
+    return EndpointPolicy.model_validate_json(text)
 
 
 @functools.lru_cache(maxsize=1024)

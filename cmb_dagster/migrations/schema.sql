@@ -152,6 +152,41 @@ ALTER TABLE cmb.callback_change_log ALTER COLUMN change_id ADD GENERATED ALWAYS 
     CACHE 1
 );
 
+CREATE TABLE cmb.callback_endpoints (
+    endpoint_id bigint NOT NULL,
+    owner_client_id text NOT NULL,
+    endpoint text NOT NULL,
+    state text DEFAULT 'closed'::text NOT NULL,
+    consecutive_failures integer DEFAULT 0 NOT NULL,
+    window_started_at timestamp with time zone DEFAULT now() NOT NULL,
+    window_calls integer DEFAULT 0 NOT NULL,
+    window_failures integer DEFAULT 0 NOT NULL,
+    last_success_at timestamp with time zone,
+    last_failure_at timestamp with time zone,
+    last_error text,
+    last_status_code smallint,
+    opened_at timestamp with time zone,
+    probes integer DEFAULT 0 NOT NULL,
+    probe_interval double precision,
+    probe_at timestamp with time zone,
+    probe_event bigint,
+    disabled_at timestamp with time zone,
+    disabled_by text,
+    disables integer DEFAULT 0 NOT NULL,
+    releasing boolean DEFAULT false NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT callback_endpoints_state_check CHECK ((state = ANY (ARRAY['closed'::text, 'open'::text, 'disabled'::text])))
+);
+
+ALTER TABLE cmb.callback_endpoints ALTER COLUMN endpoint_id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME cmb.callback_endpoints_endpoint_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE cmb.callback_events (
     event_id bigint NOT NULL,
     bucket_id integer NOT NULL,
@@ -180,9 +215,10 @@ CREATE TABLE cmb.callback_events (
     replayed_at timestamp with time zone,
     on_failure text,
     failure_of bigint,
+    endpoint_id bigint,
     CONSTRAINT callback_events_body_check CHECK ((body = ANY (ARRAY['envelope'::text, 'context'::text]))),
     CONSTRAINT callback_events_priority_check CHECK (((priority >= '-1000'::integer) AND (priority <= 1000))),
-    CONSTRAINT callback_events_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'notified'::text, 'failed'::text, 'cancelled'::text, 'rejected'::text])))
+    CONSTRAINT callback_events_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'notified'::text, 'failed'::text, 'cancelled'::text, 'rejected'::text, 'held'::text, 'disabled'::text])))
 )
 WITH (fillfactor='85', autovacuum_vacuum_scale_factor='0.02', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_delay='0');
 
@@ -198,7 +234,8 @@ ALTER SEQUENCE cmb.callback_event_ids OWNED BY cmb.callback_events.event_id;
 CREATE TABLE cmb.callback_owner_settings (
     owner_client_id text NOT NULL,
     on_failure text,
-    updated_at timestamp with time zone DEFAULT now() NOT NULL
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    endpoint_policy jsonb
 );
 
 CREATE TABLE cmb.callback_scheduled_events (
@@ -814,6 +851,12 @@ ALTER TABLE ONLY cmb.callback_buckets
 ALTER TABLE ONLY cmb.callback_change_log
     ADD CONSTRAINT callback_change_log_pkey PRIMARY KEY (change_id);
 
+ALTER TABLE ONLY cmb.callback_endpoints
+    ADD CONSTRAINT callback_endpoints_owner_client_id_endpoint_key UNIQUE (owner_client_id, endpoint);
+
+ALTER TABLE ONLY cmb.callback_endpoints
+    ADD CONSTRAINT callback_endpoints_pkey PRIMARY KEY (endpoint_id);
+
 ALTER TABLE ONLY cmb.callback_events
     ADD CONSTRAINT callback_events_owner_client_id_group_key_event_key_key UNIQUE (owner_client_id, group_key, event_key);
 
@@ -953,9 +996,19 @@ CREATE INDEX callback_change_log_at ON cmb.callback_change_log USING btree (at);
 
 CREATE INDEX callback_change_log_key ON cmb.callback_change_log USING btree (owner_client_id, group_key, event_key);
 
+CREATE INDEX callback_endpoints_open ON cmb.callback_endpoints USING btree (opened_at) WHERE (state = 'open'::text);
+
+CREATE INDEX callback_endpoints_probes ON cmb.callback_endpoints USING btree (probe_at) WHERE (state = 'open'::text);
+
+CREATE INDEX callback_endpoints_releasing ON cmb.callback_endpoints USING btree (endpoint_id) WHERE releasing;
+
+CREATE INDEX callback_endpoints_unhealthy ON cmb.callback_endpoints USING btree (owner_client_id, endpoint) WHERE (state <> 'closed'::text);
+
 CREATE INDEX callback_events_dead ON cmb.callback_events USING btree (finished_at, event_id) WHERE (status = 'failed'::text);
 
 CREATE INDEX callback_events_finished ON cmb.callback_events USING btree (run_at) WHERE (status <> 'pending'::text);
+
+CREATE INDEX callback_events_held ON cmb.callback_events USING btree (endpoint_id, run_at, event_id) WHERE (status = ANY (ARRAY['held'::text, 'disabled'::text]));
 
 CREATE INDEX callback_events_outcomes ON cmb.callback_events USING btree (finished_at) INCLUDE (bucket_id, status) WHERE (status <> 'pending'::text);
 

@@ -420,6 +420,7 @@ def test_outcome_write_reads_events_by_id_with_or_without_statistics(db, statist
             "delays": [0.0] * 500,
             "codes": [200] * 500,
             "responses": [None] * 500,
+            "probed": [None] * 500,
             "cursor_run_at": datetime.now(UTC),
         }
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + sql.FINISH_EVENTS, params))
@@ -451,7 +452,17 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
     now = datetime.now(UTC)
     ids = [21, 25, 29]
     statements = {
-        "gate": (sql.GATE, {"kind": "callbacks.bucket", "owner": "me", "partitions": ["1"], "fences": [1], "ids": ids}),
+        "gate": (
+            sql.GATE,
+            {
+                "kind": "callbacks.bucket",
+                "owner": "me",
+                "partitions": ["1"],
+                "fences": [1],
+                "ids": ids,
+                "endpoints": ["http://x/"] * 3,
+            },
+        ),
         "finish": (
             sql.FINISH_EVENTS,
             {
@@ -461,6 +472,7 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
                 "delays": [0.0] * 3,
                 "codes": [200] * 3,
                 "responses": [None] * 3,
+                "probed": [None] * 3,
                 "cursor_run_at": now,
             },
         ),

@@ -14,12 +14,25 @@ from receiver import Receiver
 from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput, RetryPolicy
+from cmb_dagster.callbacks import (
+    CallbackClient,
+    CallbackSettings,
+    CallbackWorker,
+    EndpointPolicy,
+    InvalidCallbackInput,
+    RetryPolicy,
+)
 from cmb_dagster.callbacks.admin import status
 from cmb_dagster.models import Backoff
 
 FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
+    poll_interval=0.2,
+    lease_ttl=3,
+    timeout=1,
+    backoff=Backoff(first=0.01),
+    lookahead=1,
+    allowed_hosts=["127.0.0.1"],
+    endpoint_policy=EndpointPolicy(breaker=False),  # every failing event a dead letter of its own
 )
 SHORT = RetryPolicy(stop_after_delay=0.3, fast_retries=0, delay=0.1)  # fails for good within a second
 CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]

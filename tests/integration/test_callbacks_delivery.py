@@ -10,7 +10,14 @@ import pytest
 from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker, InvalidCallbackInput, RetryPolicy
+from cmb_dagster.callbacks import (
+    CallbackClient,
+    CallbackSettings,
+    CallbackWorker,
+    EndpointPolicy,
+    InvalidCallbackInput,
+    RetryPolicy,
+)
 from cmb_dagster.callbacks import worker as worker_module
 from cmb_dagster.database import Database
 from cmb_dagster.models import Backoff
@@ -99,6 +106,7 @@ def test_events_created_behind_the_cursor_but_still_ahead_wait_for_their_time(cl
 
 
 def test_reject_header_rejects_and_errors_retry_then_fail(client, sink, workers):
+    client.set_endpoint_policy("a", EndpointPolicy(breaker=False))  # each event retries and fails on its own
     now = datetime.now(UTC)
     client.create("a", "g", "rejected", now, f"{sink.url}/reject")
     client.create("a", "g", "retried", now, f"{sink.url}/fail", retry=RetryPolicy.constant(0.3, fast_retries=2))
