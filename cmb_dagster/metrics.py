@@ -181,7 +181,12 @@ class StatusCollector(Collector):
             overdue.add_metric(key, row.overdue)
             oldest.add_metric(key, row.oldest_overdue_seconds)
             exact.add_metric(key, int(row.exact))
-        return [pending, overdue, oldest, exact]
+        endpoints = _gauge("cmb_callbacks_endpoints", "Endpoints whose circuit breaker is open or disabled.", ["state"])
+        health = callbacks_admin.status(self.reader, totals=False, limits=False).endpoints
+        assert health is not None
+        endpoints.add_metric(["open"], health.open)
+        endpoints.add_metric(["disabled"], health.disabled)
+        return [pending, overdue, oldest, exact, endpoints]
 
     def _stages(self) -> list[Metric]:
         report = stages_admin.status(self.reader)

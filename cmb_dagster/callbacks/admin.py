@@ -34,7 +34,7 @@ from cmb_dagster.callbacks.models import (
     check_key,
     validated,
 )
-from cmb_dagster.callbacks.signing import check_secret, new_secret
+from cmb_dagster.callbacks.signing import SECRET_KINDS, SecretKind, check_secret, kind_of, new_secret, public_key_of
 from cmb_dagster.callbacks.worker import move_stranded_events
 from cmb_dagster.database import Database, DatabaseSource
 from cmb_dagster.inputs import refused_input
@@ -343,16 +343,23 @@ def rotate_secret(
     secret: str | None = None,
     *,
     previous_valid_for: float | None = 86400.0,
+    kind: SecretKind | None = None,
 ) -> str:
-    """Add a signing secret for the owner's callbacks (``secret``, ``whsec_<base64>``, or a new random one) and
-    return it: the only time a secret is shown.
+    """Add a signing secret for the owner's callbacks: ``secret`` (an HMAC secret ``whsec_<base64>`` or an ed25519
+    signing key ``whsk_<base64 of a 32-byte seed>``, its prefix tells which) or a new random one of ``kind``
+    (default ``"hmac"``; a given secret of another kind is refused).
 
-    The newest secret before it stays active with it (calls carry both signatures) for ``previous_valid_for``
-    seconds (None: until :func:`retire_secrets`); older ones are retired. Workers sign with it within
-    ``CallbackSettings.secrets_refresh``.
+    Returns what receivers verify with: an HMAC secret itself (the only time it is shown), an ed25519 key's public
+    key ``whpk_<base64>`` (its private key is never shown). The newest secret before it stays active with it (calls
+    carry both signatures) for ``previous_valid_for`` seconds (None: until :func:`retire_secrets`); older ones are
+    retired. Workers sign with it within ``CallbackSettings.secrets_refresh``.
     """
     check_key(owner_client_id, "owner_client_id")
-    secret = new_secret() if secret is None else check_secret(secret)
+    if kind is not None and kind not in SECRET_KINDS:
+        raise InvalidCallbackInput("kind: must be 'hmac' or 'ed25519'")
+    secret = new_secret(kind or "hmac") if secret is None else check_secret(secret)
+    if kind is not None and kind_of(secret) != kind:
+        raise InvalidCallbackInput(f"kind: {kind!r}, but the secret given is an {kind_of(secret)} one (its prefix)")
     if previous_valid_for is not None and not 0 <= previous_valid_for <= MAX_PREVIOUS_VALID_FOR:
         raise InvalidCallbackInput(f"previous_valid_for: must be 0 to {MAX_PREVIOUS_VALID_FOR:g} seconds or None")
     params = {"owner": owner_client_id, "secret": secret, "previous_for": previous_valid_for}
@@ -361,7 +368,7 @@ def rotate_secret(
         conn.execute(sql.RETIRE_OLDER_SECRETS, params)
         conn.execute(sql.EXPIRE_PREVIOUS_SECRET, params)
         conn.execute(sql.INSERT_SECRET, params)
-    return secret
+    return public_key_of(secret) or secret
 
 
 @refused_input(InvalidCallbackInput, "arguments")
@@ -377,10 +384,14 @@ def retire_secrets(database: DatabaseSource, owner_client_id: str, *, keep_newes
 
 @refused_input(InvalidCallbackInput, "arguments")
 def signing_secrets(database: DatabaseSource, owner_client_id: str) -> list[SigningSecretInfo]:
-    """The owner's secrets, newest first (at most ``SECRETS_LISTED``): when made, expiring or retired, and whether
-    active; never the secrets themselves."""
+    """The owner's secrets, newest first (at most ``SECRETS_LISTED``): kind, when made, expiring or retired, whether
+    active, and an ed25519 key's public key; never the secrets themselves."""
     check_key(owner_client_id, "owner_client_id")
     with Database.of(database).connection() as conn:
         cursor = conn.cursor(row_factory=dict_row)
         rows = cursor.execute(sql.LIST_SECRETS, {"owner": owner_client_id, "limit": SECRETS_LISTED}).fetchall()
-    return [SigningSecretInfo.model_validate(row) for row in rows]
+    return [_secret_info(**row) for row in rows]
+
+
+def _secret_info(secret: str, **row: Any) -> SigningSecretInfo:
+    return SigningSecretInfo(**row, kind=kind_of(secret), public_key=public_key_of(secret))

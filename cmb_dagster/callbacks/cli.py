@@ -521,9 +521,14 @@ def secret() -> None:
     show_default=True,
     help="Seconds the previous secret keeps signing too.",
 )
-def rotate(owner_client_id: str, previous_valid_for: float) -> None:
-    """Make a new signing secret for the owner and print it (the only time it is shown)."""
-    click.echo(admin.rotate_secret(open_database(), owner_client_id, previous_valid_for=previous_valid_for))
+@click.option("--ed25519", is_flag=True, help="An ed25519 signing key (v1a signatures) instead of an HMAC secret.")
+def rotate(owner_client_id: str, previous_valid_for: float, ed25519: bool) -> None:
+    """Make a new signing secret for the owner and print what receivers verify with: the HMAC secret (the only time
+    it is shown), or with --ed25519 the public key (the private key is never shown)."""
+    kind = "ed25519" if ed25519 else "hmac"
+    click.echo(admin.rotate_secret(open_database(), owner_client_id, previous_valid_for=previous_valid_for, kind=kind))
+    if ed25519:
+        click.echo("receivers verify the v1a signatures with this public key", err=True)
 
 
 @secret.command()
@@ -538,14 +543,15 @@ def retire(owner_client_id: str, everything: bool) -> None:
 @secret.command(name="list")
 @click.option("--owner", "owner_client_id", required=True)
 def list_secrets(owner_client_id: str) -> None:
-    """The owner's secrets, newest first: ids and times, never the secrets."""
+    """The owner's secrets, newest first: ids, kinds, times and an ed25519 key's public key, never the secrets."""
     found = admin.signing_secrets(open_database(), owner_client_id)
     if not found:
         click.echo("no secrets: the owner's callbacks are not signed")
     for s in found:
         state = "active" if s.active else "retired" if s.retired_at else "expired"
         expires = s.expires_at.isoformat() if s.expires_at else "-"
-        click.echo(f"{s.secret_id}\t{state}\tcreated {s.created_at.isoformat()}\texpires {expires}")
+        line = f"{s.secret_id}\t{s.kind}\t{state}\tcreated {s.created_at.isoformat()}\texpires {expires}"
+        click.echo(f"{line}\tpublic key {s.public_key}" if s.public_key else line)
 
 
 @callbacks.command()

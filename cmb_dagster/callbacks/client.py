@@ -343,11 +343,18 @@ class CallbackClient:
         admin.set_failure_hook(self.db, owner_client_id, url, self.settings)
 
     def rotate_secret(
-        self, owner_client_id: str, secret: str | None = None, *, previous_valid_for: float | None = 86400.0
+        self,
+        owner_client_id: str,
+        secret: str | None = None,
+        *,
+        previous_valid_for: float | None = 86400.0,
+        kind: admin.SecretKind | None = None,
     ) -> str:
-        """Sign the owner's callbacks with ``secret`` (``whsec_<base64>``; default: a new random one), returned;
-        the previous secret signs too for ``previous_valid_for`` seconds (None: until retired)."""
-        return admin.rotate_secret(self.db, owner_client_id, secret, previous_valid_for=previous_valid_for)
+        """Sign the owner's callbacks with ``secret`` (HMAC ``whsec_<base64>`` or ed25519 ``whsk_<base64>``;
+        default: a new random one of ``kind``, HMAC unless told) and return what receivers verify with: the HMAC
+        secret, or the ed25519 public key ``whpk_<base64>``. The previous secret signs too for
+        ``previous_valid_for`` seconds (None: until retired)."""
+        return admin.rotate_secret(self.db, owner_client_id, secret, previous_valid_for=previous_valid_for, kind=kind)
 
     def retire_secrets(self, owner_client_id: str, *, keep_newest: bool = True) -> int:
         """Stop signing with the owner's older secret (``keep_newest=False``: with any); return how many."""

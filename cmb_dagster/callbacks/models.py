@@ -723,9 +723,12 @@ class DeadLetters(BaseModel):
 
 
 class SigningSecretInfo(BaseModel):
-    """One signing secret of an owner as operators see it: never the secret itself."""
+    """One signing secret of an owner as operators see it: its kind and, for an ed25519 key, the public key
+    (``whpk_<base64>``) receivers verify with; never the secret itself."""
 
     secret_id: int
+    kind: Literal["hmac", "ed25519"]
+    public_key: str | None  # an ed25519 key's; None for an HMAC secret
     created_at: datetime
     expires_at: datetime | None
     retired_at: datetime | None

@@ -787,9 +787,11 @@ WHERE owner_client_id = %(owner)s AND {_ACTIVE_SECRET}
                                     ORDER BY created_at DESC, secret_id DESC LIMIT 1))
 """
 
-# What is known of an owner's secrets, without the secrets.
+# What is known of an owner's secrets; the secret goes to Python alone, which derives its kind and public key from
+# it and shows neither it nor any part of it.
 LIST_SECRETS = f"""
-SELECT secret_id, created_at, expires_at, retired_at, {_ACTIVE_SECRET} AS active FROM callback_signing_secrets
+SELECT secret_id, secret, created_at, expires_at, retired_at, {_ACTIVE_SECRET} AS active
+FROM callback_signing_secrets
 WHERE owner_client_id = %(owner)s
 ORDER BY created_at DESC, secret_id DESC
 LIMIT %(limit)s
@@ -841,7 +843,7 @@ RETURNING c.endpoint_id, c.owner_client_id, c.endpoint, c.state, c.consecutive_f
 """
 
 # What the worker decided from RECORD_ENDPOINTS (in the same transaction, the rows still locked): an endpoint
-# opens (its first probe after %(intervals)s), closes (its held events are then released: releasing), or waits
+# opens (its first probe after %(intervals)s), closes (its held events are then released: releasing_since), or waits
 # longer after a failed probe. A disabled endpoint changes only by an operator.
 ENDPOINT_TRANSITIONS = """
 UPDATE callback_endpoints c
@@ -851,7 +853,8 @@ SET state = u.state,
     probe_interval = CASE WHEN u.state = 'open' THEN u.probe_interval END,
     probe_at = CASE WHEN u.state = 'open' THEN now() + make_interval(secs => u.probe_interval) END,
     probe_event = CASE WHEN u.state = 'open' AND c.state = 'open' THEN c.probe_event END,
-    releasing = c.releasing OR (c.state = 'open' AND u.state = 'closed'),
+    releasing_since = CASE WHEN c.state = 'open' AND u.state = 'closed' THEN coalesce(c.releasing_since, now())
+                           ELSE c.releasing_since END,
     window_started_at = CASE WHEN u.state = 'closed' THEN now() ELSE c.window_started_at END,
     window_calls = CASE WHEN u.state = 'closed' THEN 0 ELSE c.window_calls END,
     window_failures = CASE WHEN u.state = 'closed' THEN 0 ELSE c.window_failures END,
@@ -899,10 +902,16 @@ SELECT count(*)::int, {_wake("sent")}
 FROM sent
 """
 
+# The endpoint upkeep of a worker (ENDPOINT_WORK, PROBE_HELD, RELEASE_HELD, DISABLE_ENDPOINTS) runs every half
+# second whatever the size of callback_endpoints: its transactions plan by the partial indexes of the few endpoints
+# that are not closed, never by a read of every endpoint, whatever the statistics say (a table analyzed while empty
+# looks empty to the planner until it is analyzed again).
+NO_SEQSCAN = "SELECT set_config('enable_seqscan', 'off', true)"
+
 # Whether a probe is due (callback_endpoints_probes) and whether an endpoint has held events to release.
 ENDPOINT_WORK = """
 SELECT EXISTS (SELECT FROM callback_endpoints WHERE state = 'open' AND probe_at <= now()),
-       EXISTS (SELECT FROM callback_endpoints WHERE releasing AND state = 'closed')
+       EXISTS (SELECT FROM callback_endpoints WHERE releasing_since <= now() AND state = 'closed')
 """
 
 # One closed endpoint with held events (not locked by another worker): up to %(limit)s of them, oldest first, back
@@ -912,8 +921,8 @@ SELECT EXISTS (SELECT FROM callback_endpoints WHERE state = 'open' AND probe_at 
 # wake-up hints sent.
 RELEASE_HELD = f"""
 WITH ep AS MATERIALIZED (
-    SELECT endpoint_id FROM callback_endpoints WHERE releasing AND state = 'closed'
-    ORDER BY endpoint_id LIMIT 1
+    SELECT endpoint_id FROM callback_endpoints WHERE releasing_since <= now() AND state = 'closed'
+    ORDER BY releasing_since LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), picked AS MATERIALIZED (
     SELECT h.event_id, nextval('callback_event_ids') AS new_id
@@ -930,7 +939,7 @@ WITH ep AS MATERIALIZED (
     WHERE e.event_id = p.event_id
     RETURNING e.bucket_id, e.run_at
 ), done AS (
-    UPDATE callback_endpoints c SET releasing = false, updated_at = now()
+    UPDATE callback_endpoints c SET releasing_since = NULL, updated_at = now()
     WHERE c.endpoint_id = (SELECT endpoint_id FROM ep) AND (SELECT count(*) FROM picked) < %(limit)s
 )
 SELECT (SELECT count(*) FROM ep)::int, count(*)::int, {_wake("released")}
@@ -955,7 +964,7 @@ WITH due AS (
 ), disabled AS (
     UPDATE callback_endpoints c
     SET state = 'disabled', disabled_at = now(), disabled_by = 'breaker', disables = c.disables + 1, probe_at = NULL,
-        releasing = false, updated_at = now()
+        releasing_since = NULL, updated_at = now()
     FROM due
     WHERE c.endpoint_id = due.endpoint_id AND c.state = 'open'
     RETURNING c.*
@@ -1002,7 +1011,8 @@ FROM counted n
 ENDPOINT_COLUMNS = """
     c.endpoint_id, c.owner_client_id, c.endpoint, c.state, c.consecutive_failures, c.window_started_at,
     c.window_calls, c.window_failures, c.last_success_at, c.last_failure_at, c.last_error, c.last_status_code,
-    c.opened_at, c.probes, c.probe_at, c.disabled_at, c.disabled_by, c.releasing, c.updated_at,
+    c.opened_at, c.probes, c.probe_at, c.disabled_at, c.disabled_by, c.releasing_since IS NOT NULL AS releasing,
+    c.updated_at,
     (SELECT count(*) FROM callback_events e WHERE e.endpoint_id = c.endpoint_id AND e.status = 'held') AS held,
     (SELECT count(*) FROM callback_events e WHERE e.endpoint_id = c.endpoint_id AND e.status = 'disabled') AS disabled
 """
@@ -1016,11 +1026,11 @@ LIMIT %(limit)s
 """
 
 # An operator enables an endpoint: closed, its counts from zero, its disabled events held again and released by the
-# workers (releasing), oldest first. Returns the endpoint's id and how many events will be sent again.
+# workers (releasing_since), oldest first. Returns the endpoint's id and how many events will be sent again.
 ENABLE_ENDPOINT = """
 WITH ep AS (
     UPDATE callback_endpoints
-    SET state = 'closed', releasing = true, opened_at = NULL, probe_at = NULL, probe_interval = NULL, probes = 0,
+    SET state = 'closed', releasing_since = now(), opened_at = NULL, probe_at = NULL, probe_interval = NULL, probes = 0,
         consecutive_failures = 0, window_started_at = now(), window_calls = 0, window_failures = 0, disabled_at = NULL,
         disabled_by = NULL, updated_at = now()
     WHERE owner_client_id = %(owner)s AND endpoint = %(endpoint)s
@@ -1041,7 +1051,7 @@ WITH ep AS (
     INSERT INTO callback_endpoints AS c (owner_client_id, endpoint, state, disabled_at, disabled_by)
     VALUES (%(owner)s, %(endpoint)s, 'disabled', now(), 'operator')
     ON CONFLICT (owner_client_id, endpoint) DO UPDATE
-    SET state = 'disabled', disabled_at = now(), disabled_by = 'operator', probe_at = NULL, releasing = false,
+    SET state = 'disabled', disabled_at = now(), disabled_by = 'operator', probe_at = NULL, releasing_since = NULL,
         updated_at = now()
     RETURNING endpoint_id
 ), parked AS (
@@ -1069,5 +1079,5 @@ FROM callback_endpoints WHERE state <> 'closed'
 # Closed endpoints with nothing to release and no call for %(ttl_days)s days are forgotten.
 CLEAN_ENDPOINTS = """
 DELETE FROM callback_endpoints
-WHERE state = 'closed' AND NOT releasing AND updated_at < now() - make_interval(days => %(ttl_days)s)
+WHERE state = 'closed' AND releasing_since IS NULL AND updated_at < now() - make_interval(days => %(ttl_days)s)
 """

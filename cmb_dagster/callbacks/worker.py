@@ -731,11 +731,13 @@ class CallbackWorker(EngineWorker):
         """Disable the endpoints open longer than their policy allows, send the probes that are due, and one batch of
         a closed endpoint's held events again; return how many events were released."""
         with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+            conn.execute(sql.NO_SEQSCAN)
             self._breakers.disable_overdue(conn)
             probing, releasing = conn.execute(sql.ENDPOINT_WORK).fetchone()
         released = 0
         if probing or releasing:
             with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+                conn.execute(sql.NO_SEQSCAN)
                 conn.execute(sql.LOCK_EVENT_IDS, {"lock_timeout": "0"})  # new ids drawn as a create draws them
                 if probing:
                     conn.execute(sql.PROBE_HELD)

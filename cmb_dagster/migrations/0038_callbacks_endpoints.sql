@@ -5,7 +5,8 @@
 -- * consecutive_failures, window_*: failed calls in a row, and calls and failures in the current window.
 -- * probes, probe_interval, probe_at, probe_event: failed probes since it opened, the wait before the next one, when
 --   it may start, and the event sent as the probe (its oldest held event, which the gate alone lets through).
--- * releasing: closed with held events still to send back (workers release them in batches, oldest first).
+-- * releasing_since: closed with held events still to send back since then (workers release them in batches,
+--   oldest first); NULL: none.
 -- * disables: how many times it was disabled (each disable notifies once: its hook key carries this number).
 CREATE TABLE callback_endpoints (
     endpoint_id          bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -28,7 +29,7 @@ CREATE TABLE callback_endpoints (
     disabled_at          timestamptz,
     disabled_by          text,
     disables             integer     NOT NULL DEFAULT 0,
-    releasing            boolean     NOT NULL DEFAULT false,
+    releasing_since      timestamptz,
     updated_at           timestamptz NOT NULL DEFAULT now(),
     UNIQUE (owner_client_id, endpoint)
 );
@@ -36,7 +37,7 @@ CREATE TABLE callback_endpoints (
 CREATE INDEX callback_endpoints_unhealthy ON callback_endpoints (owner_client_id, endpoint) WHERE state <> 'closed';
 CREATE INDEX callback_endpoints_open ON callback_endpoints (opened_at) WHERE state = 'open';
 CREATE INDEX callback_endpoints_probes ON callback_endpoints (probe_at) WHERE state = 'open';
-CREATE INDEX callback_endpoints_releasing ON callback_endpoints (endpoint_id) WHERE releasing;
+CREATE INDEX callback_endpoints_releasing ON callback_endpoints (releasing_since) WHERE releasing_since IS NOT NULL;
 
 -- Events wait for their endpoint as 'held' (open) or 'disabled' (disabled), with endpoint_id set.
 ALTER TABLE callback_events

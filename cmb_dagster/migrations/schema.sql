@@ -173,7 +173,7 @@ CREATE TABLE cmb.callback_endpoints (
     disabled_at timestamp with time zone,
     disabled_by text,
     disables integer DEFAULT 0 NOT NULL,
-    releasing boolean DEFAULT false NOT NULL,
+    releasing_since timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT callback_endpoints_state_check CHECK ((state = ANY (ARRAY['closed'::text, 'open'::text, 'disabled'::text])))
 );
@@ -1000,7 +1000,7 @@ CREATE INDEX callback_endpoints_open ON cmb.callback_endpoints USING btree (open
 
 CREATE INDEX callback_endpoints_probes ON cmb.callback_endpoints USING btree (probe_at) WHERE (state = 'open'::text);
 
-CREATE INDEX callback_endpoints_releasing ON cmb.callback_endpoints USING btree (endpoint_id) WHERE releasing;
+CREATE INDEX callback_endpoints_releasing ON cmb.callback_endpoints USING btree (releasing_since) WHERE (releasing_since IS NOT NULL);
 
 CREATE INDEX callback_endpoints_unhealthy ON cmb.callback_endpoints USING btree (owner_client_id, endpoint) WHERE (state <> 'closed'::text);
 

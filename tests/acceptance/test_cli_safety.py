@@ -62,6 +62,11 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (GOOD, ["callbacks", "secret", "rotate", "--owner", "me"]),
     (GOOD, ["callbacks", "secret", "list", "--owner", "me"]),
     (GOOD, ["callbacks", "secret", "retire", "--owner", "me", "--all"]),
+    (GOOD, ["callbacks", "endpoint", "disable", "--owner", "me", "http://127.0.0.1:9/down"]),
+    (GOOD, ["callbacks", "endpoints", "--owner", "me", "--json"]),
+    (GOOD, ["callbacks", "endpoint", "enable", "--owner", "me", "http://127.0.0.1:9/down?any=query"]),
+    (GOOD, ["callbacks", "endpoint", "policy", "--owner", "me", "--disable-after", "86400", "--probe-interval", "5"]),
+    (GOOD, ["callbacks", "endpoint", "policy", "--owner", "me", "--clear"]),
     (GOOD, ["callbacks", "worker", "--duration", "0.5", "--no-materialize"]),
     (BAD, ["--bogus"]),
     (BAD, ["nosuch"]),
@@ -126,6 +131,14 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (BAD, ["callbacks", "replay", "--group", "g"]),
     (BAD, ["callbacks", "on-failure", "me", "http://10.0.0.1/hook"]),
     (BAD, ["callbacks", "secret", "rotate", "--owner", "me", "--previous-valid-for", "-1"]),
+    (BAD, ["callbacks", "endpoint", "enable", "--owner", "me", "http://127.0.0.1:9/never-seen"]),
+    (BAD, ["callbacks", "endpoint", "disable", "--owner", "me", "ftp://127.0.0.1/x"]),
+    (
+        BAD,
+        ["callbacks", "endpoint", "disable", "--owner", "me'); DELETE FROM cmb.callback_events; --" * 10, "http://x/"],
+    ),
+    (BAD, ["callbacks", "endpoints", "--state", "half-open"]),
+    (BAD, ["callbacks", "endpoint", "policy", "--owner", "me", "--failure-threshold", "0"]),
 ]
 
 

@@ -1,6 +1,8 @@
 """Alerts: a check that turns red, then green, sends one message each to a real webhook on 127.0.0.1, delivered by
 the callbacks engine's worker; sending again after a crash creates nothing twice."""
 
+from datetime import UTC, datetime
+
 from callback_settings import FAST
 from checks_helpers import StatusTicks, notes, run_worker
 from dagster import build_sensor_context, instance_for_test
@@ -81,3 +83,27 @@ def test_warnings_alert_only_when_asked_and_old_transitions_are_not_sent(db):
     with db.connection() as conn:
         conn.execute("UPDATE check_transitions SET at = now() - interval '2 hours' WHERE alerted_at IS NULL")
     assert send_alerts(db, AlertOptions(webhook="http://127.0.0.1:9/a"), FAST) == 0
+
+
+def test_a_disabled_endpoint_turns_its_worker_jobs_check_red_and_sends_one_alert(db, database_url, sink):
+    definitions = cmb_definitions(
+        resource=CmbResource(database_url=database_url),
+        callbacks=CallbackOptions(settings=FAST),
+        alerts=AlertOptions(webhook=f"{sink.url}/alerts", severity="error"),
+    )
+    ticks = StatusTicks(definitions, "cmb_callbacks_status", database_url)
+    ticks.tick()
+    down = f"{sink.url}/down"
+    with CallbackClient(db, FAST) as client:
+        client.disable_endpoint("shop", down)
+        for i in range(3):
+            client.create("shop", "orders", f"o-{i}", datetime.now(UTC), down)
+    run_worker(definitions, "cmb_callbacks_worker", 1.5)  # the gate keeps them as disabled, calling nothing
+    assert not sink.received
+    evaluation = ticks.until("callbacks/events:disabled_endpoints", passed=False)
+    assert evaluation.description.startswith("1 disabled endpoints keep 3 events")
+    assert tick_alerts(definitions, database_url) == "1 alerts handed to the callbacks engine"
+    assert tick_alerts(definitions, database_url) == "no check changed"
+    run_worker(definitions, "cmb_callbacks_worker", 1.5)
+    [red] = [call.body for call in sink.received]
+    assert red["text"].startswith("[ERROR] callbacks/events disabled_endpoints: 1 disabled endpoints keep 3 events")

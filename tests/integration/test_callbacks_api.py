@@ -448,9 +448,18 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
                 """,
                 (first, last),
             )
+            conn.execute(  # endpoints, a few of them open, each holding an event
+                """
+                INSERT INTO callback_endpoints (owner_client_id, endpoint, state, opened_at, probe_at)
+                SELECT 'o', 'http://x/' || i, CASE WHEN i %% 100 = 0 THEN 'open' ELSE 'closed' END, now(), now()
+                FROM generate_series(%s::int, %s::int) AS i
+                """,
+                (first, last),
+            )
 
     now = datetime.now(UTC)
     ids = [21, 25, 29]
+    upkeep = ("work", "probe", "release", "disable")  # the worker's endpoint upkeep runs with seq scans off
     statements = {
         "gate": (
             sql.GATE,
@@ -476,6 +485,26 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
                 "cursor_run_at": now,
             },
         ),
+        "record": (
+            sql.RECORD_ENDPOINTS,
+            {
+                "owners": ["o"] * 2,
+                "endpoints": ["http://x/3", "http://x/7"],
+                "calls": [1, 1],
+                "failures": [1, 0],
+                "trailing": [1, 0],
+                "errors": ["HTTP 503", None],
+                "codes": [503, None],
+                "window": 60.0,
+            },
+        ),
+        "work": (sql.ENDPOINT_WORK, {}),
+        "probe": (sql.PROBE_HELD, {}),
+        "release": (sql.RELEASE_HELD, {"limit": 1000}),
+        "disable": (
+            sql.DISABLE_ENDPOINTS,
+            {"disable_after": 3600.0, "group": "cmb.failure", "retry": "{}", "lock_timeout": "0"},
+        ),
         "ahead": (sql.POLL_AHEAD, {"bucket": 1, "lookahead": 2.0, "limit": 1000, "run_at": now, "event_id": 0}),
         "late": (sql.POLL_LATE, {"bucket": 1, "limit": 1000, "run_at": now, "max_event_id": 20}),
     }
@@ -495,17 +524,23 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
             names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
             text = re.sub(r"%\((\w+)\)s", lambda m, names=names: f"${names.index(m.group(1)) + 1}", statement)
             conn.execute(f"PREPARE {name} AS {text.replace('%%', '%')}")
-            executions[name] = (f"EXECUTE {name}({', '.join(['%s'] * len(names))})", [params[n] for n in names])
+            arguments = f"({', '.join(['%s'] * len(names))})" if names else ""
+            executions[name] = (f"EXECUTE {name}{arguments}", [params[n] for n in names])
             with conn.transaction(force_rollback=True):
+                if name in upkeep:
+                    conn.execute(sql.NO_SEQSCAN)
                 for _ in range(8):  # past the executions after which Postgres may cache a plan for good
                     ClientCursor(conn).execute(*executions[name])
         insert(41, 50_000)
-        plans = {
-            name: "\n".join(r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
-            for name, (run, args) in executions.items()
-        }
+        plans = {}
+        for name, (run, args) in executions.items():
+            with conn.transaction(force_rollback=True):
+                if name in upkeep:
+                    conn.execute(sql.NO_SEQSCAN)
+                plans[name] = "\n".join(r[0] for r in ClientCursor(conn).execute("EXPLAIN " + run, args))
     for plan in plans.values():
         assert "Seq Scan on callback_events" not in plan, plans
+        assert "Seq Scan on callback_endpoints" not in plan, plans
     assert "callback_events_pkey" in plans["gate"] and "callback_events_pkey" in plans["finish"], plans
     assert "Index Scan using callback_events_pending on" in plans["ahead"] and "Sort" not in plans["ahead"], plans
     assert re.search(r"Index Cond: .*event_id > ", plans["late"]), plans

@@ -279,3 +279,28 @@ def test_a_rate_limit_of_an_owner_spaces_its_calls(db, receivers):
     starts = sorted(start for _, _, start in receiver.arrived)
     assert starts[-1] - starts[0] >= 2.5  # 1 at once, then 4 a second: 11 more take 2.75 s at least
     assert max(sum(1 for t in starts if s <= t < s + 1) for s in starts) <= 6  # 1 + 4, and one of arrival jitter
+
+
+def test_a_rate_limit_of_an_endpoint_spaces_its_calls_while_the_hosts_other_endpoints_go_on(db, receivers):
+    receiver = receivers("127.0.0.1", slow=0)
+    metered = f"{receiver.url}/slow?tenant=1"  # the endpoint is the URL without its query
+    limits = {"per_endpoint": {f"{receiver.url}/slow": FlowLimits(rate_limit=RateLimit(rate=4, burst=1))}}
+    settings = CallbackSettings(**{**SETTINGS.model_dump(), **limits})
+    assert settings.flow_key("shop", "g", "127.0.0.1", f"{receiver.url}/slow") == (
+        f"callbacks/endpoint/{receiver.url}/slow",
+        "",
+    )
+    with CallbackClient(db, settings) as client:
+        create(client, metered, [f"m{i}" for i in range(12)])
+        create(client, f"{receiver.url}/other", [f"o{i}" for i in range(12)], group="other")
+        with Running(CallbackWorker(db, settings)):
+            wait_until(lambda: notified(client) == 24, timeout=30, what="every call")
+    metered_starts = sorted(start for path, _, start in receiver.arrived if path.startswith("/slow"))
+    other_starts = sorted(start for path, _, start in receiver.arrived if path == "/other")
+    assert metered_starts[-1] - metered_starts[0] >= 2.5  # 1 at once, then 4 a second
+    assert other_starts[-1] < metered_starts[-1] - 1.0  # the other endpoint of the host did not wait for it
+
+
+def test_per_endpoint_entries_must_be_urls(db):
+    with pytest.raises(InvalidCallbackInput, match=r"per_endpoint"):
+        CallbackSettings(per_endpoint={"not a url": FlowLimits(concurrency=1)})

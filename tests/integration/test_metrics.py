@@ -87,6 +87,7 @@ def write_through_the_engines(db: Database) -> None:
             client.create("metrics", "g", f"due-{i}", now - timedelta(minutes=i + 1), "https://example.com/cb")
         for i in range(5):
             client.create("metrics", "g", f"later-{i}", now + timedelta(hours=1), "https://example.com/cb")
+        client.disable_endpoint("metrics", "https://example.com/down")
     stages = [*pipeline(), Failing("broken", "a", "z")]
     StageStore(db, stages).put_many({f"e{i}": {"a": i} for i in range(4)})
     drain(StageWorker(db, stages))
@@ -133,6 +134,8 @@ def test_a_scrape_reports_what_each_engine_status_says(db, served):
         assert (
             abs(value(samples, "cmb_callbacks_oldest_overdue_seconds", bucket_set=key) - row.oldest_overdue_seconds) < 5
         )
+    assert value(samples, "cmb_callbacks_endpoints", state="disabled") == 1
+    assert value(samples, "cmb_callbacks_endpoints", state="open") == 0
 
     stages = stages_admin.status(db)
     assert value(samples, "cmb_stages_shards") == stages.shard_count

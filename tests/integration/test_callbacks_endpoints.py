@@ -1,0 +1,102 @@
+"""Endpoints: events a disabled endpoint keeps can still be cancelled, updated and kept through a cleanup; the
+endpoint commands refuse bad input naming the field and write nothing; an owner's policy is validated."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from callback_settings import FAST
+from running import Running
+from waiting import wait_until
+
+from cmb_dagster.callbacks import CallbackClient, CallbackWorker, EndpointPolicy, InvalidCallbackInput
+from cmb_dagster.callbacks.admin import status
+from cmb_dagster.models import Backoff
+
+DOWN = "http://127.0.0.1:9/down"
+
+
+def statuses(db) -> dict[str, int]:
+    with db.connection() as conn:
+        return dict(conn.execute("SELECT status, count(*) FROM callback_events GROUP BY status").fetchall())
+
+
+def endpoint_rows(db) -> int:
+    with db.connection() as conn:
+        return conn.execute("SELECT count(*) FROM callback_endpoints").fetchone()[0]
+
+
+def test_events_a_disabled_endpoint_keeps_can_be_cancelled_updated_and_outlive_a_cleanup(db):
+    with CallbackClient(db, FAST) as client:
+        client.disable_endpoint("shop", f"{DOWN}?tenant=7")  # the endpoint is the URL without its query
+        now = datetime.now(UTC)
+        for key in ("a", "b", "c"):
+            client.create("shop", "orders", key, now - timedelta(days=3), f"{DOWN}?order={key}")
+        with Running(CallbackWorker(db, FAST)):
+            wait_until(lambda: statuses(db) == {"disabled": 3}, what="the gate keeps them, calling nothing")
+        [endpoint] = client.endpoints("shop")
+        assert (endpoint.endpoint, endpoint.state, endpoint.disabled_by, endpoint.disabled) == (
+            DOWN,
+            "disabled",
+            "operator",
+            3,
+        )
+        report = status(db, bucket_sets=1)
+        assert (report.endpoints.open, report.endpoints.disabled) == (0, 1)
+        assert [h.endpoint for h in report.unhealthy] == [DOWN] and report.totals.disabled == 3
+        assert (report.bucket_sets[0].disabled_endpoints, report.bucket_sets[0].disabled) == (1, 3)
+        assert client.cancel("shop", "orders", "a").status == "cancelled"
+        assert client.update("shop", "orders", "b", context={"new": True}).status == "pending"
+        client.clean(ttl_days=0)  # finished events older than now go; those waiting for their endpoint stay
+        assert {e.event_key: e.status for e in client.list(owner_client_id="shop")} == {"b": "pending", "c": "disabled"}
+        assert client.enable_endpoint("shop", DOWN) == 1  # c: held again, released by the workers
+        assert client.endpoints("shop")[0].state == "closed"
+
+
+@pytest.mark.parametrize(
+    ("owner", "endpoint", "field"),
+    [
+        ("shop\x00", DOWN, "owner_client_id"),
+        ("x" * 129, DOWN, "owner_client_id"),
+        ("shop", "javascript:alert(1)", "endpoint"),
+        ("shop", "dagster://nightly", "endpoint"),
+        ("shop", "http://" + "h" * 3000 + "/x", "endpoint"),
+        ("shop", None, "endpoint"),
+    ],
+)
+def test_endpoint_commands_refuse_bad_input_naming_the_field_and_write_nothing(db, owner, endpoint, field):
+    with CallbackClient(db, FAST) as client:
+        for command in (client.disable_endpoint, client.enable_endpoint):
+            with pytest.raises(InvalidCallbackInput, match=field):
+                command(owner, endpoint)
+    assert endpoint_rows(db) == 0
+
+
+def test_an_unknown_endpoint_cannot_be_enabled_and_text_is_only_ever_a_value(db):
+    hostile = "shop'); DELETE FROM callback_events; --"
+    with CallbackClient(db, FAST) as client:
+        client.create("shop", "g", "k", datetime.now(UTC) + timedelta(hours=1), DOWN)
+        with pytest.raises(InvalidCallbackInput, match="endpoint: .* is not known"):
+            client.enable_endpoint(hostile, DOWN)
+        assert client.disable_endpoint(hostile, DOWN + "'; DROP TABLE callback_endpoints; --") == 0
+        assert [e.owner_client_id for e in client.endpoints(state="disabled")] == [hostile]
+        assert statuses(db) == {"pending": 1}
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"),
+    [
+        ({"failure_threshold": 0}, "failure_threshold"),
+        ({"failure_rate": 1.5}, "failure_rate"),
+        ({"disable_after": float("inf")}, "disable_after"),
+        ({"window": 0}, "window"),
+        ({"probe_interval": Backoff(first=0, max=10)}, "probe_interval"),
+        ({"probes": 3}, "probes"),
+    ],
+)
+def test_an_owner_policy_out_of_bounds_is_refused_naming_the_field(db, policy, field):
+    with pytest.raises(InvalidCallbackInput, match=field):
+        EndpointPolicy(**policy)
+    with CallbackClient(db, FAST) as client, pytest.raises(InvalidCallbackInput, match=field):
+        client.set_endpoint_policy("shop", policy)
+    with db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM callback_owner_settings").fetchone()[0] == 0
