@@ -409,21 +409,21 @@ class Breakers:
             log.warning("an owner's stored endpoint policy is invalid (%s): the default applies", describe(exc))
             return self.default
 
-    def write(self, conn: psycopg.Connection) -> None:
-        """Write the answers counted so far and what they change (in the caller's transaction; given back to be
-        written again if it fails): an endpoint opens (past its policy's failures), closes (any good answer), or
-        waits longer after a failed probe."""
+    def take(self) -> dict[tuple[str, str], _Tally]:
+        """The answers counted so far, to write (``give_back`` them if their transaction fails)."""
         with self._lock:
             tallies, self._tallies = self._tallies, {}
-        try:
-            self._write(conn, tallies)
-        except BaseException:
-            with self._lock:
-                for key, tally in tallies.items():
-                    self._tallies[key] = tally.merged(self._tallies.get(key))
-            raise
+        return tallies
 
-    def _write(self, conn: psycopg.Connection, tallies: dict[tuple[str, str], _Tally]) -> None:
+    def give_back(self, tallies: dict[tuple[str, str], _Tally]) -> None:
+        """Counts whose write did not commit, before those counted since."""
+        with self._lock:
+            for key, tally in tallies.items():
+                self._tallies[key] = tally.merged(self._tallies.get(key))
+
+    def write(self, conn: psycopg.Connection, tallies: dict[tuple[str, str], _Tally]) -> None:
+        """Write ``tallies`` and what they change, in the caller's transaction: an endpoint opens (past its policy's
+        failures), closes (any good answer), or waits longer after a failed probe."""
         if not tallies:
             return
         keys = sorted(tallies)  # every writer locks the rows in this order
@@ -447,7 +447,7 @@ class Breakers:
                 changes.append((endpoint_id, "open", 0, policy.probe_interval.delay(0)))
                 log.warning(
                     "endpoint %s of owner %s opened: %d failed calls in a row, %d of %d in its window; its due events "
-                    "wait, one probe every %.0fs",
+                    "wait, one probe every %gs",
                     endpoint,
                     owner,
                     in_a_row,
@@ -700,8 +700,13 @@ class CallbackWorker(EngineWorker):
             handled += self._poll(lease, state)
         self._keep_slots(now)
         if self._breakers.pending and now - self._breakers.counted_at >= COMMIT_EVERY:
-            with self._on_loop_connection(pipeline=False, transaction=True) as conn:
-                self._breakers.write(conn)
+            tallies = self._breakers.take()
+            try:
+                with self._on_loop_connection(pipeline=False, transaction=True) as conn:
+                    self._breakers.write(conn, tallies)
+            except BaseException:
+                self._breakers.give_back(tallies)
+                raise
         if now >= self._endpoints_at and not self._draining.is_set():
             self._endpoints_at = now + ENDPOINTS_EVERY
             handled += self._tend_endpoints()

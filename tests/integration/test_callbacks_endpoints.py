@@ -1,14 +1,18 @@
 """Endpoints: events a disabled endpoint keeps can still be cancelled, updated and kept through a cleanup; the
 endpoint commands refuse bad input naming the field and write nothing; an owner's policy is validated."""
 
+import json
+import threading
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from callback_settings import FAST
+from receiver import Receiver, Request
 from running import Running
 from waiting import wait_until
 
-from cmb_dagster.callbacks import CallbackClient, CallbackWorker, EndpointPolicy, InvalidCallbackInput
+from cmb_dagster.callbacks import CallbackClient, CallbackWorker, EndpointPolicy, InvalidCallbackInput, RetryPolicy
 from cmb_dagster.callbacks.admin import status
 from cmb_dagster.models import Backoff
 
@@ -100,3 +104,80 @@ def test_an_owner_policy_out_of_bounds_is_refused_naming_the_field(db, policy, f
         client.set_endpoint_policy("shop", policy)
     with db.connection() as conn:
         assert conn.execute("SELECT count(*) FROM callback_owner_settings").fetchone()[0] == 0
+
+
+def test_one_owners_open_endpoint_holds_only_its_own_events(db):
+    """Two tenants call one URL; it fails only for one of them: that one's breaker opens, the other's calls go on."""
+
+    def answer(request: Request) -> tuple[int, bytes]:
+        return (503, b"no") if json.loads(request.body)["owner_client_id"] == "broke" else (200, b"ok")
+
+    policy = EndpointPolicy(failure_threshold=3, failure_rate=None, probe_interval=Backoff(first=60, max=60))
+    with Receiver(answer) as receiver, CallbackClient(db, FAST) as client:
+        client.set_endpoint_policy("broke", policy)
+        client.set_endpoint_policy("fine", policy)
+        now = datetime.now(UTC)
+        for owner in ("broke", "fine"):
+            client.create_many(
+                {
+                    "owner_client_id": owner,
+                    "group_key": "g",
+                    "event_key": f"k{i}",
+                    "run_at": now,
+                    "cb_url": receiver.url,
+                    "retry": RetryPolicy.constant(0.2, fast_retries=0),
+                }
+                for i in range(50)
+            )
+        with Running(CallbackWorker(db, FAST)):
+            wait_until(lambda: len(client.list(owner_client_id="fine", status="notified", limit=100)) == 50)
+            wait_until(lambda: len(client.list(owner_client_id="broke", status="held", limit=100)) == 50)
+        assert [(e.owner_client_id, e.state) for e in client.endpoints()] == [("broke", "open"), ("fine", "closed")]
+        calls = Counter(json.loads(r.body)["owner_client_id"] for r in receiver.received())
+        assert calls["broke"] <= 50  # each called once at most: their retries found the endpoint open
+
+
+def test_an_endpoint_that_hangs_opens_on_its_timeouts_and_stops_holding_call_slots(db):
+    """Calls that time out count as failures: the endpoint opens, and its events no longer take call slots."""
+    hanging = threading.Event()
+
+    def answer(request: Request) -> tuple[int, bytes]:
+        if request.path == "/hang":
+            hanging.wait(5)  # past the worker's 1 s timeout
+        return 200, b"ok"
+
+    settings = FAST.model_copy(update={"worker_concurrency": 4})
+    policy = EndpointPolicy(failure_threshold=4, failure_rate=None, probe_interval=Backoff(first=60, max=60))
+    with Receiver(answer) as receiver, CallbackClient(db, settings) as client:
+        client.set_endpoint_policy("shop", policy)
+        now = datetime.now(UTC)
+        client.create_many(
+            {
+                "owner_client_id": "shop",
+                "group_key": "hang",
+                "event_key": f"h{i}",
+                "run_at": now,
+                "cb_url": f"{receiver.url}/hang",
+                "retry": RetryPolicy(fast_retries=0),
+            }
+            for i in range(40)
+        )
+        with Running(CallbackWorker(db, settings)):
+            wait_until(lambda: client.endpoints("shop", state="open"), timeout=20, what="the breaker opens")
+            client.create_many(
+                {
+                    "owner_client_id": "shop",
+                    "group_key": "ok",
+                    "event_key": f"o{i}",
+                    "run_at": datetime.now(UTC),
+                    "cb_url": f"{receiver.url}/ok",
+                }
+                for i in range(40)
+            )
+            wait_until(
+                lambda: len(client.list(group_key="ok", owner_client_id="shop", status="notified", limit=100)) == 40,
+                timeout=20,
+            )
+        hanging.set()
+        assert len(receiver.received("/hang")) < 40
+        assert client.endpoints("shop", state="open")[0].last_error == "timed out"
