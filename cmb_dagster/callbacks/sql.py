@@ -227,8 +227,9 @@ CALLS_KEPT = "CASE s.catch_up WHEN 'none' THEN 0 WHEN 'latest' THEN 1 ELSE s.cat
 # attempts. The row locks it takes make cancel, update and delete wait until the calls it let through have
 # started. A schedule's fire time never tried and found later than its misfire grace is missed: it is called only
 # if fewer than the schedule's catch-up policy keeps (CALLS_KEPT) of its later fire times are due, and cancelled
-# otherwise (decided here, under the row lock, whichever worker finds it). An event whose endpoint (%(endpoints)s,
-# one per id; NULL: none) is not closed is not called: it is held ('held' while its endpoint is open, 'disabled'
+# otherwise (decided here, under the row lock, whichever worker finds it). An event whose endpoint (the batch's
+# endpoints are %(owners)s/%(endpoints)s, and %(pairs)s gives each id's by its place, NULL: none) is not closed is not
+# called: it is held ('held' while its endpoint is open, 'disabled'
 # while it is disabled), except an open endpoint's probe (PROBE_HELD chose it). Returns how many leases are held
 # (nothing is counted unless all are), the ids let through, the ids still pending (the others are gone), and the
 # probes let through with their endpoints.
@@ -246,25 +247,25 @@ WITH held AS (
 ), async AS (
     SELECT set_config('synchronous_commit', 'off', true) AS v
 ), polled AS MATERIALIZED (  -- by primary key (the pending index has no use here, statistics or not)
-    SELECT e.event_id, e.status, e.schedule_id, e.originally_run_at, e.attempts, e.owner_client_id, e.run_at,
-           u.endpoint, u.ord
-    FROM unnest(%(ids)s::bigint[], %(endpoints)s::text[]) WITH ORDINALITY AS u(event_id, endpoint, ord)
-    CROSS JOIN LATERAL (SELECT * FROM callback_events e WHERE e.event_id = u.event_id OFFSET 0) AS e
+    SELECT event_id, status, schedule_id, originally_run_at, attempts FROM callback_events
+    WHERE event_id = ANY(%(ids)s::bigint[])
 ), allowed AS (
     SELECT (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off' AS ok
-), breakers AS MATERIALIZED (  -- the endpoints of these calls that are not closed (callback_endpoints_unhealthy)
-    SELECT c.endpoint_id, c.owner_client_id, c.endpoint, c.state, c.probe_event
-    FROM (SELECT DISTINCT owner_client_id, endpoint FROM polled WHERE endpoint IS NOT NULL AND status = 'pending') AS p
-    JOIN callback_endpoints c ON c.owner_client_id = p.owner_client_id AND c.endpoint = p.endpoint
+), breakers AS MATERIALIZED (  -- the batch's endpoints that are not closed (callback_endpoints_unhealthy)
+    SELECT c.endpoint_id, c.state, c.probe_event, u.pair
+    FROM unnest(%(owners)s::text[], %(endpoints)s::text[]) WITH ORDINALITY AS u(owner_client_id, endpoint, pair)
+    JOIN callback_endpoints c ON c.owner_client_id = u.owner_client_id AND c.endpoint = u.endpoint
     WHERE c.state <> 'closed'
+), stopped AS MATERIALIZED (  -- their pending events (%(pairs)s: each event's endpoint, by its place in the list)
+    SELECT u.event_id, b.endpoint_id, b.state,
+           b.state = 'open' AND u.event_id IS NOT DISTINCT FROM b.probe_event AS probe
+    FROM breakers b
+    JOIN unnest(%(ids)s::bigint[], %(pairs)s::int[]) AS u(event_id, pair) ON u.pair = b.pair
+    JOIN polled p ON p.event_id = u.event_id AND p.status = 'pending'
 ), probes AS MATERIALIZED (  -- the probe of each open endpoint, if it is in the batch
-    SELECT p.event_id, b.endpoint_id
-    FROM polled p JOIN breakers b ON b.owner_client_id = p.owner_client_id AND b.endpoint = p.endpoint
-    WHERE b.state = 'open' AND p.event_id = b.probe_event
+    SELECT event_id, endpoint_id FROM stopped WHERE probe
 ), blocked AS MATERIALIZED (
-    SELECT p.event_id, b.endpoint_id, b.state
-    FROM polled p JOIN breakers b ON b.owner_client_id = p.owner_client_id AND b.endpoint = p.endpoint
-    WHERE p.status = 'pending' AND p.event_id NOT IN (SELECT event_id FROM probes)
+    SELECT event_id, endpoint_id, state FROM stopped WHERE NOT probe
 ), holding AS (
     UPDATE callback_events e
     SET status = CASE b.state WHEN 'disabled' THEN 'disabled' ELSE 'held' END, endpoint_id = b.endpoint_id,
@@ -818,12 +819,16 @@ _WINDOW_OVER = """c.window_started_at <= now() - make_interval(secs => coalesce(
      WHERE o.owner_client_id = c.owner_client_id), %(window)s))"""
 
 RECORD_ENDPOINTS = f"""
+WITH async AS (  -- counts: a crash may lose the last ones (the next answers count again), never an event
+    SELECT set_config('synchronous_commit', 'off', true)
+)
 INSERT INTO callback_endpoints AS c (owner_client_id, endpoint, consecutive_failures, window_calls, window_failures,
                                      last_success_at, last_failure_at, last_error, last_status_code)
 SELECT u.owner, u.endpoint, u.tail, u.calls, u.failures, CASE WHEN u.calls > u.failures THEN now() END,
        CASE WHEN u.failures > 0 THEN now() END, u.error, u.code
 FROM unnest(%(owners)s::text[], %(endpoints)s::text[], %(calls)s::int[], %(failures)s::int[], %(trailing)s::int[],
             %(errors)s::text[], %(codes)s::smallint[]) AS u(owner, endpoint, calls, failures, tail, error, code)
+CROSS JOIN async
 ORDER BY u.owner, u.endpoint
 ON CONFLICT (owner_client_id, endpoint) DO UPDATE SET
     consecutive_failures = CASE WHEN excluded.last_success_at IS NOT NULL THEN excluded.consecutive_failures

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 import psycopg
 from pydantic import ValidationError
@@ -346,7 +347,7 @@ class BucketGate:
             else:
                 passing = deliveries
             params["ids"] = [d.event_id for d in passing]
-            params["endpoints"] = [d.endpoint for d in passing]
+            params.update(_endpoint_pairs(passing))
             try:
                 cursor = await conn.execute(sql.GATE, params)
                 held, go_ids, pending_ids, probe_ids, probed = await cursor.fetchone()
@@ -371,6 +372,19 @@ class BucketGate:
 
     async def close(self) -> None:
         await self._conn.close()
+
+
+def _endpoint_pairs(deliveries: list[Delivery]) -> dict[str, list[Any]]:
+    """The gate's parameters naming the endpoints of ``deliveries``: each (owner, endpoint) once, and for each
+    delivery the place of its own in that list, from 1 (None: no endpoint)."""
+    places: dict[tuple[str, str], int] = {}
+    pairs = []
+    for d in deliveries:
+        if d.endpoint is None:
+            pairs.append(None)
+        else:
+            pairs.append(places.setdefault((d.owner_client_id, d.endpoint), len(places) + 1))
+    return {"owners": [k[0] for k in places], "endpoints": [k[1] for k in places], "pairs": pairs}
 
 
 class Breakers:

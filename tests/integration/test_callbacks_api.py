@@ -469,7 +469,9 @@ def test_worker_plans_its_statements_for_the_table_as_it_grows(db):
                 "partitions": ["1"],
                 "fences": [1],
                 "ids": ids,
-                "endpoints": ["http://x/"] * 3,
+                "owners": ["o"],
+                "endpoints": ["http://x/"],
+                "pairs": [1, 1, 1],
             },
         ),
         "finish": (
