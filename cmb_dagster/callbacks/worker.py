@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -75,6 +76,7 @@ MAX_KEYS_REMEMBERED = 100_000  # owners whose signing secrets a worker remembers
 STUCK_CHECK_EVERY = 1.0  # seconds: how often the worker asks whether every call slot is held by a hung launch
 ENDPOINTS_EVERY = 0.5  # seconds: how often a worker sends due probes, disables endpoints open too long, releases events
 RELEASE_BATCH = 1000  # held events of a closed endpoint sent again per transaction
+HEALTHY_EVERY = 1.0  # seconds: good answers alone are written to their endpoints' health at most this late
 
 
 Position = tuple[datetime, int]
@@ -389,7 +391,8 @@ def _endpoint_pairs(deliveries: list[Delivery]) -> dict[str, list[Any]]:
 
 class Breakers:
     """The endpoints' circuit breakers, as a worker writes them: the answers of its calls, every try, counted per
-    endpoint and written every ``COMMIT_EVERY`` with the transitions they cause; and the disabling of endpoints open
+    endpoint and written with the transitions they cause (within ``COMMIT_EVERY`` of a failure, ``HEALTHY_EVERY`` of
+    good answers alone); and the disabling of endpoints open
     too long. Their state is in Postgres (``callback_endpoints``); what is counted here is written within a fraction
     of a second (a crash loses only those counts, never an event)."""
 
@@ -397,21 +400,25 @@ class Breakers:
         self.default = default
         self._tallies: dict[tuple[str, str], _Tally] = {}
         self._lock = threading.Lock()
-        self.counted_at = 0.0  # monotonic: when the oldest answer not yet written was counted
+        self._counted_at = math.inf  # monotonic: when the oldest answer not yet written was counted
+        self._failed_at = math.inf  # and the oldest failure
 
     def answered(self, delivery: Delivery, answer: Answer) -> None:
         """Count an answer of ``delivery``'s endpoint (from the executor, wherever the call ended): a good one unless
         it is to be retried."""
         assert delivery.endpoint is not None
         with self._lock:
-            if not self._tallies:
-                self.counted_at = time.monotonic()
+            now = time.monotonic()
+            self._counted_at = min(self._counted_at, now)
+            if answer.outcome == RETRY:
+                self._failed_at = min(self._failed_at, now)
             tally = self._tallies.setdefault((delivery.owner_client_id, delivery.endpoint), _Tally())
             tally.add(answer, delivery.probe is not None)
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._tallies)
+    def due(self, now: float) -> bool:
+        """Whether the answers counted are to be written: a failure within ``COMMIT_EVERY`` (it may open an
+        endpoint), good answers alone within ``HEALTHY_EVERY``."""
+        return now - self._failed_at >= COMMIT_EVERY or now - self._counted_at >= HEALTHY_EVERY
 
     def policy(self, stored: str | None) -> EndpointPolicy:
         """An owner's stored policy (JSON; None: the default); an invalid one is the default, with a warning."""
@@ -427,6 +434,7 @@ class Breakers:
         """The answers counted so far, to write (``give_back`` them if their transaction fails)."""
         with self._lock:
             tallies, self._tallies = self._tallies, {}
+            self._counted_at = self._failed_at = math.inf
         return tallies
 
     def give_back(self, tallies: dict[tuple[str, str], _Tally]) -> None:
@@ -434,6 +442,7 @@ class Breakers:
         with self._lock:
             for key, tally in tallies.items():
                 self._tallies[key] = tally.merged(self._tallies.get(key))
+            self._counted_at = self._failed_at = time.monotonic()  # written again after COMMIT_EVERY
 
     def write(self, conn: psycopg.Connection, tallies: dict[tuple[str, str], _Tally]) -> None:
         """Write ``tallies`` and what they change, in the caller's transaction: an endpoint opens (past its policy's
@@ -713,7 +722,7 @@ class CallbackWorker(EngineWorker):
         if not self._draining.is_set() and now >= state.next_poll:
             handled += self._poll(lease, state)
         self._keep_slots(now)
-        if self._breakers.pending and now - self._breakers.counted_at >= COMMIT_EVERY:
+        if self._breakers.due(now):
             tallies = self._breakers.take()
             try:
                 with self._on_loop_connection(pipeline=False, transaction=True) as conn:
