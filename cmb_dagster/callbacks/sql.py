@@ -229,28 +229,13 @@ CALLS_KEPT = "CASE s.catch_up WHEN 'none' THEN 0 WHEN 'latest' THEN 1 ELSE s.cat
 # if fewer than the schedule's catch-up policy keeps (CALLS_KEPT) of its later fire times are due, and cancelled
 # otherwise (decided here, under the row lock, whichever worker finds it). An event whose endpoint (the batch's
 # endpoints are %(owners)s/%(endpoints)s, and %(pairs)s gives each id's by its place, NULL: none) is not closed is not
-# called: it is held ('held' while its endpoint is open, 'disabled'
-# while it is disabled), except an open endpoint's probe (PROBE_HELD chose it). Returns how many leases are held
-# (nothing is counted unless all are), the ids let through, the ids still pending (the others are gone), and the
-# probes let through with their endpoints.
+# called: it is held ('held' while its endpoint is open, 'disabled' while it is disabled), except an open endpoint's
+# probe (PROBE_HELD chose it). Returns how many leases are held (nothing is counted unless all are), the ids let
+# through, the ids still pending (the others are gone), and the probes let through with their endpoints.
 # Its commit need not wait for the WAL flush (synchronous_commit off): the row locks are what orders it
 # before a cancel, and a cancel's own (synchronous) commit flushes the gate's commit record with it. A gate
 # lost in a crash only undercounts attempts.
-GATE = f"""
-WITH held AS (
-    SELECT l.partition FROM leases l
-    JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) WITH ORDINALITY AS u(partition, fence, ord)
-      ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
-    WHERE l.owner = %(owner)s AND l.expires_at > now()
-    ORDER BY u.ord
-    FOR SHARE OF l
-), async AS (
-    SELECT set_config('synchronous_commit', 'off', true) AS v
-), polled AS MATERIALIZED (  -- by primary key (the pending index has no use here, statistics or not)
-    SELECT event_id, status, schedule_id, originally_run_at, attempts FROM callback_events
-    WHERE event_id = ANY(%(ids)s::bigint[])
-), allowed AS (
-    SELECT (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[]) AND (SELECT v FROM async) = 'off' AS ok
+_BREAKERS = """
 ), breakers AS MATERIALIZED (  -- the batch's endpoints that are not closed (callback_endpoints_unhealthy)
     SELECT c.endpoint_id, c.state, c.probe_event, u.pair
     FROM unnest(%(owners)s::text[], %(endpoints)s::text[]) WITH ORDINALITY AS u(owner_client_id, endpoint, pair)
@@ -272,7 +257,34 @@ WITH held AS (
         updated_at = now()
     FROM blocked b
     WHERE e.event_id = b.event_id AND e.status = 'pending' AND (SELECT ok FROM allowed)
-    RETURNING e.event_id
+    RETURNING e.event_id"""
+
+# What the gate has of the breakers when the worker knows every endpoint to be closed: nothing stopped.
+_NO_BREAKERS = """
+), probes AS (
+    SELECT NULL::bigint AS event_id, NULL::bigint AS endpoint_id WHERE false
+), blocked AS (
+    SELECT NULL::bigint AS event_id WHERE false
+), holding AS (
+    SELECT NULL::bigint AS event_id WHERE false"""
+
+
+def _gate(breakers: str) -> str:
+    return f"""WITH held AS (
+    SELECT l.partition FROM leases l
+    JOIN unnest(%(partitions)s::text[], %(fences)s::bigint[]) WITH ORDINALITY AS u(partition, fence, ord)
+      ON l.kind = %(kind)s AND l.partition = u.partition AND l.fence = u.fence
+    WHERE l.owner = %(owner)s AND l.expires_at > now()
+    ORDER BY u.ord
+    FOR SHARE OF l
+), async AS (
+    SELECT set_config('synchronous_commit', 'off', true) AS v
+), polled AS MATERIALIZED (  -- by primary key (the pending index has no use here, statistics or not)
+    SELECT event_id, status, schedule_id, originally_run_at, attempts FROM callback_events
+    WHERE event_id = ANY(%(ids)s::bigint[])
+), allowed AS (
+    SELECT (SELECT count(*) FROM held) = cardinality(%(partitions)s::text[])
+           AND (SELECT v FROM async) = 'off' AS ok{breakers}
 ), missed AS MATERIALIZED (  -- by the schedules' and fire times' primary keys
     SELECT p.event_id, s.catch_up FROM polled p JOIN callback_schedules s ON s.schedule_id = p.schedule_id
     WHERE p.status = 'pending' AND p.attempts = 0 AND p.event_id NOT IN (SELECT event_id FROM blocked)
@@ -303,6 +315,12 @@ SELECT (SELECT count(*) FROM held)::int,
        ARRAY(SELECT event_id FROM probes WHERE event_id IN (SELECT event_id FROM go) ORDER BY event_id),
        ARRAY(SELECT endpoint_id FROM probes WHERE event_id IN (SELECT event_id FROM go) ORDER BY event_id)
 """
+
+
+GATE = _gate(_BREAKERS)
+# The same while every endpoint is closed, as the worker last read (ENDPOINT_WORK, every half second, or its own
+# write that opened one): less to plan for every batch of calls.
+GATE_ALL_CLOSED = _gate(_NO_BREAKERS)
 
 # An outcome that could not be written (e.g. a stored policy out of range): the event fails with the reason.
 FAIL_EVENT = """
@@ -913,10 +931,12 @@ FROM sent
 # looks empty to the planner until it is analyzed again).
 NO_SEQSCAN = "SELECT set_config('enable_seqscan', 'off', true)"
 
-# Whether a probe is due (callback_endpoints_probes) and whether an endpoint has held events to release.
+# Whether a probe is due (callback_endpoints_probes), whether an endpoint has held events to release, and whether
+# every endpoint is closed (callback_endpoints_unhealthy; the gate then has no breaker to look up).
 ENDPOINT_WORK = """
 SELECT EXISTS (SELECT FROM callback_endpoints WHERE state = 'open' AND probe_at <= now()),
-       EXISTS (SELECT FROM callback_endpoints WHERE releasing_since <= now() AND state = 'closed')
+       EXISTS (SELECT FROM callback_endpoints WHERE releasing_since <= now() AND state = 'closed'),
+       NOT EXISTS (SELECT FROM callback_endpoints WHERE state <> 'closed')
 """
 
 # One closed endpoint with held events (not locked by another worker): up to %(limit)s of them, oldest first, back

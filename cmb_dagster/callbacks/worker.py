@@ -271,12 +271,14 @@ class BucketGate:
         owner: str,
         slots: HeldSlots,
         secrets: OwnerSecrets,
+        breakers: Breakers,
         settings: dict[str, str],
     ) -> None:
         self._states = states  # the worker's
         self._owner = owner
         self._slots = slots
         self._secrets = secrets
+        self._breakers = breakers
         self._conn = OwnAsyncConnection(db, custom_plans=True, settings=settings)  # planned at each run
 
     def free(self, delivery: Delivery) -> None:
@@ -351,7 +353,7 @@ class BucketGate:
             params["ids"] = [d.event_id for d in passing]
             params.update(_endpoint_pairs(passing))
             try:
-                cursor = await conn.execute(sql.GATE, params)
+                cursor = await conn.execute(sql.GATE_ALL_CLOSED if self._breakers.all_closed else sql.GATE, params)
                 held, go_ids, pending_ids, probe_ids, probed = await cursor.fetchone()
                 if held != len(leases):
                     raise LeaseLost(f"buckets {params['partitions']} are not all held by {self._owner}")
@@ -402,6 +404,9 @@ class Breakers:
         self._lock = threading.Lock()
         self._counted_at = math.inf  # monotonic: when the oldest answer not yet written was counted
         self._failed_at = math.inf  # and the oldest failure
+        # every endpoint closed, as last read (the worker's upkeep) or written (an open here): the gate then looks up
+        # no breaker; one another worker opens is seen here within ENDPOINTS_EVERY
+        self.all_closed = False
 
     def answered(self, delivery: Delivery, answer: Answer) -> None:
         """Count an answer of ``delivery``'s endpoint (from the executor, wherever the call ended): a good one unless
@@ -467,6 +472,7 @@ class Breakers:
         for endpoint_id, owner, endpoint, state, in_a_row, calls, failures, probes, succeeded, stored in rows:
             policy = self.policy(stored)
             if state == "closed" and policy.opens(in_a_row, calls, failures):
+                self.all_closed = False
                 changes.append((endpoint_id, "open", 0, policy.probe_interval.delay(0)))
                 log.warning(
                     "endpoint %s of owner %s opened: %d failed calls in a row, %d of %d in its window; its due events "
@@ -596,9 +602,9 @@ class CallbackWorker(EngineWorker):
         self._loop_conn = OwnConnection(self.db, custom_plans=True, settings=ended)  # polls and outcome writes
         self._slots = HeldSlots(self.settings, self.owner)
         secrets = OwnerSecrets(self.settings.secrets_refresh)
-        self._gate = BucketGate(self.db, self._states, self.owner, self._slots, secrets, ended)
-        self._flow_key = functools.lru_cache(maxsize=4096)(self.settings.flow_key)
         self._breakers = Breakers(self.settings.endpoint_policy)
+        self._gate = BucketGate(self.db, self._states, self.owner, self._slots, secrets, self._breakers, ended)
+        self._flow_key = functools.lru_cache(maxsize=4096)(self.settings.flow_key)
         self._endpoints_at = 0.0
         self._draining = threading.Event()
         self._woken: set[int] = set()  # buckets a notification made due now: polled ahead of the loop's order
@@ -761,7 +767,7 @@ class CallbackWorker(EngineWorker):
         with self._on_loop_connection(pipeline=False, transaction=True) as conn:
             conn.execute(sql.NO_SEQSCAN)
             self._breakers.disable_overdue(conn)
-            probing, releasing = conn.execute(sql.ENDPOINT_WORK).fetchone()
+            probing, releasing, self._breakers.all_closed = conn.execute(sql.ENDPOINT_WORK).fetchone()
         released = 0
         if probing or releasing:
             with self._on_loop_connection(pipeline=False, transaction=True) as conn:
