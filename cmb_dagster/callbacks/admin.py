@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from cmb_dagster import flow
 from cmb_dagster.callbacks import sql
 from cmb_dagster.callbacks.errors import InvalidCallbackInput
-from cmb_dagster.callbacks.hosts import check_url, endpoint_of
+from cmb_dagster.callbacks.hosts import check_url, endpoint_key
 from cmb_dagster.callbacks.models import (
     MAX_BUCKETS,
     MAX_OWNER_LENGTH,
@@ -282,9 +282,9 @@ def endpoints(
 
 def _endpoint(owner_client_id: str, endpoint: str) -> dict[str, str]:
     check_key(owner_client_id, "owner_client_id")
-    normalised = endpoint_of(endpoint) if isinstance(endpoint, str) and len(endpoint) <= MAX_URL_LENGTH else None
+    normalised = endpoint_key(endpoint) if isinstance(endpoint, str) and len(endpoint) <= MAX_URL_LENGTH else None
     if normalised is None:
-        raise InvalidCallbackInput("endpoint: expected an http(s) URL (its query is ignored)")
+        raise InvalidCallbackInput("endpoint: expected an http(s) URL (its query is ignored) or an endpoint name")
     return {"owner": owner_client_id, "endpoint": normalised}
 
 

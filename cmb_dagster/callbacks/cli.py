@@ -115,6 +115,7 @@ def callbacks() -> None:
     "--on-failure",
     help="http(s) URL or dagster://<job> called once if the event fails for good (default: the owner's hook).",
 )
+@click.option("--endpoint", help="The endpoint name its calls count for (default: the URL without its query).")
 def create(
     owner_client_id: str,
     group_key: str,
@@ -128,6 +129,7 @@ def create(
     allow_hosts: tuple[str, ...],
     priority: int,
     on_failure: str | None,
+    endpoint: str | None,
 ) -> None:
     """Schedule a callback; print its event id."""
     with _client(allow_hosts) as client:
@@ -142,6 +144,7 @@ def create(
             body=body,  # type: ignore[arg-type]
             priority=priority,
             on_failure=on_failure,
+            endpoint=endpoint,
         )
     click.echo(event_id)
 
@@ -457,7 +460,7 @@ def _endpoint_args(f):  # type: ignore[no-untyped-def]
 @endpoint.command()
 @_endpoint_args
 def enable(owner_client_id: str, url: str) -> None:
-    """Close the endpoint of URL and send its held and disabled events again, oldest first."""
+    """Close the endpoint of URL (or of that name) and send its held and disabled events again, oldest first."""
     count = admin.enable_endpoint(open_database(), owner_client_id, url)
     click.echo(f"enabled; {count} events will be sent again")
 
@@ -465,7 +468,7 @@ def enable(owner_client_id: str, url: str) -> None:
 @endpoint.command()
 @_endpoint_args
 def disable(owner_client_id: str, url: str) -> None:
-    """Keep the events of the endpoint of URL as disabled (not called) until it is enabled."""
+    """Keep the events of the endpoint of URL (or of that name) as disabled (not called) until it is enabled."""
     count = admin.disable_endpoint(open_database(), owner_client_id, url)
     click.echo(f"disabled; {count} held events kept as disabled")
 

@@ -108,6 +108,7 @@ class CallbackClient:
         body: Body = ENVELOPE,
         priority: int = 0,
         on_failure: str | None = None,
+        endpoint: str | None = None,
         *,
         conn: psycopg.Connection | None = None,
     ) -> int:
@@ -120,7 +121,8 @@ class CallbackClient:
         ``body="context"`` the context alone (a receiver with a fixed format, e.g. a chat webhook). Among
         callbacks due, those of higher ``priority`` (-1000 to 1000) are called first, within the limits.
         ``on_failure`` (an http(s) URL or ``dagster://<job>``; default: the owner's failure hook) is called once
-        if the event fails for good.
+        if the event fails for good. ``endpoint`` names the endpoint whose circuit breaker its calls count for (default:
+        its URL without the query).
 
         Creating an existing key again with the same payload returns the existing id; with another
         payload it raises CallbackConflict. Waiting longer than ``settings.create_timeout`` (for a

@@ -57,6 +57,20 @@ def hosts_from_env() -> tuple[str, ...] | None:
         raise InvalidCallbackInput(f"{ALLOWED_HOSTS_ENV}: {exc}") from None
 
 
+ENDPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-/]{0,127}")
+"""A name an owner gives an endpoint: up to 128 letters, digits, '_', '.', '-' and '/' (never a URL: no ':')."""
+
+
+def endpoint_key(value: str) -> str | None:
+    """The endpoint ``value`` names: an http(s) URL's endpoint, or ``value`` itself if it is an endpoint name; None
+    otherwise."""
+    if not isinstance(value, str):
+        return None
+    if ENDPOINT_NAME.fullmatch(value):
+        return value
+    return endpoint_of(value)
+
+
 @functools.lru_cache(maxsize=4096)
 def endpoint_of(url: str) -> str | None:
     """The endpoint an http(s) URL calls: ``scheme://host[:port]/path`` (host in lower case, the port only when not

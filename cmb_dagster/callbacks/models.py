@@ -297,7 +297,7 @@ class CallbackSettings(Options):
         max_length=MAX_ENDPOINT_LIMITS,
         description=(
             "Limits replacing per_host for the calls to one endpoint ('https://host[:port]/path', the URL without its "
-            "query), or to each endpoint ('*'); per_owner entries come first."
+            "query, or the name events give it), or to each endpoint ('*'); per_owner entries come first."
         ),
     )
     endpoint_policy: EndpointPolicy = Field(
@@ -357,9 +357,9 @@ class CallbackSettings(Options):
     def _endpoint_keys(cls, value: dict[str, FlowLimits]) -> dict[str, FlowLimits]:
         normalised = {}
         for name, limits in value.items():
-            endpoint = name if name == ANY_ENDPOINT else hosts.endpoint_of(name)
+            endpoint = name if name == ANY_ENDPOINT else hosts.endpoint_key(name)
             if endpoint is None:
-                raise ValueError(f"{name[:300]!r} is not an http(s) URL or '*'")
+                raise ValueError(f"{name[:300]!r} is not an http(s) URL, an endpoint name or '*'")
             normalised[endpoint] = limits
         return normalised
 
@@ -458,6 +458,12 @@ class NewCallback(BaseModel):
         max_length=MAX_URL_LENGTH,
         description="Called once if the event fails for good (an http(s) URL or dagster://<job>); else the owner's.",
     )
+    endpoint: str | None = Field(
+        default=None,
+        pattern=f"^{hosts.ENDPOINT_NAME.pattern}$",
+        description="The endpoint its calls count for, a name the owner gives it (letters, digits, '_', '.', '-', "
+        "'/'; default: its URL without the query): events of several URLs can share one circuit breaker.",
+    )
 
     def check(self, settings: CallbackSettings) -> NewCallback:
         """Apply the settings' URL policy and context limit, and what Postgres cannot store; return self."""
@@ -473,7 +479,9 @@ class NewCallback(BaseModel):
         return self
 
     def check_body(self) -> None:
-        """``body='context'`` needs a context and an HTTP target."""
+        """``body='context'`` needs a context and an HTTP target; an ``endpoint`` needs an HTTP target."""
+        if self.endpoint is not None and dagster_job_name(self.cb_url) is not None:
+            raise InvalidCallbackInput("endpoint: a dagster:// callback has no endpoint")
         if self.body == CONTEXT and (self.context is None or dagster_job_name(self.cb_url) is not None):
             raise InvalidCallbackInput("body: 'context' sends the context as an HTTP request's body; give one")
 
@@ -566,6 +574,7 @@ class CallbackEvent(BaseModel):
     replays: int = 0
     on_failure: str | None = None
     failure_of: int | None = Field(default=None, description="On a failure hook: the failed event's message_id.")
+    endpoint_name: str | None = Field(default=None, description="The endpoint name it was created with.")
 
     @property
     def webhook_id(self) -> str:

@@ -4,7 +4,7 @@ EVENT_COLUMNS = """
     event_id, bucket_id, owner_client_id, group_key, event_key, status, run_at, originally_run_at, cb_url,
     context, body, retry, attempts, main_retries, last_error, schedule_id, priority, created_at, updated_at,
     finished_at, coalesce(message_id, event_id) AS message_id, last_status_code, last_response, replays, on_failure,
-    failure_of
+    failure_of, endpoint_name
 """
 
 # -- creating events ------------------------------------------------------------------------------
@@ -24,22 +24,23 @@ LOCK_EVENT_IDS_EXCLUSIVE = """SELECT pg_advisory_xact_lock(hashtextextended(curr
 
 # The rows come as one JSON array of objects (parsed by Postgres in one pass, far cheaper to send than one
 # array per column); "r" indexes the batch's distinct retry policies, each parsed once; "b" (the body), "p"
-# (the priority) and "f" (the failure hook) are there only when not the default. Each insert also
-# sends a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of the earliest
-# run_at>") to the workers of buckets that got an event due before their next poll would see it. The table
-# stays the truth.
+# (the priority), "f" (the failure hook) and "e" (the endpoint's name) are there only when not the default. Each
+# insert also sends a wake-up hint (one NOTIFY per bucket, delivered at commit, payload "<bucket>:<epoch of the
+# earliest run_at>") to the workers of buckets that got an event due before their next poll would see it. The
+# table stays the truth.
 _INSERT_ROWS = f"""
 WITH ins AS (
     INSERT INTO callback_events AS e (event_id, bucket_id, owner_client_id, group_key, event_key,
                                       run_at, originally_run_at, cb_url, context, body, retry, schedule_id, priority,
-                                      on_failure)
+                                      on_failure, endpoint_name)
     SELECT nextval('callback_event_ids'),
            (hashtextextended(n.o || chr(1) || n.g || chr(1) || n.k, 0) & 9223372036854775807) %% b.buckets,
            n.o, n.g, n.k, n.t, n.t, n.u, n.c, coalesce(n.b, 'envelope'), b.policies -> n.r, %(schedule_id)s::bigint,
-           coalesce(n.p, 0), n.f
+           coalesce(n.p, 0), n.f, n.e
     FROM ROWS FROM (json_to_recordset(%(rows)s::json)
-                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, b text, r int, p smallint, f text))
-         WITH ORDINALITY AS n(o, g, k, t, u, c, b, r, p, f, ord)
+                    AS (o text, g text, k text, t timestamptz, u text, c jsonb, b text, r int, p smallint, f text,
+                        e text))
+         WITH ORDINALITY AS n(o, g, k, t, u, c, b, r, p, f, e, ord)
     CROSS JOIN (SELECT count(*) AS buckets, %(policies)s::jsonb AS policies, {TAKE_EVENT_IDS_LOCK}
                 FROM callback_buckets) AS b  -- before any id is drawn
     ORDER BY n.ord  -- ids are drawn in the batch's order
@@ -139,7 +140,7 @@ ORDER BY change_id
 POLL_COLUMNS = """
     event_id, run_at, originally_run_at, owner_client_id, group_key, event_key, cb_url, context::text, body,
     retry::text, attempts, main_retries, coalesce(message_id, event_id),
-    extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in, priority
+    extract(epoch FROM run_at - clock_timestamp())::float8 AS due_in, priority, endpoint_name
 """
 
 # The highest event id drawn so far, then (read after it) the transactions holding LOCK_EVENT_IDS: once

@@ -80,6 +80,7 @@ HEALTHY_EVERY = 1.0  # seconds: good answers alone are written to their endpoint
 
 
 Position = tuple[datetime, int]
+PRIORITY_COLUMN = 14  # the priority's place in a polled row (sql.POLL_COLUMNS)
 
 
 @dataclass
@@ -867,7 +868,7 @@ class CallbackWorker(EngineWorker):
             for row in (*urgent, *ahead, *late):
                 if row[0] not in state.in_flight:
                     state.in_flight[row[0]] = (row[1], row[0])
-                    if row[-1] > 0:
+                    if row[PRIORITY_COLUMN] > 0:
                         state.urgent.add(row[0])
                     fresh.append(row)
 
@@ -891,6 +892,7 @@ class CallbackWorker(EngineWorker):
                 message_id,
                 due_in,
                 priority,
+                endpoint_name,
             ) = row
             try:
                 policy = stored_policy(retry)
@@ -916,7 +918,7 @@ class CallbackWorker(EngineWorker):
                 lease_deadline=deadline,
                 on_done=lambda d, s=state: self._on_done(s, d),
                 priority=priority,
-                flow=self._flow_key(owner, group, target_host(url), endpoint := endpoint_of(url)),
+                flow=self._flow_key(owner, group, target_host(url), endpoint := endpoint_name or endpoint_of(url)),
                 message_id=message_id,
                 endpoint=endpoint,
             )

@@ -288,6 +288,7 @@ def _insert_params(
             **({} if e.body == ENVELOPE else {"b": e.body}),
             **({"p": e.priority} if e.priority else {}),
             **({"f": e.on_failure} if e.on_failure is not None else {}),
+            **({"e": e.endpoint} if e.endpoint is not None else {}),
         }
         for e, r in zip(events, indexes, strict=True)
     ]
@@ -335,15 +336,8 @@ def _policy_json(policy: RetryPolicy) -> str:
 
 
 def _same_event(event: NewCallback, other: NewCallback) -> bool:
-    return (event.run_at, event.cb_url, event.context, event.body, event.retry, event.priority, event.on_failure) == (
-        other.run_at,
-        other.cb_url,
-        other.context,
-        other.body,
-        other.retry,
-        other.priority,
-        other.on_failure,
-    )
+    fields = ("run_at", "cb_url", "context", "body", "retry", "priority", "on_failure", "endpoint")
+    return all(getattr(event, name) == getattr(other, name) for name in fields)
 
 
 def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:
@@ -354,5 +348,6 @@ def _same_payload(event: NewCallback, row: dict[str, Any]) -> bool:
         and row["body"] == event.body
         and row["priority"] == event.priority
         and row["on_failure"] == event.on_failure
+        and row["endpoint_name"] == event.endpoint
         and RetryPolicy.model_validate(row["retry"]) == event.retry
     )

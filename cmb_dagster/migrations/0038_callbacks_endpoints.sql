@@ -39,9 +39,11 @@ CREATE INDEX callback_endpoints_open ON callback_endpoints (opened_at) WHERE sta
 CREATE INDEX callback_endpoints_probes ON callback_endpoints (probe_at) WHERE state = 'open';
 CREATE INDEX callback_endpoints_releasing ON callback_endpoints (releasing_since) WHERE releasing_since IS NOT NULL;
 
--- Events wait for their endpoint as 'held' (open) or 'disabled' (disabled), with endpoint_id set.
+-- Events wait for their endpoint as 'held' (open) or 'disabled' (disabled), with endpoint_id set. endpoint_name: the
+-- endpoint an owner named for the event (NULL: its URL without the query).
 ALTER TABLE callback_events
     ADD COLUMN endpoint_id bigint,
+    ADD COLUMN endpoint_name text,
     DROP CONSTRAINT callback_events_status_check,
     ADD CONSTRAINT callback_events_status_check
         CHECK (status IN ('pending', 'notified', 'failed', 'cancelled', 'rejected', 'held', 'disabled')) NOT VALID;

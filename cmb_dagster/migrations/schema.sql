@@ -216,6 +216,7 @@ CREATE TABLE cmb.callback_events (
     on_failure text,
     failure_of bigint,
     endpoint_id bigint,
+    endpoint_name text,
     CONSTRAINT callback_events_body_check CHECK ((body = ANY (ARRAY['envelope'::text, 'context'::text]))),
     CONSTRAINT callback_events_priority_check CHECK (((priority >= '-1000'::integer) AND (priority <= 1000))),
     CONSTRAINT callback_events_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'notified'::text, 'failed'::text, 'cancelled'::text, 'rejected'::text, 'held'::text, 'disabled'::text])))

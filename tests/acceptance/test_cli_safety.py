@@ -62,6 +62,10 @@ COMMANDS: list[tuple[str, list[str]]] = [
     (GOOD, ["callbacks", "secret", "rotate", "--owner", "me"]),
     (GOOD, ["callbacks", "secret", "list", "--owner", "me"]),
     (GOOD, ["callbacks", "secret", "retire", "--owner", "me", "--all"]),
+    (
+        GOOD,
+        ["callbacks", "create", "me", "g", "k3", "--in", "3600", "--url", "http://127.0.0.1:9/x", "--endpoint", "bill"],
+    ),
     (GOOD, ["callbacks", "endpoint", "disable", "--owner", "me", "http://127.0.0.1:9/down"]),
     (GOOD, ["callbacks", "endpoints", "--owner", "me", "--json"]),
     (GOOD, ["callbacks", "endpoint", "enable", "--owner", "me", "http://127.0.0.1:9/down?any=query"]),
@@ -138,6 +142,7 @@ COMMANDS: list[tuple[str, list[str]]] = [
         ["callbacks", "endpoint", "disable", "--owner", "me'); DELETE FROM cmb.callback_events; --" * 10, "http://x/"],
     ),
     (BAD, ["callbacks", "endpoints", "--state", "half-open"]),
+    (BAD, ["callbacks", "create", "me", "g", "k4", "--in", "5", "--url", "http://127.0.0.1:9/x", "--endpoint", "a b"]),
     (BAD, ["callbacks", "endpoint", "policy", "--owner", "me", "--failure-threshold", "0"]),
 ]
 

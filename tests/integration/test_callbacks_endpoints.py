@@ -181,3 +181,30 @@ def test_an_endpoint_that_hangs_opens_on_its_timeouts_and_stops_holding_call_slo
         hanging.set()
         assert len(receiver.received("/hang")) < 40
         assert client.endpoints("shop", state="open")[0].last_error == "timed out"
+
+
+def test_events_of_several_urls_named_as_one_endpoint_share_its_breaker(db):
+    """An owner names the endpoint its events count for: failures of one URL open it for the other URL too."""
+
+    def answer(request: Request) -> tuple[int, bytes]:
+        return (503, b"down") if request.path == "/a" else (200, b"ok")
+
+    policy = EndpointPolicy(failure_threshold=3, failure_rate=None, probe_interval=Backoff(first=60, max=60))
+    retry = RetryPolicy.constant(0.2, fast_retries=0)
+    with Receiver(answer) as receiver, CallbackClient(db, FAST) as client:
+        client.set_endpoint_policy("shop", policy)
+        for i in range(5):
+            client.create("shop", "g", f"a{i}", datetime.now(UTC), f"{receiver.url}/a", retry=retry, endpoint="billing")
+        with Running(CallbackWorker(db, FAST)):
+            wait_until(lambda: client.endpoints("shop", state="open"), what="billing opens")
+            client.create("shop", "g", "b", datetime.now(UTC), f"{receiver.url}/b", endpoint="billing")
+            wait_until(lambda: client.get("shop", "g", "b").status == "held", what="/b held with it")
+            wait_until(lambda: len(client.list(owner_client_id="shop", status="held")) == 6, what="all held")
+        [billing] = client.endpoints("shop")
+        assert billing.endpoint == "billing" and not receiver.received("/b")
+        assert client.get("shop", "g", "b").endpoint_name == "billing"
+        assert client.enable_endpoint("shop", "billing") == 6  # one command for every URL of the name
+    with pytest.raises(InvalidCallbackInput, match="endpoint"):
+        client.create("shop", "g", "c", datetime.now(UTC), "dagster://nightly", endpoint="billing")
+    with pytest.raises(InvalidCallbackInput, match="endpoint"):
+        client.create("shop", "g", "c", datetime.now(UTC), f"{receiver.url}/c", endpoint="not:a name")
