@@ -182,8 +182,7 @@ class StatusCollector(Collector):
             oldest.add_metric(key, row.oldest_overdue_seconds)
             exact.add_metric(key, int(row.exact))
         endpoints = _gauge("cmb_callbacks_endpoints", "Endpoints whose circuit breaker is open or disabled.", ["state"])
-        health = callbacks_admin.status(self.reader, totals=False, limits=False).endpoints
-        assert health is not None
+        health = callbacks_admin.endpoint_counts(self.reader)
         endpoints.add_metric(["open"], health.open)
         endpoints.add_metric(["disabled"], health.disabled)
         return [pending, overdue, oldest, exact, endpoints]

@@ -74,6 +74,12 @@ def status(
 UNHEALTHY_SHOWN = 20
 
 
+def endpoint_counts(database: DatabaseSource) -> EndpointCounts:
+    """How many endpoints are open and disabled (from the index of the endpoints that are not closed)."""
+    with Database.of(database).connection() as conn:
+        return _rows(conn, sql.ENDPOINT_COUNTS, {}, EndpointCounts)[0]
+
+
 def _unhealthy(conn: psycopg.Connection) -> list[EndpointHealth]:
     shown = []
     for state in ("disabled", "open"):

@@ -681,10 +681,47 @@ ORDER BY s.bucket_set
 
 # -- failure hooks, dead letters and replay, signing secrets -------------------------------------------
 
+
 # The failure hooks of the events %(ids)s that failed for good in this transaction (finished_at = now()), run in the
 # transaction that wrote their outcomes: each hook is a new event (group %(group)s, due now) calling the event's
 # on_failure, else its owner's, with what failed (the context, sent as the body; for a dagster:// hook, run tags).
 # A hook event has no hook itself (failure_of is set). The lock on event ids is taken only when there is a hook.
+def _hook_events(hooks: str, tags: str, body: str, failure_of: str) -> str:
+    """SQL: CTEs ``b`` and ``ins`` making a hook event (group %(group)s, due now, the retry policy %(retry)s) for each
+    row of the CTE ``hooks`` (its owner_client_id, hook_key and hook_url): for a dagster:// hook the run ``tags``,
+    else the ``body`` (both expressions over ``h``), and ``failure_of`` (a hook event has no hook itself). The lock
+    on event ids is taken only when there is a hook; ``ins`` returns each new event's bucket_id and run_at."""
+    return f"""), b AS MATERIALIZED (
+    SELECT (SELECT count(*) FROM callback_buckets) AS buckets, {TAKE_EVENT_IDS_LOCK} AS locked
+    WHERE EXISTS (SELECT FROM {hooks})
+), ins AS (
+    INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
+                                 originally_run_at, cb_url, context, body, retry, failure_of)
+    SELECT nextval('callback_event_ids'),
+           (hashtextextended(h.owner_client_id || chr(1) || %(group)s || chr(1) || h.hook_key, 0)
+            & 9223372036854775807) %% b.buckets,
+           h.owner_client_id, %(group)s, h.hook_key, now(), now(), h.hook_url,
+           CASE WHEN h.hook_url LIKE 'dagster://%%' THEN jsonb_build_object('tags', {tags}) ELSE {body} END,
+           CASE WHEN h.hook_url LIKE 'dagster://%%' THEN 'envelope' ELSE 'context' END, %(retry)s::jsonb, {failure_of}
+    FROM {hooks} h CROSS JOIN b
+    ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
+    RETURNING bucket_id, run_at
+)"""
+
+
+_FAILURE_HOOK_EVENTS = _hook_events(
+    "hooks",
+    tags="""jsonb_build_object(
+                    'cmb/failed_callback', left(h.owner_client_id || '/' || h.group_key || '/' || h.event_key, 250),
+                    'cmb/failed_message', 'cb_' || h.message_id)""",
+    body="""jsonb_build_object(
+                    'owner_client_id', h.owner_client_id, 'group_key', h.group_key, 'event_key', h.event_key,
+                    'webhook_id', 'cb_' || h.message_id, 'url', h.cb_url, 'attempts', h.attempts,
+                    'replays', h.replays, 'last_error', h.last_error, 'status_code', h.last_status_code,
+                    'response', h.last_response, 'failed_at', h.finished_at)""",
+    failure_of="h.message_id",
+)
+
 INSERT_FAILURE_HOOKS = f"""
 WITH failed AS MATERIALIZED (
     SELECT e.owner_client_id, e.group_key, e.event_key, e.cb_url, e.attempts, e.replays, e.last_error,
@@ -693,35 +730,9 @@ WITH failed AS MATERIALIZED (
     FROM callback_events e LEFT JOIN callback_owner_settings o ON o.owner_client_id = e.owner_client_id
     WHERE e.event_id = ANY(%(ids)s::bigint[]) AND e.status = 'failed' AND e.finished_at = now()
       AND e.failure_of IS NULL AND coalesce(e.on_failure, o.on_failure) IS NOT NULL
-), b AS MATERIALIZED (
-    SELECT (SELECT count(*) FROM callback_buckets) AS buckets, {TAKE_EVENT_IDS_LOCK} AS locked
-    WHERE EXISTS (SELECT FROM failed)
 ), hooks AS (
-    SELECT f.*, f.event_key || '@failed:' || f.message_id || ':' || f.replays AS hook_key,
-           f.hook_url LIKE 'dagster://%%' AS launches
-    FROM failed f
-), ins AS (
-    INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
-                                 originally_run_at, cb_url, context, body, retry, failure_of)
-    SELECT nextval('callback_event_ids'),
-           (hashtextextended(h.owner_client_id || chr(1) || %(group)s || chr(1) || h.hook_key, 0)
-            & 9223372036854775807) %% b.buckets,
-           h.owner_client_id, %(group)s, h.hook_key, now(), now(), h.hook_url,
-           CASE WHEN h.launches
-                THEN jsonb_build_object('tags', jsonb_build_object(
-                    'cmb/failed_callback', left(h.owner_client_id || '/' || h.group_key || '/' || h.event_key, 250),
-                    'cmb/failed_message', 'cb_' || h.message_id))
-                ELSE jsonb_build_object(
-                    'owner_client_id', h.owner_client_id, 'group_key', h.group_key, 'event_key', h.event_key,
-                    'webhook_id', 'cb_' || h.message_id, 'url', h.cb_url, 'attempts', h.attempts,
-                    'replays', h.replays, 'last_error', h.last_error, 'status_code', h.last_status_code,
-                    'response', h.last_response, 'failed_at', h.finished_at)
-           END,
-           CASE WHEN h.launches THEN 'envelope' ELSE 'context' END, %(retry)s::jsonb, h.message_id
-    FROM hooks h CROSS JOIN b
-    ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
-    RETURNING bucket_id, run_at
-)
+    SELECT f.*, f.event_key || '@failed:' || f.message_id || ':' || f.replays AS hook_key FROM failed f
+{_FAILURE_HOOK_EVENTS}
 SELECT count(*)::int, {_wake("ins")}
 FROM ins
 """
@@ -972,6 +983,16 @@ SELECT (SELECT count(*) FROM ep)::int, count(*)::int, {_wake("released")}
 FROM released
 """
 
+_DISABLED_NOTICE_EVENTS = _hook_events(
+    "notices",
+    tags="jsonb_build_object('cmb/disabled_endpoint', left(h.owner_client_id || ' ' || h.endpoint, 250))",
+    body="""jsonb_build_object(
+                    'type', 'endpoint.disabled', 'owner_client_id', h.owner_client_id, 'endpoint', h.endpoint,
+                    'opened_at', h.opened_at, 'disabled_at', h.disabled_at, 'last_success_at', h.last_success_at,
+                    'last_error', h.last_error, 'status_code', h.last_status_code, 'events', h.events)""",
+    failure_of="0",
+)
+
 # Endpoints open longer than their owner's disable_after (else %(disable_after)s; NULL: never) are disabled, a
 # batch at a time (one worker each: SKIP LOCKED): their held events become 'disabled', and the owner's failure hook
 # (if any) gets one notification event per disable (group %(group)s, key endpoint.disabled@<endpoint id>:<disables>,
@@ -1002,33 +1023,10 @@ WITH due AS (
 ), counted AS MATERIALIZED (
     SELECT d.*, (SELECT count(*) FROM parked p WHERE p.endpoint_id = d.endpoint_id) AS events, o.on_failure AS hook_url
     FROM disabled d LEFT JOIN callback_owner_settings o ON o.owner_client_id = d.owner_client_id
-), b AS MATERIALIZED (
-    SELECT (SELECT count(*) FROM callback_buckets) AS buckets, {TAKE_EVENT_IDS_LOCK} AS locked
-    WHERE EXISTS (SELECT FROM counted WHERE hook_url IS NOT NULL)
 ), notices AS (
-    SELECT n.*, 'endpoint.disabled@' || n.endpoint_id || ':' || n.disables AS hook_key,
-           n.hook_url LIKE 'dagster://%%' AS launches
+    SELECT n.*, 'endpoint.disabled@' || n.endpoint_id || ':' || n.disables AS hook_key
     FROM counted n WHERE n.hook_url IS NOT NULL
-), ins AS (
-    INSERT INTO callback_events (event_id, bucket_id, owner_client_id, group_key, event_key, run_at,
-                                 originally_run_at, cb_url, context, body, retry, failure_of)
-    SELECT nextval('callback_event_ids'),
-           (hashtextextended(n.owner_client_id || chr(1) || %(group)s || chr(1) || n.hook_key, 0)
-            & 9223372036854775807) %% b.buckets,
-           n.owner_client_id, %(group)s, n.hook_key, now(), now(), n.hook_url,
-           CASE WHEN n.launches
-                THEN jsonb_build_object('tags', jsonb_build_object(
-                    'cmb/disabled_endpoint', left(n.owner_client_id || ' ' || n.endpoint, 250)))
-                ELSE jsonb_build_object(
-                    'type', 'endpoint.disabled', 'owner_client_id', n.owner_client_id, 'endpoint', n.endpoint,
-                    'opened_at', n.opened_at, 'disabled_at', n.disabled_at, 'last_success_at', n.last_success_at,
-                    'last_error', n.last_error, 'status_code', n.last_status_code, 'events', n.events)
-           END,
-           CASE WHEN n.launches THEN 'envelope' ELSE 'context' END, %(retry)s::jsonb, 0
-    FROM notices n CROSS JOIN b
-    ON CONFLICT (owner_client_id, group_key, event_key) DO NOTHING
-    RETURNING bucket_id, run_at
-)
+{_DISABLED_NOTICE_EVENTS}
 SELECT n.owner_client_id, n.endpoint, n.opened_at, n.events, n.last_error, (SELECT count(*) FROM ins)::int,
        {_wake("ins")}
 FROM counted n

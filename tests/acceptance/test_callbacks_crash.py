@@ -3,37 +3,19 @@
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from callback_settings import CLI, FAST, WORKER
 from waiting import wait_until
 
 from cmb_dagster.callbacks import CallbackClient, CallbackSettings, CallbackWorker
 from cmb_dagster.callbacks.sink import CallbackSink
 from cmb_dagster.database import Database
 from cmb_dagster.embedded import data_dir, embedded_url, stop_embedded
-from cmb_dagster.models import Backoff
-
-CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
-WORKER = [
-    *CLI,
-    "callbacks",
-    "worker",
-    "--lease-ttl",
-    "3",
-    "--timeout",
-    "1",
-    "--poll-interval",
-    "0.2",
-    "--no-materialize",
-]
-FAST = CallbackSettings(
-    poll_interval=0.2, lease_ttl=3, timeout=1, backoff=Backoff(first=0.01), lookahead=1, allowed_hosts=["127.0.0.1"]
-)
 
 
 def notified(db: Database) -> int:

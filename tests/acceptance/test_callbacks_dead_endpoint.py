@@ -7,13 +7,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
+from callback_settings import CLI, WORKER
 from processes import stop
 from receiver import Receiver, Request
 from waiting import wait_until
@@ -22,22 +22,7 @@ from cmb_dagster.callbacks import CallbackClient, CallbackSettings, EndpointPoli
 from cmb_dagster.database import Database
 from cmb_dagster.models import Backoff
 
-CLI = [sys.executable, "-c", "from cmb_dagster.cli import run; run()"]
 CONCURRENCY = 8  # calls in flight to the host, across the workers
-WORKER = [
-    *CLI,
-    "callbacks",
-    "worker",
-    "--lease-ttl",
-    "3",
-    "--timeout",
-    "1",
-    "--poll-interval",
-    "0.2",
-    "--per-host-concurrency",
-    str(CONCURRENCY),
-    "--no-materialize",
-]
 SETTINGS = CallbackSettings(allowed_hosts=["127.0.0.1"])
 PROBE_EVERY = 1.0  # seconds between probes: the outage below is a few dozen of them, as ten minutes would be at 20 s
 EVENTS = 1000
@@ -69,7 +54,13 @@ class Endpoint:
 def workers(database_url: str, count: int) -> list[subprocess.Popen]:
     env = {**os.environ, "CMB_DATABASE_URL": database_url, "CMB_CALLBACK_ALLOWED_HOSTS": "127.0.0.1"}
     return [
-        subprocess.Popen(WORKER, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(count)
+        subprocess.Popen(
+            [*WORKER, "--per-host-concurrency", str(CONCURRENCY)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(count)
     ]
 
 
